@@ -1,0 +1,201 @@
+//! The knobs of the protocol: which requests are keyed, what happens to keyless ones, how long
+//! answers live, and which answers are stored.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use http::{HeaderName, Method, StatusCode};
+
+use crate::response::HeaderAllowList;
+use crate::scope::ScopeSource;
+use crate::time::UnixMillis;
+
+/// The default key header.
+pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+
+/// What happens to a request that should carry a key and does not (`--missing-key`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MissingKeyPolicy {
+    /// Pass it through untouched (the default, so adding idem breaks nobody).
+    #[default]
+    Allow,
+    /// Refuse it with `400 key-missing`.
+    Require,
+    /// Allow it until `until`, with `Deprecation`/`Sunset` headers and a warning log, then require.
+    Grace {
+        /// When keys become required.
+        until: UnixMillis,
+    },
+    /// Derive a provisional key from (scope, fingerprint) and deduplicate for `window`; the
+    /// provisional key leaves no tombstone.
+    Fingerprint {
+        /// How long an identical keyless request counts as a copy.
+        window: Duration,
+    },
+}
+
+/// A `--missing-key` value that does not parse.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "invalid missing-key policy {value:?}: {reason}; use allow, require, grace:<RFC 3339 date> or fingerprint:<duration>"
+)]
+pub struct MissingKeyPolicyError {
+    value: String,
+    reason: String,
+}
+
+impl FromStr for MissingKeyPolicy {
+    type Err = MissingKeyPolicyError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let err = |reason: String| MissingKeyPolicyError {
+            value: s.to_owned(),
+            reason,
+        };
+        match s.split_once(':') {
+            None if s == "allow" => Ok(Self::Allow),
+            None if s == "require" => Ok(Self::Require),
+            Some(("grace", date)) => {
+                // A bare date means the start of that day, UTC.
+                let full = if date.len() == 10 {
+                    format!("{date}T00:00:00Z")
+                } else {
+                    date.to_owned()
+                };
+                let until = humantime::parse_rfc3339_weak(&full).map_err(|e| err(format!("bad date: {e}")))?;
+                Ok(Self::Grace {
+                    until: UnixMillis::from_system_time(until),
+                })
+            }
+            Some(("fingerprint", window)) => {
+                let window = humantime::parse_duration(window).map_err(|e| err(format!("bad duration: {e}")))?;
+                if window.is_zero() {
+                    return Err(err("the window must be longer than zero".into()));
+                }
+                Ok(Self::Fingerprint { window })
+            }
+            _ => Err(err("unknown policy".into())),
+        }
+    }
+}
+
+/// Everything the protocol needs to decide, with the defaults of the design.
+#[derive(Debug, Clone)]
+pub struct Policy {
+    /// The key header (default `Idempotency-Key`).
+    pub key_header: HeaderName,
+    /// Methods the protocol applies to (default `POST`, `PATCH`).
+    pub methods: Vec<Method>,
+    /// Where the scope comes from (default: a hash of the credential).
+    pub scope: ScopeSource,
+    /// Keyless requests (default: allow).
+    pub missing_key: MissingKeyPolicy,
+    /// How long an answer is replayable (default 24 h).
+    pub ttl: Duration,
+    /// How long a tombstone answers `key-expired` after completion (default 7 d).
+    pub tombstone_ttl: Duration,
+    /// A claim's lease, renewed while the handler runs (default 60 s).
+    pub lease: Duration,
+    /// How long a copy waits for the first request before `409 key-in-flight` (default 10 s).
+    pub wait: Duration,
+    /// The largest keyed request body, buffered to fingerprint it (default 1 MiB).
+    pub max_body: usize,
+    /// The largest response body stored whole; larger ones are stored compact (default 256 KiB).
+    pub max_stored_body: usize,
+    /// Store 5xx answers instead of releasing the key (default: no).
+    pub store_5xx: bool,
+    /// Pass requests through when the store is down instead of `503` (default: no, fail closed).
+    pub fail_open: bool,
+    /// The headers a stored answer keeps.
+    pub stored_headers: HeaderAllowList,
+    /// The `Retry-After` sent with `409 key-in-flight` and `503 store-unavailable` (default 1 s).
+    pub retry_after: Duration,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Self {
+            key_header: IDEMPOTENCY_KEY,
+            methods: vec![Method::POST, Method::PATCH],
+            scope: ScopeSource::default(),
+            missing_key: MissingKeyPolicy::default(),
+            ttl: Duration::from_secs(24 * 3600),
+            tombstone_ttl: Duration::from_secs(7 * 24 * 3600),
+            lease: Duration::from_secs(60),
+            wait: Duration::from_secs(10),
+            max_body: 1024 * 1024,
+            max_stored_body: 256 * 1024,
+            store_5xx: false,
+            fail_open: false,
+            stored_headers: HeaderAllowList::default(),
+            retry_after: Duration::from_secs(1),
+        }
+    }
+}
+
+impl Policy {
+    /// Whether an answer with this status is stored (otherwise the key is released and a retry
+    /// runs again): every status below 500 except 408, 409, 425 and 429; 5xx only with `store_5xx`.
+    pub fn stores(&self, status: StatusCode) -> bool {
+        match status.as_u16() {
+            408 | 409 | 425 | 429 => false,
+            500.. => self.store_5xx,
+            _ => true,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_missing_key_policies() {
+        assert_eq!("allow".parse::<MissingKeyPolicy>().unwrap(), MissingKeyPolicy::Allow);
+        assert_eq!(
+            "require".parse::<MissingKeyPolicy>().unwrap(),
+            MissingKeyPolicy::Require
+        );
+        assert_eq!(
+            "fingerprint:5s".parse::<MissingKeyPolicy>().unwrap(),
+            MissingKeyPolicy::Fingerprint {
+                window: Duration::from_secs(5)
+            }
+        );
+        let MissingKeyPolicy::Grace { until } = "grace:2027-01-01".parse().unwrap() else {
+            panic!()
+        };
+        assert_eq!(until, UnixMillis(1_798_761_600_000));
+        let MissingKeyPolicy::Grace { until: same } = "grace:2027-01-01T00:00:00Z".parse().unwrap() else {
+            panic!()
+        };
+        assert_eq!(until, same);
+        for bad in [
+            "",
+            "deny",
+            "grace:soon",
+            "fingerprint:",
+            "fingerprint:0s",
+            "require:now",
+        ] {
+            assert!(bad.parse::<MissingKeyPolicy>().is_err(), "{bad:?} should not parse");
+        }
+    }
+
+    #[test]
+    fn stores_what_the_design_says() {
+        let policy = Policy::default();
+        for status in [200, 201, 204, 301, 400, 404, 422] {
+            assert!(policy.stores(StatusCode::from_u16(status).unwrap()), "{status}");
+        }
+        for status in [408, 409, 425, 429, 500, 502, 503] {
+            assert!(!policy.stores(StatusCode::from_u16(status).unwrap()), "{status}");
+        }
+        let stripe = Policy {
+            store_5xx: true,
+            ..Policy::default()
+        };
+        assert!(stripe.stores(StatusCode::INTERNAL_SERVER_ERROR));
+        assert!(!stripe.stores(StatusCode::TOO_MANY_REQUESTS));
+    }
+}

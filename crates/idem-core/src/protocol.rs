@@ -1,0 +1,536 @@
+//! The protocol, decided in one place: which requests are keyed, and for a keyed request whether
+//! to run it, replay it, wait for it or refuse it; then how its answer is kept.
+//!
+//! Data flows one way: [`Protocol::admit`] → (fingerprint) → [`Protocol::begin`] →
+//! run the handler → [`Protocol::finish`] / [`Protocol::abandon`].
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::request::Parts;
+use http::{HeaderMap, HeaderValue, Response};
+
+use crate::fingerprint::Fingerprint;
+use crate::key::{IdempotencyKey, KeyError};
+use crate::policy::{MissingKeyPolicy, Policy};
+use crate::problem::{Problem, ProblemKind};
+use crate::response::StoredResponse;
+use crate::scope::{Scope, hex};
+use crate::store::{
+    Begin, BeginRequest, Completion, FencingToken, Purged, Record, RecordId, RecordState, Release, Store, StoreError,
+};
+use crate::time::{Clock, SystemClock, UnixMillis};
+
+/// What happened to a keyed request, as logged and counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Outcome {
+    /// A new key: the handler ran.
+    New,
+    /// The stored answer was replayed.
+    Replayed,
+    /// The request waited for a copy in flight, then got its answer.
+    Waited,
+    /// The key was used for a different request.
+    Mismatch,
+    /// A copy was still in flight after the wait.
+    InFlight,
+    /// The key has expired.
+    Expired,
+    /// The key was taken over from a crashed holder, or after an unknown outcome; the handler ran.
+    Recovered,
+    /// The store failed.
+    StoreError,
+    /// The key header was invalid.
+    Invalid,
+    /// A required key was missing.
+    Missing,
+    /// The body was over the limit.
+    TooLarge,
+}
+
+impl Outcome {
+    /// The name used in logs and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::New => "new",
+            Self::Replayed => "replayed",
+            Self::Waited => "waited",
+            Self::Mismatch => "mismatch",
+            Self::InFlight => "in-flight",
+            Self::Expired => "expired",
+            Self::Recovered => "recovered",
+            Self::StoreError => "store-error",
+            Self::Invalid => "invalid",
+            Self::Missing => "missing",
+            Self::TooLarge => "too-large",
+        }
+    }
+}
+
+impl fmt::Display for Outcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// How a request enters the protocol.
+#[derive(Debug)]
+pub enum Admission {
+    /// Not subject to the protocol: pass it on, adding `headers` to the answer.
+    PassThrough {
+        /// Headers for the answer (`Deprecation`/`Sunset` in a grace period).
+        headers: HeaderMap,
+    },
+    /// Keyed: buffer the body (up to `max_body`), fingerprint it and call [`Protocol::begin`].
+    Keyed(Keyed),
+    /// Refused before anything ran.
+    Refuse(Problem, Outcome),
+}
+
+/// A request that the protocol applies to.
+#[derive(Debug, Clone)]
+pub struct Keyed {
+    scope: Scope,
+    key: KeySource,
+}
+
+#[derive(Debug, Clone)]
+enum KeySource {
+    Client(IdempotencyKey),
+    /// A keyless request under `fingerprint:<window>`: the key is derived from the fingerprint.
+    Provisional(Duration),
+}
+
+impl Keyed {
+    /// The caller's scope.
+    pub fn scope(&self) -> &Scope {
+        &self.scope
+    }
+
+    /// The client's key; `None` for a provisional key derived from the fingerprint.
+    pub fn key(&self) -> Option<&IdempotencyKey> {
+        match &self.key {
+            KeySource::Client(key) => Some(key),
+            KeySource::Provisional(_) => None,
+        }
+    }
+}
+
+/// What to do with a keyed request.
+#[derive(Debug)]
+pub enum Decision {
+    /// Run the handler under this claim, then [`Protocol::finish`] or [`Protocol::abandon`].
+    Run(Claim),
+    /// Answer with this (a replay or a problem); the handler does not run.
+    Respond {
+        /// The answer.
+        response: Response<Bytes>,
+        /// What happened.
+        outcome: Outcome,
+        /// The record, for logs.
+        id: RecordId,
+    },
+    /// The store is down and the policy is fail-open: run the handler without protection.
+    PassThrough {
+        /// The record that could not be claimed, for logs.
+        id: RecordId,
+    },
+}
+
+/// A claim on a record: the right, and the duty, to run the request and settle the record.
+#[derive(Debug, Clone)]
+pub struct Claim {
+    id: RecordId,
+    token: FencingToken,
+    recovered: bool,
+    provisional: Option<Duration>,
+}
+
+impl Claim {
+    /// The record.
+    pub fn id(&self) -> &RecordId {
+        &self.id
+    }
+
+    /// The claim's fencing token.
+    pub fn token(&self) -> FencingToken {
+        self.token
+    }
+
+    /// True if an earlier run of this key may have had effects (a crashed holder, an unknown
+    /// outcome): the handler should check before acting again.
+    pub fn recovered(&self) -> bool {
+        self.recovered
+    }
+
+    /// How the request is logged once it runs.
+    pub fn outcome(&self) -> Outcome {
+        if self.recovered {
+            Outcome::Recovered
+        } else {
+            Outcome::New
+        }
+    }
+}
+
+/// How the answer of a run is kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Disposition {
+    /// Store it whole (the body is within `max_stored_body`).
+    Store,
+    /// Store only its head: the body is larger than `max_stored_body`.
+    StoreCompact,
+    /// Release the key so that a retry runs again (5xx, 408, 409, 425, 429).
+    Release,
+}
+
+/// The protocol engine shared by the tower layer and the gateway.
+#[derive(Clone)]
+pub struct Protocol {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    store: Arc<dyn Store>,
+    policy: Policy,
+    clock: Arc<dyn Clock>,
+}
+
+impl fmt::Debug for Protocol {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Protocol")
+            .field("store", &self.inner.store)
+            .field("policy", &self.inner.policy)
+            .field("clock", &self.inner.clock)
+            .finish()
+    }
+}
+
+impl Protocol {
+    /// The protocol over `store` with `policy`, on the system clock.
+    pub fn new(store: Arc<dyn Store>, policy: Policy) -> Self {
+        Self::with_clock(store, policy, Arc::new(SystemClock))
+    }
+
+    /// The protocol with an injected clock (tests of leases and retention).
+    pub fn with_clock(store: Arc<dyn Store>, policy: Policy, clock: Arc<dyn Clock>) -> Self {
+        Self {
+            inner: Arc::new(Inner { store, policy, clock }),
+        }
+    }
+
+    /// The policy.
+    pub fn policy(&self) -> &Policy {
+        &self.inner.policy
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.inner.store
+    }
+
+    fn now(&self) -> UnixMillis {
+        self.inner.clock.now()
+    }
+
+    /// Decides from the request head whether the protocol applies.
+    pub fn admit(&self, parts: &Parts) -> Admission {
+        let policy = &self.inner.policy;
+        if !policy.methods.contains(&parts.method) {
+            return Admission::PassThrough {
+                headers: HeaderMap::new(),
+            };
+        }
+        let scope = policy.scope.scope_of(parts);
+        match IdempotencyKey::from_headers(parts.headers.get_all(&policy.key_header)) {
+            Ok(Some(key)) => Admission::Keyed(Keyed {
+                scope,
+                key: KeySource::Client(key),
+            }),
+            Err(err) => Admission::Refuse(self.invalid_key(&err), Outcome::Invalid),
+            Ok(None) => self.admit_keyless(scope),
+        }
+    }
+
+    fn invalid_key(&self, err: &KeyError) -> Problem {
+        Problem::new(
+            ProblemKind::KeyInvalid,
+            format!("{err}. The request was not processed."),
+        )
+    }
+
+    fn admit_keyless(&self, scope: Scope) -> Admission {
+        let header = &self.inner.policy.key_header;
+        let required = || {
+            let detail = format!(
+                "this endpoint requires an {header} header; send a unique key (a UUIDv7 is a good choice) and reuse it on every retry of the same request"
+            );
+            Admission::Refuse(Problem::new(ProblemKind::KeyMissing, detail), Outcome::Missing)
+        };
+        match self.inner.policy.missing_key {
+            MissingKeyPolicy::Allow => Admission::PassThrough {
+                headers: HeaderMap::new(),
+            },
+            MissingKeyPolicy::Require => required(),
+            MissingKeyPolicy::Grace { until } if self.now() >= until => required(),
+            MissingKeyPolicy::Grace { until } => {
+                tracing::warn!(%scope, sunset = %until, "keyless request accepted during the grace period; keys become required at the sunset");
+                let mut headers = HeaderMap::new();
+                headers.insert("deprecation", HeaderValue::from_static("true"));
+                let sunset = httpdate::fmt_http_date(until.to_system_time());
+                headers.insert(
+                    "sunset",
+                    HeaderValue::from_str(&sunset).expect("an HTTP date is a valid header value"),
+                );
+                Admission::PassThrough { headers }
+            }
+            MissingKeyPolicy::Fingerprint { window } => Admission::Keyed(Keyed {
+                scope,
+                key: KeySource::Provisional(window),
+            }),
+        }
+    }
+
+    /// Claims the record for a keyed request, or decides the answer without running the handler.
+    ///
+    /// A copy that finds the key in flight waits (woken by the store) for up to `wait`, then gets
+    /// the stored answer, or `409 key-in-flight` with `Retry-After`.
+    pub async fn begin(&self, keyed: Keyed, fingerprint: &Fingerprint) -> Decision {
+        let policy = &self.inner.policy;
+        let (key, provisional) = match keyed.key {
+            KeySource::Client(key) => (key, None),
+            KeySource::Provisional(window) => {
+                let derived = format!("fp:{}", hex(fingerprint.digest()));
+                (
+                    IdempotencyKey::new(&derived).expect("a hex digest is a valid key"),
+                    Some(window),
+                )
+            }
+        };
+        let id = RecordId {
+            scope: keyed.scope,
+            key,
+        };
+        if provisional.is_none() {
+            if let Some(created) = id.key.timestamp() {
+                let now = self.now();
+                if now.since(created) > policy.ttl {
+                    let detail = format!(
+                        "this key was created at {created}, longer ago than the {} for which answers are kept; it has expired. Send the request again with a new key.",
+                        humantime::format_duration(policy.ttl)
+                    );
+                    return respond(Problem::new(ProblemKind::KeyExpired, detail), Outcome::Expired, id);
+                }
+            }
+        }
+
+        let mut deadline = None;
+        let mut waited = false;
+        loop {
+            let now = self.now();
+            let token = FencingToken::random();
+            let request = BeginRequest {
+                id: &id,
+                fingerprint,
+                now,
+                lease_until: now.plus(policy.lease),
+                token,
+            };
+            let record = match self.inner.store.begin(request).await {
+                Err(err) => return self.store_failed(&err, id),
+                Ok(Begin::Acquired { recovered }) => {
+                    return Decision::Run(Claim {
+                        id,
+                        token,
+                        recovered,
+                        provisional,
+                    });
+                }
+                Ok(Begin::Existing(record)) => record,
+            };
+            let (holder, lease_until) = match self.judge(&record, fingerprint, now, waited) {
+                Judgement::Answer(response, outcome) => return Decision::Respond { response, outcome, id },
+                Judgement::Wait { holder, lease_until } => (holder, lease_until),
+            };
+            let deadline = *deadline.get_or_insert_with(|| tokio::time::Instant::now() + policy.wait);
+            if tokio::time::Instant::now() >= deadline {
+                let secs = policy.retry_after.as_secs().max(1);
+                let detail = format!(
+                    "a request with this key is still being processed; retry in {secs} s (with the same key) to receive its answer"
+                );
+                let problem = Problem::new(ProblemKind::KeyInFlight, detail).retry_after(policy.retry_after);
+                return respond(problem, Outcome::InFlight, id);
+            }
+            // Wake at the latest when the holder's lease runs out, to take over from a crashed holder.
+            let until = deadline.min(tokio::time::Instant::now() + lease_until.since(now) + Duration::from_millis(5));
+            waited = true;
+            if let Err(err) = self.inner.store.wait(&id, holder, until).await {
+                return self.store_failed(&err, id);
+            }
+        }
+    }
+
+    fn judge(&self, record: &Record, fingerprint: &Fingerprint, now: UnixMillis, waited: bool) -> Judgement {
+        if let RecordState::Completed {
+            response,
+            expires_at,
+            completed_at,
+            ..
+        } = &record.state
+        {
+            if now >= *expires_at || response.is_none() {
+                let detail = format!(
+                    "this key was used at {completed_at} and its answer is no longer kept; it has expired. Send the request again with a new key."
+                );
+                return Judgement::problem(Problem::new(ProblemKind::KeyExpired, detail), Outcome::Expired);
+            }
+        }
+        if record.fingerprint.digest() != fingerprint.digest() {
+            let first = &record.fingerprint;
+            let differences = first.differences(fingerprint);
+            let detail = format!(
+                "this key was first used for {} {}; this request differs in its {}. Use a new key for a new request, or resend the original request unchanged.",
+                first.method(),
+                first.path(),
+                differences.describe()
+            );
+            return Judgement::problem(Problem::new(ProblemKind::KeyMismatch, detail), Outcome::Mismatch);
+        }
+        match &record.state {
+            RecordState::Completed {
+                response: Some(bytes), ..
+            } => match StoredResponse::decode(bytes) {
+                Ok(stored) => {
+                    let outcome = if waited { Outcome::Waited } else { Outcome::Replayed };
+                    Judgement::Answer(stored.to_replay(), outcome)
+                }
+                Err(err) => {
+                    tracing::error!(scope = %record.id.scope, key = %record.id.key, error = %err, "stored answer cannot be read");
+                    let detail = "the stored answer for this key cannot be read; the request was not processed again";
+                    Judgement::problem(
+                        Problem::new(ProblemKind::StoreUnavailable, detail).retry_after(self.inner.policy.retry_after),
+                        Outcome::StoreError,
+                    )
+                }
+            },
+            RecordState::InFlight { token, lease_until } => Judgement::Wait {
+                holder: *token,
+                lease_until: *lease_until,
+            },
+            // The store only returns these when it did not claim the record, which for a matching
+            // fingerprint means another caller claimed it in between: look again shortly.
+            RecordState::Completed { response: None, .. } | RecordState::Unknown { .. } => Judgement::Wait {
+                holder: FencingToken::random(),
+                lease_until: now,
+            },
+        }
+    }
+
+    fn store_failed(&self, err: &StoreError, id: RecordId) -> Decision {
+        tracing::error!(scope = %id.scope, key = %id.key, error = %err, "idempotency store failed");
+        if self.inner.policy.fail_open {
+            return Decision::PassThrough { id };
+        }
+        let detail =
+            "the idempotency store cannot be reached, so the request was not processed; retry with the same key";
+        let problem = Problem::new(ProblemKind::StoreUnavailable, detail).retry_after(self.inner.policy.retry_after);
+        respond(problem, Outcome::StoreError, id)
+    }
+
+    /// How to keep an answer with this status whose body is `body_len` bytes long (`None`: not yet
+    /// known, as for a streamed body).
+    pub fn disposition(&self, status: http::StatusCode, body_len: Option<usize>) -> Disposition {
+        if !self.inner.policy.stores(status) {
+            Disposition::Release
+        } else if body_len.is_some_and(|len| len <= self.inner.policy.max_stored_body) {
+            Disposition::Store
+        } else {
+            Disposition::StoreCompact
+        }
+    }
+
+    /// Stores the answer of a run (`body: None` stores it compact).
+    pub async fn finish(
+        &self,
+        claim: &Claim,
+        head: &http::response::Parts,
+        body: Option<Bytes>,
+    ) -> Result<(), StoreError> {
+        let policy = &self.inner.policy;
+        let stored = StoredResponse::capture(head.status, &head.headers, &policy.stored_headers, body);
+        let now = self.now();
+        let (expires_at, purge_at) = match claim.provisional {
+            // A provisional key leaves no tombstone: after the window the same body is a new request.
+            Some(window) => (now.plus(window), now.plus(window)),
+            None => (now.plus(policy.ttl), now.plus(policy.tombstone_ttl.max(policy.ttl))),
+        };
+        let completion = Completion {
+            response: stored.encode().into(),
+            completed_at: now,
+            expires_at,
+            purge_at,
+        };
+        self.inner.store.complete(&claim.id, claim.token, completion).await
+    }
+
+    /// Gives the claim up without an answer. With `unknown_outcome`, the request may have had
+    /// effects (it was sent, no answer came back): the next run is marked recovered.
+    pub async fn abandon(&self, claim: &Claim, unknown_outcome: bool) -> Result<(), StoreError> {
+        let release = if unknown_outcome {
+            Release::Unknown {
+                purge_at: self.now().plus(self.inner.policy.ttl),
+            }
+        } else {
+            Release::Forget
+        };
+        self.inner.store.release(&claim.id, claim.token, release).await
+    }
+
+    /// Extends the claim's lease by another `lease` from now.
+    pub async fn renew(&self, claim: &Claim) -> Result<(), StoreError> {
+        let lease_until = self.now().plus(self.inner.policy.lease);
+        self.inner.store.renew(&claim.id, claim.token, lease_until).await
+    }
+
+    /// How often a running claim renews its lease: a third of it, so two renewals can fail first.
+    pub fn renew_every(&self) -> Duration {
+        self.inner.policy.lease / 3
+    }
+
+    /// Runs retention work in batches of `batch` until nothing is left; returns the totals.
+    pub async fn purge(&self, batch: usize) -> Result<Purged, StoreError> {
+        let mut total = Purged::default();
+        loop {
+            let purged = self.inner.store.purge(self.now(), batch).await?;
+            total.deleted += purged.deleted;
+            total.tombstoned += purged.tombstoned;
+            if purged.deleted < batch as u64 && purged.tombstoned < batch as u64 {
+                return Ok(total);
+            }
+        }
+    }
+}
+
+enum Judgement {
+    Answer(Response<Bytes>, Outcome),
+    Wait {
+        holder: FencingToken,
+        lease_until: UnixMillis,
+    },
+}
+
+impl Judgement {
+    fn problem(problem: Problem, outcome: Outcome) -> Self {
+        Self::Answer(problem.to_response(), outcome)
+    }
+}
+
+fn respond(problem: Problem, outcome: Outcome, id: RecordId) -> Decision {
+    Decision::Respond {
+        response: problem.to_response(),
+        outcome,
+        id,
+    }
+}

@@ -1,0 +1,272 @@
+//! The `Store` trait: the atomic primitives every backend provides. Stores decide nothing about the
+//! protocol; they claim, complete, release and renew records atomically and report what they hold.
+
+use std::error::Error as StdError;
+use std::fmt;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+
+use crate::fingerprint::Fingerprint;
+use crate::key::IdempotencyKey;
+use crate::scope::{Scope, hex};
+use crate::time::UnixMillis;
+
+/// What a record is identified by: never the key alone.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct RecordId {
+    /// Who the caller is.
+    pub scope: Scope,
+    /// The caller's idempotency key.
+    pub key: IdempotencyKey,
+}
+
+/// The random token of one claim on a record. Only the current token can complete, release or
+/// renew the record (compare-and-set), so a holder that lost its lease cannot overwrite the new
+/// holder's result.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct FencingToken([u8; 16]);
+
+impl FencingToken {
+    /// A new random token.
+    pub fn random() -> Self {
+        Self(*uuid::Uuid::new_v4().as_bytes())
+    }
+
+    /// Rebuilds a token from its stored bytes.
+    pub fn from_bytes(bytes: [u8; 16]) -> Self {
+        Self(bytes)
+    }
+
+    /// The token's bytes.
+    pub fn as_bytes(&self) -> &[u8; 16] {
+        &self.0
+    }
+}
+
+impl fmt::Debug for FencingToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "FencingToken({})", hex(&self.0[..6]))
+    }
+}
+
+/// A request to claim a record.
+#[derive(Debug, Clone, Copy)]
+pub struct BeginRequest<'a> {
+    /// The record.
+    pub id: &'a RecordId,
+    /// The fingerprint of the request that claims it.
+    pub fingerprint: &'a Fingerprint,
+    /// The current time.
+    pub now: UnixMillis,
+    /// When the claim's lease ends unless renewed.
+    pub lease_until: UnixMillis,
+    /// A fresh token for the claim.
+    pub token: FencingToken,
+}
+
+/// The result of [`Store::begin`].
+#[derive(Debug, Clone)]
+pub enum Begin {
+    /// The caller now holds the record and must run the request.
+    Acquired {
+        /// True if the record was taken over from a holder whose lease expired, or was released
+        /// with an unknown outcome: the request may have had effects already.
+        recovered: bool,
+    },
+    /// Someone else holds or held the record; this is what the store holds.
+    Existing(Record),
+}
+
+/// One record, as the store holds it.
+#[derive(Debug, Clone)]
+pub struct Record {
+    /// The record's identity.
+    pub id: RecordId,
+    /// The fingerprint of the request that created it.
+    pub fingerprint: Fingerprint,
+    /// When it was first claimed.
+    pub created_at: UnixMillis,
+    /// How many times its stored answer was replayed.
+    pub replays: u64,
+    /// Where it is in its life.
+    pub state: RecordState,
+}
+
+/// The state machine of a record.
+#[derive(Debug, Clone)]
+pub enum RecordState {
+    /// A handler is running under a lease.
+    InFlight {
+        /// The current claim.
+        token: FencingToken,
+        /// When the lease ends unless renewed.
+        lease_until: UnixMillis,
+    },
+    /// The handler finished and its answer was stored.
+    Completed {
+        /// The encoded [`crate::StoredResponse`]; `None` once purged to a tombstone.
+        response: Option<Bytes>,
+        /// When the handler finished.
+        completed_at: UnixMillis,
+        /// Until when the answer is replayable.
+        expires_at: UnixMillis,
+        /// When the record (or its tombstone) is deleted.
+        purge_at: UnixMillis,
+    },
+    /// Released after the request was sent but no answer came back: whether it had effects is
+    /// unknown. The next claim with the same fingerprint is marked recovered.
+    Unknown {
+        /// When the record is deleted.
+        purge_at: UnixMillis,
+    },
+}
+
+/// What [`Store::complete`] stores.
+#[derive(Debug, Clone)]
+pub struct Completion {
+    /// The encoded [`crate::StoredResponse`].
+    pub response: Bytes,
+    /// When the handler finished.
+    pub completed_at: UnixMillis,
+    /// Until when the answer is replayable.
+    pub expires_at: UnixMillis,
+    /// When the record (or its tombstone) is deleted.
+    pub purge_at: UnixMillis,
+}
+
+/// How [`Store::release`] leaves a record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Release {
+    /// Nothing happened (or nothing worth keeping): the record is deleted and the key may run again.
+    Forget,
+    /// The request may have had effects: keep the record as [`RecordState::Unknown`] until
+    /// `purge_at`, so that the next run is marked recovered.
+    Unknown {
+        /// When the record is deleted.
+        purge_at: UnixMillis,
+    },
+}
+
+/// How [`Store::wait`] ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WaitOutcome {
+    /// The claim with the given token is no longer current (completed, released or taken over).
+    Changed,
+    /// The deadline passed first.
+    TimedOut,
+}
+
+/// What one [`Store::purge`] batch did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Purged {
+    /// Records deleted, tombstones included.
+    pub deleted: u64,
+    /// Completed records whose answer was dropped, leaving a tombstone.
+    pub tombstoned: u64,
+}
+
+impl Purged {
+    /// The number of records touched.
+    pub fn total(&self) -> u64 {
+        self.deleted + self.tombstoned
+    }
+}
+
+/// A store operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The store could not be reached or failed to answer.
+    #[error("the store is unavailable: {0}")]
+    Unavailable(#[source] Box<dyn StdError + Send + Sync>),
+    /// The token is not the record's current claim (the lease was lost or the record is gone).
+    #[error("the claim on this record was lost (fencing token is no longer current)")]
+    Fenced,
+    /// The store holds data it cannot read.
+    #[error("the store holds a corrupt record: {0}")]
+    Corrupt(String),
+}
+
+impl StoreError {
+    /// Wraps a driver error as [`StoreError::Unavailable`].
+    pub fn unavailable(err: impl StdError + Send + Sync + 'static) -> Self {
+        Self::Unavailable(Box::new(err))
+    }
+}
+
+/// A backend that holds idempotency records, shared by every instance of a service.
+///
+/// Every operation is one atomic step in the store. There is deliberately no default method:
+/// a "read, then write" default would hide exactly the race the store exists to prevent.
+#[async_trait]
+pub trait Store: Send + Sync + fmt::Debug + 'static {
+    /// Claims the record with `request.token`, atomically, if nobody holds it:
+    /// * no record, or one past its `purge_at`: a new claim (`recovered: false`);
+    /// * an in-flight record whose lease ended before `now`, or an unknown-outcome record, with the
+    ///   same fingerprint digest: taken over (`recovered: true`);
+    /// * otherwise nothing changes and the record is returned. If it is completed, not expired and
+    ///   has the same fingerprint digest, its replay count is incremented in the same step.
+    async fn begin(&self, request: BeginRequest<'_>) -> Result<Begin, StoreError>;
+
+    /// Stores the answer if `token` is still the current claim; [`StoreError::Fenced`] otherwise.
+    async fn complete(&self, id: &RecordId, token: FencingToken, completion: Completion) -> Result<(), StoreError>;
+
+    /// Gives the record up if `token` is still the current claim; [`StoreError::Fenced`] otherwise.
+    async fn release(&self, id: &RecordId, token: FencingToken, release: Release) -> Result<(), StoreError>;
+
+    /// Extends the lease if `token` is still the current claim; [`StoreError::Fenced`] otherwise.
+    async fn renew(&self, id: &RecordId, token: FencingToken, lease_until: UnixMillis) -> Result<(), StoreError>;
+
+    /// Reads a record without changing it.
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError>;
+
+    /// Waits until the claim `token` on the record is no longer current, or until `deadline`.
+    /// Subscribes to changes before it checks, so that a change in between is not lost.
+    async fn wait(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        deadline: tokio::time::Instant,
+    ) -> Result<WaitOutcome, StoreError>;
+
+    /// One batch of retention work: deletes up to `batch` records past their `purge_at` and drops
+    /// the answers of up to `batch` completed records past their `expires_at`. Safe to run from
+    /// many instances at once.
+    async fn purge(&self, now: UnixMillis, batch: usize) -> Result<Purged, StoreError>;
+
+    /// Checks that the store answers (for readiness probes).
+    async fn ping(&self) -> Result<(), StoreError>;
+}
+
+#[async_trait]
+impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
+    async fn begin(&self, request: BeginRequest<'_>) -> Result<Begin, StoreError> {
+        (**self).begin(request).await
+    }
+    async fn complete(&self, id: &RecordId, token: FencingToken, completion: Completion) -> Result<(), StoreError> {
+        (**self).complete(id, token, completion).await
+    }
+    async fn release(&self, id: &RecordId, token: FencingToken, release: Release) -> Result<(), StoreError> {
+        (**self).release(id, token, release).await
+    }
+    async fn renew(&self, id: &RecordId, token: FencingToken, lease_until: UnixMillis) -> Result<(), StoreError> {
+        (**self).renew(id, token, lease_until).await
+    }
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+        (**self).get(id).await
+    }
+    async fn wait(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        deadline: tokio::time::Instant,
+    ) -> Result<WaitOutcome, StoreError> {
+        (**self).wait(id, token, deadline).await
+    }
+    async fn purge(&self, now: UnixMillis, batch: usize) -> Result<Purged, StoreError> {
+        (**self).purge(now, batch).await
+    }
+    async fn ping(&self) -> Result<(), StoreError> {
+        (**self).ping().await
+    }
+}
