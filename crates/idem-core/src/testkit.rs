@@ -1,1 +1,374 @@
-//! The conformance suite.
+//! The conformance suite every [`Store`] must pass, written once and run by each store crate
+//! against a real server with [`conformance_tests!`](crate::conformance_tests).
+//!
+//! Every case works in its own random scope and keeps its fake times either near the present or in
+//! its own stretch of the past, so that cases can share one database and run at the same time.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use http::{HeaderMap, Method};
+
+use crate::{
+    Begin, BeginRequest, Completion, FencingToken, Fingerprint, IdempotencyKey, Record, RecordId, RecordState, Release,
+    Scope, Store, StoreError, UnixMillis, WaitOutcome,
+};
+
+/// Opens handles on the store under test.
+#[async_trait]
+pub trait Harness: Send + Sync + 'static {
+    /// Opens a new handle (a new connection or pool) on the same backing store, as another
+    /// instance of a service would. Panics with a message saying how to start the server when it
+    /// cannot connect.
+    async fn open(&self) -> Arc<dyn Store>;
+}
+
+const LEASE: Duration = Duration::from_secs(60);
+const DAY: Duration = Duration::from_secs(24 * 3600);
+
+/// A fresh record id in a scope of its own.
+pub fn fresh_id() -> RecordId {
+    RecordId {
+        scope: Scope::application(uuid::Uuid::new_v4().to_string()),
+        key: IdempotencyKey::new(&uuid::Uuid::now_v7().to_string()).expect("a UUID is a valid key"),
+    }
+}
+
+/// The fingerprint of `POST /pay` with `body`.
+pub fn fingerprint(body: &str) -> Fingerprint {
+    Fingerprint::of(&Method::POST, &"/pay".parse().expect("static URI"), &HeaderMap::new(), body.as_bytes())
+}
+
+async fn begin(store: &dyn Store, id: &RecordId, fp: &Fingerprint, now: UnixMillis) -> (Begin, FencingToken) {
+    let token = FencingToken::random();
+    let request = BeginRequest { id, fingerprint: fp, now, lease_until: now.plus(LEASE), token };
+    (store.begin(request).await.expect("begin"), token)
+}
+
+async fn acquire(store: &dyn Store, id: &RecordId, fp: &Fingerprint, now: UnixMillis) -> FencingToken {
+    match begin(store, id, fp, now).await {
+        (Begin::Acquired { recovered: false }, token) => token,
+        (other, _) => panic!("expected a new claim, got {other:?}"),
+    }
+}
+
+fn completion(body: &[u8], at: UnixMillis, ttl: Duration, tombstone: Duration) -> Completion {
+    Completion {
+        response: Bytes::copy_from_slice(body),
+        completed_at: at,
+        expires_at: at.plus(ttl),
+        purge_at: at.plus(tombstone),
+    }
+}
+
+fn existing(result: Begin) -> Record {
+    match result {
+        Begin::Existing(record) => record,
+        Begin::Acquired { .. } => panic!("expected the existing record, but the store handed out a claim"),
+    }
+}
+
+fn in_flight_token(record: &Record) -> FencingToken {
+    match record.state {
+        RecordState::InFlight { token, .. } => token,
+        ref other => panic!("expected an in-flight record, got {other:?}"),
+    }
+}
+
+fn stored_response(record: &Record) -> Option<Bytes> {
+    match &record.state {
+        RecordState::Completed { response, .. } => response.clone(),
+        other => panic!("expected a completed record, got {other:?}"),
+    }
+}
+
+/// A new key is claimed; a second begin sees the claim and its token.
+pub async fn claims_a_new_key(h: &impl Harness) {
+    let store = h.open().await;
+    let (id, fp, now) = (fresh_id(), fingerprint("a"), UnixMillis::now());
+    assert!(store.get(&id).await.expect("get").is_none());
+    let token = acquire(&*store, &id, &fp, now).await;
+    let record = existing(begin(&*store, &id, &fp, now).await.0);
+    assert_eq!(in_flight_token(&record), token);
+    assert_eq!(record.fingerprint, fp, "the record keeps the fingerprint with method and path");
+    assert_eq!(record.id, id);
+    let read = store.get(&id).await.expect("get").expect("the record exists");
+    assert_eq!(in_flight_token(&read), token);
+}
+
+/// Fifty simultaneous begins of one key, over two handles: exactly one claim.
+pub async fn one_claim_under_concurrency(h: &impl Harness) {
+    let stores = [h.open().await, h.open().await];
+    let (id, fp, now) = (fresh_id(), fingerprint("race"), UnixMillis::now());
+    let barrier = Arc::new(tokio::sync::Barrier::new(50));
+    let tasks: Vec<_> = (0..50)
+        .map(|i| {
+            let (store, id, fp, barrier) = (stores[i % 2].clone(), id.clone(), fp.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                begin(&*store, &id, &fp, now).await
+            })
+        })
+        .collect();
+    let mut winners = Vec::new();
+    let mut seen = Vec::new();
+    for task in tasks {
+        match task.await.expect("task") {
+            (Begin::Acquired { .. }, token) => winners.push(token),
+            (Begin::Existing(record), _) => seen.push(in_flight_token(&record)),
+        }
+    }
+    assert_eq!(winners.len(), 1, "exactly one of 50 concurrent begins may claim the key");
+    assert!(seen.iter().all(|t| *t == winners[0]), "every loser sees the winner's claim");
+}
+
+/// A completed record is returned whole, and each matching begin counts a replay.
+pub async fn completes_and_replays(h: &impl Harness) {
+    let store = h.open().await;
+    let (id, fp, now) = (fresh_id(), fingerprint("a"), UnixMillis::now());
+    let token = acquire(&*store, &id, &fp, now).await;
+    store.complete(&id, token, completion(b"stored answer", now, DAY, 7 * DAY)).await.expect("complete");
+    for replays in 1..=2 {
+        let record = existing(begin(&*store, &id, &fp, now).await.0);
+        assert_eq!(stored_response(&record).as_deref(), Some(b"stored answer".as_slice()));
+        let read = store.get(&id).await.expect("get").expect("record");
+        assert_eq!(read.replays, replays);
+    }
+    let other = existing(begin(&*store, &id, &fingerprint("b"), now).await.0);
+    assert_eq!(other.fingerprint, fp, "a mismatch sees the original fingerprint");
+    assert_eq!(store.get(&id).await.expect("get").expect("record").replays, 2, "a mismatch is not a replay");
+}
+
+/// Only the current token completes, releases or renews.
+pub async fn fencing(h: &impl Harness) {
+    let store = h.open().await;
+    let (id, fp, now) = (fresh_id(), fingerprint("a"), UnixMillis::now());
+    let first = acquire(&*store, &id, &fp, now).await;
+    let stranger = FencingToken::random();
+    let done = || completion(b"x", now, DAY, 7 * DAY);
+    assert!(matches!(store.complete(&id, stranger, done()).await, Err(StoreError::Fenced)));
+    assert!(matches!(store.release(&id, stranger, Release::Forget).await, Err(StoreError::Fenced)));
+    assert!(matches!(store.renew(&id, stranger, now.plus(LEASE)).await, Err(StoreError::Fenced)));
+
+    let later = now.plus(LEASE + Duration::from_secs(1));
+    let (taken, second) = begin(&*store, &id, &fp, later).await;
+    assert!(matches!(taken, Begin::Acquired { recovered: true }), "an expired lease is taken over: {taken:?}");
+    assert!(matches!(store.complete(&id, first, done()).await, Err(StoreError::Fenced)), "the old holder is fenced");
+    assert!(matches!(store.release(&id, first, Release::Forget).await, Err(StoreError::Fenced)));
+    assert!(matches!(store.renew(&id, first, later.plus(LEASE)).await, Err(StoreError::Fenced)));
+    store.complete(&id, second, completion(b"second", later, DAY, 7 * DAY)).await.expect("new holder completes");
+    assert!(matches!(store.complete(&id, second, done()).await, Err(StoreError::Fenced)), "completion is final");
+    let record = existing(begin(&*store, &id, &fp, later).await.0);
+    assert_eq!(stored_response(&record).as_deref(), Some(b"second".as_slice()));
+}
+
+/// An expired lease is taken over only by the same request.
+pub async fn takeover_needs_the_same_fingerprint(h: &impl Harness) {
+    let store = h.open().await;
+    let (id, fp, now) = (fresh_id(), fingerprint("a"), UnixMillis::now());
+    let token = acquire(&*store, &id, &fp, now).await;
+    let later = now.plus(LEASE * 2);
+    let record = existing(begin(&*store, &id, &fingerprint("other"), later).await.0);
+    assert_eq!(in_flight_token(&record), token, "a different request does not take over");
+    assert!(matches!(begin(&*store, &id, &fp, later).await.0, Begin::Acquired { recovered: true }));
+}
+
+/// A renewed lease is not taken over.
+pub async fn renewal_keeps_the_claim(h: &impl Harness) {
+    let store = h.open().await;
+    let (id, fp, now) = (fresh_id(), fingerprint("a"), UnixMillis::now());
+    let token = acquire(&*store, &id, &fp, now).await;
+    store.renew(&id, token, now.plus(LEASE * 3)).await.expect("renew");
+    let record = existing(begin(&*store, &id, &fp, now.plus(LEASE * 2)).await.0);
+    assert_eq!(in_flight_token(&record), token, "a renewed claim stays with its holder");
+    let RecordState::InFlight { lease_until, .. } = record.state else { unreachable!() };
+    assert_eq!(lease_until, now.plus(LEASE * 3));
+    assert!(matches!(begin(&*store, &id, &fp, now.plus(LEASE * 4)).await.0, Begin::Acquired { recovered: true }));
+}
+
+async fn woken_by(h: &impl Harness, settle: impl AsyncFnOnce(&dyn Store, &RecordId, FencingToken)) {
+    let (holder, waiter) = (h.open().await, h.open().await);
+    let (id, fp, now) = (fresh_id(), fingerprint("a"), UnixMillis::now());
+    let token = acquire(&*holder, &id, &fp, now).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let wait = {
+        let (waiter, id) = (waiter.clone(), id.clone());
+        tokio::spawn(async move { waiter.wait(&id, token, deadline).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!wait.is_finished(), "a waiter waits while the claim is held");
+    settle(&*holder, &id, token).await;
+    let outcome = tokio::time::timeout(Duration::from_secs(10), wait).await;
+    let outcome = outcome.expect("the waiter was not woken within 10 s").expect("task").expect("wait");
+    assert_eq!(outcome, WaitOutcome::Changed);
+}
+
+/// A waiter on another handle is woken when the holder completes.
+pub async fn wait_wakes_on_completion(h: &impl Harness) {
+    woken_by(h, async |store, id, token| {
+        let now = UnixMillis::now();
+        store.complete(id, token, completion(b"done", now, DAY, 7 * DAY)).await.expect("complete");
+    })
+    .await;
+}
+
+/// A waiter on another handle is woken when the holder releases.
+pub async fn wait_wakes_on_release(h: &impl Harness) {
+    woken_by(h, async |store, id, token| store.release(id, token, Release::Forget).await.expect("release")).await;
+}
+
+/// A wait on a claim that is already gone returns at once; one on a held claim times out.
+pub async fn wait_checks_before_sleeping(h: &impl Harness) {
+    let store = h.open().await;
+    let (id, fp, now) = (fresh_id(), fingerprint("a"), UnixMillis::now());
+    let far = tokio::time::Instant::now() + Duration::from_secs(3600);
+    let gone = tokio::time::timeout(Duration::from_secs(10), store.wait(&id, FencingToken::random(), far)).await;
+    assert_eq!(gone.expect("returns at once").expect("wait"), WaitOutcome::Changed);
+    let token = acquire(&*store, &id, &fp, now).await;
+    let soon = tokio::time::Instant::now() + Duration::from_millis(200);
+    assert_eq!(store.wait(&id, token, soon).await.expect("wait"), WaitOutcome::TimedOut);
+}
+
+/// Forget frees the key; unknown keeps it so that the next run is recovered.
+pub async fn release_forgets_or_remembers(h: &impl Harness) {
+    let store = h.open().await;
+    let (id, fp, now) = (fresh_id(), fingerprint("a"), UnixMillis::now());
+    let token = acquire(&*store, &id, &fp, now).await;
+    store.release(&id, token, Release::Forget).await.expect("release");
+    assert!(store.get(&id).await.expect("get").is_none(), "a forgotten record is gone");
+    let token = acquire(&*store, &id, &fp, now).await;
+    store.release(&id, token, Release::Unknown { purge_at: now.plus(DAY) }).await.expect("release");
+    let record = store.get(&id).await.expect("get").expect("an unknown outcome is remembered");
+    assert!(matches!(record.state, RecordState::Unknown { .. }), "{record:?}");
+    let other = existing(begin(&*store, &id, &fingerprint("other"), now).await.0);
+    assert!(matches!(other.state, RecordState::Unknown { .. }), "a different request does not claim it");
+    assert!(matches!(begin(&*store, &id, &fp, now).await.0, Begin::Acquired { recovered: true }));
+}
+
+/// Past `expires_at` the answer is still reported (as expired); purge leaves a tombstone until
+/// `purge_at`, after which the key is free.
+pub async fn expiry_leaves_a_tombstone(h: &impl Harness) {
+    let store = h.open().await;
+    // This case lives in its own stretch of the past, so its purge touches nobody else's records.
+    let base = UnixMillis::now().minus(DAY * 30);
+    let (id, fp) = (fresh_id(), fingerprint("a"));
+    let token = acquire(&*store, &id, &fp, base).await;
+    let ttl = Duration::from_secs(10);
+    store.complete(&id, token, completion(b"old answer", base, ttl, Duration::from_secs(100))).await.expect("complete");
+    let after_ttl = base.plus(Duration::from_secs(20));
+    let record = existing(begin(&*store, &id, &fp, after_ttl).await.0);
+    assert!(matches!(record.state, RecordState::Completed { expires_at, .. } if expires_at <= after_ttl));
+    assert_eq!(store.get(&id).await.expect("get").expect("record").replays, 0, "an expired answer is no replay");
+    let purged = store.purge(after_ttl, 1000).await.expect("purge");
+    assert!(purged.tombstoned >= 1, "the expired answer is dropped: {purged:?}");
+    let tombstone = store.get(&id).await.expect("get").expect("a tombstone remains");
+    assert_eq!(stored_response(&tombstone), None);
+    assert_eq!(tombstone.fingerprint, fp, "the tombstone keeps the fingerprint");
+    let after_purge = base.plus(Duration::from_secs(101));
+    store.purge(after_purge, 1000).await.expect("purge");
+    assert!(store.get(&id).await.expect("get").is_none(), "the tombstone is deleted at purge_at");
+    assert!(matches!(begin(&*store, &id, &fp, after_purge).await.0, Begin::Acquired { recovered: false }));
+}
+
+/// A record past `purge_at` is claimable even before purge runs.
+pub async fn purge_time_frees_the_key_without_purge(h: &impl Harness) {
+    let store = h.open().await;
+    let base = UnixMillis::now().minus(DAY * 40);
+    let (id, fp) = (fresh_id(), fingerprint("a"));
+    let token = acquire(&*store, &id, &fp, base).await;
+    store.complete(&id, token, completion(b"x", base, Duration::from_secs(1), Duration::from_secs(2))).await.expect("complete");
+    let later = base.plus(Duration::from_secs(3));
+    assert!(matches!(begin(&*store, &id, &fingerprint("new"), later).await.0, Begin::Acquired { recovered: false }));
+}
+
+/// Purge works in batches of the given size and leaves live records alone.
+pub async fn purge_in_batches(h: &impl Harness) {
+    let store = h.open().await;
+    let base = UnixMillis::now().minus(DAY * 50);
+    let fp = fingerprint("a");
+    let mut ids = Vec::new();
+    for _ in 0..25 {
+        let id = fresh_id();
+        let token = acquire(&*store, &id, &fp, base).await;
+        store.complete(&id, token, completion(b"x", base, Duration::from_secs(1), Duration::from_secs(2))).await.expect("complete");
+        ids.push(id);
+    }
+    let live = fresh_id();
+    let token = acquire(&*store, &live, &fp, UnixMillis::now()).await;
+    store.complete(&live, token, completion(b"x", UnixMillis::now(), DAY, 7 * DAY)).await.expect("complete");
+
+    let now = base.plus(Duration::from_secs(10));
+    let first = store.purge(now, 10).await.expect("purge");
+    assert_eq!(first.deleted, 10, "one batch deletes exactly the batch size when more are due");
+    let mut rounds = 1;
+    while store.purge(now, 10).await.expect("purge").deleted > 0 {
+        rounds += 1;
+        assert!(rounds < 100, "purge does not terminate");
+    }
+    for id in &ids {
+        assert!(store.get(id).await.expect("get").is_none(), "every due record is purged");
+    }
+    assert!(store.get(&live).await.expect("get").is_some(), "a live record survives purge");
+}
+
+/// The same key in two scopes is two records.
+pub async fn scopes_are_isolated(h: &impl Harness) {
+    let store = h.open().await;
+    let (alice, fp, now) = (fresh_id(), fingerprint("a"), UnixMillis::now());
+    let bob = RecordId { scope: Scope::application(uuid::Uuid::new_v4().to_string()), key: alice.key.clone() };
+    let token = acquire(&*store, &alice, &fp, now).await;
+    store.complete(&alice, token, completion(b"alice's answer", now, DAY, 7 * DAY)).await.expect("complete");
+    let bob_token = acquire(&*store, &bob, &fp, now).await;
+    let record = store.get(&bob).await.expect("get").expect("record");
+    assert_eq!(in_flight_token(&record), bob_token, "bob never sees alice's answer");
+}
+
+/// Answers of several MiB are stored and returned byte for byte.
+pub async fn large_bodies(h: &impl Harness) {
+    let store = h.open().await;
+    let (id, fp, now) = (fresh_id(), fingerprint("a"), UnixMillis::now());
+    let body: Vec<u8> = (0..6 * 1024 * 1024u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    let token = acquire(&*store, &id, &fp, now).await;
+    store.complete(&id, token, completion(&body, now, DAY, 7 * DAY)).await.expect("complete a 6 MiB answer");
+    let record = existing(begin(&*store, &id, &fp, now).await.0);
+    assert!(stored_response(&record).as_deref() == Some(body.as_slice()), "the large answer comes back intact");
+}
+
+/// Records survive closing every handle and opening a new one.
+pub async fn records_survive_reopen(h: &impl Harness) {
+    let (id, fp, now) = (fresh_id(), fingerprint("a"), UnixMillis::now());
+    {
+        let store = h.open().await;
+        let token = acquire(&*store, &id, &fp, now).await;
+        store.complete(&id, token, completion(b"kept", now, DAY, 7 * DAY)).await.expect("complete");
+    }
+    let store = h.open().await;
+    let record = existing(begin(&*store, &id, &fp, now).await.0);
+    assert_eq!(stored_response(&record).as_deref(), Some(b"kept".as_slice()));
+    store.ping().await.expect("ping");
+}
+
+/// Generates one `#[tokio::test]` per conformance case, each calling `$harness` for its store:
+/// a store crate's test file holds its [`Harness`] and the line
+/// `idem_core::conformance_tests!(MyHarness::new());`.
+#[macro_export]
+macro_rules! conformance_tests {
+    ($harness:expr) => {
+        $crate::conformance_tests!(@cases $harness;
+            claims_a_new_key, one_claim_under_concurrency, completes_and_replays, fencing,
+            takeover_needs_the_same_fingerprint, renewal_keeps_the_claim, wait_wakes_on_completion,
+            wait_wakes_on_release, wait_checks_before_sleeping, release_forgets_or_remembers,
+            expiry_leaves_a_tombstone, purge_time_frees_the_key_without_purge, purge_in_batches,
+            scopes_are_isolated, large_bodies, records_survive_reopen);
+    };
+    (@cases $harness:expr; $($case:ident),* $(,)?) => {
+        $(
+            #[::tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                $crate::testkit::$case(&$harness).await;
+            }
+        )*
+    };
+}
