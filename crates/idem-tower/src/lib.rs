@@ -1,1 +1,32 @@
-//! x
+//! A [`tower::Layer`](tower_layer::Layer) that makes HTTP requests safe to retry: each
+//! `Idempotency-Key` runs once, and every copy gets the stored answer.
+//!
+//! The protocol itself lives in [`idem_core`]; this crate buffers bodies, runs keyed handlers in
+//! their own tasks (so a caller that hangs up does not cancel them) while renewing their lease,
+//! and stores or releases their answers.
+//!
+//! ```no_run
+//! use axum::{Router, routing::post};
+//! use idem_sqlite::SqliteStore;
+//! use idem_tower::IdempotencyLayer;
+//! use std::time::Duration;
+//!
+//! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
+//! let store = SqliteStore::open("idem.db").await?;
+//! let app = Router::new()
+//!     .route("/pay", post(|| async { (axum::http::StatusCode::CREATED, "charged") }))
+//!     .layer(IdempotencyLayer::new(store).with_ttl(Duration::from_secs(24 * 3600)));
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await?;
+//! axum::serve(listener, app).await?;
+//! # Ok(())
+//! # }
+//! ```
+#![forbid(unsafe_code)]
+
+mod body;
+mod layer;
+mod service;
+
+pub use body::{Body, BoxError};
+pub use layer::IdempotencyLayer;
+pub use service::{IdempotencyInfo, IdempotencyService, NoAnswer};

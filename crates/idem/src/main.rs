@@ -1,1 +1,43 @@
-fn main() {}
+//! The `idem` command: the gateway (`idem serve`) and the operator's commands.
+
+mod admin;
+mod cli;
+mod commands;
+mod proxy;
+mod serve;
+mod stores;
+mod units;
+
+use std::io::IsTerminal;
+use std::process::ExitCode;
+
+use clap::Parser;
+use tracing_subscriber::EnvFilter;
+
+use crate::cli::{Cli, Command};
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let filter = EnvFilter::try_from_env("IDEM_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    // One JSON object per line for log pipelines; readable text on a terminal.
+    if std::env::var("IDEM_LOG_FORMAT").is_ok_and(|f| f == "json") {
+        logs.json().init();
+    } else {
+        logs.with_ansi(std::io::stderr().is_terminal()).init();
+    }
+    let result = match cli.command {
+        Command::Serve(args) => serve::run(*args).await,
+        Command::Inspect(args) => commands::inspect(args).await,
+        Command::Purge(args) => commands::purge(args).await,
+        Command::Migrate(args) => commands::migrate(args).await,
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("idem: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,151 @@
+//! [`IdempotencyLayer`]: the builder that configures the protocol and wraps services.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::{Clock, HeaderAllowList, MissingKeyPolicy, Policy, Protocol, ScopeSource, Store, SystemClock};
+use tokio_util::task::TaskTracker;
+use tower_layer::Layer;
+
+use crate::service::IdempotencyService;
+
+/// Applies the idempotency protocol to a service.
+///
+/// Built from a store, then configured with `with_*` methods, each consuming and returning the layer.
+#[derive(Clone, Debug)]
+pub struct IdempotencyLayer {
+    store: Arc<dyn Store>,
+    policy: Policy,
+    clock: Arc<dyn Clock>,
+    response_timeout: Option<Duration>,
+    tasks: TaskTracker,
+}
+
+impl IdempotencyLayer {
+    /// A layer over `store` with the default policy of the design.
+    pub fn new(store: impl Store) -> Self {
+        Self::from_shared(Arc::new(store))
+    }
+
+    /// A layer over a store that is already shared.
+    pub fn from_shared(store: Arc<dyn Store>) -> Self {
+        Self {
+            store,
+            policy: Policy::default(),
+            clock: Arc::new(SystemClock),
+            response_timeout: None,
+            tasks: TaskTracker::new(),
+        }
+    }
+
+    /// Replaces the whole policy.
+    pub fn with_policy(mut self, policy: Policy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// How long an answer is replayable (default 24 h).
+    pub fn with_ttl(mut self, ttl: Duration) -> Self {
+        self.policy.ttl = ttl;
+        self
+    }
+
+    /// How long an expired key answers `key-expired` (default 7 d).
+    pub fn with_tombstone_ttl(mut self, ttl: Duration) -> Self {
+        self.policy.tombstone_ttl = ttl;
+        self
+    }
+
+    /// Where the caller's scope comes from (default: a hash of the `Authorization` header).
+    pub fn with_scope(mut self, scope: ScopeSource) -> Self {
+        self.policy.scope = scope;
+        self
+    }
+
+    /// What happens to requests without a key (default: allow).
+    pub fn with_missing_key(mut self, policy: MissingKeyPolicy) -> Self {
+        self.policy.missing_key = policy;
+        self
+    }
+
+    /// The lease of a running request, renewed while it runs (default 60 s).
+    pub fn with_lease(mut self, lease: Duration) -> Self {
+        self.policy.lease = lease;
+        self
+    }
+
+    /// How long a copy waits for the first request before `409 key-in-flight` (default 10 s).
+    pub fn with_wait(mut self, wait: Duration) -> Self {
+        self.policy.wait = wait;
+        self
+    }
+
+    /// The largest keyed request body; larger ones get `413` (default 1 MiB).
+    pub fn with_max_body(mut self, bytes: usize) -> Self {
+        self.policy.max_body = bytes;
+        self
+    }
+
+    /// The largest answer stored whole; larger ones stream through and are stored compact
+    /// (default 256 KiB).
+    pub fn with_max_stored_body(mut self, bytes: usize) -> Self {
+        self.policy.max_stored_body = bytes;
+        self
+    }
+
+    /// The methods the protocol applies to (default `POST`, `PATCH`).
+    pub fn with_methods(mut self, methods: Vec<http::Method>) -> Self {
+        self.policy.methods = methods;
+        self
+    }
+
+    /// Store 5xx answers too, instead of letting a retry run again.
+    pub fn with_store_5xx(mut self, store: bool) -> Self {
+        self.policy.store_5xx = store;
+        self
+    }
+
+    /// Run requests unprotected when the store is down, instead of `503 store-unavailable`.
+    pub fn with_fail_open(mut self, fail_open: bool) -> Self {
+        self.policy.fail_open = fail_open;
+        self
+    }
+
+    /// The headers a stored answer keeps.
+    pub fn with_stored_headers(mut self, headers: HeaderAllowList) -> Self {
+        self.policy.stored_headers = headers;
+        self
+    }
+
+    /// Answer `504 upstream-timeout` (with `Retry-After`) when the handler takes longer than
+    /// `timeout`; the handler keeps running and its answer is stored for the retry.
+    pub fn with_response_timeout(mut self, timeout: Duration) -> Self {
+        self.response_timeout = Some(timeout);
+        self
+    }
+
+    /// The clock (tests of leases and retention).
+    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// The tasks running keyed handlers. Handlers run to completion even when their client hangs
+    /// up; on shutdown, `close()` and `wait()` on this tracker let them finish and store their answers.
+    pub fn tasks(&self) -> TaskTracker {
+        self.tasks.clone()
+    }
+
+    /// The protocol this layer applies.
+    pub fn protocol(&self) -> Protocol {
+        Protocol::with_clock(self.store.clone(), self.policy.clone(), self.clock.clone())
+    }
+}
+
+impl<S> Layer<S> for IdempotencyLayer {
+    type Service = IdempotencyService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        IdempotencyService::new(inner, self.protocol(), self.response_timeout, self.tasks.clone())
+    }
+}

@@ -1,0 +1,99 @@
+//! The command line: every flag also reads `IDEM_<FLAG>` from the environment.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use idem_core::{MissingKeyPolicy, ScopeSource};
+
+use crate::units::{parse_duration, parse_size};
+
+/// idem: make HTTP requests safe to retry.
+#[derive(Debug, Parser)]
+#[command(name = "idem", version, about)]
+pub(crate) struct Cli {
+    #[command(subcommand)]
+    pub(crate) command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum Command {
+    /// Run the gateway: a reverse proxy that applies the idempotency protocol in front of any HTTP upstream.
+    Serve(Box<ServeArgs>),
+    /// Show one record: when, which method and path, its state, its stored status, its replays.
+    Inspect(InspectArgs),
+    /// Delete expired answers and records now (the gateway also does this in the background).
+    Purge(StoreArgs),
+    /// Create or upgrade the store's schema.
+    Migrate(StoreArgs),
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct StoreArgs {
+    /// The store: sqlite://PATH.
+    #[arg(long, env = "IDEM_STORE", default_value = "sqlite://idem.db")]
+    pub(crate) store: String,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct InspectArgs {
+    #[command(flatten)]
+    pub(crate) store: StoreArgs,
+    /// The record's scope as stored: `anonymous`, `shared`, `header:VALUE`, `cred:HASH`, `app:ID`.
+    #[arg(long, env = "IDEM_SCOPE", default_value = "anonymous")]
+    pub(crate) scope: String,
+    /// The idempotency key (without quotes).
+    pub(crate) key: String,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct ServeArgs {
+    /// The upstream every request is forwarded to, such as http://127.0.0.1:3000.
+    #[arg(long, env = "IDEM_UPSTREAM")]
+    pub(crate) upstream: http::Uri,
+    /// Where the gateway listens.
+    #[arg(long, env = "IDEM_LISTEN", default_value = "127.0.0.1:8080")]
+    pub(crate) listen: SocketAddr,
+    /// Where /healthz and /readyz are served.
+    #[arg(long, env = "IDEM_ADMIN_LISTEN", default_value = "127.0.0.1:9090")]
+    pub(crate) admin_listen: SocketAddr,
+    #[command(flatten)]
+    pub(crate) store: StoreArgs,
+    /// How long an answer is replayable.
+    #[arg(long, env = "IDEM_TTL", default_value = "24h", value_parser = parse_duration)]
+    pub(crate) ttl: Duration,
+    /// How long an expired key still answers key-expired.
+    #[arg(long, env = "IDEM_TOMBSTONE_TTL", default_value = "7d", value_parser = parse_duration)]
+    pub(crate) tombstone_ttl: Duration,
+    /// The lease of a running request; renewed while it runs.
+    #[arg(long, env = "IDEM_LEASE", default_value = "60s", value_parser = parse_duration)]
+    pub(crate) lease: Duration,
+    /// How long a copy waits for the first request before 409 key-in-flight.
+    #[arg(long, env = "IDEM_WAIT", default_value = "10s", value_parser = parse_duration)]
+    pub(crate) wait: Duration,
+    /// Who the caller is: credential, none or header:NAME.
+    #[arg(long, env = "IDEM_SCOPE", default_value = "credential")]
+    pub(crate) scope: ScopeSource,
+    /// Keyless requests: allow, require, grace:<RFC 3339 date> or fingerprint:<duration>.
+    #[arg(long, env = "IDEM_MISSING_KEY", default_value = "allow")]
+    pub(crate) missing_key: MissingKeyPolicy,
+    /// The methods the protocol applies to, comma-separated.
+    #[arg(long, env = "IDEM_METHODS", default_value = "POST,PATCH", value_delimiter = ',')]
+    pub(crate) methods: Vec<http::Method>,
+    /// The largest keyed request body (larger: 413).
+    #[arg(long, env = "IDEM_MAX_BODY", default_value = "1MiB", value_parser = parse_size)]
+    pub(crate) max_body: usize,
+    /// The largest answer stored whole; larger answers stream through and are stored compact.
+    #[arg(long, env = "IDEM_MAX_STORED_BODY", default_value = "256KiB", value_parser = parse_size)]
+    pub(crate) max_stored_body: usize,
+    /// Store 5xx answers instead of letting a retry run again.
+    #[arg(long, env = "IDEM_STORE_5XX")]
+    pub(crate) store_5xx: bool,
+    /// Forward requests unprotected when the store is down, instead of 503.
+    #[arg(long, env = "IDEM_FAIL_OPEN")]
+    pub(crate) fail_open: bool,
+    /// How long a client waits for the upstream before 504; the gateway keeps waiting and stores
+    /// the answer for the retry.
+    #[arg(long, env = "IDEM_UPSTREAM_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub(crate) upstream_timeout: Duration,
+}
