@@ -38,12 +38,23 @@ pub fn fresh_id() -> RecordId {
 
 /// The fingerprint of `POST /pay` with `body`.
 pub fn fingerprint(body: &str) -> Fingerprint {
-    Fingerprint::of(&Method::POST, &"/pay".parse().expect("static URI"), &HeaderMap::new(), body.as_bytes())
+    Fingerprint::of(
+        &Method::POST,
+        &"/pay".parse().expect("static URI"),
+        &HeaderMap::new(),
+        body.as_bytes(),
+    )
 }
 
 async fn begin(store: &dyn Store, id: &RecordId, fp: &Fingerprint, now: UnixMillis) -> (Begin, FencingToken) {
     let token = FencingToken::random();
-    let request = BeginRequest { id, fingerprint: fp, now, lease_until: now.plus(LEASE), token };
+    let request = BeginRequest {
+        id,
+        fingerprint: fp,
+        now,
+        lease_until: now.plus(LEASE),
+        token,
+    };
     (store.begin(request).await.expect("begin"), token)
 }
 
@@ -92,7 +103,10 @@ pub async fn claims_a_new_key(h: &impl Harness) {
     let token = acquire(&*store, &id, &fp, now).await;
     let record = existing(begin(&*store, &id, &fp, now).await.0);
     assert_eq!(in_flight_token(&record), token);
-    assert_eq!(record.fingerprint, fp, "the record keeps the fingerprint with method and path");
+    assert_eq!(
+        record.fingerprint, fp,
+        "the record keeps the fingerprint with method and path"
+    );
     assert_eq!(record.id, id);
     let read = store.get(&id).await.expect("get").expect("the record exists");
     assert_eq!(in_flight_token(&read), token);
@@ -120,8 +134,15 @@ pub async fn one_claim_under_concurrency(h: &impl Harness) {
             (Begin::Existing(record), _) => seen.push(in_flight_token(&record)),
         }
     }
-    assert_eq!(winners.len(), 1, "exactly one of 50 concurrent begins may claim the key");
-    assert!(seen.iter().all(|t| *t == winners[0]), "every loser sees the winner's claim");
+    assert_eq!(
+        winners.len(),
+        1,
+        "exactly one of 50 concurrent begins may claim the key"
+    );
+    assert!(
+        seen.iter().all(|t| *t == winners[0]),
+        "every loser sees the winner's claim"
+    );
 }
 
 /// A completed record is returned whole, and each matching begin counts a replay.
@@ -129,7 +150,10 @@ pub async fn completes_and_replays(h: &impl Harness) {
     let store = h.open().await;
     let (id, fp, now) = (fresh_id(), fingerprint("a"), UnixMillis::now());
     let token = acquire(&*store, &id, &fp, now).await;
-    store.complete(&id, token, completion(b"stored answer", now, DAY, 7 * DAY)).await.expect("complete");
+    store
+        .complete(&id, token, completion(b"stored answer", now, DAY, 7 * DAY))
+        .await
+        .expect("complete");
     for replays in 1..=2 {
         let record = existing(begin(&*store, &id, &fp, now).await.0);
         assert_eq!(stored_response(&record).as_deref(), Some(b"stored answer".as_slice()));
@@ -138,7 +162,11 @@ pub async fn completes_and_replays(h: &impl Harness) {
     }
     let other = existing(begin(&*store, &id, &fingerprint("b"), now).await.0);
     assert_eq!(other.fingerprint, fp, "a mismatch sees the original fingerprint");
-    assert_eq!(store.get(&id).await.expect("get").expect("record").replays, 2, "a mismatch is not a replay");
+    assert_eq!(
+        store.get(&id).await.expect("get").expect("record").replays,
+        2,
+        "a mismatch is not a replay"
+    );
 }
 
 /// Only the current token completes, releases or renews.
@@ -148,18 +176,45 @@ pub async fn fencing(h: &impl Harness) {
     let first = acquire(&*store, &id, &fp, now).await;
     let stranger = FencingToken::random();
     let done = || completion(b"x", now, DAY, 7 * DAY);
-    assert!(matches!(store.complete(&id, stranger, done()).await, Err(StoreError::Fenced)));
-    assert!(matches!(store.release(&id, stranger, Release::Forget).await, Err(StoreError::Fenced)));
-    assert!(matches!(store.renew(&id, stranger, now.plus(LEASE)).await, Err(StoreError::Fenced)));
+    assert!(matches!(
+        store.complete(&id, stranger, done()).await,
+        Err(StoreError::Fenced)
+    ));
+    assert!(matches!(
+        store.release(&id, stranger, Release::Forget).await,
+        Err(StoreError::Fenced)
+    ));
+    assert!(matches!(
+        store.renew(&id, stranger, now.plus(LEASE)).await,
+        Err(StoreError::Fenced)
+    ));
 
     let later = now.plus(LEASE + Duration::from_secs(1));
     let (taken, second) = begin(&*store, &id, &fp, later).await;
-    assert!(matches!(taken, Begin::Acquired { recovered: true }), "an expired lease is taken over: {taken:?}");
-    assert!(matches!(store.complete(&id, first, done()).await, Err(StoreError::Fenced)), "the old holder is fenced");
-    assert!(matches!(store.release(&id, first, Release::Forget).await, Err(StoreError::Fenced)));
-    assert!(matches!(store.renew(&id, first, later.plus(LEASE)).await, Err(StoreError::Fenced)));
-    store.complete(&id, second, completion(b"second", later, DAY, 7 * DAY)).await.expect("new holder completes");
-    assert!(matches!(store.complete(&id, second, done()).await, Err(StoreError::Fenced)), "completion is final");
+    assert!(
+        matches!(taken, Begin::Acquired { recovered: true }),
+        "an expired lease is taken over: {taken:?}"
+    );
+    assert!(
+        matches!(store.complete(&id, first, done()).await, Err(StoreError::Fenced)),
+        "the old holder is fenced"
+    );
+    assert!(matches!(
+        store.release(&id, first, Release::Forget).await,
+        Err(StoreError::Fenced)
+    ));
+    assert!(matches!(
+        store.renew(&id, first, later.plus(LEASE)).await,
+        Err(StoreError::Fenced)
+    ));
+    store
+        .complete(&id, second, completion(b"second", later, DAY, 7 * DAY))
+        .await
+        .expect("new holder completes");
+    assert!(
+        matches!(store.complete(&id, second, done()).await, Err(StoreError::Fenced)),
+        "completion is final"
+    );
     let record = existing(begin(&*store, &id, &fp, later).await.0);
     assert_eq!(stored_response(&record).as_deref(), Some(b"second".as_slice()));
 }
@@ -171,8 +226,15 @@ pub async fn takeover_needs_the_same_fingerprint(h: &impl Harness) {
     let token = acquire(&*store, &id, &fp, now).await;
     let later = now.plus(LEASE * 2);
     let record = existing(begin(&*store, &id, &fingerprint("other"), later).await.0);
-    assert_eq!(in_flight_token(&record), token, "a different request does not take over");
-    assert!(matches!(begin(&*store, &id, &fp, later).await.0, Begin::Acquired { recovered: true }));
+    assert_eq!(
+        in_flight_token(&record),
+        token,
+        "a different request does not take over"
+    );
+    assert!(matches!(
+        begin(&*store, &id, &fp, later).await.0,
+        Begin::Acquired { recovered: true }
+    ));
 }
 
 /// A renewed lease is not taken over.
@@ -183,9 +245,14 @@ pub async fn renewal_keeps_the_claim(h: &impl Harness) {
     store.renew(&id, token, now.plus(LEASE * 3)).await.expect("renew");
     let record = existing(begin(&*store, &id, &fp, now.plus(LEASE * 2)).await.0);
     assert_eq!(in_flight_token(&record), token, "a renewed claim stays with its holder");
-    let RecordState::InFlight { lease_until, .. } = record.state else { unreachable!() };
+    let RecordState::InFlight { lease_until, .. } = record.state else {
+        unreachable!()
+    };
     assert_eq!(lease_until, now.plus(LEASE * 3));
-    assert!(matches!(begin(&*store, &id, &fp, now.plus(LEASE * 4)).await.0, Begin::Acquired { recovered: true }));
+    assert!(matches!(
+        begin(&*store, &id, &fp, now.plus(LEASE * 4)).await.0,
+        Begin::Acquired { recovered: true }
+    ));
 }
 
 async fn woken_by(h: &impl Harness, settle: impl AsyncFnOnce(&dyn Store, &RecordId, FencingToken)) {
@@ -201,7 +268,10 @@ async fn woken_by(h: &impl Harness, settle: impl AsyncFnOnce(&dyn Store, &Record
     assert!(!wait.is_finished(), "a waiter waits while the claim is held");
     settle(&*holder, &id, token).await;
     let outcome = tokio::time::timeout(Duration::from_secs(10), wait).await;
-    let outcome = outcome.expect("the waiter was not woken within 10 s").expect("task").expect("wait");
+    let outcome = outcome
+        .expect("the waiter was not woken within 10 s")
+        .expect("task")
+        .expect("wait");
     assert_eq!(outcome, WaitOutcome::Changed);
 }
 
@@ -209,14 +279,20 @@ async fn woken_by(h: &impl Harness, settle: impl AsyncFnOnce(&dyn Store, &Record
 pub async fn wait_wakes_on_completion(h: &impl Harness) {
     woken_by(h, async |store, id, token| {
         let now = UnixMillis::now();
-        store.complete(id, token, completion(b"done", now, DAY, 7 * DAY)).await.expect("complete");
+        store
+            .complete(id, token, completion(b"done", now, DAY, 7 * DAY))
+            .await
+            .expect("complete");
     })
     .await;
 }
 
 /// A waiter on another handle is woken when the holder releases.
 pub async fn wait_wakes_on_release(h: &impl Harness) {
-    woken_by(h, async |store, id, token| store.release(id, token, Release::Forget).await.expect("release")).await;
+    woken_by(h, async |store, id, token| {
+        store.release(id, token, Release::Forget).await.expect("release")
+    })
+    .await;
 }
 
 /// A wait on a claim that is already gone returns at once; one on a held claim times out.
@@ -237,14 +313,36 @@ pub async fn release_forgets_or_remembers(h: &impl Harness) {
     let (id, fp, now) = (fresh_id(), fingerprint("a"), UnixMillis::now());
     let token = acquire(&*store, &id, &fp, now).await;
     store.release(&id, token, Release::Forget).await.expect("release");
-    assert!(store.get(&id).await.expect("get").is_none(), "a forgotten record is gone");
+    assert!(
+        store.get(&id).await.expect("get").is_none(),
+        "a forgotten record is gone"
+    );
     let token = acquire(&*store, &id, &fp, now).await;
-    store.release(&id, token, Release::Unknown { purge_at: now.plus(DAY) }).await.expect("release");
-    let record = store.get(&id).await.expect("get").expect("an unknown outcome is remembered");
+    store
+        .release(
+            &id,
+            token,
+            Release::Unknown {
+                purge_at: now.plus(DAY),
+            },
+        )
+        .await
+        .expect("release");
+    let record = store
+        .get(&id)
+        .await
+        .expect("get")
+        .expect("an unknown outcome is remembered");
     assert!(matches!(record.state, RecordState::Unknown { .. }), "{record:?}");
     let other = existing(begin(&*store, &id, &fingerprint("other"), now).await.0);
-    assert!(matches!(other.state, RecordState::Unknown { .. }), "a different request does not claim it");
-    assert!(matches!(begin(&*store, &id, &fp, now).await.0, Begin::Acquired { recovered: true }));
+    assert!(
+        matches!(other.state, RecordState::Unknown { .. }),
+        "a different request does not claim it"
+    );
+    assert!(matches!(
+        begin(&*store, &id, &fp, now).await.0,
+        Begin::Acquired { recovered: true }
+    ));
 }
 
 /// Past `expires_at` the answer is still reported (as expired); purge leaves a tombstone until
@@ -256,11 +354,22 @@ pub async fn expiry_leaves_a_tombstone(h: &impl Harness) {
     let (id, fp) = (fresh_id(), fingerprint("a"));
     let token = acquire(&*store, &id, &fp, base).await;
     let ttl = Duration::from_secs(10);
-    store.complete(&id, token, completion(b"old answer", base, ttl, Duration::from_secs(100))).await.expect("complete");
+    store
+        .complete(
+            &id,
+            token,
+            completion(b"old answer", base, ttl, Duration::from_secs(100)),
+        )
+        .await
+        .expect("complete");
     let after_ttl = base.plus(Duration::from_secs(20));
     let record = existing(begin(&*store, &id, &fp, after_ttl).await.0);
     assert!(matches!(record.state, RecordState::Completed { expires_at, .. } if expires_at <= after_ttl));
-    assert_eq!(store.get(&id).await.expect("get").expect("record").replays, 0, "an expired answer is no replay");
+    assert_eq!(
+        store.get(&id).await.expect("get").expect("record").replays,
+        0,
+        "an expired answer is no replay"
+    );
     let purged = store.purge(after_ttl, 1000).await.expect("purge");
     assert!(purged.tombstoned >= 1, "the expired answer is dropped: {purged:?}");
     let tombstone = store.get(&id).await.expect("get").expect("a tombstone remains");
@@ -268,8 +377,14 @@ pub async fn expiry_leaves_a_tombstone(h: &impl Harness) {
     assert_eq!(tombstone.fingerprint, fp, "the tombstone keeps the fingerprint");
     let after_purge = base.plus(Duration::from_secs(101));
     store.purge(after_purge, 1000).await.expect("purge");
-    assert!(store.get(&id).await.expect("get").is_none(), "the tombstone is deleted at purge_at");
-    assert!(matches!(begin(&*store, &id, &fp, after_purge).await.0, Begin::Acquired { recovered: false }));
+    assert!(
+        store.get(&id).await.expect("get").is_none(),
+        "the tombstone is deleted at purge_at"
+    );
+    assert!(matches!(
+        begin(&*store, &id, &fp, after_purge).await.0,
+        Begin::Acquired { recovered: false }
+    ));
 }
 
 /// A record past `purge_at` is claimable even before purge runs.
@@ -278,9 +393,19 @@ pub async fn purge_time_frees_the_key_without_purge(h: &impl Harness) {
     let base = UnixMillis::now().minus(DAY * 40);
     let (id, fp) = (fresh_id(), fingerprint("a"));
     let token = acquire(&*store, &id, &fp, base).await;
-    store.complete(&id, token, completion(b"x", base, Duration::from_secs(1), Duration::from_secs(2))).await.expect("complete");
+    store
+        .complete(
+            &id,
+            token,
+            completion(b"x", base, Duration::from_secs(1), Duration::from_secs(2)),
+        )
+        .await
+        .expect("complete");
     let later = base.plus(Duration::from_secs(3));
-    assert!(matches!(begin(&*store, &id, &fingerprint("new"), later).await.0, Begin::Acquired { recovered: false }));
+    assert!(matches!(
+        begin(&*store, &id, &fingerprint("new"), later).await.0,
+        Begin::Acquired { recovered: false }
+    ));
 }
 
 /// Purge works in batches of the given size and leaves live records alone.
@@ -292,34 +417,59 @@ pub async fn purge_in_batches(h: &impl Harness) {
     for _ in 0..25 {
         let id = fresh_id();
         let token = acquire(&*store, &id, &fp, base).await;
-        store.complete(&id, token, completion(b"x", base, Duration::from_secs(1), Duration::from_secs(2))).await.expect("complete");
+        store
+            .complete(
+                &id,
+                token,
+                completion(b"x", base, Duration::from_secs(1), Duration::from_secs(2)),
+            )
+            .await
+            .expect("complete");
         ids.push(id);
     }
     let live = fresh_id();
     let token = acquire(&*store, &live, &fp, UnixMillis::now()).await;
-    store.complete(&live, token, completion(b"x", UnixMillis::now(), DAY, 7 * DAY)).await.expect("complete");
+    store
+        .complete(&live, token, completion(b"x", UnixMillis::now(), DAY, 7 * DAY))
+        .await
+        .expect("complete");
 
     let now = base.plus(Duration::from_secs(10));
     let first = store.purge(now, 10).await.expect("purge");
-    assert_eq!(first.deleted, 10, "one batch deletes exactly the batch size when more are due");
+    assert_eq!(
+        first.deleted, 10,
+        "one batch deletes exactly the batch size when more are due"
+    );
     let mut rounds = 1;
     while store.purge(now, 10).await.expect("purge").deleted > 0 {
         rounds += 1;
         assert!(rounds < 100, "purge does not terminate");
     }
     for id in &ids {
-        assert!(store.get(id).await.expect("get").is_none(), "every due record is purged");
+        assert!(
+            store.get(id).await.expect("get").is_none(),
+            "every due record is purged"
+        );
     }
-    assert!(store.get(&live).await.expect("get").is_some(), "a live record survives purge");
+    assert!(
+        store.get(&live).await.expect("get").is_some(),
+        "a live record survives purge"
+    );
 }
 
 /// The same key in two scopes is two records.
 pub async fn scopes_are_isolated(h: &impl Harness) {
     let store = h.open().await;
     let (alice, fp, now) = (fresh_id(), fingerprint("a"), UnixMillis::now());
-    let bob = RecordId { scope: Scope::application(uuid::Uuid::new_v4().to_string()), key: alice.key.clone() };
+    let bob = RecordId {
+        scope: Scope::application(uuid::Uuid::new_v4().to_string()),
+        key: alice.key.clone(),
+    };
     let token = acquire(&*store, &alice, &fp, now).await;
-    store.complete(&alice, token, completion(b"alice's answer", now, DAY, 7 * DAY)).await.expect("complete");
+    store
+        .complete(&alice, token, completion(b"alice's answer", now, DAY, 7 * DAY))
+        .await
+        .expect("complete");
     let bob_token = acquire(&*store, &bob, &fp, now).await;
     let record = store.get(&bob).await.expect("get").expect("record");
     assert_eq!(in_flight_token(&record), bob_token, "bob never sees alice's answer");
@@ -329,11 +479,19 @@ pub async fn scopes_are_isolated(h: &impl Harness) {
 pub async fn large_bodies(h: &impl Harness) {
     let store = h.open().await;
     let (id, fp, now) = (fresh_id(), fingerprint("a"), UnixMillis::now());
-    let body: Vec<u8> = (0..6 * 1024 * 1024u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    let body: Vec<u8> = (0..6 * 1024 * 1024u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
     let token = acquire(&*store, &id, &fp, now).await;
-    store.complete(&id, token, completion(&body, now, DAY, 7 * DAY)).await.expect("complete a 6 MiB answer");
+    store
+        .complete(&id, token, completion(&body, now, DAY, 7 * DAY))
+        .await
+        .expect("complete a 6 MiB answer");
     let record = existing(begin(&*store, &id, &fp, now).await.0);
-    assert!(stored_response(&record).as_deref() == Some(body.as_slice()), "the large answer comes back intact");
+    assert!(
+        stored_response(&record).as_deref() == Some(body.as_slice()),
+        "the large answer comes back intact"
+    );
 }
 
 /// Records survive closing every handle and opening a new one.
@@ -342,7 +500,10 @@ pub async fn records_survive_reopen(h: &impl Harness) {
     {
         let store = h.open().await;
         let token = acquire(&*store, &id, &fp, now).await;
-        store.complete(&id, token, completion(b"kept", now, DAY, 7 * DAY)).await.expect("complete");
+        store
+            .complete(&id, token, completion(b"kept", now, DAY, 7 * DAY))
+            .await
+            .expect("complete");
     }
     let store = h.open().await;
     let record = existing(begin(&*store, &id, &fp, now).await.0);
@@ -371,4 +532,107 @@ macro_rules! conformance_tests {
             }
         )*
     };
+}
+
+/// Wraps a store and counts its operations, to prove how many round trips a request costs.
+#[derive(Debug)]
+pub struct CountingStore<S> {
+    inner: S,
+    counts: [std::sync::atomic::AtomicU64; 8],
+}
+
+/// The operations [`CountingStore`] counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Operation {
+    /// [`Store::begin`].
+    Begin,
+    /// [`Store::complete`].
+    Complete,
+    /// [`Store::release`].
+    Release,
+    /// [`Store::renew`].
+    Renew,
+    /// [`Store::get`].
+    Get,
+    /// [`Store::wait`].
+    Wait,
+    /// [`Store::purge`].
+    Purge,
+    /// [`Store::ping`].
+    Ping,
+}
+
+impl<S> CountingStore<S> {
+    /// Counts the operations on `inner`.
+    pub fn new(inner: S) -> Self {
+        Self {
+            inner,
+            counts: Default::default(),
+        }
+    }
+
+    fn bump(&self, op: Operation) {
+        self.counts[op as usize].fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// How many times `op` ran.
+    pub fn count(&self, op: Operation) -> u64 {
+        self.counts[op as usize].load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// How many operations ran in all.
+    pub fn total(&self) -> u64 {
+        self.counts
+            .iter()
+            .map(|c| c.load(std::sync::atomic::Ordering::SeqCst))
+            .sum()
+    }
+
+    /// Starts counting from zero again.
+    pub fn reset(&self) {
+        for count in &self.counts {
+            count.store(0, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+}
+
+#[async_trait]
+impl<S: Store> Store for CountingStore<S> {
+    async fn begin(&self, request: BeginRequest<'_>) -> Result<Begin, StoreError> {
+        self.bump(Operation::Begin);
+        self.inner.begin(request).await
+    }
+    async fn complete(&self, id: &RecordId, token: FencingToken, completion: Completion) -> Result<(), StoreError> {
+        self.bump(Operation::Complete);
+        self.inner.complete(id, token, completion).await
+    }
+    async fn release(&self, id: &RecordId, token: FencingToken, release: Release) -> Result<(), StoreError> {
+        self.bump(Operation::Release);
+        self.inner.release(id, token, release).await
+    }
+    async fn renew(&self, id: &RecordId, token: FencingToken, lease_until: UnixMillis) -> Result<(), StoreError> {
+        self.bump(Operation::Renew);
+        self.inner.renew(id, token, lease_until).await
+    }
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+        self.bump(Operation::Get);
+        self.inner.get(id).await
+    }
+    async fn wait(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        deadline: tokio::time::Instant,
+    ) -> Result<WaitOutcome, StoreError> {
+        self.bump(Operation::Wait);
+        self.inner.wait(id, token, deadline).await
+    }
+    async fn purge(&self, now: UnixMillis, batch: usize) -> Result<crate::Purged, StoreError> {
+        self.bump(Operation::Purge);
+        self.inner.purge(now, batch).await
+    }
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.bump(Operation::Ping);
+        self.inner.ping().await
+    }
 }

@@ -117,17 +117,26 @@ mod tests {
     use super::*;
 
     fn chunked(chunks: &[&'static [u8]]) -> Body {
-        let frames = chunks.iter().map(|c| Ok::<_, BoxError>(Frame::data(Bytes::from_static(c)))).collect::<Vec<_>>();
+        let frames = chunks
+            .iter()
+            .map(|c| Ok::<_, BoxError>(Frame::data(Bytes::from_static(c))))
+            .collect::<Vec<_>>();
         Body::new(StreamBody::new(futures_util::stream::iter(frames)))
     }
 
     #[tokio::test]
     async fn keeps_small_bodies_whole_and_streams_large_ones_intact() {
-        let Collected::Whole(bytes) = collect_up_to(chunked(&[b"ab", b"cd"]), 4).await else { panic!("fits") };
+        let Collected::Whole(bytes) = collect_up_to(chunked(&[b"ab", b"cd"]), 4).await else {
+            panic!("fits")
+        };
         assert_eq!(bytes, "abcd");
         let Collected::Overflow(rest) = collect_up_to(chunked(&[b"ab", b"cd", b"e", b"fg"]), 4).await else {
             panic!("over the limit")
         };
-        assert_eq!(rest.collect().await.unwrap().to_bytes(), "abcdefg", "nothing read is lost");
+        assert_eq!(
+            rest.collect().await.unwrap().to_bytes(),
+            "abcdefg",
+            "nothing read is lost"
+        );
     }
 }

@@ -55,7 +55,12 @@ pub struct IdempotencyService<S> {
 
 impl<S> IdempotencyService<S> {
     pub(crate) fn new(inner: S, protocol: Protocol, response_timeout: Option<Duration>, tasks: TaskTracker) -> Self {
-        Self { inner, protocol, response_timeout, tasks }
+        Self {
+            inner,
+            protocol,
+            response_timeout,
+            tasks,
+        }
     }
 }
 
@@ -129,7 +134,11 @@ where
         let bytes = match read_body(&parts.headers, body, self.protocol.policy().max_body).await {
             Ok(bytes) => bytes,
             Err(problem) => {
-                let outcome = if problem.kind == ProblemKind::BodyTooLarge { Outcome::TooLarge } else { Outcome::Invalid };
+                let outcome = if problem.kind == ProblemKind::BodyTooLarge {
+                    Outcome::TooLarge
+                } else {
+                    Outcome::Invalid
+                };
                 tracing::info!(scope = %keyed.scope(), key = keyed.key().map(|k| k.as_str()), outcome = %outcome, "idempotency");
                 record_outcome(None, outcome, problem.kind.status());
                 return Ok(problem.to_response().map(full));
@@ -158,7 +167,8 @@ where
         let (answer, answered) = oneshot::channel();
         // The handler runs in its own task: a caller that hangs up does not cancel it, so a retry
         // finds the stored answer instead of a half-done one.
-        self.tasks.spawn(run(self.protocol.clone(), claim, self.inner, request, answer));
+        self.tasks
+            .spawn(run(self.protocol.clone(), claim, self.inner, request, answer));
         let answered = async {
             match answered.await {
                 Ok(result) => result,
@@ -175,8 +185,8 @@ where
                         "no answer within {}; the request is still running and its answer will be kept: retry in {secs} s with the same key to receive it",
                         humantime_secs(limit)
                     );
-                    let problem =
-                        Problem::new(ProblemKind::UpstreamTimeout, detail).retry_after(self.protocol.policy().retry_after);
+                    let problem = Problem::new(ProblemKind::UpstreamTimeout, detail)
+                        .retry_after(self.protocol.policy().retry_after);
                     Ok(problem.to_response().map(full))
                 }
             },
@@ -202,58 +212,64 @@ where
 {
     let call = inner.call(request);
     async move {
-    let id = claim.id().clone();
-    let response = match renewing(&protocol, &claim, call).await {
-        Ok(response) => response,
-        Err(err) => {
-            settle(protocol.abandon(&claim, true).await, &id, "release");
-            record_outcome(Some(&id), claim.outcome(), http::StatusCode::INTERNAL_SERVER_ERROR);
-            let _ = answer.send(Err(err));
-            return;
-        }
-    };
-    let (head, body) = response.into_parts();
-    let body = boxed(body);
-    let status = head.status;
-    let release = head.extensions.get::<NoAnswer>().copied();
-    let disposition = match release {
-        Some(_) => Disposition::Release,
-        None => protocol.disposition(status, body.size_hint().exact().and_then(|n| usize::try_from(n).ok())),
-    };
-    record_outcome(Some(&id), claim.outcome(), status);
-    let response = match disposition {
-        Disposition::Release => {
-            let unknown = release == Some(NoAnswer::OutcomeUnknown);
-            settle(protocol.abandon(&claim, unknown).await, &id, "release");
-            Response::from_parts(head, body)
-        }
-        Disposition::StoreCompact => {
-            settle(protocol.finish(&claim, &head, None).await, &id, "complete");
-            Response::from_parts(head, body)
-        }
-        Disposition::Store => {
-            let limit = protocol.policy().max_stored_body;
-            match renewing(&protocol, &claim, collect_up_to(body, limit)).await {
-                Collected::Whole(bytes) => {
-                    settle(protocol.finish(&claim, &head, Some(bytes.clone())).await, &id, "complete");
-                    Response::from_parts(head, full(bytes))
-                }
-                Collected::Overflow(body) => {
-                    settle(protocol.finish(&claim, &head, None).await, &id, "complete");
-                    Response::from_parts(head, body)
-                }
-                Collected::Failed(err) => {
-                    // The handler acted but its answer was lost on the way: whether it took effect
-                    // is unknown, so the next run is marked recovered.
-                    tracing::warn!(scope = %id.scope, key = %id.key, error = %err, "the answer's body failed before it was complete");
-                    settle(protocol.abandon(&claim, true).await, &id, "release");
-                    let detail = "the answer was lost before it was complete; retry with the same key (the retry is marked recovered)";
-                    Problem::new(ProblemKind::UpstreamFailed, detail).to_response().map(full)
+        let id = claim.id().clone();
+        let response = match renewing(&protocol, &claim, call).await {
+            Ok(response) => response,
+            Err(err) => {
+                settle(protocol.abandon(&claim, true).await, &id, "release");
+                record_outcome(Some(&id), claim.outcome(), http::StatusCode::INTERNAL_SERVER_ERROR);
+                let _ = answer.send(Err(err));
+                return;
+            }
+        };
+        let (head, body) = response.into_parts();
+        let body = boxed(body);
+        let status = head.status;
+        let release = head.extensions.get::<NoAnswer>().copied();
+        let disposition = match release {
+            Some(_) => Disposition::Release,
+            None => protocol.disposition(status, body.size_hint().exact().and_then(|n| usize::try_from(n).ok())),
+        };
+        record_outcome(Some(&id), claim.outcome(), status);
+        let response = match disposition {
+            Disposition::Release => {
+                let unknown = release == Some(NoAnswer::OutcomeUnknown);
+                settle(protocol.abandon(&claim, unknown).await, &id, "release");
+                Response::from_parts(head, body)
+            }
+            Disposition::StoreCompact => {
+                settle(protocol.finish(&claim, &head, None).await, &id, "complete");
+                Response::from_parts(head, body)
+            }
+            Disposition::Store => {
+                let limit = protocol.policy().max_stored_body;
+                match renewing(&protocol, &claim, collect_up_to(body, limit)).await {
+                    Collected::Whole(bytes) => {
+                        settle(
+                            protocol.finish(&claim, &head, Some(bytes.clone())).await,
+                            &id,
+                            "complete",
+                        );
+                        Response::from_parts(head, full(bytes))
+                    }
+                    Collected::Overflow(body) => {
+                        settle(protocol.finish(&claim, &head, None).await, &id, "complete");
+                        Response::from_parts(head, body)
+                    }
+                    Collected::Failed(err) => {
+                        // The handler acted but its answer was lost on the way: whether it took effect
+                        // is unknown, so the next run is marked recovered.
+                        tracing::warn!(scope = %id.scope, key = %id.key, error = %err, "the answer's body failed before it was complete");
+                        settle(protocol.abandon(&claim, true).await, &id, "release");
+                        let detail = "the answer was lost before it was complete; retry with the same key (the retry is marked recovered)";
+                        Problem::new(ProblemKind::UpstreamFailed, detail)
+                            .to_response()
+                            .map(full)
+                    }
                 }
             }
-        }
-    };
-    let _ = answer.send(Ok(response));
+        };
+        let _ = answer.send(Ok(response));
     }
 }
 
@@ -295,7 +311,9 @@ where
             format!("the body of a request with an idempotency key may be at most {limit} bytes"),
         )
     };
-    let declared = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
     if declared.is_some_and(|len| len > limit as u64) {
         return Err(too_large());
     }
@@ -322,7 +340,9 @@ fn internal_error() -> Response<Body> {
 
 fn record_outcome(id: Option<&RecordId>, outcome: Outcome, status: http::StatusCode) {
     match id {
-        Some(id) => tracing::info!(scope = %id.scope, key = %id.key, outcome = %outcome, status = status.as_u16(), "idempotency"),
+        Some(id) => {
+            tracing::info!(scope = %id.scope, key = %id.key, outcome = %outcome, status = status.as_u16(), "idempotency")
+        }
         None => tracing::info!(outcome = %outcome, status = status.as_u16(), "idempotency"),
     }
     metrics::counter!("idem_requests_total", "outcome" => outcome.as_str()).increment(1);

@@ -10,7 +10,10 @@ use idem_core::Store;
 
 /// The admin routes.
 pub(crate) fn router(store: Arc<dyn Store>) -> Router {
-    Router::new().route("/healthz", get(|| async { "ok\n" })).route("/readyz", get(ready)).with_state(store)
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(ready))
+        .with_state(store)
 }
 
 async fn ready(State(store): State<Arc<dyn Store>>) -> (StatusCode, String) {

@@ -15,7 +15,10 @@ const PURGE_BATCH: usize = 1000;
 pub(crate) async fn inspect(args: InspectArgs) -> anyhow::Result<()> {
     let store = stores::open(&args.store.store).await?;
     let key = IdempotencyKey::new(&args.key).with_context(|| format!("{:?} is not a valid key", args.key))?;
-    let id = RecordId { scope: Scope::from_stored(args.scope.as_str()), key };
+    let id = RecordId {
+        scope: Scope::from_stored(args.scope.as_str()),
+        key,
+    };
     let record = store.get(&id).await.context("cannot read the record")?;
     match record {
         Some(record) => {
@@ -37,8 +40,16 @@ fn describe(record: &Record) -> String {
         RecordState::InFlight { lease_until, .. } => {
             let _ = writeln!(out, "state:    in-flight (lease until {lease_until})");
         }
-        RecordState::Completed { response, completed_at, expires_at, .. } => {
-            let _ = writeln!(out, "state:    completed at {completed_at}, replayable until {expires_at}");
+        RecordState::Completed {
+            response,
+            completed_at,
+            expires_at,
+            ..
+        } => {
+            let _ = writeln!(
+                out,
+                "state:    completed at {completed_at}, replayable until {expires_at}"
+            );
             match response.as_deref().map(StoredResponse::decode) {
                 Some(Ok(stored)) => {
                     let body = match &stored.body {
@@ -57,7 +68,10 @@ fn describe(record: &Record) -> String {
             }
         }
         RecordState::Unknown { purge_at } => {
-            let _ = writeln!(out, "state:    outcome unknown (the next run is marked recovered; kept until {purge_at})");
+            let _ = writeln!(
+                out,
+                "state:    outcome unknown (the next run is marked recovered; kept until {purge_at})"
+            );
         }
     }
     let _ = writeln!(out, "replays:  {}", record.replays);
@@ -67,8 +81,14 @@ fn describe(record: &Record) -> String {
 /// `idem purge`: runs every due batch of retention work now.
 pub(crate) async fn purge(args: StoreArgs) -> anyhow::Result<()> {
     let store = stores::open(&args.store).await?;
-    let purged = Protocol::new(store, Policy::default()).purge(PURGE_BATCH).await.context("purge failed")?;
-    println!("purged: {} records deleted, {} answers dropped to tombstones", purged.deleted, purged.tombstoned);
+    let purged = Protocol::new(store, Policy::default())
+        .purge(PURGE_BATCH)
+        .await
+        .context("purge failed")?;
+    println!(
+        "purged: {} records deleted, {} answers dropped to tombstones",
+        purged.deleted, purged.tombstoned
+    );
     Ok(())
 }
 

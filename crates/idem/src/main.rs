@@ -20,7 +20,9 @@ use crate::cli::{Cli, Command};
 async fn main() -> ExitCode {
     let cli = Cli::parse();
     let filter = EnvFilter::try_from_env("IDEM_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
-    let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     // One JSON object per line for log pipelines; readable text on a terminal.
     if std::env::var("IDEM_LOG_FORMAT").is_ok_and(|f| f == "json") {
         logs.json().init();

@@ -43,7 +43,11 @@ impl Proxy {
             // upstream has already closed.
             .pool_idle_timeout(Duration::from_secs(4))
             .build(connector);
-        Ok(Self { client, upstream, timeout })
+        Ok(Self {
+            client,
+            upstream,
+            timeout,
+        })
     }
 
     fn target(&self, uri: &Uri) -> Uri {
@@ -77,7 +81,9 @@ impl Proxy {
         if let Some(host) = original_host {
             parts.headers.insert("x-forwarded-host", host);
         }
-        parts.headers.insert("x-forwarded-proto", HeaderValue::from_static("http"));
+        parts
+            .headers
+            .insert("x-forwarded-proto", HeaderValue::from_static("http"));
         parts.uri = self.target(&parts.uri);
         parts.version = http::Version::HTTP_11;
         let sent = self.client.request(Request::from_parts(parts, body));
@@ -97,16 +103,26 @@ impl Proxy {
             }
             Ok(Err(err)) if err.is_connect() => {
                 tracing::warn!(upstream = %self.upstream, error = %err, "upstream unreachable");
-                let detail = format!("the upstream could not be reached ({err}); nothing was sent, retry with the same key");
-                no_answer(Problem::new(ProblemKind::UpstreamUnavailable, detail), NoAnswer::NotSent)
+                let detail =
+                    format!("the upstream could not be reached ({err}); nothing was sent, retry with the same key");
+                no_answer(
+                    Problem::new(ProblemKind::UpstreamUnavailable, detail),
+                    NoAnswer::NotSent,
+                )
             }
             Ok(Err(err)) => {
                 tracing::warn!(upstream = %self.upstream, error = %err, "connection to the upstream lost after sending");
                 let detail = "the connection to the upstream was lost after the request was sent, so whether it took effect is unknown; retry with the same key (the upstream is told the retry is a recovery)";
-                no_answer(Problem::new(ProblemKind::UpstreamFailed, detail), NoAnswer::OutcomeUnknown)
+                no_answer(
+                    Problem::new(ProblemKind::UpstreamFailed, detail),
+                    NoAnswer::OutcomeUnknown,
+                )
             }
             Err(_) => {
-                let detail = format!("the upstream did not answer within {}", humantime::format_duration(self.timeout));
+                let detail = format!(
+                    "the upstream did not answer within {}",
+                    humantime::format_duration(self.timeout)
+                );
                 let problem = Problem::new(ProblemKind::UpstreamTimeout, detail).retry_after(Duration::from_secs(1));
                 no_answer(problem, NoAnswer::OutcomeUnknown)
             }
@@ -170,7 +186,10 @@ mod tests {
     #[test]
     fn joins_the_upstream_prefix() {
         let proxy = Proxy::new("http://127.0.0.1:3000/api/".parse().unwrap(), Duration::from_secs(1)).unwrap();
-        assert_eq!(proxy.target(&"/pay?x=1".parse().unwrap()), "http://127.0.0.1:3000/api/pay?x=1");
+        assert_eq!(
+            proxy.target(&"/pay?x=1".parse().unwrap()),
+            "http://127.0.0.1:3000/api/pay?x=1"
+        );
         let bare = Proxy::new("http://127.0.0.1:3000".parse().unwrap(), Duration::from_secs(1)).unwrap();
         assert_eq!(bare.target(&"/pay".parse().unwrap()), "http://127.0.0.1:3000/pay");
     }

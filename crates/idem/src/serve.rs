@@ -42,9 +42,12 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let proxy = Proxy::new(args.upstream.clone(), args.upstream_timeout)?;
     let app = axum::Router::new().fallback_service(tower::ServiceBuilder::new().layer(layer).service(proxy));
 
-    let listener = TcpListener::bind(args.listen).await.with_context(|| format!("cannot listen on {}", args.listen))?;
-    let admin_listener =
-        TcpListener::bind(args.admin_listen).await.with_context(|| format!("cannot listen on {}", args.admin_listen))?;
+    let listener = TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", args.listen))?;
+    let admin_listener = TcpListener::bind(args.admin_listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", args.admin_listen))?;
     let (addr, admin_addr) = (listener.local_addr()?, admin_listener.local_addr()?);
     println!("idem listening on http://{addr} admin http://{admin_addr}");
     tracing::info!(%addr, %admin_addr, upstream = %args.upstream, store = %args.store.store, "idem serve started");
@@ -54,7 +57,11 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let admin = tokio::spawn({
         let shutdown = shutdown.clone();
         let router = admin::router(store.clone());
-        async move { axum::serve(admin_listener, router).with_graceful_shutdown(shutdown.cancelled_owned()).await }
+        async move {
+            axum::serve(admin_listener, router)
+                .with_graceful_shutdown(shutdown.cancelled_owned())
+                .await
+        }
     });
     let gateway = axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>())
         .with_graceful_shutdown({
@@ -71,7 +78,10 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
     tasks.close();
     let grace = args.lease;
     if tokio::time::timeout(grace, tasks.wait()).await.is_err() {
-        tracing::warn!(?grace, "requests still running at exit; their keys are taken over when their leases end");
+        tracing::warn!(
+            ?grace,
+            "requests still running at exit; their keys are taken over when their leases end"
+        );
     }
     shutdown.cancel();
     let _ = admin.await;
@@ -89,7 +99,11 @@ async fn purge_forever(protocol: Protocol, shutdown: CancellationToken) {
         }
         match protocol.purge(PURGE_BATCH).await {
             Ok(purged) if purged.total() > 0 => {
-                tracing::info!(deleted = purged.deleted, tombstoned = purged.tombstoned, "purged expired records");
+                tracing::info!(
+                    deleted = purged.deleted,
+                    tombstoned = purged.tombstoned,
+                    "purged expired records"
+                );
             }
             Ok(_) => {}
             Err(err) => tracing::warn!(error = %err, "purge failed; retrying at the next round"),
@@ -114,4 +128,3 @@ async fn terminated() {
     #[cfg(not(unix))]
     ctrl_c.await;
 }
-

@@ -11,7 +11,9 @@ pub(crate) async fn open(url: &str) -> anyhow::Result<Arc<dyn Store>> {
     let scheme = url.split_once(':').map_or(url, |(scheme, _)| scheme);
     match scheme {
         "sqlite" => {
-            let store = SqliteStore::from_url(url).await.with_context(|| format!("cannot open the store {url}"))?;
+            let store = SqliteStore::from_url(url)
+                .await
+                .with_context(|| format!("cannot open the store {url}"))?;
             Ok(Arc::new(store))
         }
         "postgres" | "postgresql" | "redis" | "redis+cluster" => {

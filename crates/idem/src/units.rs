@@ -7,7 +7,9 @@ pub(crate) fn parse_size(text: &str) -> Result<usize, String> {
     let text = text.trim();
     let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
     let (number, unit) = text.split_at(split);
-    let number: usize = number.parse().map_err(|_| format!("{text:?} is not a size such as 256KiB or 1048576"))?;
+    let number: usize = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a size such as 256KiB or 1048576"))?;
     let scale: usize = match unit.trim() {
         "" | "B" => 1,
         "KiB" => 1 << 10,
@@ -16,9 +18,15 @@ pub(crate) fn parse_size(text: &str) -> Result<usize, String> {
         "KB" | "kB" => 1_000,
         "MB" => 1_000_000,
         "GB" => 1_000_000_000,
-        other => return Err(format!("unknown size unit {other:?}: use B, KiB, MiB, GiB, KB, MB or GB")),
+        other => {
+            return Err(format!(
+                "unknown size unit {other:?}: use B, KiB, MiB, GiB, KB, MB or GB"
+            ));
+        }
     };
-    number.checked_mul(scale).ok_or_else(|| format!("{text:?} is too large"))
+    number
+        .checked_mul(scale)
+        .ok_or_else(|| format!("{text:?} is too large"))
 }
 
 /// Parses a humantime duration (`24h`, `500ms`, `1m 30s`).

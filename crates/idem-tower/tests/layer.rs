@@ -1,0 +1,305 @@
+//! The layer around an axum app, on a real SQLite store: store round trips, lease renewal,
+//! hang-ups, scopes from the application, and retention on an injected clock.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use axum::Router;
+use axum::body::Body as AxumBody;
+use axum::http::{Request, StatusCode};
+use axum::routing::post;
+use http_body_util::BodyExt;
+use idem_core::testkit::{CountingStore, Operation};
+use idem_core::{
+    Begin, BeginRequest, Completion, FencingToken, ManualClock, MissingKeyPolicy, Purged, Record, RecordId, Release,
+    Scope, ScopeSource, Store, StoreError, UnixMillis, WaitOutcome,
+};
+use idem_sqlite::SqliteStore;
+use idem_tower::IdempotencyLayer;
+use tower::ServiceExt;
+
+struct App {
+    router: Router,
+    runs: Arc<AtomicUsize>,
+    _dir: tempfile::TempDir,
+}
+
+async fn sqlite() -> (SqliteStore, tempfile::TempDir) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let store = SqliteStore::open(dir.path().join("idem.db"))
+        .await
+        .expect("open sqlite");
+    (store, dir)
+}
+
+/// `POST /pay` counts its runs, sleeps `?ms=N` and answers 201 with the run number.
+fn app(layer: IdempotencyLayer, dir: tempfile::TempDir) -> App {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counter = runs.clone();
+    let router = Router::new()
+        .route(
+            "/pay",
+            post(move |query: axum::extract::RawQuery| {
+                let counter = counter.clone();
+                async move {
+                    let ms = query.0.and_then(|q| q.strip_prefix("ms=")?.parse().ok()).unwrap_or(0);
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
+                    let run = counter.fetch_add(1, Ordering::SeqCst) + 1;
+                    (StatusCode::CREATED, format!("run {run}"))
+                }
+            }),
+        )
+        .layer(layer);
+    App {
+        router,
+        runs,
+        _dir: dir,
+    }
+}
+
+fn pay(key: &str, query: &str) -> Request<AxumBody> {
+    Request::post(format!("/pay{query}"))
+        .header("idempotency-key", format!("\"{key}\""))
+        .header("content-type", "application/json")
+        .body(AxumBody::from(r#"{"amount":10}"#))
+        .expect("request")
+}
+
+async fn send(router: &Router, request: Request<AxumBody>) -> (StatusCode, bool, String) {
+    let response = router.clone().oneshot(request).await.expect("infallible");
+    let replayed = response
+        .headers()
+        .get("idempotency-replayed")
+        .is_some_and(|v| v == "true");
+    let status = response.status();
+    let body = response.into_body().collect().await.expect("body").to_bytes();
+    (status, replayed, String::from_utf8_lossy(&body).into_owned())
+}
+
+#[tokio::test]
+async fn a_new_request_costs_two_store_operations_and_a_replay_one() {
+    let (store, dir) = sqlite().await;
+    let store = Arc::new(CountingStore::new(store));
+    let app = app(IdempotencyLayer::from_shared(store.clone()), dir);
+
+    assert_eq!(
+        send(&app.router, pay("k1", "")).await,
+        (StatusCode::CREATED, false, "run 1".into())
+    );
+    assert_eq!(store.count(Operation::Begin), 1);
+    assert_eq!(store.count(Operation::Complete), 1);
+    assert_eq!(store.total(), 2, "a new keyed request is begin + complete");
+
+    store.reset();
+    assert_eq!(
+        send(&app.router, pay("k1", "")).await,
+        (StatusCode::CREATED, true, "run 1".into())
+    );
+    assert_eq!(store.count(Operation::Begin), 1);
+    assert_eq!(store.total(), 1, "a replay is one begin");
+
+    store.reset();
+    let keyless = Request::post("/pay").body(AxumBody::empty()).expect("request");
+    assert_eq!(send(&app.router, keyless).await.0, StatusCode::CREATED);
+    assert_eq!(
+        store.total(),
+        0,
+        "a keyless request under the allow policy never touches the store"
+    );
+    assert_eq!(app.runs.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test]
+async fn a_slow_handler_keeps_its_lease() {
+    let (store, dir) = sqlite().await;
+    let store = Arc::new(CountingStore::new(store));
+    let layer = IdempotencyLayer::from_shared(store.clone()).with_lease(Duration::from_millis(300));
+    let app = app(layer, dir);
+
+    let router = app.router.clone();
+    let first = tokio::spawn(async move { send(&router, pay("slow", "?ms=1500")).await });
+    // Well past the first lease: without renewal this copy would take the key over and run again.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let copy = send(&app.router, pay("slow", "?ms=1500")).await;
+    let first = first.await.expect("task");
+    assert_eq!(first, (StatusCode::CREATED, false, "run 1".into()));
+    assert_eq!(
+        copy,
+        (StatusCode::CREATED, true, "run 1".into()),
+        "the copy waited and got the replay"
+    );
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1, "the handler ran once");
+    assert!(
+        store.count(Operation::Renew) >= 2,
+        "the lease was renewed while the handler ran"
+    );
+}
+
+#[tokio::test]
+async fn a_client_hanging_up_does_not_cancel_the_handler() {
+    let (store, dir) = sqlite().await;
+    let layer = IdempotencyLayer::new(store);
+    let tasks = layer.tasks();
+    let app = app(layer, dir);
+
+    let hung_up = tokio::time::timeout(Duration::from_millis(100), send(&app.router, pay("gone", "?ms=500"))).await;
+    assert!(hung_up.is_err(), "the client gave up before the answer");
+    tasks.close();
+    tasks.wait().await;
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1, "the handler ran to completion");
+    assert_eq!(
+        send(&app.router, pay("gone", "?ms=500")).await,
+        (StatusCode::CREATED, true, "run 1".into())
+    );
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn scopes_can_come_from_the_application() {
+    let (store, dir) = sqlite().await;
+    let layer = IdempotencyLayer::new(store).with_scope(ScopeSource::Extension);
+    let app = app(layer, dir);
+    let as_tenant = |tenant: &str| {
+        let mut request = pay("shared-key", "");
+        request.extensions_mut().insert(Scope::application(tenant));
+        request
+    };
+    assert_eq!(
+        send(&app.router, as_tenant("acme")).await,
+        (StatusCode::CREATED, false, "run 1".into())
+    );
+    assert_eq!(
+        send(&app.router, as_tenant("globex")).await,
+        (StatusCode::CREATED, false, "run 2".into())
+    );
+    assert_eq!(
+        send(&app.router, as_tenant("acme")).await,
+        (StatusCode::CREATED, true, "run 1".into())
+    );
+}
+
+#[tokio::test]
+async fn answers_expire_to_tombstones_then_disappear() {
+    let (store, dir) = sqlite().await;
+    let clock = ManualClock::starting_now();
+    let layer = IdempotencyLayer::new(store)
+        .with_clock(Arc::new(clock.clone()))
+        .with_ttl(Duration::from_secs(3600))
+        .with_tombstone_ttl(Duration::from_secs(7200));
+    let app = app(layer, dir);
+
+    assert_eq!(send(&app.router, pay("order-1", "")).await.0, StatusCode::CREATED);
+    clock.advance(Duration::from_secs(3599));
+    assert!(
+        send(&app.router, pay("order-1", "")).await.1,
+        "replayable within the ttl"
+    );
+    clock.advance(Duration::from_secs(2));
+    let (status, _, body) = send(&app.router, pay("order-1", "")).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(body.contains("key-expired") && body.contains("new key"), "{body}");
+    clock.advance(Duration::from_secs(3600));
+    assert_eq!(
+        send(&app.router, pay("order-1", "")).await,
+        (StatusCode::CREATED, false, "run 2".into())
+    );
+}
+
+#[tokio::test]
+async fn provisional_keys_dedupe_a_double_tap_and_leave_no_tombstone() {
+    let (store, dir) = sqlite().await;
+    let clock = ManualClock::starting_now();
+    let layer = IdempotencyLayer::new(store)
+        .with_clock(Arc::new(clock.clone()))
+        .with_missing_key(MissingKeyPolicy::Fingerprint {
+            window: Duration::from_secs(5),
+        });
+    let app = app(layer, dir);
+    let tap = || {
+        Request::post("/pay")
+            .body(AxumBody::from("amount=10"))
+            .expect("request")
+    };
+
+    assert_eq!(
+        send(&app.router, tap()).await,
+        (StatusCode::CREATED, false, "run 1".into())
+    );
+    assert_eq!(
+        send(&app.router, tap()).await,
+        (StatusCode::CREATED, true, "run 1".into()),
+        "the double tap is caught"
+    );
+    let other = Request::post("/pay")
+        .body(AxumBody::from("amount=11"))
+        .expect("request");
+    assert_eq!(
+        send(&app.router, other).await,
+        (StatusCode::CREATED, false, "run 2".into())
+    );
+    clock.advance(Duration::from_secs(6));
+    assert_eq!(
+        send(&app.router, tap()).await,
+        (StatusCode::CREATED, false, "run 3".into()),
+        "after the window the same body is a new request, not key-expired"
+    );
+}
+
+/// A store whose server cannot be reached: every operation fails.
+#[derive(Debug)]
+struct Unreachable;
+
+fn down() -> StoreError {
+    StoreError::unavailable(std::io::Error::new(
+        std::io::ErrorKind::ConnectionRefused,
+        "connection refused",
+    ))
+}
+
+#[async_trait]
+impl Store for Unreachable {
+    async fn begin(&self, _: BeginRequest<'_>) -> Result<Begin, StoreError> {
+        Err(down())
+    }
+    async fn complete(&self, _: &RecordId, _: FencingToken, _: Completion) -> Result<(), StoreError> {
+        Err(down())
+    }
+    async fn release(&self, _: &RecordId, _: FencingToken, _: Release) -> Result<(), StoreError> {
+        Err(down())
+    }
+    async fn renew(&self, _: &RecordId, _: FencingToken, _: UnixMillis) -> Result<(), StoreError> {
+        Err(down())
+    }
+    async fn get(&self, _: &RecordId) -> Result<Option<Record>, StoreError> {
+        Err(down())
+    }
+    async fn wait(&self, _: &RecordId, _: FencingToken, _: tokio::time::Instant) -> Result<WaitOutcome, StoreError> {
+        Err(down())
+    }
+    async fn purge(&self, _: UnixMillis, _: usize) -> Result<Purged, StoreError> {
+        Err(down())
+    }
+    async fn ping(&self) -> Result<(), StoreError> {
+        Err(down())
+    }
+}
+
+#[tokio::test]
+async fn an_unreachable_store_fails_closed_unless_told_otherwise() {
+    let closed = app(IdempotencyLayer::new(Unreachable), tempfile::tempdir().expect("dir"));
+    let response = closed.router.clone().oneshot(pay("k", "")).await.expect("infallible");
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(response.headers().contains_key("retry-after"));
+    assert_eq!(closed.runs.load(Ordering::SeqCst), 0, "nothing runs without a claim");
+
+    let open = app(
+        IdempotencyLayer::new(Unreachable).with_fail_open(true),
+        tempfile::tempdir().expect("dir"),
+    );
+    assert_eq!(
+        send(&open.router, pay("k", "")).await,
+        (StatusCode::CREATED, false, "run 1".into())
+    );
+}
