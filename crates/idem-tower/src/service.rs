@@ -145,8 +145,12 @@ where
             }
         };
         let fingerprint = Fingerprint::of(&parts.method, &parts.uri, &parts.headers, &bytes);
+        let started = std::time::Instant::now();
         let claim = match self.protocol.begin(keyed, &fingerprint).await {
             Decision::Respond { response, outcome, id } => {
+                if matches!(outcome, Outcome::Waited | Outcome::InFlight) {
+                    metrics::histogram!("idem_wait_seconds").record(started.elapsed().as_secs_f64());
+                }
                 record_outcome(Some(&id), outcome, response.status());
                 return Ok(response.map(full));
             }

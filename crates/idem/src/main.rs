@@ -3,6 +3,7 @@
 mod admin;
 mod cli;
 mod commands;
+mod metered;
 mod proxy;
 mod serve;
 mod stores;

@@ -5,12 +5,15 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use idem_core::{Policy, Protocol};
+use std::sync::Arc;
+
+use idem_core::{Policy, Protocol, Store};
 use idem_tower::IdempotencyLayer;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::cli::ServeArgs;
+use crate::metered::MeteredStore;
 use crate::proxy::Proxy;
 use crate::{admin, stores};
 
@@ -19,7 +22,10 @@ const PURGE_EVERY: Duration = Duration::from_secs(60);
 const PURGE_BATCH: usize = 1000;
 
 pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
-    let store = stores::open(&args.store.store).await?;
+    let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .install_recorder()
+        .context("cannot install the metrics recorder")?;
+    let store: Arc<dyn Store> = Arc::new(MeteredStore(stores::open(&args.store.store).await?));
     let policy = Policy {
         methods: args.methods.clone(),
         scope: args.scope.clone(),
@@ -56,7 +62,7 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let purger = tokio::spawn(purge_forever(protocol, shutdown.clone()));
     let admin = tokio::spawn({
         let shutdown = shutdown.clone();
-        let router = admin::router(store.clone());
+        let router = admin::router(store.clone(), metrics);
         async move {
             axum::serve(admin_listener, router)
                 .with_graceful_shutdown(shutdown.cancelled_owned())
