@@ -313,17 +313,15 @@ impl Protocol {
             scope: keyed.scope,
             key,
         };
-        if provisional.is_none() {
-            if let Some(created) = id.key.timestamp() {
-                let now = self.now();
-                if now.since(created) > policy.ttl {
-                    let detail = format!(
-                        "this key was created at {created}, longer ago than the {} for which answers are kept; it has expired. Send the request again with a new key.",
-                        humantime::format_duration(policy.ttl)
-                    );
-                    return respond(Problem::new(ProblemKind::KeyExpired, detail), Outcome::Expired, id);
-                }
-            }
+        if provisional.is_none()
+            && let Some(created) = id.key.timestamp()
+            && self.now().since(created) > policy.ttl
+        {
+            let detail = format!(
+                "this key was created at {created}, longer ago than the {} for which answers are kept; it has expired. Send the request again with a new key.",
+                humantime::format_duration(policy.ttl)
+            );
+            return respond(Problem::new(ProblemKind::KeyExpired, detail), Outcome::Expired, id);
         }
 
         let mut deadline = None;
@@ -379,13 +377,12 @@ impl Protocol {
             completed_at,
             ..
         } = &record.state
+            && (now >= *expires_at || response.is_none())
         {
-            if now >= *expires_at || response.is_none() {
-                let detail = format!(
-                    "this key was used at {completed_at} and its answer is no longer kept; it has expired. Send the request again with a new key."
-                );
-                return Judgement::problem(Problem::new(ProblemKind::KeyExpired, detail), Outcome::Expired);
-            }
+            let detail = format!(
+                "this key was used at {completed_at} and its answer is no longer kept; it has expired. Send the request again with a new key."
+            );
+            return Judgement::problem(Problem::new(ProblemKind::KeyExpired, detail), Outcome::Expired);
         }
         if record.fingerprint.digest() != fingerprint.digest() {
             let first = &record.fingerprint;

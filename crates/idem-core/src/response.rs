@@ -108,10 +108,11 @@ impl StoredResponse {
             }
             headers.append(name.clone(), value.clone());
         }
-        if self.is_compact() && !headers.contains_key(header::CONTENT_LOCATION) {
-            if let Some(location) = headers.get(header::LOCATION).cloned() {
-                headers.insert(header::CONTENT_LOCATION, location);
-            }
+        if self.is_compact()
+            && !headers.contains_key(header::CONTENT_LOCATION)
+            && let Some(location) = headers.get(header::LOCATION).cloned()
+        {
+            headers.insert(header::CONTENT_LOCATION, location);
         }
         headers.insert(REPLAYED, HeaderValue::from_static("true"));
         response

@@ -66,6 +66,8 @@ pub struct BeginRequest<'a> {
 }
 
 /// The result of [`Store::begin`].
+// Not boxed: a begin happens once per request, and the existing record carries heap data anyway.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone)]
 pub enum Begin {
     /// The caller now holds the record and must run the request.

@@ -1,1 +1,36 @@
-//! x
+//! The SQLite store of idem: every record in one file, safe to share between the processes of one
+//! machine.
+//!
+//! The database runs in WAL mode; every write is one `BEGIN IMMEDIATE` transaction, so claims are
+//! atomic across connections and processes. Waiters in this process are woken at once; changes
+//! made by other processes are noticed by polling (5 ms, doubling up to 100 ms).
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//!
+//! use idem_core::{Policy, Protocol, Store};
+//! use idem_sqlite::SqliteStore;
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! // Creates the file and its schema if they are absent.
+//! let store = SqliteStore::from_url("sqlite://idem.db").await?;
+//! store.ping().await?;
+//! let protocol = Protocol::new(Arc::new(store), Policy::default());
+//! # let _ = protocol;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! Schema (`PRAGMA user_version` 1): one `STRICT` table `idem_records`, keyed by `(scope, key)`,
+//! indexed on `purge_at` and (for rows that still hold an answer) on `expires_at`, so that
+//! [`Store::purge`](idem_core::Store::purge) never scans the table.
+#![forbid(unsafe_code)]
+
+mod error;
+mod schema;
+mod store;
+mod url;
+mod waiters;
+
+pub use error::SqliteError;
+pub use store::SqliteStore;

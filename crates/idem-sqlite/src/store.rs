@@ -1,0 +1,753 @@
+//! [`SqliteStore`]: the `Store` primitives as SQLite transactions. Every write is one
+//! `BEGIN IMMEDIATE` transaction, which takes the database's write lock before it reads, so
+//! concurrent claims, in this process or another one, are serialised by SQLite itself.
+
+use std::fmt;
+use std::fs::OpenOptions;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use idem_core::{
+    Begin, BeginRequest, Completion, FencingToken, Fingerprint, Purged, Record, RecordId, RecordState, Release, Store,
+    StoreError, UnixMillis, WaitOutcome,
+};
+use rusqlite::{Connection, OptionalExtension, Row, Transaction, TransactionBehavior, params};
+
+use crate::waiters::{self, Subscription};
+use crate::{SqliteError, schema};
+
+/// How long a statement waits for another connection's write lock before it fails.
+const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long an in-flight record whose holder vanished (its lease ended and nobody retried) is kept
+/// before purging deletes it. Until then a retry takes it over and is marked recovered.
+const ABANDONED_CLAIM_RETENTION: Duration = Duration::from_secs(7 * 24 * 60 * 60);
+
+/// Polling for changes made by other processes, which cannot wake this one.
+const POLL_FIRST: Duration = Duration::from_millis(5);
+const POLL_MAX: Duration = Duration::from_millis(100);
+
+const IN_FLIGHT: &str = "in-flight";
+const COMPLETED: &str = "completed";
+const UNKNOWN: &str = "unknown";
+
+/// An idempotency store in one SQLite file.
+///
+/// Any number of processes may open the same file: claims are atomic across them, and waiters are
+/// woken at once by changes made in this process and within 100 ms by changes made elsewhere. The
+/// file must be on a local file system (WAL mode needs shared memory between the processes).
+///
+/// Cloning is cheap and shares the connections.
+#[derive(Clone)]
+pub struct SqliteStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    /// The path as given, for messages.
+    path: PathBuf,
+    /// The database's identity for wake-ups: the canonical path.
+    database: Arc<Path>,
+    /// All writes go through this connection; SQLite allows one writer at a time anyway.
+    writer: Mutex<Connection>,
+    /// Reads (`get`, the checks of `wait`, `ping`) do not queue behind writes. `None` for an
+    /// in-memory database, which exists only in its one connection.
+    reader: Option<Mutex<Connection>>,
+}
+
+impl fmt::Debug for SqliteStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SqliteStore").field("path", &self.inner.path).finish()
+    }
+}
+
+impl SqliteStore {
+    /// Opens the database at `path`, creating the file and the schema if they are absent.
+    ///
+    /// The directory must exist. `":memory:"` opens a private in-memory database (for tests; it
+    /// is gone when the store is dropped, and no other store can see it).
+    pub async fn open(path: impl AsRef<Path>) -> Result<Self, SqliteError> {
+        let path = path.as_ref().to_owned();
+        let task_path = path.clone();
+        let store = tokio::task::spawn_blocking(move || Self::open_blocking(task_path))
+            .await
+            .map_err(|source| cancelled(&path, source))??;
+        store.migrate().await?;
+        Ok(store)
+    }
+
+    /// Opens the database named by a URL: `sqlite://relative/path.db`, `sqlite:///absolute/path.db`
+    /// or `sqlite:path`.
+    pub async fn from_url(url: &str) -> Result<Self, SqliteError> {
+        Self::open(crate::url::path_of(url)?).await
+    }
+
+    /// Creates the schema if it is absent; does nothing if it is there. [`SqliteStore::open`] calls it.
+    pub async fn migrate(&self) -> Result<(), SqliteError> {
+        let inner = Arc::clone(&self.inner);
+        tokio::task::spawn_blocking(move || schema::migrate(&mut lock(&inner.writer), &inner.path))
+            .await
+            .map_err(|source| cancelled(&self.inner.path, source))?
+    }
+
+    /// The path of the database file, as given.
+    pub fn path(&self) -> &Path {
+        &self.inner.path
+    }
+
+    fn open_blocking(path: PathBuf) -> Result<Self, SqliteError> {
+        let memory = path.as_os_str() == ":memory:";
+        let database: Arc<Path> = if memory {
+            // Never shared: a relative name no canonical path can equal.
+            static MEMORY: AtomicU64 = AtomicU64::new(0);
+            PathBuf::from(format!(":memory:{}", MEMORY.fetch_add(1, Ordering::Relaxed))).into()
+        } else {
+            if path.as_os_str().is_empty() {
+                let empty = io::Error::new(io::ErrorKind::InvalidInput, "empty path");
+                return Err(SqliteError::open(&path, empty));
+            }
+            // The file system's errors say what is wrong; SQLite's only say "unable to open
+            // database file".
+            OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(&path)
+                .map_err(|err| SqliteError::open(&path, err))?;
+            std::fs::canonicalize(&path)
+                .map_err(|err| SqliteError::open(&path, err))?
+                .into()
+        };
+        let writer = connect(&path)?;
+        let journal: String =
+            retry_busy(|| writer.pragma_update_and_check(None, "journal_mode", "WAL", |row| row.get(0)))
+                .map_err(|err| SqliteError::setup(&path, err))?;
+        if !memory && !journal.eq_ignore_ascii_case("wal") {
+            tracing::warn!(path = %path.display(), %journal, "SQLite refused WAL mode: reads will wait for writes");
+        }
+        let reader = if memory {
+            None
+        } else {
+            Some(Mutex::new(connect(&path)?))
+        };
+        tracing::debug!(path = %path.display(), %journal, "SQLite store opened");
+        Ok(Self {
+            inner: Arc::new(Inner {
+                path,
+                database,
+                writer: Mutex::new(writer),
+                reader,
+            }),
+        })
+    }
+
+    /// Runs `op` in one immediate transaction on the writer connection, off the async runtime.
+    async fn write<T, F>(&self, op: F) -> Result<T, StoreError>
+    where
+        F: FnOnce(&Transaction<'_>) -> Result<T, StoreError> + Send + 'static,
+        T: Send + 'static,
+    {
+        let inner = Arc::clone(&self.inner);
+        blocking(move || {
+            let mut conn = lock(&inner.writer);
+            let tx = conn
+                .transaction_with_behavior(TransactionBehavior::Immediate)
+                .map_err(db_error)?;
+            // An error drops `tx`, which rolls back.
+            let value = op(&tx)?;
+            tx.commit().map_err(db_error)?;
+            Ok(value)
+        })
+        .await
+    }
+
+    /// Runs `op` on the reader connection, off the async runtime.
+    async fn read<T, F>(&self, op: F) -> Result<T, StoreError>
+    where
+        F: FnOnce(&Connection) -> Result<T, StoreError> + Send + 'static,
+        T: Send + 'static,
+    {
+        let inner = Arc::clone(&self.inner);
+        blocking(move || op(&lock(inner.reader.as_ref().unwrap_or(&inner.writer)))).await
+    }
+
+    /// Whether `token` is still the current claim on the record.
+    async fn holds(&self, id: &RecordId, token: FencingToken) -> Result<bool, StoreError> {
+        let id = id.clone();
+        self.read(move |conn| {
+            conn.prepare_cached(
+                "SELECT EXISTS (SELECT 1 FROM idem_records
+                 WHERE scope = ?1 AND key = ?2 AND state = 'in-flight' AND token = ?3)",
+            )
+            .and_then(|mut stmt| {
+                stmt.query_row(
+                    params![id.scope.as_str(), id.key.as_str(), &token.as_bytes()[..]],
+                    |row| row.get(0),
+                )
+            })
+            .map_err(db_error)
+        })
+        .await
+    }
+
+    fn wake(&self, id: &RecordId) {
+        waiters::wake(&self.inner.database, id);
+    }
+}
+
+fn connect(path: &Path) -> Result<Connection, SqliteError> {
+    let setup = |err| SqliteError::setup(path, err);
+    let conn = Connection::open(path).map_err(setup)?;
+    conn.busy_timeout(BUSY_TIMEOUT).map_err(setup)?;
+    // Durable at every checkpoint rather than every commit: with WAL a crash of the machine (not of
+    // the process) can lose the last commits, never corrupt the file.
+    conn.pragma_update(None, "synchronous", "NORMAL").map_err(setup)?;
+    Ok(conn)
+}
+
+/// Retries `op` while it fails with `SQLITE_BUSY`, for up to [`BUSY_TIMEOUT`]. Only for setup:
+/// switching a new file to WAL fails at once, without calling the busy handler, while another
+/// connection opens the same file.
+pub(crate) fn retry_busy<T>(mut op: impl FnMut() -> rusqlite::Result<T>) -> rusqlite::Result<T> {
+    let give_up = std::time::Instant::now() + BUSY_TIMEOUT;
+    loop {
+        match op() {
+            Err(err)
+                if err.sqlite_error_code() == Some(rusqlite::ErrorCode::DatabaseBusy)
+                    && std::time::Instant::now() < give_up =>
+            {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            result => return result,
+        }
+    }
+}
+
+fn lock(conn: &Mutex<Connection>) -> MutexGuard<'_, Connection> {
+    // A panic cannot leave a transaction open: dropping the `Transaction` rolls it back.
+    conn.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn cancelled(path: &Path, source: tokio::task::JoinError) -> SqliteError {
+    if source.is_panic() {
+        std::panic::resume_unwind(source.into_panic());
+    }
+    SqliteError::Cancelled {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+async fn blocking<T, F>(op: F) -> Result<T, StoreError>
+where
+    F: FnOnce() -> Result<T, StoreError> + Send + 'static,
+    T: Send + 'static,
+{
+    match tokio::task::spawn_blocking(op).await {
+        Ok(result) => result,
+        Err(err) if err.is_panic() => std::panic::resume_unwind(err.into_panic()),
+        Err(err) => Err(StoreError::unavailable(err)),
+    }
+}
+
+/// SQLite's errors are the store being unavailable, except values of the wrong type or range:
+/// those mean the row itself is corrupt.
+fn db_error(err: rusqlite::Error) -> StoreError {
+    match err {
+        rusqlite::Error::InvalidColumnType(..)
+        | rusqlite::Error::FromSqlConversionFailure(..)
+        | rusqlite::Error::IntegralValueOutOfRange(..) => StoreError::Corrupt(err.to_string()),
+        err => StoreError::unavailable(err),
+    }
+}
+
+/// A compare-and-set that changed nothing lost its claim.
+fn fenced(changed: usize) -> Result<(), StoreError> {
+    if changed == 0 { Err(StoreError::Fenced) } else { Ok(()) }
+}
+
+fn abandoned_purge_at(lease_until: UnixMillis) -> i64 {
+    lease_until.plus(ABANDONED_CLAIM_RETENTION).as_i64()
+}
+
+const COLUMNS: &str =
+    "state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays";
+
+/// A row as stored, before it is checked.
+struct StoredRow {
+    state: String,
+    fingerprint: Vec<u8>,
+    digest: Vec<u8>,
+    token: Option<Vec<u8>>,
+    lease_until: Option<i64>,
+    response: Option<Vec<u8>>,
+    created_at: i64,
+    completed_at: Option<i64>,
+    expires_at: Option<i64>,
+    purge_at: i64,
+    replays: i64,
+}
+
+impl StoredRow {
+    /// Reads the columns of [`COLUMNS`], in order.
+    fn from_row(row: &Row<'_>) -> rusqlite::Result<Self> {
+        Ok(Self {
+            state: row.get(0)?,
+            fingerprint: row.get(1)?,
+            digest: row.get(2)?,
+            token: row.get(3)?,
+            lease_until: row.get(4)?,
+            response: row.get(5)?,
+            created_at: row.get(6)?,
+            completed_at: row.get(7)?,
+            expires_at: row.get(8)?,
+            purge_at: row.get(9)?,
+            replays: row.get(10)?,
+        })
+    }
+
+    fn find(conn: &Connection, id: &RecordId) -> Result<Option<Self>, StoreError> {
+        conn.prepare_cached(&format!(
+            "SELECT {COLUMNS} FROM idem_records WHERE scope = ?1 AND key = ?2"
+        ))
+        .and_then(|mut stmt| {
+            stmt.query_row(params![id.scope.as_str(), id.key.as_str()], Self::from_row)
+                .optional()
+        })
+        .map_err(db_error)
+    }
+
+    fn into_record(self, id: RecordId) -> Result<Record, StoreError> {
+        let corrupt = |what: &str| StoreError::Corrupt(format!("record {} {}: {what}", id.scope, id.key));
+        let fingerprint = Fingerprint::decode(&self.fingerprint).map_err(|_| corrupt("undecodable fingerprint"))?;
+        let millis = |value: Option<i64>, column: &str| {
+            value
+                .map(UnixMillis::from_i64)
+                .ok_or_else(|| corrupt(&format!("{} record without {column}", self.state)))
+        };
+        let state = match self.state.as_str() {
+            IN_FLIGHT => {
+                let token = self
+                    .token
+                    .as_deref()
+                    .and_then(|bytes| <[u8; 16]>::try_from(bytes).ok())
+                    .ok_or_else(|| corrupt("in-flight record without a 16-byte token"))?;
+                RecordState::InFlight {
+                    token: FencingToken::from_bytes(token),
+                    lease_until: millis(self.lease_until, "lease_until")?,
+                }
+            }
+            COMPLETED => RecordState::Completed {
+                response: self.response.map(Bytes::from),
+                completed_at: millis(self.completed_at, "completed_at")?,
+                expires_at: millis(self.expires_at, "expires_at")?,
+                purge_at: UnixMillis::from_i64(self.purge_at),
+            },
+            UNKNOWN => RecordState::Unknown {
+                purge_at: UnixMillis::from_i64(self.purge_at),
+            },
+            other => return Err(corrupt(&format!("unknown state {other:?}"))),
+        };
+        Ok(Record {
+            fingerprint,
+            created_at: UnixMillis::from_i64(self.created_at),
+            replays: u64::try_from(self.replays).map_err(|_| corrupt("negative replay count"))?,
+            state,
+            id,
+        })
+    }
+}
+
+/// `begin` inside its transaction; also says whether a record changed hands, which wakes waiters.
+fn begin_in(tx: &Transaction<'_>, id: RecordId, request: OwnedBegin) -> Result<(Begin, bool), StoreError> {
+    let OwnedBegin {
+        fingerprint,
+        digest,
+        now,
+        lease_until,
+        token,
+    } = request;
+    let (scope, key) = (id.scope.as_str(), id.key.as_str());
+    let purge_at = abandoned_purge_at(lease_until);
+    let inserted = tx
+        .prepare_cached(
+            "INSERT INTO idem_records
+                 (scope, key, state, fingerprint, digest, token, lease_until, created_at, purge_at, replays)
+             VALUES (?1, ?2, 'in-flight', ?3, ?4, ?5, ?6, ?7, ?8, 0)
+             ON CONFLICT (scope, key) DO NOTHING
+             RETURNING 1",
+        )
+        .and_then(|mut stmt| {
+            stmt.query_row(
+                params![
+                    scope,
+                    key,
+                    fingerprint,
+                    &digest[..],
+                    &token.as_bytes()[..],
+                    lease_until.as_i64(),
+                    now.as_i64(),
+                    purge_at
+                ],
+                |_| Ok(()),
+            )
+            .optional()
+        })
+        .map_err(db_error)?;
+    if inserted.is_some() {
+        return Ok((Begin::Acquired { recovered: false }, false));
+    }
+    // The write lock is held since BEGIN IMMEDIATE: the conflicting row is committed and visible.
+    let row = StoredRow::find(tx, &id)?
+        .ok_or_else(|| StoreError::Corrupt(format!("record {scope} {key} conflicted on insert but cannot be read")))?;
+    let now = now.as_i64();
+    if row.purge_at <= now {
+        tx.prepare_cached(
+            "UPDATE idem_records
+             SET state = 'in-flight', fingerprint = ?3, digest = ?4, token = ?5, lease_until = ?6,
+                 response = NULL, created_at = ?7, completed_at = NULL, expires_at = NULL,
+                 purge_at = ?8, replays = 0
+             WHERE scope = ?1 AND key = ?2",
+        )
+        .and_then(|mut stmt| {
+            stmt.execute(params![
+                scope,
+                key,
+                fingerprint,
+                &digest[..],
+                &token.as_bytes()[..],
+                lease_until.as_i64(),
+                now,
+                purge_at
+            ])
+        })
+        .map_err(db_error)?;
+        return Ok((Begin::Acquired { recovered: false }, true));
+    }
+    let same_request = row.digest.as_slice() == digest.as_slice();
+    let lease_ended = row.lease_until.is_some_and(|until| until <= now);
+    let abandoned = (row.state == IN_FLIGHT && lease_ended) || row.state == UNKNOWN;
+    if same_request && abandoned {
+        tx.prepare_cached(
+            "UPDATE idem_records
+             SET state = 'in-flight', token = ?3, lease_until = ?4, purge_at = ?5
+             WHERE scope = ?1 AND key = ?2",
+        )
+        .and_then(|mut stmt| {
+            stmt.execute(params![
+                scope,
+                key,
+                &token.as_bytes()[..],
+                lease_until.as_i64(),
+                purge_at
+            ])
+        })
+        .map_err(db_error)?;
+        return Ok((Begin::Acquired { recovered: true }, true));
+    }
+    let replayable =
+        row.state == COMPLETED && row.response.is_some() && row.expires_at.is_some_and(|expires| now < expires);
+    let replayed = same_request && replayable;
+    if replayed {
+        tx.prepare_cached("UPDATE idem_records SET replays = replays + 1 WHERE scope = ?1 AND key = ?2")
+            .and_then(|mut stmt| stmt.execute(params![scope, key]))
+            .map_err(db_error)?;
+    }
+    // A corrupt row fails here, which rolls the increment back.
+    let mut record = row.into_record(id)?;
+    if replayed {
+        record.replays += 1;
+    }
+    Ok((Begin::Existing(record), false))
+}
+
+/// A [`BeginRequest`] that can move to the blocking thread.
+struct OwnedBegin {
+    fingerprint: Vec<u8>,
+    digest: [u8; 32],
+    now: UnixMillis,
+    lease_until: UnixMillis,
+    token: FencingToken,
+}
+
+#[async_trait]
+impl Store for SqliteStore {
+    async fn begin(&self, request: BeginRequest<'_>) -> Result<Begin, StoreError> {
+        let id = request.id.clone();
+        let owned = OwnedBegin {
+            fingerprint: request.fingerprint.encode(),
+            digest: *request.fingerprint.digest(),
+            now: request.now,
+            lease_until: request.lease_until,
+            token: request.token,
+        };
+        let (begun, changed_hands) = self.write(move |tx| begin_in(tx, id, owned)).await?;
+        if changed_hands {
+            self.wake(request.id);
+        }
+        Ok(begun)
+    }
+
+    async fn complete(&self, id: &RecordId, token: FencingToken, completion: Completion) -> Result<(), StoreError> {
+        let owned = id.clone();
+        self.write(move |tx| {
+            let changed = tx
+                .prepare_cached(
+                    "UPDATE idem_records
+                     SET state = 'completed', token = NULL, lease_until = NULL, response = ?4,
+                         completed_at = ?5, expires_at = ?6, purge_at = ?7
+                     WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in-flight'",
+                )
+                .and_then(|mut stmt| {
+                    stmt.execute(params![
+                        owned.scope.as_str(),
+                        owned.key.as_str(),
+                        &token.as_bytes()[..],
+                        &completion.response[..],
+                        completion.completed_at.as_i64(),
+                        completion.expires_at.as_i64(),
+                        completion.purge_at.as_i64()
+                    ])
+                })
+                .map_err(db_error)?;
+            fenced(changed)
+        })
+        .await?;
+        self.wake(id);
+        Ok(())
+    }
+
+    async fn release(&self, id: &RecordId, token: FencingToken, release: Release) -> Result<(), StoreError> {
+        let owned = id.clone();
+        self.write(move |tx| {
+            let (scope, key, token) = (owned.scope.as_str(), owned.key.as_str(), &token.as_bytes()[..]);
+            let changed = match release {
+                Release::Forget => tx
+                    .prepare_cached(
+                        "DELETE FROM idem_records
+                         WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in-flight'",
+                    )
+                    .and_then(|mut stmt| stmt.execute(params![scope, key, token])),
+                // The fingerprint stays: only the same request may take the record over.
+                Release::Unknown { purge_at } => tx
+                    .prepare_cached(
+                        "UPDATE idem_records
+                         SET state = 'unknown', token = NULL, lease_until = NULL, purge_at = ?4
+                         WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in-flight'",
+                    )
+                    .and_then(|mut stmt| stmt.execute(params![scope, key, token, purge_at.as_i64()])),
+            }
+            .map_err(db_error)?;
+            fenced(changed)
+        })
+        .await?;
+        self.wake(id);
+        Ok(())
+    }
+
+    async fn renew(&self, id: &RecordId, token: FencingToken, lease_until: UnixMillis) -> Result<(), StoreError> {
+        let id = id.clone();
+        self.write(move |tx| {
+            let changed = tx
+                .prepare_cached(
+                    "UPDATE idem_records SET lease_until = ?4, purge_at = ?5
+                     WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in-flight'",
+                )
+                .and_then(|mut stmt| {
+                    stmt.execute(params![
+                        id.scope.as_str(),
+                        id.key.as_str(),
+                        &token.as_bytes()[..],
+                        lease_until.as_i64(),
+                        abandoned_purge_at(lease_until)
+                    ])
+                })
+                .map_err(db_error)?;
+            fenced(changed)
+        })
+        .await
+    }
+
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+        let id = id.clone();
+        self.read(move |conn| StoredRow::find(conn, &id)?.map(|row| row.into_record(id)).transpose())
+            .await
+    }
+
+    async fn wait(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        deadline: tokio::time::Instant,
+    ) -> Result<WaitOutcome, StoreError> {
+        let subscription = Subscription::new(&self.inner.database, id);
+        let mut poll = POLL_FIRST;
+        loop {
+            // Subscribed before the check: a change committed after it still wakes us.
+            let notified = subscription.notify().notified();
+            let mut notified = std::pin::pin!(notified);
+            notified.as_mut().enable();
+            if !self.holds(id, token).await? {
+                return Ok(WaitOutcome::Changed);
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Ok(WaitOutcome::TimedOut);
+            }
+            tokio::select! {
+                () = &mut notified => {}
+                () = tokio::time::sleep(poll) => poll = (poll * 2).min(POLL_MAX),
+                () = tokio::time::sleep_until(deadline) => {}
+            }
+        }
+    }
+
+    async fn purge(&self, now: UnixMillis, batch: usize) -> Result<Purged, StoreError> {
+        let limit = i64::try_from(batch).unwrap_or(i64::MAX);
+        self.write(move |tx| {
+            let now = now.as_i64();
+            // `DELETE ... LIMIT` is not compiled into the bundled SQLite: delete by rowid.
+            let deleted = tx
+                .prepare_cached(
+                    "DELETE FROM idem_records WHERE rowid IN
+                     (SELECT rowid FROM idem_records WHERE purge_at <= ?1 LIMIT ?2)",
+                )
+                .and_then(|mut stmt| stmt.execute(params![now, limit]))
+                .map_err(db_error)?;
+            let tombstoned = tx
+                .prepare_cached(
+                    "UPDATE idem_records SET response = NULL WHERE rowid IN
+                     (SELECT rowid FROM idem_records WHERE response IS NOT NULL AND expires_at <= ?1 LIMIT ?2)",
+                )
+                .and_then(|mut stmt| stmt.execute(params![now, limit]))
+                .map_err(db_error)?;
+            Ok(Purged {
+                deleted: deleted as u64,
+                tombstoned: tombstoned as u64,
+            })
+        })
+        .await
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.read(|conn| {
+            conn.query_row("SELECT 1", [], |row| row.get::<_, i64>(0))
+                .map(drop)
+                .map_err(db_error)
+        })
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(conn: &Connection, sql: &str) -> String {
+        let mut stmt = conn.prepare(&format!("EXPLAIN QUERY PLAN {sql}")).unwrap();
+        let rows = stmt.query_map(params![0, 10], |row| row.get::<_, String>(3)).unwrap();
+        rows.map(Result::unwrap).collect::<Vec<_>>().join("; ")
+    }
+
+    #[tokio::test]
+    async fn purging_uses_the_indexes() {
+        let store = SqliteStore::open(":memory:").await.unwrap();
+        let conn = lock(&store.inner.writer);
+        let deleting = plan(&conn, "SELECT rowid FROM idem_records WHERE purge_at <= ?1 LIMIT ?2");
+        assert!(
+            deleting.contains("USING COVERING INDEX idem_records_purge_at"),
+            "{deleting}"
+        );
+        let tombstoning = plan(
+            &conn,
+            "SELECT rowid FROM idem_records WHERE response IS NOT NULL AND expires_at <= ?1 LIMIT ?2",
+        );
+        assert!(
+            tombstoning.contains("USING INDEX idem_records_expires_at"),
+            "{tombstoning}"
+        );
+    }
+
+    #[tokio::test]
+    async fn changes_wake_subscribers_of_every_store_object_on_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("idem.db");
+        let (holder, watcher) = (
+            SqliteStore::open(&path).await.unwrap(),
+            SqliteStore::open(&path).await.unwrap(),
+        );
+        let id = RecordId {
+            scope: idem_core::Scope::shared(),
+            key: idem_core::IdempotencyKey::new("wake").unwrap(),
+        };
+        let fingerprint = Fingerprint::of(
+            &http::Method::POST,
+            &"/pay".parse().unwrap(),
+            &http::HeaderMap::new(),
+            b"body",
+        );
+        let token = FencingToken::random();
+        let now = UnixMillis(1_000);
+        let request = BeginRequest {
+            id: &id,
+            fingerprint: &fingerprint,
+            now,
+            lease_until: now,
+            token,
+        };
+        holder.begin(request).await.unwrap();
+
+        let subscription = Subscription::new(&watcher.inner.database, &id);
+        let mut notified = std::pin::pin!(subscription.notify().notified());
+        notified.as_mut().enable();
+        // Taking over an expired lease changes the holder: waiters on the old token must look.
+        let takeover = BeginRequest {
+            token: FencingToken::random(),
+            now: UnixMillis(2_000),
+            lease_until: UnixMillis(3_000),
+            ..request
+        };
+        assert!(matches!(
+            holder.begin(takeover).await.unwrap(),
+            Begin::Acquired { recovered: true }
+        ));
+        tokio::time::timeout(Duration::from_secs(1), notified)
+            .await
+            .expect("the takeover woke the subscriber, no polling involved");
+
+        let mut notified = std::pin::pin!(subscription.notify().notified());
+        notified.as_mut().enable();
+        let completion = Completion {
+            response: Bytes::from_static(b"answer"),
+            completed_at: UnixMillis(2_500),
+            expires_at: UnixMillis(10_000),
+            purge_at: UnixMillis(20_000),
+        };
+        holder.complete(&id, takeover.token, completion).await.unwrap();
+        tokio::time::timeout(Duration::from_secs(1), notified)
+            .await
+            .expect("complete woke the subscriber, no polling involved");
+    }
+
+    #[tokio::test]
+    async fn waiters_leave_no_registry_entries() {
+        let store = SqliteStore::open(":memory:").await.unwrap();
+        let id = RecordId {
+            scope: idem_core::Scope::shared(),
+            key: idem_core::IdempotencyKey::new("registry").unwrap(),
+        };
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(20);
+        let (a, b) = tokio::join!(
+            store.wait(&id, FencingToken::random(), deadline),
+            store.wait(&id, FencingToken::random(), deadline)
+        );
+        assert_eq!((a.unwrap(), b.unwrap()), (WaitOutcome::Changed, WaitOutcome::Changed));
+        let key = (Arc::clone(&store.inner.database), id);
+        assert!(!waiters::is_registered(&key));
+    }
+}

@@ -1,0 +1,483 @@
+//! Direct tests of the SQLite store's `Store` API against a file in a temporary directory. Times
+//! are passed explicitly, as the protocol does, so leases expire without sleeping.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use idem_core::{
+    Begin, BeginRequest, Completion, FencingToken, Fingerprint, IdempotencyKey, Purged, RecordId, RecordState, Release,
+    Scope, Store, StoreError, UnixMillis, WaitOutcome,
+};
+use idem_sqlite::{SqliteError, SqliteStore};
+use tokio::time::Instant;
+
+const T0: UnixMillis = UnixMillis(1_700_000_000_000);
+const LEASE: Duration = Duration::from_secs(60);
+
+fn fingerprint(body: &[u8]) -> Fingerprint {
+    Fingerprint::of(
+        &http::Method::POST,
+        &"/pay".parse().unwrap(),
+        &http::HeaderMap::new(),
+        body,
+    )
+}
+
+fn id(key: &str) -> RecordId {
+    RecordId {
+        scope: Scope::application("tenant-1"),
+        key: IdempotencyKey::new(key).unwrap(),
+    }
+}
+
+async fn begin(store: &SqliteStore, id: &RecordId, fp: &Fingerprint, now: UnixMillis) -> (Begin, FencingToken) {
+    let token = FencingToken::random();
+    let begun = store
+        .begin(BeginRequest {
+            id,
+            fingerprint: fp,
+            now,
+            lease_until: now.plus(LEASE),
+            token,
+        })
+        .await
+        .unwrap();
+    (begun, token)
+}
+
+fn completion(now: UnixMillis, body: &'static [u8]) -> Completion {
+    Completion {
+        response: Bytes::from_static(body),
+        completed_at: now,
+        expires_at: now.plus(Duration::from_secs(3600)),
+        purge_at: now.plus(Duration::from_secs(7200)),
+    }
+}
+
+async fn temp_store() -> (tempfile::TempDir, SqliteStore) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path().join("idem.db")).await.unwrap();
+    (dir, store)
+}
+
+#[tokio::test]
+async fn a_new_key_is_claimed_then_replayed_and_counted() {
+    let (_dir, store) = temp_store().await;
+    let (id, fp) = (id("k1"), fingerprint(b"body"));
+
+    let (begun, token) = begin(&store, &id, &fp, T0).await;
+    assert!(matches!(begun, Begin::Acquired { recovered: false }), "{begun:?}");
+    let record = store.get(&id).await.unwrap().expect("the claim is stored");
+    assert_eq!(record.fingerprint, fp);
+    assert_eq!(record.created_at, T0);
+    assert!(
+        matches!(record.state, RecordState::InFlight { token: t, lease_until } if t == token && lease_until == T0.plus(LEASE))
+    );
+
+    // In flight and within its lease: nobody else gets it.
+    let (begun, _) = begin(&store, &id, &fp, T0.plus(Duration::from_secs(1))).await;
+    assert!(matches!(&begun, Begin::Existing(r) if matches!(r.state, RecordState::InFlight { .. })));
+
+    let done = T0.plus(Duration::from_secs(2));
+    store.complete(&id, token, completion(done, b"answer")).await.unwrap();
+
+    for expected in 1..=3 {
+        let (begun, _) = begin(&store, &id, &fp, done.plus(Duration::from_secs(1))).await;
+        let Begin::Existing(record) = begun else {
+            panic!("a completed record is not claimed again")
+        };
+        assert_eq!(record.replays, expected);
+        let RecordState::Completed {
+            response, completed_at, ..
+        } = record.state
+        else {
+            panic!("{record:?}")
+        };
+        assert_eq!(response.as_deref(), Some(&b"answer"[..]));
+        assert_eq!(completed_at, done);
+    }
+    // A different request under the same key is reported, not counted as a replay.
+    let (begun, _) = begin(&store, &id, &fingerprint(b"other"), done).await;
+    assert!(matches!(&begun, Begin::Existing(r) if r.replays == 3 && r.fingerprint == fp));
+    // Past its expiry the answer is not replayed, so not counted either.
+    let (begun, _) = begin(&store, &id, &fp, done.plus(Duration::from_secs(3600))).await;
+    assert!(matches!(&begun, Begin::Existing(r) if r.replays == 3));
+    assert_eq!(store.get(&id).await.unwrap().unwrap().replays, 3);
+}
+
+#[tokio::test]
+async fn a_stale_token_is_fenced_after_a_takeover() {
+    let (_dir, store) = temp_store().await;
+    let (id, fp) = (id("k2"), fingerprint(b"body"));
+    let (_, old) = begin(&store, &id, &fp, T0).await;
+
+    // A different request cannot take over an expired lease.
+    let expired = T0.plus(LEASE);
+    let (begun, _) = begin(&store, &id, &fingerprint(b"other"), expired).await;
+    assert!(matches!(begun, Begin::Existing(_)), "{begun:?}");
+
+    let (begun, new) = begin(&store, &id, &fp, expired).await;
+    assert!(matches!(begun, Begin::Acquired { recovered: true }), "{begun:?}");
+    let record = store.get(&id).await.unwrap().unwrap();
+    assert_eq!(record.created_at, T0, "a takeover keeps the record's creation time");
+
+    let later = expired.plus(Duration::from_secs(1));
+    assert!(matches!(
+        store.renew(&id, old, later.plus(LEASE)).await,
+        Err(StoreError::Fenced)
+    ));
+    assert!(matches!(
+        store.complete(&id, old, completion(later, b"stale")).await,
+        Err(StoreError::Fenced)
+    ));
+    assert!(matches!(
+        store.release(&id, old, Release::Forget).await,
+        Err(StoreError::Fenced)
+    ));
+    assert!(matches!(
+        store.release(&id, old, Release::Unknown { purge_at: later }).await,
+        Err(StoreError::Fenced)
+    ));
+
+    store.renew(&id, new, later.plus(LEASE)).await.unwrap();
+    store.complete(&id, new, completion(later, b"fresh")).await.unwrap();
+    let record = store.get(&id).await.unwrap().unwrap();
+    assert!(matches!(record.state, RecordState::Completed { response: Some(r), .. } if r == "fresh"));
+    // Once completed, even the winning token cannot touch it again.
+    assert!(matches!(store.renew(&id, new, later).await, Err(StoreError::Fenced)));
+    assert!(matches!(
+        store.release(&id, new, Release::Forget).await,
+        Err(StoreError::Fenced)
+    ));
+}
+
+#[tokio::test]
+async fn a_renewed_lease_is_not_taken_over() {
+    let (_dir, store) = temp_store().await;
+    let (id, fp) = (id("k3"), fingerprint(b"body"));
+    let (_, token) = begin(&store, &id, &fp, T0).await;
+    store.renew(&id, token, T0.plus(LEASE * 2)).await.unwrap();
+    let (begun, _) = begin(&store, &id, &fp, T0.plus(LEASE)).await;
+    assert!(matches!(begun, Begin::Existing(_)), "{begun:?}");
+}
+
+#[tokio::test]
+async fn releases_forget_or_remember_an_unknown_outcome() {
+    let (_dir, store) = temp_store().await;
+    let fp = fingerprint(b"body");
+
+    let forgotten = id("forget");
+    let (_, token) = begin(&store, &forgotten, &fp, T0).await;
+    store.release(&forgotten, token, Release::Forget).await.unwrap();
+    assert!(store.get(&forgotten).await.unwrap().is_none());
+    let (begun, _) = begin(&store, &forgotten, &fp, T0).await;
+    assert!(matches!(begun, Begin::Acquired { recovered: false }));
+
+    let unknown = id("unknown");
+    let purge_at = T0.plus(Duration::from_secs(3600));
+    let (_, token) = begin(&store, &unknown, &fp, T0).await;
+    store
+        .release(&unknown, token, Release::Unknown { purge_at })
+        .await
+        .unwrap();
+    let record = store.get(&unknown).await.unwrap().unwrap();
+    assert!(matches!(record.state, RecordState::Unknown { purge_at: p } if p == purge_at));
+    assert_eq!(record.fingerprint, fp);
+    // Only the same request takes it over, and it is told that the first run may have had effects.
+    let (begun, _) = begin(&store, &unknown, &fingerprint(b"other"), T0).await;
+    assert!(matches!(begun, Begin::Existing(_)));
+    let (begun, _) = begin(&store, &unknown, &fp, T0).await;
+    assert!(matches!(begun, Begin::Acquired { recovered: true }));
+
+    // Past its purge time a record is as good as gone, whatever the request.
+    let gone = id("gone");
+    let (_, token) = begin(&store, &gone, &fp, T0).await;
+    store
+        .release(&gone, token, Release::Unknown { purge_at })
+        .await
+        .unwrap();
+    let other = fingerprint(b"other");
+    let (begun, _) = begin(&store, &gone, &other, purge_at).await;
+    assert!(matches!(begun, Begin::Acquired { recovered: false }), "{begun:?}");
+    let record = store.get(&gone).await.unwrap().unwrap();
+    assert_eq!(record.fingerprint, other);
+    assert_eq!(record.created_at, purge_at);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn fifty_concurrent_claims_on_two_stores_acquire_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("shared.db");
+    let (a, b) = tokio::join!(SqliteStore::open(&path), SqliteStore::open(&path));
+    let stores = [Arc::new(a.unwrap()), Arc::new(b.unwrap())];
+    let (id, fp) = (Arc::new(id("race")), Arc::new(fingerprint(b"body")));
+    let barrier = Arc::new(tokio::sync::Barrier::new(50));
+    let tasks: Vec<_> = (0..50)
+        .map(|i| {
+            let (store, id, fp, barrier) = (
+                Arc::clone(&stores[i % 2]),
+                Arc::clone(&id),
+                Arc::clone(&fp),
+                Arc::clone(&barrier),
+            );
+            tokio::spawn(async move {
+                barrier.wait().await;
+                begin(&store, &id, &fp, T0).await.0
+            })
+        })
+        .collect();
+    let mut acquired = 0;
+    for task in tasks {
+        match task.await.unwrap() {
+            Begin::Acquired { recovered } => {
+                assert!(!recovered);
+                acquired += 1;
+            }
+            Begin::Existing(record) => assert!(matches!(record.state, RecordState::InFlight { .. })),
+        }
+    }
+    assert_eq!(acquired, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_is_woken_by_complete_on_another_store_object() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("idem.db");
+    let holder = SqliteStore::open(&path).await.unwrap();
+    let watcher = SqliteStore::open(&path).await.unwrap();
+    let (id, fp) = (id("wait"), fingerprint(b"body"));
+    let (_, token) = begin(&holder, &id, &fp, T0).await;
+
+    let started = Instant::now();
+    let waiter = {
+        let id = id.clone();
+        tokio::spawn(async move { watcher.wait(&id, token, started + Duration::from_secs(10)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!waiter.is_finished(), "the claim is still held");
+    holder.complete(&id, token, completion(T0, b"answer")).await.unwrap();
+    let outcome = tokio::time::timeout(Duration::from_secs(2), waiter)
+        .await
+        .expect("complete wakes the waiter")
+        .unwrap()
+        .unwrap();
+    assert_eq!(outcome, WaitOutcome::Changed);
+
+    // A claim that is not current (or a record that is gone) does not wait at all.
+    let outcome = holder
+        .wait(&id, FencingToken::random(), Instant::now() + Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert_eq!(outcome, WaitOutcome::Changed);
+}
+
+#[tokio::test]
+async fn a_wait_times_out_while_the_claim_is_held() {
+    let (_dir, store) = temp_store().await;
+    let (id, fp) = (id("held"), fingerprint(b"body"));
+    let (_, token) = begin(&store, &id, &fp, T0).await;
+    let started = Instant::now();
+    let outcome = store
+        .wait(&id, token, started + Duration::from_millis(200))
+        .await
+        .unwrap();
+    assert_eq!(outcome, WaitOutcome::TimedOut);
+    assert!(started.elapsed() >= Duration::from_millis(200));
+    assert!(started.elapsed() < Duration::from_secs(2));
+}
+
+/// Another process cannot notify this one: a change made through a plain connection is found by
+/// polling.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_notices_a_change_made_by_another_process() {
+    let (dir, store) = temp_store().await;
+    let (id, fp) = (id("elsewhere"), fingerprint(b"body"));
+    let (_, token) = begin(&store, &id, &fp, T0).await;
+    let waiter = {
+        let (store, id) = (store.clone(), id.clone());
+        tokio::spawn(async move { store.wait(&id, token, Instant::now() + Duration::from_secs(10)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!waiter.is_finished());
+    let conn = rusqlite::Connection::open(dir.path().join("idem.db")).unwrap();
+    conn.busy_timeout(Duration::from_secs(10)).unwrap();
+    let deleted = conn
+        .execute("DELETE FROM idem_records WHERE key = ?1", [id.key.as_str()])
+        .unwrap();
+    assert_eq!(deleted, 1);
+    let changed = Instant::now();
+    let outcome = tokio::time::timeout(Duration::from_secs(2), waiter)
+        .await
+        .expect("polling notices the change")
+        .unwrap()
+        .unwrap();
+    assert_eq!(outcome, WaitOutcome::Changed);
+    assert!(
+        changed.elapsed() < Duration::from_millis(500),
+        "{:?}",
+        changed.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn purge_drops_answers_then_records_in_batches() {
+    let (_dir, store) = temp_store().await;
+    let fp = fingerprint(b"body");
+    for i in 0..5 {
+        let id = id(&format!("p{i}"));
+        let (_, token) = begin(&store, &id, &fp, T0).await;
+        store.complete(&id, token, completion(T0, b"answer")).await.unwrap();
+    }
+    let (_, _held) = begin(&store, &id("in-flight"), &fp, T0).await;
+
+    assert_eq!(store.purge(T0, 100).await.unwrap(), Purged::default());
+
+    let expired = T0.plus(Duration::from_secs(3600));
+    assert_eq!(
+        store.purge(expired, 3).await.unwrap(),
+        Purged {
+            deleted: 0,
+            tombstoned: 3
+        }
+    );
+    assert_eq!(store.purge(expired, 3).await.unwrap().tombstoned, 2);
+    assert_eq!(store.purge(expired, 3).await.unwrap(), Purged::default());
+    // A tombstone still says the key was used.
+    let record = store.get(&id("p0")).await.unwrap().unwrap();
+    assert!(
+        matches!(record.state, RecordState::Completed { response: None, .. }),
+        "{record:?}"
+    );
+    let (begun, _) = begin(&store, &id("p0"), &fp, expired).await;
+    assert!(matches!(begun, Begin::Existing(r) if r.replays == 0));
+
+    let purged = T0.plus(Duration::from_secs(7200));
+    assert_eq!(store.purge(purged, 4).await.unwrap().deleted, 4);
+    assert_eq!(store.purge(purged, 4).await.unwrap().deleted, 1);
+    assert!(store.get(&id("p4")).await.unwrap().is_none());
+    assert!(
+        store.get(&id("in-flight")).await.unwrap().is_some(),
+        "a live claim is never purged"
+    );
+}
+
+#[tokio::test]
+async fn records_survive_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("idem.db");
+    let (id, fp) = (id("restart"), fingerprint(b"body"));
+    {
+        let store = SqliteStore::open(&path).await.unwrap();
+        let (_, token) = begin(&store, &id, &fp, T0).await;
+        store.complete(&id, token, completion(T0, b"kept")).await.unwrap();
+    }
+    let url = format!("sqlite://{}", path.display());
+    assert!(url.starts_with("sqlite:///"), "an absolute path");
+    let store = SqliteStore::from_url(&url).await.unwrap();
+    store.migrate().await.unwrap();
+    store.ping().await.unwrap();
+    let record = store.get(&id).await.unwrap().unwrap();
+    assert!(matches!(record.state, RecordState::Completed { response: Some(r), .. } if r == "kept"));
+    let store = SqliteStore::from_url(&format!("sqlite:{}", path.display()))
+        .await
+        .unwrap();
+    assert!(store.get(&id).await.unwrap().is_some());
+}
+
+#[tokio::test]
+async fn a_file_that_cannot_be_opened_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("missing").join("idem.db");
+    let err = SqliteStore::open(&path).await.unwrap_err();
+    assert!(matches!(err, SqliteError::Open { .. }), "{err:?}");
+    let message = err.to_string();
+    assert!(message.contains(&path.display().to_string()), "{message}");
+    assert!(message.contains("does not exist"), "{message}");
+    assert!(std::error::Error::source(&err).is_some());
+
+    let err = SqliteStore::open(dir.path()).await.unwrap_err();
+    assert!(err.to_string().contains("directory"), "{err}");
+
+    let not_a_database = dir.path().join("notes.txt");
+    std::fs::write(
+        &not_a_database,
+        "this is not a database, it is much longer than a header",
+    )
+    .unwrap();
+    let err = SqliteStore::open(&not_a_database).await.unwrap_err();
+    assert!(matches!(err, SqliteError::Setup { .. }), "{err:?}");
+    assert!(err.to_string().contains("notes.txt"), "{err}");
+}
+
+#[tokio::test]
+async fn a_corrupt_row_is_reported_as_corrupt() {
+    let (dir, store) = temp_store().await;
+    let (id, fp) = (id("corrupt"), fingerprint(b"body"));
+    begin(&store, &id, &fp, T0).await;
+    let conn = rusqlite::Connection::open(dir.path().join("idem.db")).unwrap();
+    conn.busy_timeout(Duration::from_secs(10)).unwrap();
+    conn.execute("UPDATE idem_records SET fingerprint = x'00'", []).unwrap();
+    assert!(matches!(store.get(&id).await, Err(StoreError::Corrupt(_))));
+}
+
+const CHILD_DB: &str = "IDEM_SQLITE_TEST_CHILD_DB";
+
+/// The other side of `two_processes_and_this_one_claim_once`: 25 concurrent claims from a child
+/// process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "run as a child process by two_processes_and_this_one_claim_once"]
+async fn child_process_claims() {
+    let path = std::env::var(CHILD_DB).expect("only run as a child process");
+    let store = Arc::new(SqliteStore::open(path).await.unwrap());
+    println!("ACQUIRED={}", claim_concurrently(&store, 25).await);
+}
+
+async fn claim_concurrently(store: &Arc<SqliteStore>, n: usize) -> usize {
+    let tasks: Vec<_> = (0..n)
+        .map(|_| {
+            let store = Arc::clone(store);
+            tokio::spawn(async move {
+                let (id, fp) = (id("processes"), fingerprint(b"body"));
+                matches!(begin(&store, &id, &fp, T0).await.0, Begin::Acquired { .. })
+            })
+        })
+        .collect();
+    let mut acquired = 0;
+    for task in tasks {
+        acquired += usize::from(task.await.unwrap());
+    }
+    acquired
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_processes_and_this_one_claim_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("processes.db");
+    let children: Vec<_> = (0..2)
+        .map(|_| {
+            std::process::Command::new(std::env::current_exe().unwrap())
+                .args(["--ignored", "--exact", "child_process_claims", "--nocapture"])
+                .env(CHILD_DB, &path)
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    // The children create the file too: opening a new database together must work as well.
+    let store = Arc::new(SqliteStore::open(&path).await.unwrap());
+    let mut acquired = claim_concurrently(&store, 25).await;
+    for child in children {
+        let output = tokio::task::spawn_blocking(move || child.wait_with_output().unwrap())
+            .await
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        assert!(output.status.success(), "child failed: {stdout}");
+        let count = stdout
+            .lines()
+            .find_map(|line| line.strip_prefix("ACQUIRED="))
+            .unwrap_or_else(|| panic!("no count in the child's output: {stdout}"));
+        acquired += count.parse::<usize>().unwrap();
+    }
+    assert_eq!(acquired, 1, "75 claims in three processes");
+}
