@@ -44,7 +44,8 @@ impl Scope {
         &self.0
     }
 
-    fn credential(authorization: &[u8]) -> Self {
+    /// The scope of callers presenting this `Authorization` header value (`--scope credential`).
+    pub fn credential(authorization: &[u8]) -> Self {
         let digest = Sha256::digest(authorization);
         Self(format!("cred:{}", hex(&digest)).into())
     }

@@ -39,9 +39,14 @@ pub(crate) struct StoreArgs {
 pub(crate) struct InspectArgs {
     #[command(flatten)]
     pub(crate) store: StoreArgs,
-    /// The record's scope as stored: `anonymous`, `shared`, `header:VALUE`, `cred:HASH`, `app:ID`.
-    #[arg(long, env = "IDEM_SCOPE", default_value = "anonymous")]
+    /// The record's scope as stored: `anonymous`, `shared` (`--scope none`), `header:VALUE`,
+    /// `cred:HASH`, `app:ID`.
+    #[arg(long, default_value = "anonymous", conflicts_with = "authorization")]
     pub(crate) scope: String,
+    /// The caller's `Authorization` header value, for records in a credential scope (the default
+    /// of `idem serve`); idem hashes it as the gateway does.
+    #[arg(long)]
+    pub(crate) authorization: Option<String>,
     /// The idempotency key (without quotes).
     pub(crate) key: String,
 }

@@ -15,17 +15,18 @@ const PURGE_BATCH: usize = 1000;
 pub(crate) async fn inspect(args: InspectArgs) -> anyhow::Result<()> {
     let store = stores::open(&args.store.store).await?;
     let key = IdempotencyKey::new(&args.key).with_context(|| format!("{:?} is not a valid key", args.key))?;
-    let id = RecordId {
-        scope: Scope::from_stored(args.scope.as_str()),
-        key,
+    let scope = match &args.authorization {
+        Some(credential) => Scope::credential(credential.as_bytes()),
+        None => Scope::from_stored(args.scope.as_str()),
     };
+    let id = RecordId { scope, key };
     let record = store.get(&id).await.context("cannot read the record")?;
     match record {
         Some(record) => {
             print!("{}", describe(&record));
             Ok(())
         }
-        None => anyhow::bail!("no record for key {:?} in scope {:?}", args.key, args.scope),
+        None => anyhow::bail!("no record for key {:?} in scope {:?}", args.key, id.scope.as_str()),
     }
 }
 
