@@ -178,9 +178,10 @@ impl Claim {
 /// How the answer of a run is kept.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Disposition {
-    /// Store it whole (the body is within `max_stored_body`).
+    /// Store it whole if its body turns out to fit `max_stored_body` (read it up to that limit),
+    /// else compact.
     Store,
-    /// Store only its head: the body is larger than `max_stored_body`.
+    /// Store only its head: the body is declared larger than `max_stored_body`.
     StoreCompact,
     /// Release the key so that a retry runs again (5xx, 408, 409, 425, 429).
     Release,
@@ -436,15 +437,15 @@ impl Protocol {
         respond(problem, Outcome::StoreError, id)
     }
 
-    /// How to keep an answer with this status whose body is `body_len` bytes long (`None`: not yet
-    /// known, as for a streamed body).
+    /// How to keep an answer with this status whose body is declared `body_len` bytes long
+    /// (`None`: not known in advance, as for a chunked body).
     pub fn disposition(&self, status: http::StatusCode, body_len: Option<usize>) -> Disposition {
         if !self.inner.policy.stores(status) {
             Disposition::Release
-        } else if body_len.is_some_and(|len| len <= self.inner.policy.max_stored_body) {
-            Disposition::Store
-        } else {
+        } else if body_len.is_some_and(|len| len > self.inner.policy.max_stored_body) {
             Disposition::StoreCompact
+        } else {
+            Disposition::Store
         }
     }
 

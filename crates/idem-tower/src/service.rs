@@ -299,7 +299,6 @@ fn settle(result: Result<(), idem_core::StoreError>, id: &RecordId, operation: &
     if let Err(err) = result {
         // The record stays in flight until its lease ends; then a retry takes it over, marked recovered.
         tracing::error!(scope = %id.scope, key = %id.key, error = %err, operation, "could not settle the record");
-        metrics::counter!("idem_store_errors_total", "operation" => operation.to_owned()).increment(1);
     }
 }
 

@@ -21,10 +21,11 @@ async fn measure<T>(
     let result = work.await;
     metrics::histogram!("idem_store_operation_seconds", "operation" => operation)
         .record(started.elapsed().as_secs_f64());
-    if let Err(err) = &result {
-        if !matches!(err, StoreError::Fenced) {
-            metrics::counter!("idem_store_errors_total", "operation" => operation).increment(1);
-        }
+    // A fenced claim is the protocol working, not the store failing.
+    if let Err(err) = &result
+        && !matches!(err, StoreError::Fenced)
+    {
+        metrics::counter!("idem_store_errors_total", "operation" => operation).increment(1);
     }
     result
 }

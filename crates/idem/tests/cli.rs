@@ -1,0 +1,172 @@
+//! The command line and the process's life: admin endpoints, shutdown, a store that cannot be
+//! opened, `inspect`, `purge`, `migrate`.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Gateway, Upstream, count, describe, new_key, run_idem, send, store_url_in, wait_for_count};
+
+const COMMAND_LIMIT: Duration = Duration::from_secs(30);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_listener_answers_health_and_readiness() {
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&upstream.url(), &[]).await;
+
+    let health = send(gw.client.get(format!("{}/healthz", gw.admin))).await;
+    assert_eq!(health.status, 200, "{health}");
+    let ready = send(gw.client.get(format!("{}/readyz", gw.admin))).await;
+    assert_eq!(ready.status, 200, "the store answers, so the gateway is ready: {ready}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_lets_in_flight_requests_finish_and_exits_zero() {
+    let upstream = Upstream::start().await;
+    let mut gw = Gateway::start(&upstream.url(), &[]).await;
+    let key = new_key();
+
+    let in_flight = {
+        let request = gw
+            .post("/pay?delay=1000", r#"{"amount":1}"#)
+            .header("content-type", "application/json")
+            .header("idempotency-key", key.as_str());
+        tokio::spawn(send(request))
+    };
+    wait_for_count(&upstream.state.pay, 1, Duration::from_secs(10)).await;
+    gw.terminate();
+
+    let reply = in_flight.await.unwrap();
+    assert_eq!(reply.status, 201, "the in-flight request gets its answer: {reply}");
+    let status = gw.wait_exit(Duration::from_secs(20)).await;
+    assert!(
+        status.success(),
+        "a graceful shutdown exits 0, got {status:?}; stderr:\n{}",
+        gw.stderr()
+    );
+    assert_eq!(count(&upstream.state.pay), 1);
+
+    let inspect = run_idem(&["inspect", "--store", &gw.store, &key], COMMAND_LIMIT).await;
+    assert!(inspect.status.success(), "the record is there:\n{}", describe(&inspect));
+    let text = String::from_utf8_lossy(&inspect.stdout).to_lowercase();
+    assert!(
+        text.contains("completed"),
+        "the record completed:\n{}",
+        describe(&inspect)
+    );
+    assert!(text.contains("/pay"), "inspect shows the path:\n{}", describe(&inspect));
+    assert!(
+        text.contains("post"),
+        "inspect shows the method:\n{}",
+        describe(&inspect)
+    );
+    assert!(
+        text.contains("201"),
+        "inspect shows the stored status:\n{}",
+        describe(&inspect)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inspect_shows_a_record_and_its_replays() {
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&upstream.url(), &[]).await;
+    let key = new_key();
+    for _ in 0..3 {
+        let reply = gw.post_json("/pay", Some(&key), r#"{"amount":1}"#).await;
+        assert_eq!(reply.status, 201, "{reply}");
+    }
+    assert_eq!(count(&upstream.state.pay), 1);
+
+    let inspect = run_idem(&["inspect", "--store", &gw.store, &key], COMMAND_LIMIT).await;
+    assert!(inspect.status.success(), "{}", describe(&inspect));
+    let text = String::from_utf8_lossy(&inspect.stdout).to_lowercase();
+    assert!(text.contains("completed"), "{}", describe(&inspect));
+    assert!(text.contains("/pay"), "{}", describe(&inspect));
+    assert!(text.contains("201"), "{}", describe(&inspect));
+    assert!(
+        text.lines().any(|line| line.contains("replay") && line.contains('2')),
+        "two replays are counted:\n{}",
+        describe(&inspect)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_that_cannot_be_opened_stops_serve_with_a_message_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("missing").join("x").join("idem.db");
+    let store = format!("sqlite://{}", path.display());
+
+    let output = run_idem(
+        &[
+            "serve",
+            "--upstream",
+            "http://127.0.0.1:9",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--store",
+            &store,
+        ],
+        COMMAND_LIMIT,
+    )
+    .await;
+    assert!(!output.status.success(), "serve must fail:\n{}", describe(&output));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains(&path.display().to_string()),
+        "the message names the path {}:\n{}",
+        path.display(),
+        describe(&output)
+    );
+    assert!(
+        !String::from_utf8_lossy(&output.stdout).contains("idem listening"),
+        "{}",
+        describe(&output)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_and_purge_succeed_on_a_fresh_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store_url_in(dir.path());
+
+    let migrate = run_idem(&["migrate", "--store", &store], COMMAND_LIMIT).await;
+    assert!(migrate.status.success(), "{}", describe(&migrate));
+    let again = run_idem(&["migrate", "--store", &store], COMMAND_LIMIT).await;
+    assert!(again.status.success(), "migrate is idempotent:\n{}", describe(&again));
+    let purge = run_idem(&["purge", "--store", &store], COMMAND_LIMIT).await;
+    assert!(purge.status.success(), "{}", describe(&purge));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_succeeds_on_a_store_in_use() {
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&upstream.url(), &[]).await;
+    let key = new_key();
+    let reply = gw.post_json("/pay", Some(&key), r#"{"amount":1}"#).await;
+    assert_eq!(reply.status, 201, "{reply}");
+
+    let purge = run_idem(&["purge", "--store", &gw.store], COMMAND_LIMIT).await;
+    assert!(purge.status.success(), "{}", describe(&purge));
+    // Nothing was due, so the record is still replayable.
+    let again = gw.post_json("/pay", Some(&key), r#"{"amount":1}"#).await;
+    assert!(again.replayed(), "{again}");
+    assert_eq!(count(&upstream.state.pay), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inspect_of_an_unknown_key_fails() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store_url_in(dir.path());
+    let migrate = run_idem(&["migrate", "--store", &store], COMMAND_LIMIT).await;
+    assert!(migrate.status.success(), "{}", describe(&migrate));
+
+    let inspect = run_idem(&["inspect", "--store", &store, "no-such-key"], COMMAND_LIMIT).await;
+    assert!(
+        !inspect.status.success(),
+        "no record, non-zero exit:\n{}",
+        describe(&inspect)
+    );
+}

@@ -1,0 +1,779 @@
+//! Shared test infrastructure: an upstream HTTP service that counts what reaches it, a running
+//! `idem serve` gateway in front of it, and small helpers to send requests and read answers.
+//!
+//! Every test starts its own upstream, its own gateway and its own temporary SQLite file, so the tests
+//! are independent and can run in parallel.
+
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::hash::{BuildHasher, RandomState};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{ExitStatus, Output, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{Path as UrlPath, Query, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::Response;
+use axum::routing::post;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::net::TcpListener;
+use tokio::process::{Child, Command};
+use tokio::task::JoinHandle;
+
+/// The path of the binary under test.
+pub(crate) const IDEM: &str = env!("CARGO_BIN_EXE_idem");
+
+/// How long a gateway may take to print its listening line.
+const STARTUP: Duration = Duration::from_secs(30);
+
+/// The default time limit of one request sent by a test.
+pub(crate) const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
+// ---------------------------------------------------------------------------------------------
+// The upstream
+// ---------------------------------------------------------------------------------------------
+
+/// What one request to the upstream carried.
+#[derive(Debug, Clone)]
+pub(crate) struct Seen {
+    /// Which route (`pay`, `flaky`, …).
+    pub(crate) route: &'static str,
+    /// The `Idempotency-Key` header, as received.
+    pub(crate) key: Option<String>,
+    /// The `Idempotency-Recovered` header, as received.
+    pub(crate) recovered: Option<String>,
+}
+
+/// The upstream's counters and what it saw.
+#[derive(Debug, Default)]
+pub(crate) struct UpstreamState {
+    /// Calls of `POST /pay`.
+    pub(crate) pay: Arc<AtomicUsize>,
+    /// Calls of `GET /pay`.
+    pub(crate) pay_get: Arc<AtomicUsize>,
+    /// Calls of `POST /flaky`.
+    pub(crate) flaky: Arc<AtomicUsize>,
+    /// Calls of `POST /status/{code}`.
+    pub(crate) status: Arc<AtomicUsize>,
+    /// Calls of `POST /big`.
+    pub(crate) big: Arc<AtomicUsize>,
+    /// Calls of `POST /break-once`.
+    pub(crate) break_once: Arc<AtomicUsize>,
+    /// Calls of `POST /chunked`.
+    pub(crate) chunked: Arc<AtomicUsize>,
+    charges: AtomicUsize,
+    last_headers: Mutex<HashMap<&'static str, HeaderMap>>,
+    seen: Mutex<Vec<Seen>>,
+}
+
+impl UpstreamState {
+    fn record(&self, route: &'static str, headers: &HeaderMap) {
+        let text = |name: &str| {
+            headers
+                .get(name)
+                .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+        };
+        self.seen.lock().unwrap().push(Seen {
+            route,
+            key: text("idempotency-key"),
+            recovered: text("idempotency-recovered"),
+        });
+        self.last_headers.lock().unwrap().insert(route, headers.clone());
+    }
+
+    /// The headers of the last request on `route`.
+    pub(crate) fn last_headers(&self, route: &str) -> Option<HeaderMap> {
+        self.last_headers.lock().unwrap().get(route).cloned()
+    }
+
+    /// Every request on `route`, in order of arrival.
+    pub(crate) fn seen(&self, route: &str) -> Vec<Seen> {
+        self.seen
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|s| s.route == route)
+            .cloned()
+            .collect()
+    }
+}
+
+/// An upstream service on `127.0.0.1`, in the test process. Stops when dropped.
+#[derive(Debug)]
+pub(crate) struct Upstream {
+    /// Where it listens.
+    pub(crate) addr: SocketAddr,
+    /// Its counters.
+    pub(crate) state: Arc<UpstreamState>,
+    task: JoinHandle<()>,
+}
+
+impl Drop for Upstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Upstream {
+    /// Starts on an ephemeral port.
+    pub(crate) async fn start() -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind the upstream");
+        Self::serve(listener)
+    }
+
+    /// Starts on a given address (for a port reserved earlier).
+    pub(crate) async fn start_on(addr: SocketAddr) -> Self {
+        let listener = TcpListener::bind(addr)
+            .await
+            .expect("bind the upstream on its reserved port");
+        Self::serve(listener)
+    }
+
+    fn serve(listener: TcpListener) -> Self {
+        let addr = listener.local_addr().unwrap();
+        let state = Arc::new(UpstreamState::default());
+        let app = Router::new()
+            .route("/pay", post(pay).get(pay_get).patch(pay))
+            .route("/flaky", post(flaky))
+            .route("/status/{code}", post(status))
+            .route("/big", post(big))
+            .route("/break-once", post(break_once))
+            .route("/chunked", post(chunked))
+            .with_state(state.clone());
+        let task = tokio::spawn(async move {
+            axum::serve(listener, app).await.expect("the upstream serves");
+        });
+        Self { addr, state, task }
+    }
+
+    /// `http://127.0.0.1:PORT`.
+    pub(crate) fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}
+
+/// A port on 127.0.0.1 that was free a moment ago and on which nothing listens now.
+pub(crate) fn reserve_port() -> SocketAddr {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("reserve a port");
+    listener.local_addr().unwrap()
+}
+
+type Shared = State<Arc<UpstreamState>>;
+
+fn header_text(headers: &HeaderMap, name: &str) -> Option<String> {
+    headers
+        .get(name)
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+}
+
+/// `POST|PATCH /pay[?delay=MS]`: a payment (both count in `pay`). 201, `{"charge":N,"received":"<body>"}`, `Location`,
+/// `Set-Cookie`, and the key headers it saw echoed as `x-seen-key` / `x-seen-recovered`.
+async fn pay(
+    State(state): Shared,
+    Query(query): Query<HashMap<String, String>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    state.record("pay", &headers);
+    state.pay.fetch_add(1, Ordering::SeqCst);
+    if let Some(ms) = query.get("delay").and_then(|d| d.parse::<u64>().ok()) {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    let n = state.charges.fetch_add(1, Ordering::SeqCst) + 1;
+    let json = format!(
+        r#"{{"charge":{n},"received":{}}}"#,
+        json_string(&String::from_utf8_lossy(&body))
+    );
+    let mut response = Response::builder()
+        .status(StatusCode::CREATED)
+        .header(header::CONTENT_TYPE, "application/json")
+        .header(header::LOCATION, format!("/charges/{n}"))
+        .header(header::SET_COOKIE, "session=secret");
+    if let Some(key) = headers.get("idempotency-key") {
+        response = response.header("x-seen-key", key);
+    }
+    if let Some(recovered) = headers.get("idempotency-recovered") {
+        response = response.header("x-seen-recovered", recovered);
+    }
+    response.body(Body::from(json)).unwrap()
+}
+
+/// `GET /pay`: a read. 200 with the number of reads so far.
+async fn pay_get(State(state): Shared, headers: HeaderMap) -> Response {
+    state.record("pay_get", &headers);
+    let n = state.pay_get.fetch_add(1, Ordering::SeqCst) + 1;
+    let mut response = Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "application/json");
+    if let Some(key) = headers.get("idempotency-key") {
+        response = response.header("x-seen-key", key);
+    }
+    response.body(Body::from(format!(r#"{{"read":{n}}}"#))).unwrap()
+}
+
+/// `POST /flaky`: 500 the first time, 201 afterwards.
+async fn flaky(State(state): Shared, headers: HeaderMap) -> Response {
+    state.record("flaky", &headers);
+    let n = state.flaky.fetch_add(1, Ordering::SeqCst) + 1;
+    let (status, body) = if n == 1 {
+        (StatusCode::INTERNAL_SERVER_ERROR, r#"{"error":"try again"}"#.to_owned())
+    } else {
+        (StatusCode::CREATED, format!(r#"{{"attempt":{n}}}"#))
+    };
+    Response::builder()
+        .status(status)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from(body))
+        .unwrap()
+}
+
+/// `POST /status/{code}`: answers with that status.
+async fn status(State(state): Shared, UrlPath(code): UrlPath<u16>, headers: HeaderMap) -> Response {
+    state.record("status", &headers);
+    let n = state.status.fetch_add(1, Ordering::SeqCst) + 1;
+    Response::builder()
+        .status(StatusCode::from_u16(code).expect("a valid status"))
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from(format!(r#"{{"status":{code},"call":{n}}}"#)))
+        .unwrap()
+}
+
+/// `POST /big?size=N`: 201 with an N-byte body and a `Location`.
+async fn big(State(state): Shared, Query(query): Query<HashMap<String, String>>, headers: HeaderMap) -> Response {
+    state.record("big", &headers);
+    let n = state.big.fetch_add(1, Ordering::SeqCst) + 1;
+    let size: usize = query.get("size").and_then(|s| s.parse().ok()).unwrap_or(100_000);
+    let body: Vec<u8> = (0..size).map(|i| b'a' + (i % 26) as u8).collect();
+    Response::builder()
+        .status(StatusCode::CREATED)
+        .header(header::CONTENT_TYPE, "application/octet-stream")
+        .header(header::LOCATION, format!("/big/{n}"))
+        .body(Body::from(body))
+        .unwrap()
+}
+
+/// `POST /break-once`: the first call sends a 200 head and part of a body, then breaks the
+/// connection; later calls answer 201 normally.
+async fn break_once(State(state): Shared, headers: HeaderMap) -> Response {
+    state.record("break_once", &headers);
+    let n = state.break_once.fetch_add(1, Ordering::SeqCst) + 1;
+    if n == 1 {
+        let stream = futures_util::stream::unfold(0u8, |step| async move {
+            match step {
+                0 => Some((Ok::<Bytes, std::io::Error>(Bytes::from_static(b"{\"partial\":")), 1)),
+                1 => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    Some((Err(std::io::Error::other("the upstream broke mid-body")), 2))
+                }
+                _ => None,
+            }
+        });
+        return Response::builder()
+            .status(StatusCode::OK)
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Body::from_stream(stream))
+            .unwrap();
+    }
+    let recovered = header_text(&headers, "idempotency-recovered");
+    let mut response = Response::builder()
+        .status(StatusCode::CREATED)
+        .header(header::CONTENT_TYPE, "application/json")
+        .header(header::LOCATION, format!("/break-once/{n}"));
+    if let Some(r) = &recovered {
+        response = response.header("x-seen-recovered", r.as_str());
+    }
+    response
+        .body(Body::from(format!(
+            r#"{{"call":{n},"recovered":{}}}"#,
+            json_string(recovered.as_deref().unwrap_or(""))
+        )))
+        .unwrap()
+}
+
+/// `POST /chunked`: 201 with a small JSON body streamed in chunks, with no `Content-Length` (as
+/// many frameworks answer).
+async fn chunked(State(state): Shared, headers: HeaderMap) -> Response {
+    state.record("chunked", &headers);
+    let n = state.chunked.fetch_add(1, Ordering::SeqCst) + 1;
+    let parts = vec![
+        Ok::<Bytes, std::io::Error>(Bytes::from(format!(r#"{{"order":{n},"#))),
+        Ok(Bytes::from_static(br#""items":["a","b","c"]}"#)),
+    ];
+    Response::builder()
+        .status(StatusCode::CREATED)
+        .header(header::CONTENT_TYPE, "application/json")
+        .header(header::LOCATION, format!("/orders/{n}"))
+        .body(Body::from_stream(futures_util::stream::iter(parts)))
+        .unwrap()
+}
+
+// ---------------------------------------------------------------------------------------------
+// The gateway
+// ---------------------------------------------------------------------------------------------
+
+/// A running `idem serve`. Killed when dropped; its stderr is printed if the test is failing.
+#[derive(Debug)]
+pub(crate) struct Gateway {
+    /// `http://127.0.0.1:PORT` of the proxy listener.
+    pub(crate) base: String,
+    /// `http://127.0.0.1:PORT` of the admin listener.
+    pub(crate) admin: String,
+    /// The store URL it uses.
+    pub(crate) store: String,
+    /// A client for it.
+    pub(crate) client: reqwest::Client,
+    child: Child,
+    stderr_path: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        let _ = self.child.start_kill();
+        if std::thread::panicking() {
+            self.dump_stderr();
+        }
+    }
+}
+
+/// A fresh store URL in `dir`.
+pub(crate) fn store_url_in(dir: &Path) -> String {
+    format!("sqlite://{}", dir.join("idem.db").display())
+}
+
+impl Gateway {
+    /// Starts `idem serve --upstream UPSTREAM` with a fresh temporary store and `args` added.
+    pub(crate) async fn start(upstream: &str, args: &[&str]) -> Self {
+        let dir = tempfile::tempdir().expect("a temp dir");
+        let store = store_url_in(dir.path());
+        Self::spawn(upstream, store, dir, args).await
+    }
+
+    /// Starts `idem serve` on an existing store URL (to share a store between instances).
+    pub(crate) async fn start_on_store(upstream: &str, store: &str, args: &[&str]) -> Self {
+        let dir = tempfile::tempdir().expect("a temp dir");
+        Self::spawn(upstream, store.to_owned(), dir, args).await
+    }
+
+    async fn spawn(upstream: &str, store: String, dir: tempfile::TempDir, args: &[&str]) -> Self {
+        let stderr_path = dir.path().join("stderr.log");
+        let stderr = std::fs::File::create(&stderr_path).expect("create the stderr log");
+        let mut command = Command::new(IDEM);
+        command
+            .arg("serve")
+            .args(["--upstream", upstream])
+            .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+            .args(["--store", &store])
+            .args(args)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(stderr))
+            .kill_on_drop(true);
+        let mut child = command.spawn().expect("spawn idem serve");
+        let stdout = child.stdout.take().unwrap();
+        let mut lines = BufReader::new(stdout).lines();
+        let found = tokio::time::timeout(STARTUP, async {
+            while let Some(line) = lines.next_line().await.ok().flatten() {
+                if let Some(addrs) = parse_listening_line(&line) {
+                    return Some(addrs);
+                }
+            }
+            None
+        })
+        .await;
+        let (base, admin) = match found {
+            Ok(Some(addrs)) => addrs,
+            outcome => {
+                let _ = child.start_kill();
+                let _ = child.wait().await;
+                let stderr = std::fs::read_to_string(&stderr_path).unwrap_or_default();
+                panic!(
+                    "idem serve did not print its listening line ({}) with args {args:?}; stderr:\n{stderr}",
+                    if outcome.is_err() { "timed out" } else { "stdout closed" }
+                );
+            }
+        };
+        // Keep draining stdout so that the gateway never blocks on a full pipe.
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        Self {
+            base,
+            admin,
+            store,
+            client: client(),
+            child,
+            stderr_path,
+            _dir: dir,
+        }
+    }
+
+    /// The proxy URL of `path`.
+    pub(crate) fn url(&self, path: &str) -> String {
+        format!("{}{}", self.base, path)
+    }
+
+    /// A `POST` to `path` with `body`; add headers before sending.
+    pub(crate) fn post(&self, path: &str, body: impl Into<reqwest::Body>) -> reqwest::RequestBuilder {
+        self.client.post(self.url(path)).body(body)
+    }
+
+    /// A keyed JSON `POST` to `path`, sent.
+    pub(crate) async fn post_json(&self, path: &str, key: Option<&str>, body: &str) -> Reply {
+        let mut request = self
+            .post(path, body.to_owned())
+            .header("content-type", "application/json");
+        if let Some(key) = key {
+            request = request.header("idempotency-key", key);
+        }
+        send(request).await
+    }
+
+    /// The gateway's process id.
+    pub(crate) fn pid(&self) -> u32 {
+        self.child.id().expect("the gateway is running")
+    }
+
+    /// Kills the process at once (SIGKILL), as a crash would, and reaps it.
+    pub(crate) async fn kill(&mut self) {
+        self.child.kill().await.expect("kill idem serve");
+    }
+
+    /// Sends SIGTERM.
+    pub(crate) fn terminate(&self) {
+        let status = std::process::Command::new("sh")
+            .args(["-c", &format!("kill -TERM {}", self.pid())])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -TERM failed");
+    }
+
+    /// Waits for the process to exit.
+    pub(crate) async fn wait_exit(&mut self, limit: Duration) -> ExitStatus {
+        match tokio::time::timeout(limit, self.child.wait()).await {
+            Ok(status) => status.expect("wait for idem serve"),
+            Err(_) => panic!("idem serve did not exit within {limit:?}"),
+        }
+    }
+
+    /// What the gateway wrote to stderr so far.
+    pub(crate) fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.stderr_path).unwrap_or_default()
+    }
+
+    fn dump_stderr(&self) {
+        eprintln!(
+            "---- idem serve stderr ({}) ----\n{}\n---- end ----",
+            self.base,
+            self.stderr()
+        );
+    }
+}
+
+/// Parses `idem listening on http://HOST:PORT admin http://HOST:PORT2`.
+fn parse_listening_line(line: &str) -> Option<(String, String)> {
+    let rest = line.trim().strip_prefix("idem listening on ")?;
+    let mut words = rest.split_whitespace();
+    let base = words.next()?;
+    if words.next()? != "admin" {
+        return None;
+    }
+    let admin = words.next()?;
+    Some((
+        base.trim_end_matches('/').to_owned(),
+        admin.trim_end_matches('/').to_owned(),
+    ))
+}
+
+/// Runs `idem ARGS` to completion (at most `limit`).
+pub(crate) async fn run_idem(args: &[&str], limit: Duration) -> Output {
+    let child = Command::new(IDEM)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn idem");
+    match tokio::time::timeout(limit, child.wait_with_output()).await {
+        Ok(output) => output.expect("wait for idem"),
+        Err(_) => panic!("`idem {}` did not finish within {limit:?}", args.join(" ")),
+    }
+}
+
+/// Formats an output for an assertion message.
+pub(crate) fn describe(output: &Output) -> String {
+    format!(
+        "status {:?}\nstdout:\n{}\nstderr:\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
+
+// ---------------------------------------------------------------------------------------------
+// Requests and answers
+// ---------------------------------------------------------------------------------------------
+
+/// A client that never uses a proxy, with a generous timeout.
+pub(crate) fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .no_proxy()
+        .timeout(REQUEST_TIMEOUT)
+        .build()
+        .expect("a reqwest client")
+}
+
+/// One answer, read whole.
+#[derive(Debug, Clone)]
+pub(crate) struct Reply {
+    /// The status code.
+    pub(crate) status: u16,
+    /// The headers.
+    pub(crate) headers: reqwest::header::HeaderMap,
+    /// The body.
+    pub(crate) body: Bytes,
+}
+
+/// Sends a request and reads its answer whole; panics if there is none.
+pub(crate) async fn send(request: reqwest::RequestBuilder) -> Reply {
+    try_send(request).await.unwrap_or_else(|err| panic!("{err}"))
+}
+
+/// Sends a request and reads its answer whole; says what went wrong if that fails.
+pub(crate) async fn try_send(request: reqwest::RequestBuilder) -> Result<Reply, String> {
+    let response = request
+        .send()
+        .await
+        .map_err(|err| format!("the gateway did not answer: {err:?}"))?;
+    let status = response.status().as_u16();
+    let headers = response.headers().clone();
+    let body = response
+        .bytes()
+        .await
+        .map_err(|err| format!("the answer's head came ({status} {headers:?}) but its body broke off: {err:?}"))?;
+    Ok(Reply { status, headers, body })
+}
+
+impl Reply {
+    /// A header's value as text.
+    pub(crate) fn header(&self, name: &str) -> Option<String> {
+        self.headers
+            .get(name)
+            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+    }
+
+    /// The body as text.
+    pub(crate) fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    /// Whether the gateway marked this answer as a replay.
+    pub(crate) fn replayed(&self) -> bool {
+        self.header("idempotency-replayed")
+            .is_some_and(|v| v.trim().eq_ignore_ascii_case("true") || v.trim() == "?1")
+    }
+
+    /// A string or number field of a JSON object body.
+    pub(crate) fn json(&self, field: &str) -> Option<String> {
+        json_field(&self.text(), field)
+    }
+
+    /// The `charge` number of a `/pay` answer.
+    pub(crate) fn charge(&self) -> u64 {
+        self.json("charge")
+            .and_then(|c| c.parse().ok())
+            .unwrap_or_else(|| panic!("no charge in {self}"))
+    }
+
+    /// The problem `detail`.
+    pub(crate) fn detail(&self) -> String {
+        self.json("detail").unwrap_or_default()
+    }
+
+    /// Asserts that this is the problem `name` with `status`.
+    #[track_caller]
+    pub(crate) fn assert_problem(&self, status: u16, name: &str) {
+        assert_eq!(self.status, status, "expected {status} {name}, got {self}");
+        let content_type = self.header("content-type").unwrap_or_default();
+        assert!(
+            content_type.starts_with("application/problem+json"),
+            "a problem is application/problem+json; got {self}"
+        );
+        assert_eq!(
+            self.json("type").as_deref(),
+            Some(format!("urn:idem:problem:{name}").as_str()),
+            "problem type; got {self}"
+        );
+        assert_eq!(
+            self.json("status").as_deref(),
+            Some(status.to_string().as_str()),
+            "{self}"
+        );
+        assert!(
+            self.json("title").is_some_and(|t| !t.is_empty()),
+            "a problem has a title: {self}"
+        );
+        assert!(!self.detail().is_empty(), "a problem has a detail: {self}");
+    }
+}
+
+impl std::fmt::Display for Reply {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut body = self.text();
+        if body.len() > 600 {
+            body.truncate(600);
+            body.push('…');
+        }
+        write!(f, "{} {:?} body={body:?}", self.status, self.headers)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Small helpers
+// ---------------------------------------------------------------------------------------------
+
+/// A fresh, unique, bare idempotency key (not time-ordered).
+pub(crate) fn new_key() -> String {
+    static COUNTER: AtomicUsize = AtomicUsize::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::SeqCst);
+    format!("test-{}-{n}-{:016x}", std::process::id(), random_u64())
+}
+
+/// A random number from the standard library's hasher seeds.
+pub(crate) fn random_u64() -> u64 {
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos();
+    RandomState::new().hash_one(nanos)
+}
+
+/// A UUIDv7 string whose timestamp is `millis` since the Unix epoch.
+pub(crate) fn uuid_v7_at(millis: u64) -> String {
+    let ts = format!("{:012x}", millis & 0xffff_ffff_ffff);
+    let r = random_u64();
+    let rand_a = (r >> 52) & 0xfff;
+    let rand_b = 0x8000 | ((r >> 38) & 0x3fff);
+    let rand_c = random_u64() & 0xffff_ffff_ffff;
+    format!("{}-{}-7{rand_a:03x}-{rand_b:04x}-{rand_c:012x}", &ts[..8], &ts[8..])
+}
+
+/// Milliseconds since the Unix epoch, now.
+pub(crate) fn now_millis() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as u64
+}
+
+/// Waits until `counter` reaches `n` (at most `limit`).
+pub(crate) async fn wait_for_count(counter: &AtomicUsize, n: usize, limit: Duration) {
+    let deadline = tokio::time::Instant::now() + limit;
+    while counter.load(Ordering::SeqCst) < n {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the upstream was not called {n} time(s) within {limit:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// The value of a counter.
+pub(crate) fn count(counter: &AtomicUsize) -> usize {
+    counter.load(Ordering::SeqCst)
+}
+
+/// A JSON string literal.
+pub(crate) fn json_string(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+/// The first `"field": value` in a JSON text: a string's content (unescaped) or a scalar's text.
+/// Enough for the flat objects these tests read (problems, `/pay` answers).
+pub(crate) fn json_field(text: &str, field: &str) -> Option<String> {
+    let needle = json_string(field);
+    let mut from = 0;
+    while let Some(at) = text[from..].find(&needle) {
+        let after = from + at + needle.len();
+        let rest = text[after..].trim_start();
+        if let Some(value) = rest.strip_prefix(':') {
+            return Some(read_json_value(value.trim_start()));
+        }
+        from = after;
+    }
+    None
+}
+
+fn read_json_value(text: &str) -> String {
+    let mut chars = text.chars();
+    if text.starts_with('"') {
+        chars.next();
+        let mut out = String::new();
+        while let Some(c) = chars.next() {
+            match c {
+                '"' => break,
+                '\\' => match chars.next() {
+                    Some('n') => out.push('\n'),
+                    Some('r') => out.push('\r'),
+                    Some('t') => out.push('\t'),
+                    Some('b') => out.push('\u{8}'),
+                    Some('f') => out.push('\u{c}'),
+                    Some('u') => {
+                        let hex: String = chars.by_ref().take(4).collect();
+                        out.push(
+                            u32::from_str_radix(&hex, 16)
+                                .ok()
+                                .and_then(char::from_u32)
+                                .unwrap_or('\u{fffd}'),
+                        );
+                    }
+                    Some(other) => out.push(other),
+                    None => break,
+                },
+                c => out.push(c),
+            }
+        }
+        out
+    } else {
+        text.chars()
+            .take_while(|c| !matches!(c, ',' | '}' | ']') && !c.is_whitespace())
+            .collect()
+    }
+}
+
+#[test]
+fn helpers_work() {
+    assert_eq!(
+        parse_listening_line("idem listening on http://127.0.0.1:1234 admin http://127.0.0.1:5678"),
+        Some(("http://127.0.0.1:1234".to_owned(), "http://127.0.0.1:5678".to_owned()))
+    );
+    let body = r#"{"type":"urn:idem:problem:key-mismatch","title":"t","status":422,"detail":"the \"body\" differs"}"#;
+    assert_eq!(
+        json_field(body, "type").as_deref(),
+        Some("urn:idem:problem:key-mismatch")
+    );
+    assert_eq!(json_field(body, "status").as_deref(), Some("422"));
+    assert_eq!(json_field(body, "detail").as_deref(), Some("the \"body\" differs"));
+    let pay = format!(r#"{{"charge":7,"received":{}}}"#, json_string(r#"{"a": 1}"#));
+    assert_eq!(json_field(&pay, "charge").as_deref(), Some("7"));
+    assert_eq!(json_field(&pay, "received").as_deref(), Some(r#"{"a": 1}"#));
+    let v7 = uuid_v7_at(0x0123_4567_89ab);
+    assert_eq!(&v7[..13], "01234567-89ab");
+    assert_eq!(&v7[14..15], "7");
+    assert!(matches!(&v7[19..20], "8" | "9" | "a" | "b"), "{v7}");
+    assert_eq!(v7.len(), 36);
+}
