@@ -26,6 +26,12 @@ pub(crate) enum Command {
     Purge(StoreArgs),
     /// Create or upgrade the store's schema.
     Migrate(StoreArgs),
+    /// Measure what a keyed request costs the store: operations per new request and per replay, and
+    /// each operation's latency.
+    Bench(BenchArgs),
+    /// Send one request like curl, with an idempotency key and retries; body to stdout, a summary line
+    /// (status, attempts, key, replayed) to stderr.
+    Request(crate::request::RequestArgs),
 }
 
 #[derive(Debug, Args)]
@@ -101,4 +107,19 @@ pub(crate) struct ServeArgs {
     /// the answer for the retry.
     #[arg(long, env = "IDEM_UPSTREAM_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub(crate) upstream_timeout: Duration,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct BenchArgs {
+    #[command(flatten)]
+    pub(crate) store: StoreArgs,
+    /// Requests per phase (new keys, then the same keys replayed).
+    #[arg(long, default_value_t = 2000)]
+    pub(crate) requests: usize,
+    /// Requests in flight at once.
+    #[arg(long, default_value_t = 8)]
+    pub(crate) concurrency: usize,
+    /// The size of each stored answer's body, in bytes.
+    #[arg(long, default_value_t = 256)]
+    pub(crate) body_size: usize,
 }

@@ -1,10 +1,12 @@
 //! The `idem` command: the gateway (`idem serve`) and the operator's commands.
 
 mod admin;
+mod bench;
 mod cli;
 mod commands;
-mod metered;
+mod instrumented;
 mod proxy;
+mod request;
 mod serve;
 mod stores;
 mod units;
@@ -35,6 +37,9 @@ async fn main() -> ExitCode {
         Command::Inspect(args) => commands::inspect(args).await,
         Command::Purge(args) => commands::purge(args).await,
         Command::Migrate(args) => commands::migrate(args).await,
+        Command::Bench(args) => bench::run(args).await,
+        // Its exit status tells the kind of answer, not just success or failure.
+        Command::Request(args) => return request::run(args).await,
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

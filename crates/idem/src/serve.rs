@@ -13,7 +13,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::cli::ServeArgs;
-use crate::metered::MeteredStore;
+use crate::instrumented::{Instrumented, Prometheus};
 use crate::proxy::Proxy;
 use crate::{admin, stores};
 
@@ -25,7 +25,7 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
         .install_recorder()
         .context("cannot install the metrics recorder")?;
-    let store: Arc<dyn Store> = Arc::new(MeteredStore(stores::open(&args.store.store).await?));
+    let store: Arc<dyn Store> = Arc::new(Instrumented::new(stores::open(&args.store.store).await?, Prometheus));
     let policy = Policy {
         methods: args.methods.clone(),
         scope: args.scope.clone(),

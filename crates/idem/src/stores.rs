@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use anyhow::Context as _;
 use idem_core::Store;
+use idem_postgres::PostgresStore;
 use idem_sqlite::SqliteStore;
 
 /// Opens (and migrates) the store at `url`.
@@ -16,9 +17,13 @@ pub(crate) async fn open(url: &str) -> anyhow::Result<Arc<dyn Store>> {
                 .with_context(|| format!("cannot open the store {url}"))?;
             Ok(Arc::new(store))
         }
-        "postgres" | "postgresql" | "redis" | "redis+cluster" => {
-            anyhow::bail!("the {scheme} store is not available in this build of idem yet; use sqlite://PATH")
+        "postgres" | "postgresql" => {
+            let store = PostgresStore::connect(url).await.context("cannot open the PostgreSQL store")?;
+            Ok(Arc::new(store))
         }
-        _ => anyhow::bail!("unknown store URL {url:?}: use sqlite://PATH"),
+        "redis" | "redis+cluster" => {
+            anyhow::bail!("the {scheme} store is not available in this build of idem yet")
+        }
+        _ => anyhow::bail!("unknown store URL {url:?}: use sqlite://PATH or postgres://…"),
     }
 }

@@ -1,0 +1,188 @@
+//! Why a PostgreSQL store could not be set up ([`PostgresError`]), and how the errors of store
+//! operations are described inside [`idem_core::StoreError`].
+//!
+//! No message ever contains a password: servers are named by `user@host:port/database`.
+
+use std::error::Error as StdError;
+use std::fmt::Write as _;
+use std::sync::Arc;
+
+use idem_core::StoreError;
+
+/// The error of a driver or of the pool, as the cause of a [`PostgresError`].
+pub type BoxError = Box<dyn StdError + Send + Sync + 'static>;
+
+/// A PostgreSQL store could not be set up. Errors of store operations are
+/// [`idem_core::StoreError`]s; this type only covers connecting and migrating.
+#[derive(Debug, thiserror::Error)]
+pub enum PostgresError {
+    /// The URL is not a PostgreSQL URL this store understands.
+    #[error(
+        "invalid PostgreSQL store URL {url:?}: {reason}; expected postgres://user[:password]@host[:port]/database[?option=value&...]"
+    )]
+    InvalidUrl {
+        /// The URL as given, with any password replaced by `***`.
+        url: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// No connection to the server could be made (it is down or unreachable, the database does not
+    /// exist, the credentials were refused, ...).
+    #[error("cannot connect to PostgreSQL at {target}")]
+    Connect {
+        /// The server, as `user@host:port/database`.
+        target: String,
+        /// The error of the driver or of the pool.
+        #[source]
+        source: BoxError,
+    },
+    /// The schema could not be created or brought up to date.
+    #[error("cannot migrate the idem schema in PostgreSQL at {target}: {step} failed")]
+    Migrate {
+        /// The server, as `user@host:port/database`.
+        target: String,
+        /// The step that failed, in words.
+        step: String,
+        /// The error of the driver.
+        #[source]
+        source: BoxError,
+    },
+    /// The database was migrated by a newer version of idem.
+    #[error(
+        "the idem schema in PostgreSQL at {target} has version {found}, but this version of idem only knows versions up to {supported}; upgrade idem"
+    )]
+    NewerSchema {
+        /// The server, as `user@host:port/database`.
+        target: String,
+        /// The newest version recorded in `idem_schema_migrations`.
+        found: i32,
+        /// The newest version this crate knows.
+        supported: i32,
+    },
+    /// The connection that listens for change notifications could not be set up.
+    #[error(
+        "cannot LISTEN for change notifications on PostgreSQL at {target} (behind a pooler without LISTEN, such as PgBouncer in transaction mode, add notify=off to the URL)"
+    )]
+    Listen {
+        /// The server, as `user@host:port/database`.
+        target: String,
+        /// The error of the driver.
+        #[source]
+        source: BoxError,
+    },
+}
+
+/// What went wrong in one store operation: becomes the source of
+/// [`StoreError::Unavailable`]. Its message carries the driver's whole explanation (the driver's
+/// own top-level message is only "db error"), so that a log line of the store error says it all.
+#[derive(Debug, thiserror::Error)]
+#[error("{operation} on PostgreSQL at {target}: {detail}")]
+pub(crate) struct Failure {
+    operation: &'static str,
+    target: Arc<str>,
+    detail: String,
+    #[source]
+    source: Option<BoxError>,
+}
+
+impl Failure {
+    pub(crate) fn new(operation: &'static str, target: &Arc<str>, detail: String, source: Option<BoxError>) -> Self {
+        Self {
+            operation,
+            target: Arc::clone(target),
+            detail,
+            source,
+        }
+    }
+
+    /// Wraps a driver error of `operation`.
+    pub(crate) fn db(operation: &'static str, target: &Arc<str>, err: tokio_postgres::Error) -> StoreError {
+        StoreError::unavailable(Self::new(operation, target, describe(&err), Some(Box::new(err))))
+    }
+
+    /// Wraps an error of the pool: no connection could be had for `operation`.
+    pub(crate) fn pool(
+        operation: &'static str,
+        target: &Arc<str>,
+        err: deadpool_postgres::PoolError,
+        pool_size: usize,
+    ) -> StoreError {
+        use deadpool_postgres::{PoolError, TimeoutType};
+        let failure = match err {
+            PoolError::Backend(err) => Self::new(operation, target, describe(&err), Some(Box::new(err))),
+            PoolError::Timeout(TimeoutType::Wait) => Self::new(
+                operation,
+                target,
+                format!("all {pool_size} pooled connections stayed busy (raise pool_size in the store URL)"),
+                Some(Box::new(err)),
+            ),
+            err => Self::new(operation, target, describe(&err), Some(Box::new(err))),
+        };
+        StoreError::unavailable(failure)
+    }
+}
+
+/// An error and its causes in one line: `error connecting to server: Connection refused (os
+/// error 111)`, `db error: ERROR: relation "idem_records" does not exist`.
+pub(crate) fn describe(err: &(dyn StdError + 'static)) -> String {
+    let mut out = err.to_string();
+    let mut cause = err.source();
+    while let Some(err) = cause {
+        let text = err.to_string();
+        // Some causes repeat their wrapper's message.
+        if !out.ends_with(&text) {
+            let _ = write!(out, ": {text}");
+        }
+        cause = err.source();
+    }
+    out
+}
+
+/// `url` with the password of its user info (and of a `password=` option) replaced by `***`.
+pub(crate) fn redact(url: &str) -> String {
+    let mut out = url.to_owned();
+    if let Some(start) = out.find("://").map(|i| i + 3) {
+        let end = out[start..].find(['/', '?', '#']).map_or(out.len(), |i| start + i);
+        if let Some(at) = out[start..end].rfind('@').map(|i| start + i)
+            && let Some(colon) = out[start..at].find(':').map(|i| start + i)
+        {
+            out.replace_range(colon + 1..at, "***");
+        }
+    }
+    if let Some(query) = out.find('?') {
+        let (base, rest) = out.split_at(query + 1);
+        let rest = rest
+            .split('&')
+            .map(|pair| match pair.split_once('=') {
+                Some((name, _)) if name.eq_ignore_ascii_case("password") => format!("{name}=***"),
+                _ => pair.to_owned(),
+            })
+            .collect::<Vec<_>>()
+            .join("&");
+        out = format!("{base}{rest}");
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redacts_passwords() {
+        assert_eq!(
+            redact("postgres://idem:s3cr3t@db:5432/app?pool_size=4"),
+            "postgres://idem:***@db:5432/app?pool_size=4"
+        );
+        assert_eq!(redact("postgres://idem@db/app"), "postgres://idem@db/app");
+        assert_eq!(
+            redact("postgres://db/app?user=idem&password=s3cr3t"),
+            "postgres://db/app?user=idem&password=***"
+        );
+        assert_eq!(
+            redact("postgres://a:b:c@d@host/app"),
+            "postgres://a:***@host/app",
+            "the last @ ends the user info"
+        );
+    }
+}

@@ -1,0 +1,118 @@
+//! Versioned migrations. `idem_schema_migrations` records the versions applied; every migration
+//! that is missing runs in one transaction under a transaction-scoped advisory lock, so that
+//! instances starting together apply each migration exactly once and the others wait for it.
+
+use std::error::Error as StdError;
+
+use deadpool_postgres::{Pool, PoolError};
+
+use crate::PostgresError;
+
+/// The key of the advisory lock held while migrating (`"idem"` and 1, as one `bigint`). One lock
+/// for the whole database: migrations are rare and short, and schemas are created under it too.
+const MIGRATION_LOCK: i64 = 0x6964_656d_0000_0001;
+
+/// The migrations, in order. A released migration never changes: a change is a new one.
+const MIGRATIONS: &[(i32, &str)] = &[(
+    1,
+    "
+CREATE TABLE idem_records (
+    scope        TEXT   NOT NULL,
+    key          TEXT   NOT NULL,
+    state        TEXT   NOT NULL CHECK (state IN ('in-flight', 'completed', 'unknown')),
+    fingerprint  BYTEA  NOT NULL,
+    digest       BYTEA  NOT NULL,
+    token        BYTEA,
+    lease_until  BIGINT,
+    response     BYTEA,
+    created_at   BIGINT NOT NULL,
+    completed_at BIGINT,
+    expires_at   BIGINT,
+    purge_at     BIGINT NOT NULL,
+    replays      BIGINT NOT NULL DEFAULT 0,
+    PRIMARY KEY (scope, key)
+);
+-- Stored answers are compressed already: out of line, without compressing them again.
+ALTER TABLE idem_records ALTER COLUMN response SET STORAGE EXTERNAL;
+CREATE INDEX idem_records_purge_at ON idem_records (purge_at);
+CREATE INDEX idem_records_expires_at ON idem_records (expires_at) WHERE response IS NOT NULL;
+",
+)];
+
+/// The newest schema version this crate knows.
+pub(crate) const VERSION: i32 = MIGRATIONS[MIGRATIONS.len() - 1].0;
+
+/// Brings the schema up to [`VERSION`], creating `schema` first if it is given and missing.
+pub(crate) async fn migrate(pool: &Pool, target: &str, schema: Option<&str>) -> Result<(), PostgresError> {
+    let mut client = pool.get().await.map_err(|err| PostgresError::Connect {
+        target: target.to_owned(),
+        source: match err {
+            PoolError::Backend(err) => Box::new(err),
+            err => Box::new(err),
+        },
+    })?;
+    let failed = |step: &str| {
+        let step = step.to_owned();
+        move |err: tokio_postgres::Error| PostgresError::Migrate {
+            target: target.to_owned(),
+            step,
+            source: Box::new(err) as Box<dyn StdError + Send + Sync>,
+        }
+    };
+    let tx = client.transaction().await.map_err(failed("starting a transaction"))?;
+    tx.batch_execute(&format!("SELECT pg_advisory_xact_lock({MIGRATION_LOCK})"))
+        .await
+        .map_err(failed("taking the migration lock"))?;
+    if let Some(schema) = schema {
+        let exists: bool = tx
+            .query_one(
+                "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = $1)",
+                &[&schema],
+            )
+            .await
+            .map_err(failed("looking up the schema"))?
+            .get(0);
+        // Only when missing: `CREATE SCHEMA IF NOT EXISTS` needs the CREATE privilege on the
+        // database even when the schema exists.
+        if !exists {
+            tx.batch_execute(&format!("CREATE SCHEMA \"{schema}\""))
+                .await
+                .map_err(failed(&format!("creating the schema {schema}")))?;
+        }
+        // The connection's search_path names the schema already; setting it again makes sure a
+        // schema created just now is the one the tables go into.
+        tx.batch_execute(&format!("SET LOCAL search_path TO \"{schema}\""))
+            .await
+            .map_err(failed("setting the search_path"))?;
+    }
+    tx.batch_execute(
+        "CREATE TABLE IF NOT EXISTS idem_schema_migrations (
+             version    INTEGER     PRIMARY KEY,
+             applied_at TIMESTAMPTZ NOT NULL DEFAULT now()
+         )",
+    )
+    .await
+    .map_err(failed("creating idem_schema_migrations"))?;
+    let found: i32 = tx
+        .query_one("SELECT COALESCE(MAX(version), 0) FROM idem_schema_migrations", &[])
+        .await
+        .map_err(failed("reading idem_schema_migrations"))?
+        .get(0);
+    if found > VERSION {
+        return Err(PostgresError::NewerSchema {
+            target: target.to_owned(),
+            found,
+            supported: VERSION,
+        });
+    }
+    for &(version, sql) in MIGRATIONS.iter().filter(|(version, _)| *version > found) {
+        let step = format!("migration {version}");
+        tx.batch_execute(sql).await.map_err(failed(&step))?;
+        tx.execute("INSERT INTO idem_schema_migrations (version) VALUES ($1)", &[&version])
+            .await
+            .map_err(failed(&step))?;
+        tracing::info!(server = %target, schema = schema.unwrap_or(""), version, "applied idem schema migration");
+    }
+    tx.commit().await.map_err(failed("committing the migration"))?;
+    Ok(())
+}

@@ -1,0 +1,725 @@
+//! [`PostgresStore`]: the `Store` primitives as PostgreSQL statements. Claims are one
+//! `INSERT ... ON CONFLICT DO NOTHING`; a conflict is resolved in a transaction that locks the row
+//! (`SELECT ... FOR UPDATE`). Complete, release and renew are single compare-and-set statements on
+//! the fencing token. Changes that end a claim `NOTIFY` in the same statement, so that waiters
+//! everywhere are woken on commit.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
+use idem_core::{
+    Begin, BeginRequest, Completion, FencingToken, Fingerprint, Purged, Record, RecordId, RecordState, Release, Store,
+    StoreError, UnixMillis, WaitOutcome,
+};
+use tokio_postgres::{NoTls, Row};
+
+use crate::error::{Failure, describe};
+use crate::listener::{Listener, payload};
+use crate::url::Settings;
+use crate::{PostgresError, schema};
+
+/// How long an in-flight record whose holder vanished (its lease ended and nobody retried) is kept
+/// before purging deletes it. Until then a retry takes it over and is marked recovered.
+const ABANDONED_CLAIM_RETENTION: Duration = Duration::from_secs(7 * 24 * 60 * 60);
+
+/// How many times `begin` tries again when the record it conflicted with is gone before it could
+/// be read (deleted by a release or a purge in between). Each try is a new statement with a new
+/// snapshot; running out means the key is being claimed and released in a tight loop.
+const BEGIN_ATTEMPTS: usize = 32;
+
+/// The key of the advisory lock that lets one purger at a time work on a schema (`"idem"`, and
+/// the hash of the schema's name as the second key).
+const PURGE_LOCK_CLASS: i32 = 0x6964_656d;
+
+/// How long an operation waits for a free pooled connection.
+const POOL_WAIT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long checking a returned connection may take.
+const POOL_RECYCLE_TIMEOUT: Duration = Duration::from_secs(5);
+
+const IN_FLIGHT: &str = "in-flight";
+const COMPLETED: &str = "completed";
+const UNKNOWN: &str = "unknown";
+
+const INSERT: &str = "
+INSERT INTO idem_records
+    (scope, key, state, fingerprint, digest, token, lease_until, created_at, purge_at, replays)
+VALUES ($1, $2, 'in-flight', $3, $4, $5, $6, $7, $8, 0)
+ON CONFLICT (scope, key) DO NOTHING
+RETURNING 1";
+
+const SELECT: &str = "
+SELECT state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays
+FROM idem_records WHERE scope = $1 AND key = $2";
+
+const SELECT_FOR_UPDATE: &str = "
+SELECT state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays
+FROM idem_records WHERE scope = $1 AND key = $2
+FOR UPDATE";
+
+/// A record past its `purge_at` is claimed anew, as if it were absent.
+const REPLACE: &str = "
+WITH replaced AS (
+    UPDATE idem_records
+    SET state = 'in-flight', fingerprint = $3, digest = $4, token = $5, lease_until = $6,
+        response = NULL, created_at = $7, completed_at = NULL, expires_at = NULL,
+        purge_at = $8, replays = 0
+    WHERE scope = $1 AND key = $2
+    RETURNING 1
+)
+SELECT pg_notify('idem_records', $9) FROM replaced";
+
+const TAKE_OVER: &str = "
+WITH taken AS (
+    UPDATE idem_records
+    SET state = 'in-flight', token = $3, lease_until = $4, purge_at = $5
+    WHERE scope = $1 AND key = $2
+    RETURNING 1
+)
+SELECT pg_notify('idem_records', $6) FROM taken";
+
+const REPLAYED: &str = "UPDATE idem_records SET replays = replays + 1 WHERE scope = $1 AND key = $2";
+
+const COMPLETE: &str = "
+WITH completed AS (
+    UPDATE idem_records
+    SET state = 'completed', token = NULL, lease_until = NULL, response = $4,
+        completed_at = $5, expires_at = $6, purge_at = $7
+    WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in-flight'
+    RETURNING 1
+)
+SELECT pg_notify('idem_records', $8) FROM completed";
+
+const FORGET: &str = "
+WITH forgotten AS (
+    DELETE FROM idem_records
+    WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in-flight'
+    RETURNING 1
+)
+SELECT pg_notify('idem_records', $4) FROM forgotten";
+
+/// The fingerprint stays: only the same request may take the record over.
+const RELEASE_UNKNOWN: &str = "
+WITH released AS (
+    UPDATE idem_records
+    SET state = 'unknown', token = NULL, lease_until = NULL, purge_at = $4
+    WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in-flight'
+    RETURNING 1
+)
+SELECT pg_notify('idem_records', $5) FROM released";
+
+const RENEW: &str = "
+UPDATE idem_records SET lease_until = $4, purge_at = $5
+WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in-flight'";
+
+const HOLDS: &str = "
+SELECT EXISTS (
+    SELECT 1 FROM idem_records
+    WHERE scope = $1 AND key = $2 AND state = 'in-flight' AND token = $3
+)";
+
+/// Keyed on the schema that holds the tables, so that stores in different schemas of one
+/// database do not keep each other from purging.
+const PURGE_LOCK: &str = "SELECT pg_try_advisory_xact_lock($1, hashtext(COALESCE(current_schema(), '')))";
+
+/// Deletes by `ctid` (a TID scan) the rows that the sub-select found through the `purge_at` index
+/// and locked; rows locked by a running claim are skipped, not waited for. The outer statement
+/// repeats no condition: the rows are locked, so they still meet it, and a condition here would
+/// tempt the planner into scanning every due row through the index for each batch.
+pub(crate) const PURGE_DELETE: &str = "
+DELETE FROM idem_records
+WHERE ctid = ANY (ARRAY (
+    SELECT ctid FROM idem_records
+    WHERE purge_at <= $1
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+))";
+
+/// Drops expired answers, found through the partial `expires_at` index.
+pub(crate) const PURGE_TOMBSTONE: &str = "
+UPDATE idem_records SET response = NULL
+WHERE ctid = ANY (ARRAY (
+    SELECT ctid FROM idem_records
+    WHERE response IS NOT NULL AND expires_at <= $1
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+))";
+
+/// An idempotency store in a PostgreSQL database, shared by every instance of a service.
+///
+/// Claims are atomic across instances; waiters are woken through `LISTEN`/`NOTIFY` (or by polling
+/// with `notify=off`); purging runs one instance at a time. Cloning is cheap and shares the pool
+/// and the listening connection, which are closed when the last clone is dropped.
+#[derive(Clone)]
+pub struct PostgresStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    pool: Pool,
+    /// The server, for messages: `user@host:port/database`.
+    target: Arc<str>,
+    schema: Option<String>,
+    pool_size: usize,
+    poll_interval: Duration,
+    /// `None` with `notify=off`.
+    listener: Option<Listener>,
+}
+
+impl fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let inner = &self.inner;
+        f.debug_struct("PostgresStore")
+            .field("target", &inner.target)
+            .field("schema", &inner.schema)
+            .field("pool_size", &inner.pool_size)
+            .field("notify", &inner.listener.is_some())
+            .field(
+                "listening",
+                &inner.listener.as_ref().is_some_and(|l| l.registry().is_listening()),
+            )
+            .field("poll_interval", &inner.poll_interval)
+            .finish()
+    }
+}
+
+impl PostgresStore {
+    /// Connects to the database named by a URL, creates or updates its schema, and (unless
+    /// `notify=off`) opens the connection that listens for changes.
+    ///
+    /// The URL is `postgres://user[:password]@host[:port]/database[?options]` (`postgresql://`
+    /// too). Besides the options of tokio-postgres (`connect_timeout`, `application_name`,
+    /// `options`, ...) it takes:
+    ///
+    /// * `pool_size=N`: connections in the pool (default 16);
+    /// * `notify=off`: wake waiters by polling only, for poolers without `LISTEN` such as
+    ///   PgBouncer in transaction mode (default `on`);
+    /// * `poll_interval=DUR`: the longest pause between two checks of a waiter, a humantime
+    ///   duration (default `200ms`); a waiter first checks after a quarter of it, then backs off;
+    /// * `schema=NAME`: keep the tables in this PostgreSQL schema (lower-case letters, digits and
+    ///   `_`), created if missing; by default they go where the `search_path` says.
+    ///
+    /// TLS is not supported: use a URL without `sslmode=require`.
+    pub async fn connect(url: &str) -> Result<Self, PostgresError> {
+        let settings = Settings::parse(url)?;
+        let target: Arc<str> = settings.target.clone().into();
+        let manager = Manager::from_config(
+            settings.config.clone(),
+            NoTls,
+            ManagerConfig {
+                // Checks only that a connection is still open; no query per checkout. Nothing here
+                // changes session state that a reset would have to undo.
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let connect_timeout = settings
+            .config
+            .get_connect_timeout()
+            .copied()
+            .unwrap_or(Duration::from_secs(10));
+        let pool = Pool::builder(manager)
+            .max_size(settings.pool_size)
+            .runtime(Runtime::Tokio1)
+            .wait_timeout(Some(POOL_WAIT_TIMEOUT))
+            // A few hosts may each be tried for `connect_timeout`.
+            .create_timeout(Some(connect_timeout * 2))
+            .recycle_timeout(Some(POOL_RECYCLE_TIMEOUT))
+            .build()
+            .map_err(|err| PostgresError::Connect {
+                target: settings.target.clone(),
+                source: Box::new(err),
+            })?;
+        schema::migrate(&pool, &settings.target, settings.schema.as_deref()).await?;
+        let listener = if settings.notify {
+            let listener = Listener::start(settings.config.clone(), settings.target.clone())
+                .await
+                .map_err(|err| PostgresError::Listen {
+                    target: settings.target.clone(),
+                    source: Box::new(err),
+                })?;
+            Some(listener)
+        } else {
+            None
+        };
+        tracing::debug!(
+            server = %settings.target,
+            schema = settings.schema.as_deref().unwrap_or(""),
+            notify = settings.notify,
+            "PostgreSQL store connected"
+        );
+        Ok(Self {
+            inner: Arc::new(Inner {
+                pool,
+                target,
+                schema: settings.schema,
+                pool_size: settings.pool_size,
+                poll_interval: settings.poll_interval,
+                listener,
+            }),
+        })
+    }
+
+    /// Creates the schema or applies the migrations it lacks; does nothing if it is up to date.
+    /// Safe to run from many instances at once. [`PostgresStore::connect`] calls it.
+    pub async fn migrate(&self) -> Result<(), PostgresError> {
+        schema::migrate(&self.inner.pool, &self.inner.target, self.inner.schema.as_deref()).await
+    }
+
+    /// The server, as `user@host:port/database` (never with a password), for messages.
+    pub fn target(&self) -> &str {
+        &self.inner.target
+    }
+
+    async fn client(&self, operation: &'static str) -> Result<Object, StoreError> {
+        self.inner
+            .pool
+            .get()
+            .await
+            .map_err(|err| Failure::pool(operation, &self.inner.target, err, self.inner.pool_size))
+    }
+
+    fn db(&self, operation: &'static str) -> impl Fn(tokio_postgres::Error) -> StoreError + Copy + '_ {
+        move |err| Failure::db(operation, &self.inner.target, err)
+    }
+
+    /// Whether `token` is still the current claim on the record.
+    async fn holds(&self, id: &RecordId, token: FencingToken) -> Result<bool, StoreError> {
+        let db = self.db("wait");
+        let client = self.client("wait").await?;
+        let stmt = client.prepare_cached(HOLDS).await.map_err(db)?;
+        let row = client
+            .query_one(&stmt, &[&id.scope.as_str(), &id.key.as_str(), &&token.as_bytes()[..]])
+            .await
+            .map_err(db)?;
+        row.try_get(0).map_err(db)
+    }
+}
+
+fn abandoned_purge_at(lease_until: UnixMillis) -> i64 {
+    lease_until.plus(ABANDONED_CLAIM_RETENTION).as_i64()
+}
+
+/// A compare-and-set that changed nothing lost its claim.
+fn fenced(changed: usize) -> Result<(), StoreError> {
+    if changed == 0 { Err(StoreError::Fenced) } else { Ok(()) }
+}
+
+/// A row as stored, before it is checked.
+struct StoredRow {
+    state: String,
+    fingerprint: Vec<u8>,
+    digest: Vec<u8>,
+    token: Option<Vec<u8>>,
+    lease_until: Option<i64>,
+    response: Option<Vec<u8>>,
+    created_at: i64,
+    completed_at: Option<i64>,
+    expires_at: Option<i64>,
+    purge_at: i64,
+    replays: i64,
+}
+
+impl StoredRow {
+    /// Reads the columns of [`SELECT`], in order; a value of the wrong type is a corrupt record.
+    fn from_row(row: &Row, id: &RecordId) -> Result<Self, StoreError> {
+        let read = || -> Result<Self, tokio_postgres::Error> {
+            Ok(Self {
+                state: row.try_get(0)?,
+                fingerprint: row.try_get(1)?,
+                digest: row.try_get(2)?,
+                token: row.try_get(3)?,
+                lease_until: row.try_get(4)?,
+                response: row.try_get(5)?,
+                created_at: row.try_get(6)?,
+                completed_at: row.try_get(7)?,
+                expires_at: row.try_get(8)?,
+                purge_at: row.try_get(9)?,
+                replays: row.try_get(10)?,
+            })
+        };
+        read().map_err(|err| StoreError::Corrupt(format!("record {} {}: {}", id.scope, id.key, describe(&err))))
+    }
+
+    fn into_record(self, id: RecordId) -> Result<Record, StoreError> {
+        let corrupt = |what: &str| StoreError::Corrupt(format!("record {} {}: {what}", id.scope, id.key));
+        let fingerprint = Fingerprint::decode(&self.fingerprint).map_err(|_| corrupt("undecodable fingerprint"))?;
+        let millis = |value: Option<i64>, column: &str| {
+            value
+                .map(UnixMillis::from_i64)
+                .ok_or_else(|| corrupt(&format!("{} record without {column}", self.state)))
+        };
+        let state = match self.state.as_str() {
+            IN_FLIGHT => {
+                let token = self
+                    .token
+                    .as_deref()
+                    .and_then(|bytes| <[u8; 16]>::try_from(bytes).ok())
+                    .ok_or_else(|| corrupt("in-flight record without a 16-byte token"))?;
+                RecordState::InFlight {
+                    token: FencingToken::from_bytes(token),
+                    lease_until: millis(self.lease_until, "lease_until")?,
+                }
+            }
+            COMPLETED => RecordState::Completed {
+                response: self.response.map(Bytes::from),
+                completed_at: millis(self.completed_at, "completed_at")?,
+                expires_at: millis(self.expires_at, "expires_at")?,
+                purge_at: UnixMillis::from_i64(self.purge_at),
+            },
+            UNKNOWN => RecordState::Unknown {
+                purge_at: UnixMillis::from_i64(self.purge_at),
+            },
+            other => return Err(corrupt(&format!("unknown state {other:?}"))),
+        };
+        Ok(Record {
+            fingerprint,
+            created_at: UnixMillis::from_i64(self.created_at),
+            replays: u64::try_from(self.replays).map_err(|_| corrupt("negative replay count"))?,
+            state,
+            id,
+        })
+    }
+}
+
+#[async_trait]
+impl Store for PostgresStore {
+    async fn begin(&self, request: BeginRequest<'_>) -> Result<Begin, StoreError> {
+        let db = self.db("begin");
+        let id = request.id;
+        let (scope, key) = (id.scope.as_str(), id.key.as_str());
+        let fingerprint = request.fingerprint.encode();
+        let digest = &request.fingerprint.digest()[..];
+        let token = &request.token.as_bytes()[..];
+        let now = request.now.as_i64();
+        let lease_until = request.lease_until.as_i64();
+        let purge_at = abandoned_purge_at(request.lease_until);
+        let notice = payload(id);
+        let mut client = self.client("begin").await?;
+        for _ in 0..BEGIN_ATTEMPTS {
+            // The common case, a new key, is this one statement. No transaction around it: it is
+            // atomic by itself, and what follows does not depend on it being undone.
+            let insert = client.prepare_cached(INSERT).await.map_err(db)?;
+            let inserted = client
+                .query_opt(
+                    &insert,
+                    &[
+                        &scope,
+                        &key,
+                        &fingerprint,
+                        &digest,
+                        &token,
+                        &lease_until,
+                        &now,
+                        &purge_at,
+                    ],
+                )
+                .await
+                .map_err(db)?;
+            if inserted.is_some() {
+                return Ok(Begin::Acquired { recovered: false });
+            }
+            // The key exists: decide under the row's lock. Read committed is enough, as every
+            // statement sees what was committed before it, and the lock keeps the row still.
+            let tx = client.transaction().await.map_err(db)?;
+            let select = tx.prepare_cached(SELECT_FOR_UPDATE).await.map_err(db)?;
+            let Some(row) = tx.query_opt(&select, &[&scope, &key]).await.map_err(db)? else {
+                // Deleted between the two statements: try again from the insert.
+                tx.rollback().await.map_err(db)?;
+                continue;
+            };
+            let row = StoredRow::from_row(&row, id)?;
+            let begun = if row.purge_at <= now {
+                let replace = tx.prepare_cached(REPLACE).await.map_err(db)?;
+                tx.query(
+                    &replace,
+                    &[
+                        &scope,
+                        &key,
+                        &fingerprint,
+                        &digest,
+                        &token,
+                        &lease_until,
+                        &now,
+                        &purge_at,
+                        &notice,
+                    ],
+                )
+                .await
+                .map_err(db)?;
+                Begin::Acquired { recovered: false }
+            } else {
+                let same_request = row.digest.as_slice() == digest;
+                let lease_ended = row.lease_until.is_some_and(|until| until <= now);
+                let abandoned = (row.state == IN_FLIGHT && lease_ended) || row.state == UNKNOWN;
+                if same_request && abandoned {
+                    let take_over = tx.prepare_cached(TAKE_OVER).await.map_err(db)?;
+                    tx.query(&take_over, &[&scope, &key, &token, &lease_until, &purge_at, &notice])
+                        .await
+                        .map_err(db)?;
+                    Begin::Acquired { recovered: true }
+                } else {
+                    let replayed = same_request
+                        && row.state == COMPLETED
+                        && row.response.is_some()
+                        && row.expires_at.is_some_and(|expires| now < expires);
+                    // A corrupt row fails here, before anything is changed.
+                    let mut record = row.into_record(id.clone())?;
+                    if replayed {
+                        let count = tx.prepare_cached(REPLAYED).await.map_err(db)?;
+                        tx.execute(&count, &[&scope, &key]).await.map_err(db)?;
+                        record.replays += 1;
+                    }
+                    Begin::Existing(record)
+                }
+            };
+            tx.commit().await.map_err(db)?;
+            return Ok(begun);
+        }
+        Err(StoreError::unavailable(Failure::new(
+            "begin",
+            &self.inner.target,
+            format!("the record kept disappearing between claiming and reading it ({BEGIN_ATTEMPTS} attempts)"),
+            None,
+        )))
+    }
+
+    async fn complete(&self, id: &RecordId, token: FencingToken, completion: Completion) -> Result<(), StoreError> {
+        let db = self.db("complete");
+        let client = self.client("complete").await?;
+        let stmt = client.prepare_cached(COMPLETE).await.map_err(db)?;
+        let response: &[u8] = &completion.response;
+        let rows = client
+            .query(
+                &stmt,
+                &[
+                    &id.scope.as_str(),
+                    &id.key.as_str(),
+                    &&token.as_bytes()[..],
+                    &response,
+                    &completion.completed_at.as_i64(),
+                    &completion.expires_at.as_i64(),
+                    &completion.purge_at.as_i64(),
+                    &payload(id),
+                ],
+            )
+            .await
+            .map_err(db)?;
+        fenced(rows.len())
+    }
+
+    async fn release(&self, id: &RecordId, token: FencingToken, release: Release) -> Result<(), StoreError> {
+        let db = self.db("release");
+        let client = self.client("release").await?;
+        let (scope, key, token, notice) = (id.scope.as_str(), id.key.as_str(), &token.as_bytes()[..], payload(id));
+        let rows = match release {
+            Release::Forget => {
+                let stmt = client.prepare_cached(FORGET).await.map_err(db)?;
+                client.query(&stmt, &[&scope, &key, &token, &notice]).await
+            }
+            Release::Unknown { purge_at } => {
+                let stmt = client.prepare_cached(RELEASE_UNKNOWN).await.map_err(db)?;
+                client
+                    .query(&stmt, &[&scope, &key, &token, &purge_at.as_i64(), &notice])
+                    .await
+            }
+        }
+        .map_err(db)?;
+        fenced(rows.len())
+    }
+
+    async fn renew(&self, id: &RecordId, token: FencingToken, lease_until: UnixMillis) -> Result<(), StoreError> {
+        let db = self.db("renew");
+        let client = self.client("renew").await?;
+        let stmt = client.prepare_cached(RENEW).await.map_err(db)?;
+        let changed = client
+            .execute(
+                &stmt,
+                &[
+                    &id.scope.as_str(),
+                    &id.key.as_str(),
+                    &&token.as_bytes()[..],
+                    &lease_until.as_i64(),
+                    &abandoned_purge_at(lease_until),
+                ],
+            )
+            .await
+            .map_err(db)?;
+        fenced(usize::try_from(changed).unwrap_or(usize::MAX))
+    }
+
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+        let db = self.db("get");
+        let client = self.client("get").await?;
+        let stmt = client.prepare_cached(SELECT).await.map_err(db)?;
+        let row = client
+            .query_opt(&stmt, &[&id.scope.as_str(), &id.key.as_str()])
+            .await
+            .map_err(db)?;
+        row.map(|row| StoredRow::from_row(&row, id)?.into_record(id.clone()))
+            .transpose()
+    }
+
+    async fn wait(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        deadline: tokio::time::Instant,
+    ) -> Result<WaitOutcome, StoreError> {
+        let subscription = self
+            .inner
+            .listener
+            .as_ref()
+            .map(|listener| listener.registry().subscribe(payload(id)));
+        // Polling backs off from a quarter of the interval up to it. With notifications it is only
+        // a safety net; with `notify=off` it is how changes are seen.
+        let max_poll = self.inner.poll_interval;
+        let mut poll = (max_poll / 4).max(Duration::from_millis(1));
+        loop {
+            // Subscribed before the check: a change committed after it still wakes us (the
+            // listening connection has been listening since before the check, or, if it is
+            // reconnecting, wakes every waiter once it listens again).
+            let notified = subscription.as_ref().map(|s| s.notify().notified());
+            let mut notified = std::pin::pin!(notified);
+            if let Some(notified) = notified.as_mut().as_pin_mut() {
+                notified.enable();
+            }
+            if !self.holds(id, token).await? {
+                return Ok(WaitOutcome::Changed);
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Ok(WaitOutcome::TimedOut);
+            }
+            let woken = async {
+                match notified.as_mut().as_pin_mut() {
+                    Some(notified) => notified.await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                () = woken => {}
+                () = tokio::time::sleep(poll) => poll = (poll * 2).min(max_poll),
+                () = tokio::time::sleep_until(deadline) => {}
+            }
+        }
+    }
+
+    async fn purge(&self, now: UnixMillis, batch: usize) -> Result<Purged, StoreError> {
+        let db = self.db("purge");
+        let limit = i64::try_from(batch).unwrap_or(i64::MAX);
+        let now = now.as_i64();
+        let mut client = self.client("purge").await?;
+        let tx = client.transaction().await.map_err(db)?;
+        let lock = tx.prepare_cached(PURGE_LOCK).await.map_err(db)?;
+        let locked: bool = tx
+            .query_one(&lock, &[&PURGE_LOCK_CLASS])
+            .await
+            .map_err(db)?
+            .try_get(0)
+            .map_err(db)?;
+        if !locked {
+            // Another instance is purging this schema right now.
+            tx.rollback().await.map_err(db)?;
+            return Ok(Purged::default());
+        }
+        let delete = tx.prepare_cached(PURGE_DELETE).await.map_err(db)?;
+        let deleted = tx.execute(&delete, &[&now, &limit]).await.map_err(db)?;
+        let tombstone = tx.prepare_cached(PURGE_TOMBSTONE).await.map_err(db)?;
+        let tombstoned = tx.execute(&tombstone, &[&now, &limit]).await.map_err(db)?;
+        tx.commit().await.map_err(db)?;
+        Ok(Purged { deleted, tombstoned })
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        let db = self.db("ping");
+        let client = self.client("ping").await?;
+        let stmt = client.prepare_cached("SELECT 1").await.map_err(db)?;
+        client.query_one(&stmt, &[]).await.map(drop).map_err(db)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::listener::CHANNEL;
+
+    #[test]
+    fn every_notification_goes_to_the_listened_channel() {
+        for sql in [REPLACE, TAKE_OVER, COMPLETE, FORGET, RELEASE_UNKNOWN] {
+            assert!(sql.contains(&format!("pg_notify('{CHANNEL}', $")), "{sql}");
+        }
+    }
+
+    /// The plans of the lookups and of purging on a table of 20 000 records, 100 of them due:
+    /// indexes, never a scan of the whole table. Runs against the test server
+    /// (`IDEM_TEST_POSTGRES_URL`, default `postgres://postgres@127.0.0.1:5432/test`).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn lookups_and_purging_use_the_indexes() {
+        let base = std::env::var("IDEM_TEST_POSTGRES_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+        // Named like the integration tests' schemas, whose clean-up drops it if this test fails.
+        let secs = UnixMillis::now().0 / 1000;
+        let schema = format!("idem_test_{secs}_plans{}", std::process::id());
+        let separator = if base.contains('?') { '&' } else { '?' };
+        let store = PostgresStore::connect(&format!("{base}{separator}schema={schema}&notify=off"))
+            .await
+            .unwrap_or_else(|err| {
+                panic!(
+                    "{}; start PostgreSQL with `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start`",
+                    describe(&err)
+                )
+            });
+        let client = store.client("test").await.unwrap();
+        client
+            .batch_execute(
+                "INSERT INTO idem_records (scope, key, state, fingerprint, digest, response, created_at,
+                     completed_at, expires_at, purge_at)
+                 SELECT 'scope-' || (i % 100), 'key-' || i, 'completed', '\\x00', '\\x00',
+                     CASE WHEN i % 10 = 0 THEN NULL ELSE '\\x01'::bytea END, i, i, 1000000 + i, 2000000 + i
+                 FROM generate_series(1, 20000) AS i;
+                 ANALYZE idem_records;",
+            )
+            .await
+            .unwrap();
+        let plan = |sql: &'static str, params: Vec<Box<dyn tokio_postgres::types::ToSql + Sync + Send>>| {
+            let client = &client;
+            async move {
+                let params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = params
+                    .iter()
+                    .map(|p| &**p as &(dyn tokio_postgres::types::ToSql + Sync))
+                    .collect();
+                let rows = client.query(&format!("EXPLAIN {sql}"), &params).await.unwrap();
+                rows.iter()
+                    .map(|row| row.get::<_, String>(0))
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            }
+        };
+        let lookup = plan(SELECT, vec![Box::new("scope-7"), Box::new("key-7")]).await;
+        assert!(lookup.contains("Index Scan using idem_records_pkey"), "{lookup}");
+        let locking = plan(SELECT_FOR_UPDATE, vec![Box::new("scope-7"), Box::new("key-7")]).await;
+        assert!(locking.contains("Index Scan using idem_records_pkey"), "{locking}");
+        let deleting = plan(PURGE_DELETE, vec![Box::new(2_000_100_i64), Box::new(1000_i64)]).await;
+        assert!(deleting.contains("Tid Scan"), "{deleting}");
+        assert!(deleting.contains("idem_records_purge_at"), "{deleting}");
+        let tombstoning = plan(PURGE_TOMBSTONE, vec![Box::new(1_000_100_i64), Box::new(1000_i64)]).await;
+        assert!(tombstoning.contains("Tid Scan"), "{tombstoning}");
+        assert!(tombstoning.contains("idem_records_expires_at"), "{tombstoning}");
+        for plan in [&lookup, &locking, &deleting, &tombstoning] {
+            assert!(!plan.contains("Seq Scan"), "{plan}");
+        }
+        client
+            .batch_execute(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
+            .await
+            .unwrap();
+    }
+
+    #[test]
+    fn the_selects_read_the_columns_in_order() {
+        const COLUMNS: &str = "state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays";
+        assert!(SELECT.contains(COLUMNS));
+        assert!(SELECT_FOR_UPDATE.contains(COLUMNS));
+    }
+}

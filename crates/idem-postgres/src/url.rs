@@ -1,0 +1,233 @@
+//! `postgres://` URLs: the options of this store are taken out of the query string; everything
+//! else is handed to tokio-postgres as it is.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use tokio_postgres::config::Host;
+
+use crate::PostgresError;
+use crate::error::redact;
+
+/// Connections in the pool unless `pool_size` says otherwise.
+pub(crate) const DEFAULT_POOL_SIZE: usize = 16;
+/// The longest pause between two checks of a waiter unless `poll_interval` says otherwise.
+pub(crate) const DEFAULT_POLL_INTERVAL: Duration = Duration::from_millis(200);
+/// How long connecting may take unless `connect_timeout` says otherwise.
+const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Names the connections in `pg_stat_activity` unless `application_name` says otherwise.
+const DEFAULT_APPLICATION_NAME: &str = "idem";
+
+/// What a store URL says.
+#[derive(Debug, Clone)]
+pub(crate) struct Settings {
+    /// The connection settings for tokio-postgres, this store's options removed.
+    pub(crate) config: tokio_postgres::Config,
+    /// The server, for messages: `user@host:port/database`, never a password.
+    pub(crate) target: String,
+    /// `pool_size=N`.
+    pub(crate) pool_size: usize,
+    /// `notify=on|off`: whether waiters are woken by `LISTEN`/`NOTIFY`.
+    pub(crate) notify: bool,
+    /// `poll_interval=DUR`: the longest pause between two checks of a waiter.
+    pub(crate) poll_interval: Duration,
+    /// `schema=NAME`: the PostgreSQL schema that holds the tables, created if missing.
+    pub(crate) schema: Option<String>,
+}
+
+impl Settings {
+    /// Parses `postgres://user[:password]@host[:port]/database[?options]` (or `postgresql://`).
+    pub(crate) fn parse(url: &str) -> Result<Self, PostgresError> {
+        let invalid = |reason: String| PostgresError::InvalidUrl {
+            url: redact(url),
+            reason,
+        };
+        let scheme = url.split_once("://").map(|(scheme, _)| scheme);
+        if !scheme.is_some_and(|s| s.eq_ignore_ascii_case("postgres") || s.eq_ignore_ascii_case("postgresql")) {
+            return Err(invalid("the scheme is not postgres:// or postgresql://".to_owned()));
+        }
+        let (base, query) = url.split_once('?').unwrap_or((url, ""));
+        let mut pool_size = DEFAULT_POOL_SIZE;
+        let mut notify = true;
+        let mut poll_interval = DEFAULT_POLL_INTERVAL;
+        let mut schema = None;
+        let mut passed_on = Vec::new();
+        for pair in query.split('&').filter(|pair| !pair.is_empty()) {
+            let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+            match name {
+                "pool_size" => {
+                    pool_size = value
+                        .parse()
+                        .ok()
+                        .filter(|&n| n > 0)
+                        .ok_or_else(|| invalid(format!("pool_size={value} is not a positive number")))?;
+                }
+                "notify" => {
+                    notify = match value {
+                        "on" | "true" | "1" => true,
+                        "off" | "false" | "0" => false,
+                        _ => return Err(invalid(format!("notify={value} is neither on nor off"))),
+                    };
+                }
+                "poll_interval" => {
+                    poll_interval = humantime::parse_duration(value)
+                        .ok()
+                        .filter(|d| !d.is_zero())
+                        .ok_or_else(|| {
+                            invalid(format!(
+                                "poll_interval={value} is not a positive duration such as 200ms or 1s"
+                            ))
+                        })?;
+                }
+                "schema" => {
+                    check_schema_name(value).map_err(|why| invalid(format!("schema={value} {why}")))?;
+                    schema = Some(value.to_owned());
+                }
+                _ => passed_on.push(pair),
+            }
+        }
+        let rest = if passed_on.is_empty() {
+            base.to_owned()
+        } else {
+            format!("{base}?{}", passed_on.join("&"))
+        };
+        let mut config =
+            tokio_postgres::Config::from_str(&rest).map_err(|err| invalid(crate::error::describe(&err)))?;
+        if config.get_hosts().is_empty() {
+            return Err(invalid("it names no host".to_owned()));
+        }
+        if config.get_application_name().is_none() {
+            config.application_name(DEFAULT_APPLICATION_NAME);
+        }
+        if config.get_connect_timeout().is_none() {
+            config.connect_timeout(DEFAULT_CONNECT_TIMEOUT);
+        }
+        if let Some(schema) = &schema {
+            // A startup option rather than a `SET` per connection: it survives `RESET ALL` and
+            // applies to every connection made from this configuration.
+            let options = match config.get_options() {
+                Some(options) if !options.trim().is_empty() => format!("{options} -c search_path={schema}"),
+                _ => format!("-c search_path={schema}"),
+            };
+            config.options(options);
+        }
+        let target = target_of(&config);
+        Ok(Self {
+            config,
+            target,
+            pool_size,
+            notify,
+            poll_interval,
+            schema,
+        })
+    }
+}
+
+/// Schema names are kept to what needs no quoting anywhere (an unquoted identifier, which
+/// PostgreSQL would fold to lower case, and no space, which the startup options would split at).
+fn check_schema_name(name: &str) -> Result<(), &'static str> {
+    let mut chars = name.chars();
+    match chars.next() {
+        None => return Err("is empty"),
+        Some(c) if !(c.is_ascii_lowercase() || c == '_') => {
+            return Err("must start with a lower-case letter or _");
+        }
+        Some(_) => {}
+    }
+    if !chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_') {
+        return Err("may only hold lower-case letters, digits and _");
+    }
+    if name.len() > 63 {
+        return Err("is longer than 63 characters");
+    }
+    if name.starts_with("pg_") {
+        return Err("must not start with pg_ (reserved by PostgreSQL)");
+    }
+    Ok(())
+}
+
+/// `user@host:port/database`, as PostgreSQL will see it.
+pub(crate) fn target_of(config: &tokio_postgres::Config) -> String {
+    let ports = config.get_ports();
+    let hosts = config
+        .get_hosts()
+        .iter()
+        .enumerate()
+        .map(|(i, host)| {
+            let port = ports.get(i).or(ports.first()).copied().unwrap_or(5432);
+            match host {
+                Host::Tcp(name) if name.contains(':') => format!("[{name}]:{port}"),
+                Host::Tcp(name) => format!("{name}:{port}"),
+                #[cfg(unix)]
+                Host::Unix(path) => format!("{}:{port}", path.display()),
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(",");
+    let user = config.get_user().map(|user| format!("{user}@")).unwrap_or_default();
+    let database = config.get_dbname().or(config.get_user()).unwrap_or("");
+    format!("{user}{hosts}/{database}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn takes_its_options_out_and_passes_the_rest_on() {
+        let settings = Settings::parse(
+            "postgres://idem:pw@db.local:6432/app?pool_size=4&notify=off&poll_interval=1s&schema=tenant_1&application_name=pay",
+        )
+        .unwrap();
+        assert_eq!(settings.pool_size, 4);
+        assert!(!settings.notify);
+        assert_eq!(settings.poll_interval, Duration::from_secs(1));
+        assert_eq!(settings.schema.as_deref(), Some("tenant_1"));
+        assert_eq!(settings.config.get_application_name(), Some("pay"));
+        assert_eq!(settings.config.get_options(), Some("-c search_path=tenant_1"));
+        assert_eq!(settings.config.get_password(), Some(&b"pw"[..]));
+        assert_eq!(settings.target, "idem@db.local:6432/app");
+    }
+
+    #[test]
+    fn defaults() {
+        let settings = Settings::parse("postgresql://postgres@127.0.0.1/test").unwrap();
+        assert_eq!(settings.pool_size, DEFAULT_POOL_SIZE);
+        assert!(settings.notify);
+        assert_eq!(settings.poll_interval, DEFAULT_POLL_INTERVAL);
+        assert_eq!(settings.schema, None);
+        assert_eq!(settings.config.get_options(), None);
+        assert_eq!(settings.config.get_application_name(), Some("idem"));
+        assert_eq!(settings.config.get_connect_timeout(), Some(&DEFAULT_CONNECT_TIMEOUT));
+        assert_eq!(settings.target, "postgres@127.0.0.1:5432/test");
+    }
+
+    #[test]
+    fn keeps_the_callers_startup_options() {
+        let settings =
+            Settings::parse("postgres://u@h/d?options=-c%20statement_timeout%3D5s&schema=s&connect_timeout=3").unwrap();
+        assert_eq!(
+            settings.config.get_options(),
+            Some("-c statement_timeout=5s -c search_path=s")
+        );
+        assert_eq!(settings.config.get_connect_timeout(), Some(&Duration::from_secs(3)));
+    }
+
+    #[test]
+    fn refusals_say_why_and_hide_the_password() {
+        for (url, why) in [
+            ("sqlite://idem.db", "scheme"),
+            ("postgres://u:secret@h/d?pool_size=0", "pool_size=0"),
+            ("postgres://u:secret@h/d?notify=maybe", "notify=maybe"),
+            ("postgres://u:secret@h/d?poll_interval=fast", "poll_interval=fast"),
+            ("postgres://u:secret@h/d?schema=Tenant", "schema=Tenant"),
+            ("postgres://u:secret@h/d?schema=a%20b", "schema=a%20b"),
+            ("postgres://u:secret@h/d?schema=pg_x", "pg_"),
+            ("postgres://u:secret@h:port/d", "invalid"),
+        ] {
+            let err = Settings::parse(url).unwrap_err().to_string();
+            assert!(err.contains(why), "{url}: {err}");
+            assert!(!err.contains("secret"), "{url}: {err}");
+        }
+    }
+}

@@ -1,0 +1,185 @@
+//! Waiters are woken through PostgreSQL `LISTEN`/`NOTIFY`, across stores (two pools, so that the
+//! wake-up has to travel through the server), and again after the server dropped every
+//! connection. The stores poll only every 15 s here (`poll_interval=60s` backs off from a quarter
+//! of it), so a waiter that wakes within 2 s was woken by a notification; a control case shows
+//! that a store with `notify=off` does not.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{DAY, LEASE, TestSchema, acquire, begin, completion, fingerprint, fresh_id};
+use idem_core::{Begin, FencingToken, RecordId, Release, Store, UnixMillis, WaitOutcome};
+use idem_postgres::PostgresStore;
+use tokio::task::JoinHandle;
+use tokio::time::{Instant, timeout};
+
+const SLOW_POLL: &str = "poll_interval=60s";
+/// Well below the first poll of a store with [`SLOW_POLL`] (15 s).
+const NOTIFIED_WITHIN: Duration = Duration::from_secs(2);
+
+/// Starts waiting on `token` in a task, and checks that the waiter is still waiting after 100 ms.
+async fn start_waiting(waiter: &PostgresStore, id: &RecordId, token: FencingToken) -> JoinHandle<WaitOutcome> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let (waiter, id) = (waiter.clone(), id.clone());
+    let task = tokio::spawn(async move { waiter.wait(&id, token, deadline).await.expect("wait") });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!task.is_finished(), "the waiter waits while the claim is held");
+    task
+}
+
+/// Asserts that the waiter returns `Changed` well before its store would poll.
+async fn assert_notified(task: JoinHandle<WaitOutcome>, what: &str) {
+    let started = Instant::now();
+    let outcome = timeout(Duration::from_secs(10), task)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: the waiter was not woken within 10 s"))
+        .expect("task");
+    assert_eq!(outcome, WaitOutcome::Changed, "{what}");
+    assert!(
+        started.elapsed() < NOTIFIED_WITHIN,
+        "{what}: woken only after {:?}, which polling could explain",
+        started.elapsed()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completion_wakes_a_waiter_on_another_store() {
+    let schema = TestSchema::new();
+    let (holder, waiter) = (schema.connect(SLOW_POLL).await, schema.connect(SLOW_POLL).await);
+    let (id, fp, now) = (fresh_id(), fingerprint("a"), UnixMillis::now());
+    let token = acquire(&holder, &id, &fp, now).await;
+    let task = start_waiting(&waiter, &id, token).await;
+    holder
+        .complete(&id, token, completion(b"done", now, DAY, 7 * DAY))
+        .await
+        .expect("complete");
+    assert_notified(task, "complete").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_polling_store_does_not_wake_at_once() {
+    let schema = TestSchema::new();
+    let holder = schema.connect(SLOW_POLL).await;
+    let waiter = schema.connect(&format!("notify=off&{SLOW_POLL}")).await;
+    let (id, fp, now) = (fresh_id(), fingerprint("a"), UnixMillis::now());
+    let token = acquire(&holder, &id, &fp, now).await;
+    let task = start_waiting(&waiter, &id, token).await;
+    holder
+        .complete(&id, token, completion(b"done", now, DAY, 7 * DAY))
+        .await
+        .expect("complete");
+    tokio::time::sleep(NOTIFIED_WITHIN).await;
+    assert!(
+        !task.is_finished(),
+        "a store with notify=off noticed the change within {NOTIFIED_WITHIN:?}, so the notification tests prove nothing"
+    );
+    task.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_and_takeover_wake_waiters() {
+    let schema = TestSchema::new();
+    let (holder, waiter) = (schema.connect(SLOW_POLL).await, schema.connect(SLOW_POLL).await);
+    let fp = fingerprint("a");
+
+    let (id, now) = (fresh_id(), UnixMillis::now());
+    let token = acquire(&holder, &id, &fp, now).await;
+    let task = start_waiting(&waiter, &id, token).await;
+    holder.release(&id, token, Release::Forget).await.expect("release");
+    assert_notified(task, "release (forget)").await;
+
+    let (id, now) = (fresh_id(), UnixMillis::now());
+    let token = acquire(&holder, &id, &fp, now).await;
+    let task = start_waiting(&waiter, &id, token).await;
+    let unknown = Release::Unknown {
+        purge_at: now.plus(DAY),
+    };
+    holder.release(&id, token, unknown).await.expect("release");
+    assert_notified(task, "release (unknown)").await;
+
+    // A claim whose lease ended long ago, taken over by a retry on the other store.
+    let (id, then) = (fresh_id(), UnixMillis::now().minus(LEASE * 2));
+    let token = acquire(&holder, &id, &fp, then).await;
+    let task = start_waiting(&waiter, &id, token).await;
+    let (taken, _) = begin(&waiter, &id, &fp, UnixMillis::now()).await;
+    assert!(matches!(taken, Begin::Acquired { recovered: true }), "{taken:?}");
+    assert_notified(task, "takeover").await;
+}
+
+/// Kills every connection of both stores (as a server restart would), then checks that they
+/// work again without being reopened, and that the listening connection came back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stores_recover_when_the_server_drops_their_connections() {
+    let schema = TestSchema::new();
+    let app = format!("idem_test_{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+    let options = format!("{SLOW_POLL}&application_name={app}");
+    let (holder, waiter) = (schema.connect(&options).await, schema.connect(&options).await);
+    holder.ping().await.expect("ping");
+    waiter.ping().await.expect("ping");
+
+    let admin = schema.client().await;
+    let listening = "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND query LIKE 'LISTEN%'";
+    let count = |sql: &'static str| {
+        let (admin, app) = (&admin, app.clone());
+        async move { admin.query_one(sql, &[&app]).await.unwrap().get::<_, i64>(0) }
+    };
+    assert_eq!(count(listening).await, 2, "each store has one listening connection");
+    let killed =
+        count("SELECT count(pg_terminate_backend(pid, 5000)) FROM pg_stat_activity WHERE application_name = $1").await;
+    assert!(killed >= 4, "killed {killed} connections");
+
+    // The pool notices closed connections when it hands them out; give the drivers a moment to
+    // read the server's goodbye.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    holder.ping().await.expect("the holder's pool reconnects");
+    waiter.ping().await.expect("the waiter's pool reconnects");
+    let started = Instant::now();
+    while count(listening).await < 2 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the listening connections did not come back"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    let (id, fp, now) = (fresh_id(), fingerprint("a"), UnixMillis::now());
+    let token = acquire(&holder, &id, &fp, now).await;
+    let task = start_waiting(&waiter, &id, token).await;
+    holder
+        .complete(&id, token, completion(b"done", now, DAY, 7 * DAY))
+        .await
+        .expect("complete");
+    assert_notified(task, "complete after reconnecting").await;
+}
+
+/// A waiter that is already waiting when the listening connection drops is woken once it is
+/// back, even though the change it waits for was notified while nobody listened.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn changes_made_while_not_listening_are_not_lost() {
+    let schema = TestSchema::new();
+    let app = format!("idem_test_{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+    let holder = schema.connect(SLOW_POLL).await;
+    let waiter = schema.connect(&format!("{SLOW_POLL}&application_name={app}")).await;
+    let (id, fp, now) = (fresh_id(), fingerprint("a"), UnixMillis::now());
+    let token = acquire(&holder, &id, &fp, now).await;
+    let task = start_waiting(&waiter, &id, token).await;
+
+    let admin = schema.client().await;
+    // Only the listening connection: the waiter's pool connections stay, so its checks work.
+    let killed: i64 = admin
+        .query_one(
+            "SELECT count(pg_terminate_backend(pid, 5000)) FROM pg_stat_activity
+             WHERE application_name = $1 AND query LIKE 'LISTEN%'",
+            &[&app],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(killed, 1);
+    holder
+        .complete(&id, token, completion(b"done", now, DAY, 7 * DAY))
+        .await
+        .expect("complete");
+    assert_notified(task, "complete while the listener was down").await;
+}

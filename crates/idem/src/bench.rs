@@ -1,0 +1,159 @@
+//! `idem bench`: what a keyed request costs the store. It drives the idempotency layer in process
+//! (no sockets, so the figures are the store's) with new keys, then replays them, and reports store
+//! operations per request and each operation's latency.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context as _;
+use axum::Router;
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use axum::routing::post;
+use idem_tower::IdempotencyLayer;
+use tokio::task::JoinSet;
+use tower::ServiceExt;
+
+use crate::cli::BenchArgs;
+use crate::instrumented::{Instrumented, Observer};
+use crate::stores;
+
+/// Every operation's latency samples.
+#[derive(Debug, Default)]
+struct Samples(Mutex<BTreeMap<&'static str, Vec<Duration>>>);
+
+impl Observer for Arc<Samples> {
+    fn observe(&self, operation: &'static str, elapsed: Duration, _failed: bool) {
+        self.0
+            .lock()
+            .expect("samples lock")
+            .entry(operation)
+            .or_default()
+            .push(elapsed);
+    }
+}
+
+impl Samples {
+    fn take(&self) -> BTreeMap<&'static str, Vec<Duration>> {
+        std::mem::take(&mut *self.0.lock().expect("samples lock"))
+    }
+}
+
+/// One phase's results.
+struct Phase {
+    name: &'static str,
+    requests: usize,
+    elapsed: Duration,
+    operations: BTreeMap<&'static str, Vec<Duration>>,
+}
+
+pub(crate) async fn run(args: BenchArgs) -> anyhow::Result<()> {
+    let samples = Arc::new(Samples::default());
+    let store = Instrumented::new(stores::open(&args.store.store).await?, samples.clone());
+    let body = "x".repeat(args.body_size);
+    let app = Router::new()
+        .route(
+            "/pay",
+            post(move || std::future::ready((StatusCode::CREATED, body.clone()))),
+        )
+        .layer(IdempotencyLayer::new(store));
+    let run_id = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos();
+    let keys: Arc<Vec<String>> = Arc::new((0..args.requests).map(|i| format!("bench-{run_id}-{i}")).collect());
+
+    // Warm up connections and prepared statements outside the measurement.
+    drive(&app, Arc::new(vec![format!("bench-{run_id}-warmup")]), 1).await?;
+    samples.take();
+    let mut phases = Vec::new();
+    for name in ["new", "replay"] {
+        let started = Instant::now();
+        drive(&app, keys.clone(), args.concurrency).await?;
+        phases.push(Phase {
+            name,
+            requests: args.requests,
+            elapsed: started.elapsed(),
+            operations: samples.take(),
+        });
+    }
+    print!("{}", report(&args.store.store, args.concurrency, &phases));
+    Ok(())
+}
+
+/// Sends one keyed `POST /pay` per key, `concurrency` at a time; every answer must be a 201.
+async fn drive(app: &Router, keys: Arc<Vec<String>>, concurrency: usize) -> anyhow::Result<()> {
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut workers = JoinSet::new();
+    for _ in 0..concurrency.max(1) {
+        let (app, keys, next) = (app.clone(), keys.clone(), next.clone());
+        workers.spawn(async move {
+            loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(key) = keys.get(i) else { return Ok(()) };
+                let request = Request::post("/pay")
+                    .header("idempotency-key", format!("\"{key}\""))
+                    .header("content-type", "application/json")
+                    .body(Body::from(r#"{"amount":100,"currency":"EUR"}"#))
+                    .context("build a request")?;
+                let response = app.clone().oneshot(request).await.context("the layer failed")?;
+                anyhow::ensure!(
+                    response.status() == StatusCode::CREATED,
+                    "unexpected answer {}",
+                    response.status()
+                );
+            }
+        });
+    }
+    while let Some(result) = workers.join_next().await {
+        result.context("a worker panicked")??;
+    }
+    Ok(())
+}
+
+fn report(store: &str, concurrency: usize, phases: &[Phase]) -> String {
+    let mut out = format!("idem bench  store: {store}  concurrency: {concurrency}\n\n");
+    out.push_str("phase    requests  req/s    store ops/request  operation      p50       p99       max\n");
+    for phase in phases {
+        let total: usize = phase.operations.values().map(Vec::len).sum();
+        let per_request = total as f64 / phase.requests as f64;
+        let rate = phase.requests as f64 / phase.elapsed.as_secs_f64();
+        let mut first = true;
+        for (operation, samples) in &phase.operations {
+            let mut sorted = samples.clone();
+            sorted.sort();
+            let (p50, p99, max) = (
+                percentile(&sorted, 50.0),
+                percentile(&sorted, 99.0),
+                sorted[sorted.len() - 1],
+            );
+            let lead = if first {
+                format!(
+                    "{:<8} {:<9} {:<8.0} {:<18.2}",
+                    phase.name, phase.requests, rate, per_request
+                )
+            } else {
+                " ".repeat(46)
+            };
+            first = false;
+            out.push_str(&format!(
+                "{lead} {:<14} {:<9} {:<9} {}\n",
+                format!("{operation}×{}", samples.len()),
+                ms(p50),
+                ms(p99),
+                ms(max)
+            ));
+        }
+    }
+    out
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+fn ms(duration: Duration) -> String {
+    format!("{:.3}ms", duration.as_secs_f64() * 1000.0)
+}
