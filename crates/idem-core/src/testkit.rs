@@ -353,13 +353,16 @@ pub async fn release_forgets_or_remembers(h: &impl Harness) {
 /// must really pass. The durations are short.
 pub async fn expiry_leaves_a_tombstone(h: &impl Harness) {
     let store = h.open().await;
-    let (id, fp, start) = (fresh_id(), fingerprint("a"), UnixMillis::now());
-    let token = acquire(&*store, &id, &fp, start).await;
+    let (id, fp) = (fresh_id(), fingerprint("a"));
+    let token = acquire(&*store, &id, &fp, UnixMillis::now()).await;
     let (ttl, keep) = (Duration::from_millis(800), Duration::from_millis(2500));
+    // A store may count native expiry from when its write runs, so `start` is taken just before.
+    let start = UnixMillis::now();
     store
         .complete(&id, token, completion(b"old answer", start, ttl, keep))
         .await
         .expect("complete");
+    let written = UnixMillis::now();
     let after_ttl = start.plus(Duration::from_millis(1000));
     let record = existing(begin(&*store, &id, &fp, after_ttl).await.0);
     assert!(matches!(record.state, RecordState::Completed { expires_at, .. } if expires_at <= after_ttl));
@@ -369,7 +372,7 @@ pub async fn expiry_leaves_a_tombstone(h: &impl Harness) {
         "an expired answer is no replay"
     );
 
-    sleep_until(after_ttl).await;
+    sleep_until(written.plus(ttl + Duration::from_millis(300))).await;
     store.purge(UnixMillis::now(), 1000).await.expect("purge");
     let tombstone = store
         .get(&id)
@@ -384,7 +387,7 @@ pub async fn expiry_leaves_a_tombstone(h: &impl Harness) {
         "a tombstone is not claimable"
     );
 
-    sleep_until(start.plus(keep + Duration::from_millis(200))).await;
+    sleep_until(written.plus(keep + Duration::from_millis(300))).await;
     store.purge(UnixMillis::now(), 1000).await.expect("purge");
     assert!(
         store.get(&id).await.expect("get").is_none(),
@@ -426,26 +429,29 @@ pub async fn purge_time_frees_the_key_without_purge(h: &impl Harness) {
 /// nothing left to do.)
 pub async fn purge_in_batches(h: &impl Harness) {
     let store = h.open().await;
-    let (fp, start) = (fingerprint("a"), UnixMillis::now());
+    let fp = fingerprint("a");
     let keep = Duration::from_millis(1000);
     let mut ids = Vec::new();
     for _ in 0..25 {
         let id = fresh_id();
-        let token = acquire(&*store, &id, &fp, start).await;
+        let token = acquire(&*store, &id, &fp, UnixMillis::now()).await;
+        // A store may count native expiry from when its write runs: each record gets its own time.
+        let at = UnixMillis::now();
         store
-            .complete(&id, token, completion(b"x", start, keep / 2, keep))
+            .complete(&id, token, completion(b"x", at, keep / 2, keep))
             .await
             .expect("complete");
         ids.push(id);
     }
+    let written = UnixMillis::now();
     let live = fresh_id();
-    let token = acquire(&*store, &live, &fp, start).await;
+    let token = acquire(&*store, &live, &fp, written).await;
     store
-        .complete(&live, token, completion(b"x", start, DAY, 7 * DAY))
+        .complete(&live, token, completion(b"x", written, DAY, 7 * DAY))
         .await
         .expect("complete");
 
-    sleep_until(start.plus(keep + Duration::from_millis(100))).await;
+    sleep_until(written.plus(keep + Duration::from_millis(300))).await;
     let now = UnixMillis::now();
     let mut rounds = 0;
     loop {

@@ -5,9 +5,10 @@ use std::sync::Arc;
 use anyhow::Context as _;
 use idem_core::Store;
 use idem_postgres::PostgresStore;
+use idem_redis::RedisStore;
 use idem_sqlite::SqliteStore;
 
-/// Opens (and migrates) the store at `url`.
+/// Opens (and migrates) the store at `url`: `sqlite://`, `postgres://`, `redis://` or `redis+cluster://`.
 pub(crate) async fn open(url: &str) -> anyhow::Result<Arc<dyn Store>> {
     let scheme = url.split_once(':').map_or(url, |(scheme, _)| scheme);
     match scheme {
@@ -18,12 +19,17 @@ pub(crate) async fn open(url: &str) -> anyhow::Result<Arc<dyn Store>> {
             Ok(Arc::new(store))
         }
         "postgres" | "postgresql" => {
-            let store = PostgresStore::connect(url).await.context("cannot open the PostgreSQL store")?;
+            let store = PostgresStore::connect(url)
+                .await
+                .context("cannot open the PostgreSQL store")?;
             Ok(Arc::new(store))
         }
         "redis" | "redis+cluster" => {
-            anyhow::bail!("the {scheme} store is not available in this build of idem yet")
+            let store = RedisStore::connect(url).await.context("cannot open the Redis store")?;
+            Ok(Arc::new(store))
         }
-        _ => anyhow::bail!("unknown store URL {url:?}: use sqlite://PATH or postgres://…"),
+        _ => anyhow::bail!(
+            "unknown store URL {url:?}: use sqlite://PATH, postgres://…, redis://HOST:PORT or redis+cluster://H1:P1,H2:P2,…"
+        ),
     }
 }

@@ -1,21 +1,22 @@
 //! The client half end to end: idem-client and `idem request` against `idem serve` in front of
 //! upstreams that misbehave on purpose, and `idem request`'s output and exit statuses.
 
+mod common;
 mod request_support;
 
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use common::{Gateway, Upstream, count, describe};
 use idem_client::reqwest_middleware::ClientBuilder;
 use idem_client::{IdempotencyMiddleware, ResponseExt};
-use request_support::{Gateway, LossyLink, Upstream, describe, http_client, idem, summary};
+use request_support::{LossyLink, idem, summary};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answer_lost_on_the_way_back_is_replayed_and_the_upstream_runs_once() {
     let upstream = Upstream::start().await;
     let gateway = Gateway::start(&upstream.url(), &[]).await;
-    let link = LossyLink::start(gateway.addr).await;
-    let client = ClientBuilder::new(http_client())
+    let link = LossyLink::start(gateway.addr()).await;
+    let client = ClientBuilder::new(common::client())
         .with(IdempotencyMiddleware::new().with_base_delay(Duration::from_millis(50)))
         .build();
 
@@ -35,23 +36,25 @@ async fn an_answer_lost_on_the_way_back_is_replayed_and_the_upstream_runs_once()
     );
     assert!(report.replayed, "the retry got the stored answer: {report:?}");
     let body: serde_json::Value = serde_json::from_slice(&response.bytes().await.unwrap()).unwrap();
-    assert_eq!(body["pay"], 1, "the answer of the one run: {body}");
-    assert_eq!(upstream.counts.pay.load(Ordering::SeqCst), 1, "the upstream ran once");
+    assert_eq!(body["charge"], 1, "the answer of the one run: {body}");
+    assert_eq!(count(&upstream.state.pay), 1, "the upstream ran once");
     let key = report.key.expect("a POST gets a key");
+    let seen = upstream.state.seen("pay");
     assert_eq!(
-        body["key"],
-        format!("\"{key}\""),
-        "the upstream saw the key the client stamped"
+        seen[0].key.as_deref(),
+        Some(format!("\"{key}\"").as_str()),
+        "the upstream saw the key the client stamped: {seen:?}"
     );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idem_request_shows_the_attempts_and_the_replay_behind_a_slow_upstream() {
     let upstream = Upstream::start().await;
-    // The first call takes 1.5 s: the gateway answers 504 with Retry-After after 300 ms, keeps
-    // waiting for the upstream, and the retry waits for or replays the stored answer.
+    // The call takes 1.5 s: the gateway answers 504 with Retry-After after 300 ms, keeps waiting
+    // for the upstream, and the retry waits for or replays the stored answer (a retry that reached
+    // the upstream would be a second call).
     let gateway = Gateway::start(&upstream.url(), &["--upstream-timeout", "300ms"]).await;
-    let url = gateway.url("/slow-once");
+    let url = gateway.url("/pay?delay=1500");
     let output = idem(&[
         "request",
         "-H",
@@ -69,12 +72,8 @@ async fn idem_request_shows_the_attempts_and_the_replay_behind_a_slow_upstream()
     assert_eq!(line["replayed"], "true", "{}", describe(&output));
     assert!(line["key"].len() == 36, "a UUIDv7 key: {}", describe(&output));
     let body: serde_json::Value = serde_json::from_slice(&output.stdout).expect("the body on stdout");
-    assert_eq!(body["slow-once"], 1);
-    assert_eq!(
-        upstream.counts.slow_once.load(Ordering::SeqCst),
-        1,
-        "the upstream ran once"
-    );
+    assert_eq!(body["charge"], 1);
+    assert_eq!(count(&upstream.state.pay), 1, "the upstream ran once");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -88,7 +87,7 @@ async fn idem_request_retries_a_flaky_upstream_and_a_second_run_with_the_key_is_
     assert!(first.status.success(), "{}", describe(&first));
     let line = summary(&first);
     assert_eq!(line["status"], "201", "{}", describe(&first));
-    assert_eq!(line["attempts"], "2", "the 503 was retried: {}", describe(&first));
+    assert_eq!(line["attempts"], "2", "the 500 was retried: {}", describe(&first));
     assert_eq!(line["replayed"], "false", "{}", describe(&first));
     assert_eq!(line["key"], key);
 
@@ -98,11 +97,7 @@ async fn idem_request_retries_a_flaky_upstream_and_a_second_run_with_the_key_is_
     assert_eq!(line["attempts"], "1", "{}", describe(&again));
     assert_eq!(line["replayed"], "true", "{}", describe(&again));
     assert_eq!(first.stdout, again.stdout, "the same answer, replayed");
-    assert_eq!(
-        upstream.counts.flaky.load(Ordering::SeqCst),
-        2,
-        "one 503, one 201, no third run"
-    );
+    assert_eq!(count(&upstream.state.flaky), 2, "one 500, one 201, no third run");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -152,7 +147,7 @@ async fn idem_request_reads_the_body_from_a_file_and_sends_the_method_and_header
         describe(&other)
     );
     assert_eq!(summary(&other)["attempts"], "1", "a 422 is not retried");
-    assert_eq!(upstream.counts.pay.load(Ordering::SeqCst), 1);
+    assert_eq!(count(&upstream.state.pay), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -165,7 +160,7 @@ async fn idem_request_exit_statuses_tell_the_kind_of_answer() {
     assert_eq!(summary(&not_found)["attempts"], "1");
     assert_eq!(
         String::from_utf8_lossy(&not_found.stdout),
-        "status 404",
+        r#"{"status":404,"call":1}"#,
         "the body still goes to stdout"
     );
 
@@ -230,7 +225,7 @@ async fn idem_request_without_an_answer_exits_1_and_says_why() {
         describe(&beyond)
     );
     assert_eq!(summary(&beyond)["attempts"], "1");
-    assert_eq!(upstream.counts.status.load(Ordering::SeqCst), 1);
+    assert_eq!(count(&upstream.state.status), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

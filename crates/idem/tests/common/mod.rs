@@ -59,7 +59,7 @@ pub(crate) struct UpstreamState {
     pub(crate) pay_get: Arc<AtomicUsize>,
     /// Calls of `POST /flaky`.
     pub(crate) flaky: Arc<AtomicUsize>,
-    /// Calls of `POST /status/{code}`.
+    /// Calls of `POST|GET /status/{code}`.
     pub(crate) status: Arc<AtomicUsize>,
     /// Calls of `POST /big`.
     pub(crate) big: Arc<AtomicUsize>,
@@ -141,7 +141,7 @@ impl Upstream {
         let app = Router::new()
             .route("/pay", post(pay).get(pay_get).patch(pay))
             .route("/flaky", post(flaky))
-            .route("/status/{code}", post(status))
+            .route("/status/{code}", post(status).get(status))
             .route("/big", post(big))
             .route("/break-once", post(break_once))
             .route("/chunked", post(chunked))
@@ -233,13 +233,22 @@ async fn flaky(State(state): Shared, headers: HeaderMap) -> Response {
         .unwrap()
 }
 
-/// `POST /status/{code}`: answers with that status.
-async fn status(State(state): Shared, UrlPath(code): UrlPath<u16>, headers: HeaderMap) -> Response {
+/// `POST|GET /status/{code}[?retry-after=S]`: answers with that status (and that `Retry-After`).
+async fn status(
+    State(state): Shared,
+    UrlPath(code): UrlPath<u16>,
+    Query(query): Query<HashMap<String, String>>,
+    headers: HeaderMap,
+) -> Response {
     state.record("status", &headers);
     let n = state.status.fetch_add(1, Ordering::SeqCst) + 1;
-    Response::builder()
+    let mut response = Response::builder()
         .status(StatusCode::from_u16(code).expect("a valid status"))
-        .header(header::CONTENT_TYPE, "application/json")
+        .header(header::CONTENT_TYPE, "application/json");
+    if let Some(after) = query.get("retry-after") {
+        response = response.header(header::RETRY_AFTER, after.as_str());
+    }
+    response
         .body(Body::from(format!(r#"{{"status":{code},"call":{n}}}"#)))
         .unwrap()
 }
@@ -411,6 +420,14 @@ impl Gateway {
             stderr_path,
             _dir: dir,
         }
+    }
+
+    /// The proxy listener's address.
+    pub(crate) fn addr(&self) -> SocketAddr {
+        self.base
+            .trim_start_matches("http://")
+            .parse()
+            .expect("the proxy listens on host:port")
     }
 
     /// The proxy URL of `path`.

@@ -1,0 +1,82 @@
+//! Where a record lives: its two keys and its wake-up channel, all with the same cluster hash tag.
+
+use idem_core::RecordId;
+use sha2::{Digest, Sha256};
+
+/// The Redis names of one record: `PREFIX:{TAG}:rec`, `PREFIX:{TAG}:body` and `PREFIX:{TAG}:wake`.
+///
+/// `TAG` is the hex SHA-256 of the length-prefixed scope and key, so any character in either is
+/// safe and the three names hash to one cluster slot (Redis hashes only what is between the first
+/// `{` and the next `}`). Useful for looking at a record with `redis-cli`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecordKeys {
+    /// The hash holding the record's state, fingerprint and times.
+    pub record: String,
+    /// The string holding the stored answer, present while it is replayable.
+    pub body: String,
+    /// The pub/sub channel (sharded on a cluster) that announces a change of holder.
+    pub channel: String,
+}
+
+impl RecordKeys {
+    pub(crate) fn new(prefix: &str, id: &RecordId) -> Self {
+        let mut hasher = Sha256::new();
+        for part in [id.scope.as_str(), id.key.as_str()] {
+            hasher.update((part.len() as u64).to_be_bytes());
+            hasher.update(part.as_bytes());
+        }
+        let tag = hex(&hasher.finalize());
+        Self {
+            record: format!("{prefix}:{{{tag}}}:rec"),
+            body: format!("{prefix}:{{{tag}}}:body"),
+            channel: format!("{prefix}:{{{tag}}}:wake"),
+        }
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    bytes
+        .iter()
+        .flat_map(|b| [DIGITS[usize::from(b >> 4)], DIGITS[usize::from(b & 0xf)]])
+        .map(char::from)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use idem_core::{IdempotencyKey, Scope};
+
+    use super::*;
+
+    fn id(scope: &str, key: &str) -> RecordId {
+        RecordId {
+            scope: Scope::from_stored(scope),
+            key: IdempotencyKey::new(key).unwrap(),
+        }
+    }
+
+    #[test]
+    fn layout() {
+        let keys = RecordKeys::new("idem", &id("app:alice", "k1"));
+        let tag = keys
+            .record
+            .strip_prefix("idem:{")
+            .unwrap()
+            .strip_suffix("}:rec")
+            .unwrap();
+        assert_eq!(tag.len(), 64);
+        assert!(tag.bytes().all(|b| b.is_ascii_hexdigit()));
+        assert_eq!(keys.body, format!("idem:{{{tag}}}:body"));
+        assert_eq!(keys.channel, format!("idem:{{{tag}}}:wake"));
+    }
+
+    #[test]
+    fn the_length_prefix_keeps_scope_and_key_apart() {
+        let a = RecordKeys::new("p", &id("ab", "c"));
+        let b = RecordKeys::new("p", &id("a", "bc"));
+        assert_ne!(a, b);
+        assert_eq!(a, RecordKeys::new("p", &id("ab", "c")));
+        assert_ne!(a.record, RecordKeys::new("q", &id("ab", "c")).record);
+    }
+}

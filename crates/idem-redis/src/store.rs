@@ -1,0 +1,450 @@
+//! [`RedisStore`]: the `Store` primitives as Lua scripts, one round trip each.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use idem_core::{
+    Begin, BeginRequest, Completion, FencingToken, Fingerprint, Purged, Record, RecordId, RecordState, Release, Store,
+    StoreError, UnixMillis, WaitOutcome,
+};
+use redis::{PushInfo, Script, Value};
+use tokio::sync::Notify;
+
+use crate::conn::Conn;
+use crate::keys::RecordKeys;
+use crate::notify::{Registry, Subscriptions};
+use crate::scripts::{BEGIN_SCRIPT, COMPLETE_SCRIPT, CORRUPT, GET_SCRIPT, RELEASE_SCRIPT, RENEW_SCRIPT};
+use crate::{RedisError, url};
+
+/// How long an in-flight record whose holder vanished (its lease ended and nobody retried) is kept
+/// before Redis expires it. Until then a retry takes it over and is marked recovered.
+const ABANDONED_CLAIM_RETENTION: Duration = Duration::from_secs(7 * 24 * 60 * 60);
+
+const IN_FLIGHT: &[u8] = b"in-flight";
+const COMPLETED: &[u8] = b"completed";
+const UNKNOWN: &[u8] = b"unknown";
+
+/// An idempotency store in Redis: one server (`redis://`) or a Redis Cluster
+/// (`redis+cluster://`).
+///
+/// Every write is one Lua script, so claims are atomic across every instance that shares the
+/// server. Retention is native: keys expire by themselves, [`Store::purge`] has nothing to do.
+/// Waiters are woken by pub/sub messages (sharded pub/sub on a cluster), with polling as a
+/// fallback for messages lost while a connection was down.
+///
+/// The store holds one multiplexed connection, which reconnects by itself after an outage;
+/// operations fail with [`StoreError::Unavailable`] meanwhile. Cloning is cheap and shares it.
+#[derive(Clone)]
+pub struct RedisStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    conn: Conn,
+    prefix: String,
+    poll_interval: Duration,
+    /// The URL without its password.
+    url: String,
+    /// `PUBLISH` on one server, `SPUBLISH` on a cluster (the channel lives on the record's shard).
+    publish: &'static str,
+    subscriptions: Subscriptions,
+}
+
+impl fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("url", &self.inner.url)
+            .field("cluster", &self.is_cluster())
+            .field("prefix", &self.inner.prefix)
+            .field("poll_interval", &self.inner.poll_interval)
+            .finish()
+    }
+}
+
+impl RedisStore {
+    /// Connects to the store named by `url`:
+    ///
+    /// * `redis://[user:password@]host:port[/db]` — one server;
+    /// * `redis+cluster://[user:password@]host:port,host:port,...` — a Redis Cluster, given some of
+    ///   its nodes (the others are discovered).
+    ///
+    /// Options, as a query string: `prefix=NAME` puts every key under `NAME:` (default `idem`;
+    /// no braces), `poll_interval=DURATION` is the longest pause between two checks of a waited-on
+    /// record when no notification comes (default 250 ms).
+    ///
+    /// Needs Redis 7 or newer (RESP3 push messages; `SPUBLISH` on a cluster). Fails if the server
+    /// cannot be reached now; once connected, the store rides out outages.
+    pub async fn connect(url: &str) -> Result<Self, RedisError> {
+        let config = url::parse(url)?;
+        let registry = Arc::new(Registry::default());
+        let push = {
+            let registry = Arc::clone(&registry);
+            move |push: PushInfo| {
+                registry.dispatch(&push);
+                Ok(())
+            }
+        };
+        let conn = Conn::connect(&config, push)
+            .await
+            .map_err(|err| RedisError::connect(&config.display, err))?;
+        redis::cmd("PING")
+            .query_async::<Value>(&mut conn.clone())
+            .await
+            .map_err(|err| RedisError::connect(&config.display, err))?;
+        let publish = if conn.is_cluster() { "SPUBLISH" } else { "PUBLISH" };
+        let subscriptions = Subscriptions::start(conn.clone(), registry);
+        tracing::debug!(url = %config.display, prefix = %config.prefix, "Redis store connected");
+        Ok(Self {
+            inner: Arc::new(Inner {
+                conn,
+                prefix: config.prefix,
+                poll_interval: config.poll_interval,
+                url: config.display,
+                publish,
+                subscriptions,
+            }),
+        })
+    }
+
+    /// The prefix of every key of this store.
+    pub fn prefix(&self) -> &str {
+        &self.inner.prefix
+    }
+
+    /// Whether the store is a Redis Cluster.
+    pub fn is_cluster(&self) -> bool {
+        self.inner.conn.is_cluster()
+    }
+
+    /// The Redis keys and channel of a record, for looking at it with `redis-cli`.
+    pub fn record_keys(&self, id: &RecordId) -> RecordKeys {
+        RecordKeys::new(&self.inner.prefix, id)
+    }
+
+    fn conn(&self) -> Conn {
+        self.inner.conn.clone()
+    }
+
+    /// Runs `script` on the record's two keys with `args`.
+    async fn run<T: redis::FromRedisValue>(
+        &self,
+        script: &Script,
+        keys: &RecordKeys,
+        args: impl FnOnce(&mut redis::ScriptInvocation<'_>),
+    ) -> Result<T, StoreError> {
+        let mut invocation = script.prepare_invoke();
+        invocation.key(&keys.record).key(&keys.body);
+        args(&mut invocation);
+        invocation.invoke_async(&mut self.conn()).await.map_err(store_error)
+    }
+
+    /// Whether `token` is still the current claim on the record.
+    async fn holds(&self, keys: &RecordKeys, token: FencingToken) -> Result<bool, StoreError> {
+        let (state, current): (Option<Vec<u8>>, Option<Vec<u8>>) = redis::cmd("HMGET")
+            .arg(&keys.record)
+            .arg("state")
+            .arg("token")
+            .query_async(&mut self.conn())
+            .await
+            .map_err(store_error)?;
+        Ok(state.as_deref() == Some(IN_FLIGHT) && current.as_deref() == Some(&token.as_bytes()[..]))
+    }
+
+    /// Runs a compare-and-set script: 1 done, 0 fenced.
+    async fn compare_and_set(
+        &self,
+        script: &Script,
+        keys: &RecordKeys,
+        args: impl FnOnce(&mut redis::ScriptInvocation<'_>),
+    ) -> Result<(), StoreError> {
+        match self.run::<i64>(script, keys, args).await? {
+            1 => Ok(()),
+            0 => Err(StoreError::Fenced),
+            other => Err(StoreError::Corrupt(format!("unexpected script reply {other}"))),
+        }
+    }
+}
+
+/// Redis errors are the store being unavailable, except the scripts' own complaints about records
+/// they cannot read.
+fn store_error(err: redis::RedisError) -> StoreError {
+    if err.code() == Some(CORRUPT) {
+        StoreError::Corrupt(err.detail().unwrap_or("unreadable record").to_owned())
+    } else {
+        StoreError::unavailable(err)
+    }
+}
+
+fn millis_arg(at: UnixMillis) -> i64 {
+    at.as_i64()
+}
+
+/// The value of a Lua `false` or a missing key.
+fn is_nil(value: &Value) -> bool {
+    matches!(value, Value::Nil | Value::Boolean(false))
+}
+
+fn bulk(value: Value, what: &str) -> Result<Vec<u8>, StoreError> {
+    match value {
+        Value::BulkString(bytes) => Ok(bytes),
+        Value::SimpleString(text) => Ok(text.into_bytes()),
+        other => Err(StoreError::Corrupt(format!(
+            "expected {what}, Redis answered {other:?}"
+        ))),
+    }
+}
+
+fn array(value: Value, what: &str) -> Result<Vec<Value>, StoreError> {
+    match value {
+        Value::Array(items) => Ok(items),
+        other => Err(StoreError::Corrupt(format!(
+            "expected {what}, Redis answered {other:?}"
+        ))),
+    }
+}
+
+/// The record as `HGETALL` returned it, and its body.
+struct StoredRecord {
+    fields: HashMap<Vec<u8>, Vec<u8>>,
+    body: Option<Vec<u8>>,
+}
+
+impl StoredRecord {
+    /// `None` for a missing record (an empty hash).
+    fn parse(fields: Value, body: Value) -> Result<Option<Self>, StoreError> {
+        let flat = array(fields, "the record's fields")?;
+        if flat.is_empty() {
+            return Ok(None);
+        }
+        if flat.len() % 2 != 0 {
+            return Err(StoreError::Corrupt("the record's fields are not pairs".to_owned()));
+        }
+        let mut fields = HashMap::with_capacity(flat.len() / 2);
+        let mut items = flat.into_iter();
+        while let (Some(name), Some(value)) = (items.next(), items.next()) {
+            fields.insert(bulk(name, "a field name")?, bulk(value, "a field value")?);
+        }
+        let body = if is_nil(&body) {
+            None
+        } else {
+            Some(bulk(body, "the stored answer")?)
+        };
+        Ok(Some(Self { fields, body }))
+    }
+
+    fn into_record(self, id: RecordId) -> Result<Record, StoreError> {
+        let Self { mut fields, body } = self;
+        let corrupt = |what: &str| StoreError::Corrupt(format!("record {} {}: {what}", id.scope, id.key));
+        let mut take = |field: &str| fields.remove(field.as_bytes());
+        let millis = |value: Option<Vec<u8>>, field: &str| -> Result<UnixMillis, StoreError> {
+            value
+                .as_deref()
+                .and_then(|bytes| std::str::from_utf8(bytes).ok())
+                .and_then(|text| text.parse::<u64>().ok())
+                .map(UnixMillis)
+                .ok_or_else(|| corrupt(&format!("no valid {field}")))
+        };
+        let state = take("state").ok_or_else(|| corrupt("no state"))?;
+        let fingerprint = take("fingerprint")
+            .and_then(|bytes| Fingerprint::decode(&bytes).ok())
+            .ok_or_else(|| corrupt("undecodable fingerprint"))?;
+        let created_at = millis(take("created_at"), "created_at")?;
+        let replays = millis(take("replays"), "replays")?.0;
+        let state = match state.as_slice() {
+            IN_FLIGHT => {
+                let token = take("token")
+                    .and_then(|bytes| <[u8; 16]>::try_from(bytes.as_slice()).ok())
+                    .ok_or_else(|| corrupt("in-flight record without a 16-byte token"))?;
+                RecordState::InFlight {
+                    token: FencingToken::from_bytes(token),
+                    lease_until: millis(take("lease_until"), "lease_until")?,
+                }
+            }
+            COMPLETED => RecordState::Completed {
+                completed_at: millis(take("completed_at"), "completed_at")?,
+                expires_at: millis(take("expires_at"), "expires_at")?,
+                purge_at: millis(take("purge_at"), "purge_at")?,
+                response: body.map(Bytes::from),
+            },
+            UNKNOWN => RecordState::Unknown {
+                purge_at: millis(take("purge_at"), "purge_at")?,
+            },
+            other => return Err(corrupt(&format!("unknown state {:?}", String::from_utf8_lossy(other)))),
+        };
+        Ok(Record {
+            id,
+            fingerprint,
+            created_at,
+            replays,
+            state,
+        })
+    }
+}
+
+fn parse_begin(reply: Value, id: &RecordId) -> Result<Begin, StoreError> {
+    let mut items = array(reply, "the reply of begin")?.into_iter();
+    let outcome = bulk(items.next().unwrap_or_default(), "the outcome of begin")?;
+    match outcome.as_slice() {
+        b"acquired" => {
+            let recovered = match items.next() {
+                Some(Value::Int(flag)) => flag != 0,
+                other => return Err(StoreError::Corrupt(format!("unexpected recovered flag {other:?}"))),
+            };
+            Ok(Begin::Acquired { recovered })
+        }
+        b"existing" => {
+            let fields = items.next().unwrap_or_default();
+            let body = items.next().unwrap_or_default();
+            let stored = StoredRecord::parse(fields, body)?
+                .ok_or_else(|| StoreError::Corrupt("begin returned an empty record".to_owned()))?;
+            Ok(Begin::Existing(stored.into_record(id.clone())?))
+        }
+        other => Err(StoreError::Corrupt(format!(
+            "unexpected outcome of begin {:?}",
+            String::from_utf8_lossy(other)
+        ))),
+    }
+}
+
+#[async_trait]
+impl Store for RedisStore {
+    async fn begin(&self, request: BeginRequest<'_>) -> Result<Begin, StoreError> {
+        let keys = self.record_keys(request.id);
+        let claim_purge_at = request.lease_until.plus(ABANDONED_CLAIM_RETENTION);
+        let reply: Value = self
+            .run(&BEGIN_SCRIPT, &keys, |script| {
+                script
+                    .arg(millis_arg(request.now))
+                    .arg(millis_arg(request.lease_until))
+                    .arg(&request.token.as_bytes()[..])
+                    .arg(&request.fingerprint.digest()[..])
+                    .arg(request.fingerprint.encode())
+                    .arg(millis_arg(claim_purge_at))
+                    .arg(&keys.channel)
+                    .arg(self.inner.publish);
+            })
+            .await?;
+        parse_begin(reply, request.id)
+    }
+
+    async fn complete(&self, id: &RecordId, token: FencingToken, completion: Completion) -> Result<(), StoreError> {
+        let keys = self.record_keys(id);
+        self.compare_and_set(&COMPLETE_SCRIPT, &keys, |script| {
+            script
+                .arg(&token.as_bytes()[..])
+                .arg(&completion.response[..])
+                .arg(millis_arg(completion.completed_at))
+                .arg(millis_arg(completion.expires_at))
+                .arg(millis_arg(completion.purge_at))
+                .arg(&keys.channel)
+                .arg(self.inner.publish);
+        })
+        .await
+    }
+
+    async fn release(&self, id: &RecordId, token: FencingToken, release: Release) -> Result<(), StoreError> {
+        let keys = self.record_keys(id);
+        let (mode, purge_at) = match release {
+            Release::Forget => ("forget", UnixMillis(0)),
+            Release::Unknown { purge_at } => ("unknown", purge_at),
+        };
+        self.compare_and_set(&RELEASE_SCRIPT, &keys, |script| {
+            script
+                .arg(&token.as_bytes()[..])
+                .arg(mode)
+                .arg(millis_arg(purge_at))
+                .arg(millis_arg(UnixMillis::now()))
+                .arg(&keys.channel)
+                .arg(self.inner.publish);
+        })
+        .await
+    }
+
+    async fn renew(&self, id: &RecordId, token: FencingToken, lease_until: UnixMillis) -> Result<(), StoreError> {
+        let keys = self.record_keys(id);
+        self.compare_and_set(&RENEW_SCRIPT, &keys, |script| {
+            script
+                .arg(&token.as_bytes()[..])
+                .arg(millis_arg(lease_until))
+                .arg(millis_arg(lease_until.plus(ABANDONED_CLAIM_RETENTION)))
+                .arg(millis_arg(UnixMillis::now()));
+        })
+        .await
+    }
+
+    /// Reads the record as of this process's clock: a record past its `purge_at` reads as absent
+    /// and an answer past its `expires_at` as dropped (a tombstone), also in the moments before
+    /// Redis expires their keys (native expiry runs relative to the `now` of the write, which
+    /// may lag the clock).
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+        let keys = self.record_keys(id);
+        let reply: Value = self
+            .run(&GET_SCRIPT, &keys, |script| {
+                script.arg(millis_arg(UnixMillis::now()));
+            })
+            .await?;
+        let mut items = array(reply, "the reply of get")?.into_iter();
+        let fields = items.next().unwrap_or_default();
+        let body = items.next().unwrap_or_default();
+        StoredRecord::parse(fields, body)?
+            .map(|stored| stored.into_record(id.clone()))
+            .transpose()
+    }
+
+    async fn wait(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        deadline: tokio::time::Instant,
+    ) -> Result<WaitOutcome, StoreError> {
+        let keys = self.record_keys(id);
+        // Subscribed before the first check: a change made after it still wakes us.
+        let mut watch = self.inner.subscriptions.watch(&keys.channel);
+        let notify = tokio::time::timeout_at(deadline, watch.subscribed())
+            .await
+            .ok()
+            .flatten()
+            // Not subscribed (the deadline came first, or the runtime shuts down): poll only.
+            .unwrap_or_else(|| Arc::new(Notify::new()));
+        let cap = self.inner.poll_interval;
+        let mut poll = (cap / 4).max(Duration::from_millis(1));
+        loop {
+            let notified = notify.notified();
+            let mut notified = std::pin::pin!(notified);
+            notified.as_mut().enable();
+            if !self.holds(&keys, token).await? {
+                return Ok(WaitOutcome::Changed);
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Ok(WaitOutcome::TimedOut);
+            }
+            tokio::select! {
+                () = &mut notified => {}
+                () = tokio::time::sleep(poll) => poll = (poll * 2).min(cap),
+                () = tokio::time::sleep_until(deadline) => {}
+            }
+        }
+    }
+
+    /// Does nothing and returns [`Purged::default()`]: Redis expires records by itself. An
+    /// answer's key expires at its `expires_at`, leaving the record as a tombstone, and the record
+    /// expires at its `purge_at` (an abandoned claim 7 days after its lease ended). Every script
+    /// also compares the stored times with the caller's `now`, so a record is never treated as
+    /// live after its time even before Redis evicts it.
+    async fn purge(&self, _now: UnixMillis, _batch: usize) -> Result<Purged, StoreError> {
+        Ok(Purged::default())
+    }
+
+    /// `PING`; on a cluster every node must answer.
+    async fn ping(&self) -> Result<(), StoreError> {
+        redis::cmd("PING")
+            .query_async::<Value>(&mut self.conn())
+            .await
+            .map(drop)
+            .map_err(store_error)
+    }
+}

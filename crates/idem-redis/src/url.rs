@@ -1,0 +1,263 @@
+//! Store URLs: `redis://host:port[/db][?options]` for one server, and
+//! `redis+cluster://host:port,host:port,...[?options]` for a Redis Cluster.
+//!
+//! The options are the store's own (`prefix`, `poll_interval`); anything else is refused, so that
+//! a typo does not go unnoticed. The connection itself (address, user, password, database) is
+//! parsed by the `redis` crate.
+
+use std::time::Duration;
+
+use redis::{ConnectionInfo, IntoConnectionInfo, ProtocolVersion};
+
+use crate::RedisError;
+
+/// The key prefix when the URL names none.
+pub(crate) const DEFAULT_PREFIX: &str = "idem";
+
+/// The longest pause between two checks of a waited-on record when no notification comes.
+pub(crate) const DEFAULT_POLL_INTERVAL: Duration = Duration::from_millis(250);
+
+/// Where the store lives.
+#[derive(Debug, Clone)]
+pub(crate) enum Target {
+    /// One server (or a primary that replicas follow).
+    Standalone(ConnectionInfo),
+    /// The seed nodes of a cluster; the others are discovered.
+    Cluster(Vec<ConnectionInfo>),
+}
+
+/// A parsed store URL.
+#[derive(Debug, Clone)]
+pub(crate) struct Config {
+    pub(crate) target: Target,
+    pub(crate) prefix: String,
+    pub(crate) poll_interval: Duration,
+    /// The URL without its password, for messages.
+    pub(crate) display: String,
+}
+
+/// Parses a store URL.
+pub(crate) fn parse(url: &str) -> Result<Config, RedisError> {
+    let display = redact(url);
+    let invalid = |reason: String| RedisError::InvalidUrl {
+        url: display.clone(),
+        reason,
+    };
+    let (scheme, rest) = url
+        .split_once("://")
+        .ok_or_else(|| invalid("it has no scheme".to_owned()))?;
+    let (location, query) = match rest.split_once('?') {
+        Some((location, query)) => (location, Some(query)),
+        None => (rest, None),
+    };
+    if location.contains('#') || query.is_some_and(|q| q.contains('#')) {
+        return Err(invalid("fragments are not supported".to_owned()));
+    }
+    let mut prefix = DEFAULT_PREFIX.to_owned();
+    let mut poll_interval = DEFAULT_POLL_INTERVAL;
+    for pair in query.into_iter().flat_map(|q| q.split('&')).filter(|p| !p.is_empty()) {
+        let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+        match name {
+            "prefix" => prefix = check_prefix(value).map_err(&invalid)?,
+            "poll_interval" => {
+                poll_interval = humantime::parse_duration(value)
+                    .ok()
+                    .filter(|d| !d.is_zero())
+                    .ok_or_else(|| {
+                        invalid(format!(
+                            "poll_interval={value:?} is not a positive duration such as 250ms or 2s"
+                        ))
+                    })?;
+            }
+            other => {
+                return Err(invalid(format!(
+                    "unknown option {other:?}; the options are prefix=NAME and poll_interval=DURATION"
+                )));
+            }
+        }
+    }
+    let target = if scheme.eq_ignore_ascii_case("redis") {
+        Target::Standalone(connection_info(&format!("redis://{location}"), &invalid)?)
+    } else if scheme.eq_ignore_ascii_case("redis+cluster") {
+        Target::Cluster(cluster_nodes(location, &invalid)?)
+    } else {
+        return Err(invalid(format!("the scheme {scheme:?} is not redis or redis+cluster")));
+    };
+    Ok(Config {
+        target,
+        prefix,
+        poll_interval,
+        display,
+    })
+}
+
+/// A prefix must not contain braces: the first `{...}` of a key is its cluster hash tag, and it
+/// must be the record's own tag, not the prefix.
+fn check_prefix(value: &str) -> Result<String, String> {
+    if value.is_empty() {
+        return Err("prefix= is empty".to_owned());
+    }
+    if value.contains(['{', '}']) {
+        return Err(format!(
+            "prefix={value:?} contains a brace, which would change the keys' cluster hash tag"
+        ));
+    }
+    if value.chars().any(|c| c.is_control() || c == ' ') {
+        return Err(format!("prefix={value:?} contains spaces or control characters"));
+    }
+    Ok(value.to_owned())
+}
+
+/// `host:port,host:port,...`, optionally after `user:password@` (which applies to every node) and
+/// before a `/` with no database (a cluster has only database 0).
+fn cluster_nodes(location: &str, invalid: &impl Fn(String) -> RedisError) -> Result<Vec<ConnectionInfo>, RedisError> {
+    let (authority, path) = match location.split_once('/') {
+        Some((authority, path)) => (authority, path),
+        None => (location, ""),
+    };
+    if !path.is_empty() && path != "0" {
+        return Err(invalid(
+            "a Redis Cluster has only database 0; remove the path after the node list".to_owned(),
+        ));
+    }
+    let (userinfo, hosts) = match authority.rsplit_once('@') {
+        Some((userinfo, hosts)) => (Some(userinfo), hosts),
+        None => (None, authority),
+    };
+    let nodes = hosts
+        .split(',')
+        .map(str::trim)
+        .map(|host| {
+            if host.is_empty() {
+                return Err(invalid(
+                    "the node list has an empty entry; expected host:port,host:port,...".to_owned(),
+                ));
+            }
+            let node = match userinfo {
+                Some(userinfo) => format!("redis://{userinfo}@{host}"),
+                None => format!("redis://{host}"),
+            };
+            connection_info(&node, invalid)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(nodes)
+}
+
+/// The `redis` crate's reading of a `redis://` URL, switched to RESP3 (pub/sub messages arrive as
+/// push messages on the ordinary multiplexed connection).
+fn connection_info(url: &str, invalid: &impl Fn(String) -> RedisError) -> Result<ConnectionInfo, RedisError> {
+    let info = url.into_connection_info().map_err(|err| invalid(format!("{err}")))?;
+    let settings = info.redis_settings().clone().set_protocol(ProtocolVersion::RESP3);
+    Ok(info.set_redis_settings(settings))
+}
+
+/// The URL with its password replaced by `***`.
+pub(crate) fn redact(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let end = rest.find(['/', '?']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(end);
+    match authority.rsplit_once('@') {
+        Some((userinfo, hosts)) => {
+            let user = userinfo.split_once(':').map_or(userinfo, |(user, _)| user);
+            let hidden = if userinfo.contains(':') {
+                format!("{user}:***")
+            } else {
+                "***".to_owned()
+            };
+            format!("{scheme}://{hidden}@{hosts}{tail}")
+        }
+        None => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use redis::ConnectionAddr;
+
+    use super::*;
+
+    fn tcp(info: &ConnectionInfo) -> (String, u16) {
+        match info.addr() {
+            ConnectionAddr::Tcp(host, port) => (host.clone(), *port),
+            other => panic!("not TCP: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn standalone() {
+        let config = parse("redis://127.0.0.1:6380/2").unwrap();
+        let Target::Standalone(info) = &config.target else {
+            panic!("standalone expected")
+        };
+        assert_eq!(tcp(info), ("127.0.0.1".to_owned(), 6380));
+        assert_eq!(info.redis_settings().db(), 2);
+        assert_eq!(info.redis_settings().protocol(), ProtocolVersion::RESP3);
+        assert_eq!(config.prefix, DEFAULT_PREFIX);
+        assert_eq!(config.poll_interval, DEFAULT_POLL_INTERVAL);
+
+        let config = parse("redis://localhost?prefix=test-1&poll_interval=60s").unwrap();
+        let Target::Standalone(info) = &config.target else {
+            panic!("standalone expected")
+        };
+        assert_eq!(tcp(info), ("localhost".to_owned(), 6379));
+        assert_eq!(config.prefix, "test-1");
+        assert_eq!(config.poll_interval, Duration::from_secs(60));
+    }
+
+    #[test]
+    fn cluster() {
+        let config = parse("redis+cluster://app:secret@10.0.0.1:7001,10.0.0.2:7002, 10.0.0.3:7003/?prefix=x").unwrap();
+        let Target::Cluster(nodes) = &config.target else {
+            panic!("cluster expected")
+        };
+        let addrs: Vec<_> = nodes.iter().map(tcp).collect();
+        assert_eq!(
+            addrs,
+            [
+                ("10.0.0.1".to_owned(), 7001),
+                ("10.0.0.2".to_owned(), 7002),
+                ("10.0.0.3".to_owned(), 7003)
+            ]
+        );
+        for node in nodes {
+            assert_eq!(node.redis_settings().username(), Some("app"));
+            assert_eq!(node.redis_settings().password(), Some("secret"));
+            assert_eq!(node.redis_settings().protocol(), ProtocolVersion::RESP3);
+        }
+        assert_eq!(config.prefix, "x");
+        assert_eq!(
+            config.display,
+            "redis+cluster://app:***@10.0.0.1:7001,10.0.0.2:7002, 10.0.0.3:7003/?prefix=x"
+        );
+    }
+
+    #[test]
+    fn refusals_say_why() {
+        for (url, why) in [
+            ("127.0.0.1:6379", "no scheme"),
+            ("postgres://localhost/test", "not redis or redis+cluster"),
+            ("redis://localhost?prefix={x}", "brace"),
+            ("redis://localhost?prefix=", "empty"),
+            ("redis://localhost?poll_interval=soon", "positive duration"),
+            ("redis://localhost?poll_interval=0s", "positive duration"),
+            ("redis://localhost?protocol=2", "unknown option"),
+            ("redis+cluster://a:1,,b:2", "empty entry"),
+            ("redis+cluster://a:1,b:2/3", "only database 0"),
+        ] {
+            let err = parse(url).unwrap_err().to_string();
+            assert!(err.contains(why), "{url}: {err}");
+        }
+    }
+
+    #[test]
+    fn passwords_stay_out_of_messages() {
+        assert_eq!(redact("redis://:hunter2@host:1/0"), "redis://:***@host:1/0");
+        assert_eq!(redact("redis://user:hunter2@host"), "redis://user:***@host");
+        assert_eq!(redact("redis://token@host"), "redis://***@host");
+        assert_eq!(redact("redis://host:1?prefix=a@b"), "redis://host:1?prefix=a@b");
+        let err = parse("redis://user:hunter2@host?nope=1").unwrap_err().to_string();
+        assert!(!err.contains("hunter2"), "{err}");
+    }
+}

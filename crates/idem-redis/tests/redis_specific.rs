@@ -1,0 +1,558 @@
+//! What the conformance suite cannot see: that waiters are woken by notifications rather than by
+//! polling, that a record's keys share one cluster slot, that expiry is native and relative to the
+//! caller's clock, that waiters share one subscription, and that a store rides out an outage.
+//!
+//! The notification tests set `poll_interval=60s`: the first poll would come after 15 s, so a
+//! waiter that returns within 10 s was woken by a message.
+
+mod common;
+
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use common::{RedisHarness, Server, connect, delete_keys, fresh_prefix};
+use idem_core::testkit::{fingerprint, fresh_id};
+use idem_core::{
+    Begin, BeginRequest, Completion, FencingToken, RecordId, Release, Store, StoreError, UnixMillis, WaitOutcome,
+};
+use idem_redis::{RedisError, RedisStore};
+
+const LEASE: Duration = Duration::from_secs(60);
+const HOUR: Duration = Duration::from_secs(3600);
+const DAY: Duration = Duration::from_secs(24 * 3600);
+const SLOW_POLLING: &str = "poll_interval=60s";
+
+/// Deletes the prefix's keys when the test ends, whatever happens.
+struct Cleanup(Server, String);
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        delete_keys(self.0, &self.1);
+    }
+}
+
+async fn claim(store: &dyn Store, id: &RecordId, now: UnixMillis) -> FencingToken {
+    let token = FencingToken::random();
+    let request = BeginRequest {
+        id,
+        fingerprint: &fingerprint("a"),
+        now,
+        lease_until: now.plus(LEASE),
+        token,
+    };
+    match store.begin(request).await.expect("begin") {
+        Begin::Acquired { .. } => token,
+        other => panic!("expected a claim, got {other:?}"),
+    }
+}
+
+fn completion(at: UnixMillis, ttl: Duration, keep: Duration) -> Completion {
+    Completion {
+        response: Bytes::from_static(b"answer"),
+        completed_at: at,
+        expires_at: at.plus(ttl),
+        purge_at: at.plus(keep),
+    }
+}
+
+/// Runs one command on the server (routed by key on a cluster).
+fn query<T: redis::FromRedisValue>(server: Server, cmd: &redis::Cmd) -> T {
+    let nodes = server.node_urls();
+    match server {
+        Server::Standalone => {
+            let client = redis::Client::open(nodes[0].as_str()).expect("client");
+            let mut conn = client.get_connection().expect("connection");
+            cmd.query(&mut conn).expect("query")
+        }
+        Server::Cluster => {
+            let client = redis::cluster::ClusterClient::new(nodes).expect("cluster client");
+            let mut conn = client.get_connection().expect("cluster connection");
+            cmd.query(&mut conn).expect("query")
+        }
+    }
+}
+
+fn pttl(server: Server, key: &str) -> i64 {
+    query(server, redis::cmd("PTTL").arg(key))
+}
+
+fn assert_ttl_near(server: Server, key: &str, expected: Duration) {
+    let actual = pttl(server, key);
+    let expected = i64::try_from(expected.as_millis()).unwrap();
+    assert!(
+        (expected - 5_000..=expected).contains(&actual),
+        "{key}: PTTL {actual} ms, expected about {expected} ms"
+    );
+}
+
+/// A waiter on one connection is woken by a completion on another, without polling.
+async fn completion_wakes_a_waiter(server: Server) {
+    let prefix = fresh_prefix();
+    let _cleanup = Cleanup(server, prefix.clone());
+    let holder = connect(server, &prefix, SLOW_POLLING).await;
+    let waiter = Arc::new(connect(server, &prefix, SLOW_POLLING).await);
+    let (id, now) = (fresh_id(), UnixMillis::now());
+    let token = claim(&holder, &id, now).await;
+
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let wait = {
+        let (waiter, id) = (Arc::clone(&waiter), id.clone());
+        tokio::spawn(async move { waiter.wait(&id, token, deadline).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!wait.is_finished(), "the waiter waits while the claim is held");
+    let started = Instant::now();
+    holder
+        .complete(&id, token, completion(UnixMillis::now(), DAY, 7 * DAY))
+        .await
+        .expect("complete");
+    let outcome = tokio::time::timeout(Duration::from_secs(10), wait)
+        .await
+        .expect("the waiter was not woken within 10 s: the notification was lost")
+        .expect("task")
+        .expect("wait");
+    assert_eq!(outcome, WaitOutcome::Changed);
+    eprintln!("{server:?}: woken {:?} after the completion", started.elapsed());
+}
+
+/// A takeover of an expired lease wakes the waiters of the old claim, without polling.
+async fn takeover_wakes_a_waiter(server: Server) {
+    let prefix = fresh_prefix();
+    let _cleanup = Cleanup(server, prefix.clone());
+    let holder = connect(server, &prefix, SLOW_POLLING).await;
+    let waiter = Arc::new(connect(server, &prefix, SLOW_POLLING).await);
+    let (id, now) = (fresh_id(), UnixMillis::now());
+    let first = claim(&holder, &id, now).await;
+
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let wait = {
+        let (waiter, id) = (Arc::clone(&waiter), id.clone());
+        tokio::spawn(async move { waiter.wait(&id, first, deadline).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!wait.is_finished());
+    let later = now.plus(LEASE * 2);
+    let token = FencingToken::random();
+    let request = BeginRequest {
+        id: &id,
+        fingerprint: &fingerprint("a"),
+        now: later,
+        lease_until: later.plus(LEASE),
+        token,
+    };
+    assert!(matches!(
+        holder.begin(request).await.expect("begin"),
+        Begin::Acquired { recovered: true }
+    ));
+    let outcome = tokio::time::timeout(Duration::from_secs(10), wait)
+        .await
+        .expect("the waiter was not woken within 10 s: the notification was lost")
+        .expect("task")
+        .expect("wait");
+    assert_eq!(outcome, WaitOutcome::Changed);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standalone_completion_wakes_a_waiter_without_polling() {
+    completion_wakes_a_waiter(Server::Standalone).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_completion_wakes_a_waiter_without_polling() {
+    completion_wakes_a_waiter(Server::Cluster).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standalone_takeover_wakes_a_waiter_without_polling() {
+    takeover_wakes_a_waiter(Server::Standalone).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_takeover_wakes_a_waiter_without_polling() {
+    takeover_wakes_a_waiter(Server::Cluster).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_keys_of_a_record_share_one_slot() {
+    let server = Server::Cluster;
+    let prefix = fresh_prefix();
+    let _cleanup = Cleanup(server, prefix.clone());
+    let store = connect(server, &prefix, "").await;
+    assert!(store.is_cluster());
+    let mut slots = std::collections::BTreeSet::new();
+    for _ in 0..20 {
+        let (id, now) = (fresh_id(), UnixMillis::now());
+        let token = claim(&store, &id, now).await;
+        store
+            .complete(&id, token, completion(now, DAY, 7 * DAY))
+            .await
+            .expect("complete");
+        let keys = store.record_keys(&id);
+        let slot = |key: &str| -> i64 { query(server, redis::cmd("CLUSTER").arg("KEYSLOT").arg(key)) };
+        let record_slot = slot(&keys.record);
+        assert_eq!(record_slot, slot(&keys.body), "{keys:?}");
+        assert_eq!(record_slot, slot(&keys.channel), "{keys:?}");
+        let present: i64 = query(server, redis::cmd("EXISTS").arg(&keys.record).arg(&keys.body));
+        assert_eq!(present, 2, "both keys are stored: {keys:?}");
+        slots.insert(record_slot);
+    }
+    assert!(slots.len() > 1, "records spread over the cluster's slots: {slots:?}");
+}
+
+/// Expiry is native and follows the caller's clock, even a fake one 40 days in the past.
+async fn expiry_is_native_and_relative(server: Server) {
+    let prefix = fresh_prefix();
+    let _cleanup = Cleanup(server, prefix.clone());
+    let store = connect(server, &prefix, "").await;
+    let base = UnixMillis::now().minus(DAY * 40);
+
+    let id = fresh_id();
+    let keys = store.record_keys(&id);
+    let token = claim(&store, &id, base).await;
+    assert_ttl_near(server, &keys.record, 7 * DAY + LEASE);
+    store.renew(&id, token, base.plus(LEASE * 2)).await.expect("renew");
+    assert_ttl_near(server, &keys.record, 7 * DAY + LEASE * 2);
+    let done = base.plus(Duration::from_secs(10));
+    store
+        .complete(&id, token, completion(done, HOUR, 2 * HOUR))
+        .await
+        .expect("complete");
+    assert_ttl_near(server, &keys.body, HOUR);
+    assert_ttl_near(server, &keys.record, 2 * HOUR);
+
+    let id = fresh_id();
+    let keys = store.record_keys(&id);
+    let token = claim(&store, &id, base).await;
+    store
+        .release(
+            &id,
+            token,
+            Release::Unknown {
+                purge_at: base.plus(DAY),
+            },
+        )
+        .await
+        .expect("release");
+    assert_ttl_near(server, &keys.record, DAY);
+
+    let id = fresh_id();
+    let keys = store.record_keys(&id);
+    let token = claim(&store, &id, base).await;
+    store.release(&id, token, Release::Forget).await.expect("release");
+    let present: i64 = query(server, redis::cmd("EXISTS").arg(&keys.record).arg(&keys.body));
+    assert_eq!(present, 0, "a forgotten record leaves no key");
+
+    // An answer that is already past its time is not stored at all.
+    let id = fresh_id();
+    let keys = store.record_keys(&id);
+    let token = claim(&store, &id, base).await;
+    let stale = Completion {
+        response: Bytes::from_static(b"late"),
+        completed_at: base,
+        expires_at: base,
+        purge_at: base.plus(HOUR),
+    };
+    store.complete(&id, token, stale).await.expect("complete");
+    let present: i64 = query(server, redis::cmd("EXISTS").arg(&keys.body));
+    assert_eq!(present, 0, "an answer past expires_at is not kept");
+    assert_ttl_near(server, &keys.record, HOUR);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standalone_expiry_is_native_and_relative_to_the_callers_clock() {
+    expiry_is_native_and_relative(Server::Standalone).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_expiry_is_native_and_relative_to_the_callers_clock() {
+    expiry_is_native_and_relative(Server::Cluster).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_of_one_store_share_one_subscription_and_leave_none() {
+    let server = Server::Standalone;
+    let prefix = fresh_prefix();
+    let _cleanup = Cleanup(server, prefix.clone());
+    let holder = connect(server, &prefix, "").await;
+    let waiter = Arc::new(connect(server, &prefix, SLOW_POLLING).await);
+    let (id, now) = (fresh_id(), UnixMillis::now());
+    let token = claim(&holder, &id, now).await;
+    let channel = holder.record_keys(&id).channel;
+    let subscribers = || -> i64 {
+        let (_, count): (String, i64) = query(server, redis::cmd("PUBSUB").arg("NUMSUB").arg(&channel));
+        count
+    };
+
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let waits: Vec<_> = (0..5)
+        .map(|_| {
+            let (waiter, id) = (Arc::clone(&waiter), id.clone());
+            tokio::spawn(async move { waiter.wait(&id, token, deadline).await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(subscribers(), 1, "five waiters of one store, one subscription");
+    holder
+        .complete(&id, token, completion(UnixMillis::now(), DAY, 7 * DAY))
+        .await
+        .expect("complete");
+    for wait in waits {
+        let outcome = tokio::time::timeout(Duration::from_secs(10), wait)
+            .await
+            .expect("woken within 10 s")
+            .expect("task")
+            .expect("wait");
+        assert_eq!(outcome, WaitOutcome::Changed);
+    }
+    let gone = Instant::now() + Duration::from_secs(5);
+    while subscribers() != 0 {
+        assert!(Instant::now() < gone, "the last waiter unsubscribes");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // A waiter that gives up (its future is dropped) unsubscribes too.
+    let (id, now) = (fresh_id(), UnixMillis::now());
+    let token = claim(&holder, &id, now).await;
+    let channel = holder.record_keys(&id).channel;
+    let far = tokio::time::Instant::now() + Duration::from_secs(30);
+    let abandoned = tokio::time::timeout(Duration::from_millis(300), waiter.wait(&id, token, far)).await;
+    assert!(abandoned.is_err(), "the wait was still waiting");
+    let gone = Instant::now() + Duration::from_secs(5);
+    loop {
+        let (_, count): (String, i64) = query(server, redis::cmd("PUBSUB").arg("NUMSUB").arg(&channel));
+        if count == 0 {
+            break;
+        }
+        assert!(Instant::now() < gone, "a cancelled waiter unsubscribes");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_is_one_round_trip_with_the_answer() {
+    let harness = RedisHarness::standalone();
+    let store = idem_core::testkit::Harness::open(&harness).await;
+    let (id, now) = (fresh_id(), UnixMillis::now());
+    let token = claim(&*store, &id, now).await;
+    store
+        .complete(&id, token, completion(now, DAY, 7 * DAY))
+        .await
+        .expect("complete");
+    let counting = idem_core::testkit::CountingStore::new(store);
+    let request = BeginRequest {
+        id: &id,
+        fingerprint: &fingerprint("a"),
+        now,
+        lease_until: now.plus(LEASE),
+        token: FencingToken::random(),
+    };
+    let Begin::Existing(record) = counting.begin(request).await.expect("begin") else {
+        panic!("expected the stored record")
+    };
+    assert_eq!(record.replays, 1);
+    assert!(matches!(
+        record.state,
+        idem_core::RecordState::Completed { response: Some(ref body), .. } if body.as_ref() == b"answer"
+    ));
+    assert_eq!(counting.total(), 1);
+}
+
+#[tokio::test]
+async fn connect_errors_say_what_is_wrong() {
+    let port = free_port();
+    let err = RedisStore::connect(&format!("redis://127.0.0.1:{port}"))
+        .await
+        .expect_err("nothing listens there");
+    assert!(matches!(err, RedisError::Connect { .. }), "{err:?}");
+    assert!(err.to_string().contains("refused"), "{err}");
+    assert!(std::error::Error::source(&err).is_some(), "the cause is kept");
+
+    let err = RedisStore::connect("redis://:hunter2@127.0.0.1:1?colour=blue")
+        .await
+        .expect_err("unknown option");
+    assert!(matches!(err, RedisError::InvalidUrl { .. }), "{err:?}");
+    assert!(!err.to_string().contains("hunter2"), "{err}");
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+/// A private redis-server that the test may stop and start.
+struct PrivateRedis {
+    port: u16,
+    child: Option<Child>,
+}
+
+impl PrivateRedis {
+    fn start(port: u16) -> Self {
+        let child = Command::new("redis-server")
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|err| {
+                panic!("cannot run redis-server ({err}); install Redis 7 (Debian: apt-get install redis-server)")
+            });
+        let server = Self {
+            port,
+            child: Some(child),
+        };
+        let ready = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < ready, "redis-server on port {port} did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        server
+    }
+
+    fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for PrivateRedis {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_store_recovers_when_redis_comes_back() {
+    let mut redis = PrivateRedis::start(free_port());
+    let url = format!("redis://127.0.0.1:{}?{SLOW_POLLING}", redis.port);
+    let holder = RedisStore::connect(&url).await.expect("connect");
+    let waiter = Arc::new(RedisStore::connect(&url).await.expect("connect"));
+    let (id, now) = (fresh_id(), UnixMillis::now());
+    claim(&holder, &id, now).await;
+
+    redis.stop();
+    // Down for a while: every operation fails, and fails fast, while the store keeps trying.
+    let down = Instant::now();
+    while down.elapsed() < Duration::from_secs(3) {
+        let started = Instant::now();
+        let err = holder.get(&id).await.expect_err("Redis is down");
+        assert!(matches!(err, StoreError::Unavailable(_)), "{err:?}");
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "fails fast: {:?}",
+            started.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(waiter.ping().await.is_err());
+
+    let redis = PrivateRedis::start(redis.port);
+    let back = Instant::now() + Duration::from_secs(20);
+    for store in [&holder, &*waiter] {
+        while let Err(err) = store.ping().await {
+            assert!(Instant::now() < back, "the store did not reconnect: {err}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    // Nothing was persisted: the record is gone, and both stores work again, notifications
+    // included.
+    assert!(holder.get(&id).await.expect("get").is_none());
+    let (id, now) = (fresh_id(), UnixMillis::now());
+    let token = claim(&holder, &id, now).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let wait = {
+        let (waiter, id) = (Arc::clone(&waiter), id.clone());
+        tokio::spawn(async move { waiter.wait(&id, token, deadline).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    holder
+        .complete(&id, token, completion(UnixMillis::now(), DAY, 7 * DAY))
+        .await
+        .expect("complete");
+    let outcome = tokio::time::timeout(Duration::from_secs(10), wait)
+        .await
+        .expect("the waiter was not woken within 10 s after the reconnection")
+        .expect("task")
+        .expect("wait");
+    assert_eq!(outcome, WaitOutcome::Changed);
+    drop(redis);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resent_begin_gets_its_own_claim_back() {
+    let harness = RedisHarness::standalone();
+    let store = idem_core::testkit::Harness::open(&harness).await;
+    let (id, now, fp) = (fresh_id(), UnixMillis::now(), fingerprint("a"));
+    let request = |token, now: UnixMillis| BeginRequest {
+        id: &id,
+        fingerprint: &fp,
+        now,
+        lease_until: now.plus(LEASE),
+        token,
+    };
+    let first = FencingToken::random();
+    for _ in 0..2 {
+        assert!(matches!(
+            store.begin(request(first, now)).await.expect("begin"),
+            Begin::Acquired { recovered: false }
+        ));
+    }
+    let later = now.plus(LEASE * 2);
+    let second = FencingToken::random();
+    for _ in 0..2 {
+        assert!(matches!(
+            store.begin(request(second, later)).await.expect("begin"),
+            Begin::Acquired { recovered: true }
+        ));
+    }
+    assert!(matches!(
+        store
+            .begin(request(FencingToken::random(), later))
+            .await
+            .expect("begin"),
+        Begin::Existing(_)
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupt_records_are_reported_as_corrupt() {
+    let server = Server::Standalone;
+    let prefix = fresh_prefix();
+    let _cleanup = Cleanup(server, prefix.clone());
+    let store = connect(server, &prefix, "").await;
+    let id = fresh_id();
+    let keys = store.record_keys(&id);
+    let _: i64 = query(
+        server,
+        redis::cmd("HSET").arg(&keys.record).arg("state").arg("completed"),
+    );
+    let now = UnixMillis::now();
+    let request = BeginRequest {
+        id: &id,
+        fingerprint: &fingerprint("a"),
+        now,
+        lease_until: now.plus(LEASE),
+        token: FencingToken::random(),
+    };
+    let err = store.begin(request).await.expect_err("no purge_at");
+    assert!(
+        matches!(err, StoreError::Corrupt(ref why) if why.contains("purge_at")),
+        "{err:?}"
+    );
+    let err = store.get(&id).await.expect_err("no fingerprint");
+    assert!(matches!(err, StoreError::Corrupt(_)), "{err:?}");
+}

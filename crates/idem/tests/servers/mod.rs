@@ -1,0 +1,261 @@
+//! The store servers the shared-store tests run against: the machine's PostgreSQL and Redis
+//! (and the three-node Redis Cluster that `.ci/run` starts), each test isolated in a schema or key
+//! prefix of its own; and private PostgreSQL and Redis instances that an outage test starts, kills
+//! and restarts itself.
+
+#![allow(dead_code)]
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A name no other test uses.
+fn unique(prefix: &str) -> String {
+    format!("{prefix}_{}", uuid_like())
+}
+
+fn uuid_like() -> String {
+    use std::hash::{BuildHasher, RandomState};
+    format!("{:016x}", RandomState::new().hash_one(Instant::now()))
+}
+
+/// The machine's PostgreSQL, in a schema of this test's own.
+pub(crate) fn postgres_url() -> String {
+    let base = std::env::var("IDEM_TEST_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    require_reachable(
+        &base,
+        "PostgreSQL",
+        "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start",
+    );
+    format!("{base}?schema={}", unique("e2e"))
+}
+
+/// The machine's Redis, under a key prefix of this test's own.
+pub(crate) fn redis_url() -> String {
+    let base = std::env::var("IDEM_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned());
+    require_reachable(
+        &base,
+        "Redis",
+        "redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save \"\" --appendonly no",
+    );
+    format!("{base}/?prefix={}", unique("e2e"))
+}
+
+/// The three-node Redis Cluster, under a key prefix of this test's own.
+pub(crate) fn redis_cluster_url() -> String {
+    let base = std::env::var("IDEM_TEST_REDIS_CLUSTER_URL")
+        .unwrap_or_else(|_| "redis+cluster://127.0.0.1:7001,127.0.0.1:7002,127.0.0.1:7003".to_owned());
+    require_reachable(&base, "the Redis Cluster", "crates/idem-redis/scripts/start-cluster.sh");
+    format!("{base}/?prefix={}", unique("e2e"))
+}
+
+/// Panics with a message saying how to start the server if its first address does not answer.
+fn require_reachable(url: &str, what: &str, how: &str) {
+    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
+    let authority = rest.split(['/', '?', ',']).next().unwrap_or(rest);
+    let host_port = authority.rsplit_once('@').map_or(authority, |(_, hp)| hp);
+    let reachable = host_port
+        .parse::<std::net::SocketAddr>()
+        .ok()
+        .is_some_and(|addr| std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)).is_ok());
+    assert!(
+        reachable,
+        "{what} is not reachable at {host_port} ({url}); start it with: {how}"
+    );
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .expect("bind an ephemeral port")
+        .local_addr()
+        .expect("addr")
+        .port()
+}
+
+fn wait_for_port(port: u16, up: bool) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let answers = std::net::TcpStream::connect(("127.0.0.1", port)).is_ok();
+        if answers == up {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "port {port} did not go {}",
+            if up { "up" } else { "down" }
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A PostgreSQL server of the test's own, in a temporary data directory.
+pub(crate) struct PrivatePostgres {
+    dir: tempfile::TempDir,
+    port: u16,
+    bin: PathBuf,
+}
+
+impl PrivatePostgres {
+    /// `initdb` and start a server on a free port (as the `postgres` user: PostgreSQL refuses root).
+    pub(crate) fn start() -> Self {
+        let bin = std::fs::read_dir("/usr/lib/postgresql")
+            .ok()
+            .and_then(|versions| {
+                versions
+                    .filter_map(Result::ok)
+                    .map(|v| v.path().join("bin"))
+                    .find(|b| b.join("initdb").exists())
+            })
+            .expect("PostgreSQL's server binaries under /usr/lib/postgresql/*/bin (apt-get install postgresql)");
+        let dir = tempfile::tempdir().expect("a temp dir");
+        let port = free_port();
+        let data = dir.path().join("data");
+        run_as_postgres(&format!("chown postgres {}", dir.path().display()), false);
+        run_as_postgres(
+            &format!(
+                "{} -D {} -U postgres --auth=trust -E UTF8 --no-sync",
+                bin.join("initdb").display(),
+                data.display()
+            ),
+            true,
+        );
+        let server = Self { dir, port, bin };
+        server.restart();
+        server
+    }
+
+    /// The URL of its `postgres` database.
+    pub(crate) fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    /// Kills the server at once, as a crash would.
+    pub(crate) fn kill(&self) {
+        run_as_postgres(
+            &format!(
+                "{} -D {} stop -m immediate -w",
+                self.bin.join("pg_ctl").display(),
+                self.data()
+            ),
+            true,
+        );
+        wait_for_port(self.port, false);
+    }
+
+    /// Starts the server (again) on the same port and data.
+    pub(crate) fn restart(&self) {
+        let options = format!(
+            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off",
+            self.port,
+            self.dir.path().display()
+        );
+        run_as_postgres(
+            &format!(
+                "{} -D {} -o '{options}' -l {}/log -w start",
+                self.bin.join("pg_ctl").display(),
+                self.data(),
+                self.dir.path().display()
+            ),
+            true,
+        );
+        wait_for_port(self.port, true);
+    }
+
+    fn data(&self) -> String {
+        self.dir.path().join("data").display().to_string()
+    }
+}
+
+impl Drop for PrivatePostgres {
+    fn drop(&mut self) {
+        let _ = Command::new("su")
+            .args([
+                "postgres",
+                "-c",
+                &format!(
+                    "{} -D {} stop -m immediate",
+                    self.bin.join("pg_ctl").display(),
+                    self.data()
+                ),
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
+fn run_as_postgres(command: &str, as_postgres: bool) {
+    let output = if as_postgres {
+        Command::new("su").args(["postgres", "-c", command]).output()
+    } else {
+        Command::new("sh").args(["-c", command]).output()
+    }
+    .expect("run a PostgreSQL command");
+    assert!(
+        output.status.success(),
+        "`{command}` failed: {}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// A Redis server of the test's own, without persistence.
+pub(crate) struct PrivateRedis {
+    port: u16,
+    child: Option<Child>,
+}
+
+impl PrivateRedis {
+    /// Starts `redis-server` on a free port.
+    pub(crate) fn start() -> Self {
+        let mut server = Self {
+            port: free_port(),
+            child: None,
+        };
+        server.restart();
+        server
+    }
+
+    /// The URL of the server.
+    pub(crate) fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Kills the server at once.
+    pub(crate) fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        wait_for_port(self.port, false);
+    }
+
+    /// Starts the server (again) on the same port; without persistence it comes back empty.
+    pub(crate) fn restart(&mut self) {
+        let child = Command::new("redis-server")
+            .args([
+                "--port",
+                &self.port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server on PATH (apt-get install redis-server)");
+        self.child = Some(child);
+        wait_for_port(self.port, true);
+    }
+}
+
+impl Drop for PrivateRedis {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}

@@ -1,0 +1,78 @@
+//! The shared stores behind several `idem serve` processes: PostgreSQL, Redis and Redis Cluster.
+//! Each runs the same scenarios; the outage tests start, kill and restart private servers.
+
+mod common;
+mod scenarios;
+mod servers;
+
+use servers::{PrivatePostgres, PrivateRedis};
+
+const INSTANCES: usize = 3;
+const COPIES: usize = 60;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_sixty_copies_over_three_instances_run_once() {
+    scenarios::copies_run_once(&servers::postgres_url(), INSTANCES, COPIES).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_sixty_copies_over_three_instances_run_once() {
+    scenarios::copies_run_once(&servers::redis_url(), INSTANCES, COPIES).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_sixty_copies_over_three_instances_run_once() {
+    scenarios::copies_run_once(&servers::redis_cluster_url(), INSTANCES, COPIES).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_crashed_holder_is_taken_over() {
+    scenarios::crashed_holder_is_taken_over(&servers::postgres_url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_crashed_holder_is_taken_over() {
+    scenarios::crashed_holder_is_taken_over(&servers::redis_url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_crashed_holder_is_taken_over() {
+    scenarios::crashed_holder_is_taken_over(&servers::redis_cluster_url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_outage_fails_closed_and_recovers() {
+    let server = tokio::task::spawn_blocking(PrivatePostgres::start)
+        .await
+        .expect("start PostgreSQL");
+    let url = server.url();
+    let server = std::sync::Arc::new(server);
+    let (k, r) = (server.clone(), server.clone());
+    scenarios::outage_fails_closed_and_recovers(
+        &url,
+        async move || tokio::task::spawn_blocking(move || k.kill()).await.expect("kill"),
+        async move || tokio::task::spawn_blocking(move || r.restart()).await.expect("restart"),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_outage_fails_closed_and_recovers() {
+    let server = std::sync::Arc::new(std::sync::Mutex::new(PrivateRedis::start()));
+    let url = server.lock().expect("lock").url();
+    let (k, r) = (server.clone(), server.clone());
+    scenarios::outage_fails_closed_and_recovers(
+        &url,
+        async move || {
+            tokio::task::spawn_blocking(move || k.lock().expect("lock").kill())
+                .await
+                .expect("kill")
+        },
+        async move || {
+            tokio::task::spawn_blocking(move || r.lock().expect("lock").restart())
+                .await
+                .expect("restart")
+        },
+    )
+    .await;
+}
