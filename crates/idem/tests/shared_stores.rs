@@ -41,6 +41,21 @@ async fn redis_cluster_crashed_holder_is_taken_over() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_operator_commands_work() {
+    scenarios::operator_commands_work(&servers::postgres_url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_operator_commands_work() {
+    scenarios::operator_commands_work(&servers::redis_url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_operator_commands_work() {
+    scenarios::operator_commands_work(&servers::redis_cluster_url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_outage_fails_closed_and_recovers() {
     let server = tokio::task::spawn_blocking(PrivatePostgres::start)
         .await

@@ -20,3 +20,9 @@ async fn a_crashed_holders_key_is_taken_over_and_the_rerun_is_marked_recovered()
     let dir = tempfile::tempdir().expect("a temp dir");
     scenarios::crashed_holder_is_taken_over(&sqlite_store(&dir)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_operators_commands_work_on_sqlite() {
+    let dir = tempfile::tempdir().expect("a temp dir");
+    scenarios::operator_commands_work(&sqlite_store(&dir)).await;
+}

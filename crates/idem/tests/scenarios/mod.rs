@@ -1,6 +1,6 @@
 //! Scenarios every store must pass behind several `idem serve` processes, written once and run per
-//! store: concurrent copies spread over instances, a crashed holder taken over, and an outage of
-//! the store in the middle of traffic.
+//! store: concurrent copies spread over instances, a crashed holder taken over, an outage of the
+//! store in the middle of traffic, and the operator's commands.
 
 #![allow(dead_code)]
 
@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use crate::common::{Gateway, Upstream, count, new_key, send, try_send, wait_for_count};
+use crate::common::{Gateway, Upstream, count, describe, new_key, run_idem, send, try_send, wait_for_count};
 
 /// `copies` simultaneous copies of one keyed request, spread round-robin over `instances`
 /// gateways sharing `store`: the upstream runs once and every client gets the same 2xx body.
@@ -170,4 +170,42 @@ fn pay(gateway: &Gateway, key: &str) -> reqwest::RequestBuilder {
         .post("/pay", r#"{"amount":1}"#)
         .header("content-type", "application/json")
         .header("idempotency-key", key)
+}
+
+/// The operator's view of a shared store: `/readyz` answers, `idem inspect` shows a completed
+/// record with its request, status and replays, `idem purge` and `idem migrate` succeed, and
+/// `inspect` of an unknown key fails.
+pub(crate) async fn operator_commands_work(store: &str) {
+    let upstream = Upstream::start().await;
+    let gateway = Gateway::start_on_store(&upstream.url(), store, &[]).await;
+    let ready = reqwest::get(format!("{}/readyz", gateway.admin))
+        .await
+        .expect("admin answers");
+    assert_eq!(ready.status(), 200, "ready when the store answers");
+    let key = new_key();
+    for _ in 0..2 {
+        assert_eq!(send(pay(&gateway, &key)).await.status, 201);
+    }
+
+    let limit = Duration::from_secs(60);
+    let inspect = run_idem(&["inspect", "--store", store, &key], limit).await;
+    assert!(
+        inspect.status.success(),
+        "inspect finds the record:\n{}",
+        describe(&inspect)
+    );
+    let text = String::from_utf8_lossy(&inspect.stdout);
+    for expected in ["POST /pay", "completed", "201", "replays:  1"] {
+        assert!(text.contains(expected), "inspect shows {expected:?}:\n{text}");
+    }
+    let unknown = run_idem(&["inspect", "--store", store, &new_key()], limit).await;
+    assert!(
+        !unknown.status.success(),
+        "inspect of an unknown key fails:\n{}",
+        describe(&unknown)
+    );
+    for command in ["purge", "migrate"] {
+        let output = run_idem(&[command, "--store", store], limit).await;
+        assert!(output.status.success(), "idem {command}:\n{}", describe(&output));
+    }
 }
