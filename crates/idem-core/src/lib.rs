@@ -30,6 +30,7 @@ mod protocol;
 mod response;
 mod scope;
 mod store;
+pub mod stored;
 mod time;
 
 #[cfg(feature = "testkit")]

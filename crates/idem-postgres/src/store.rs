@@ -9,11 +9,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use bytes::Bytes;
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
+use idem_core::stored::{COMPLETED, IN_FLIGHT, StoredRecord, UNKNOWN, wait_for_change};
 use idem_core::{
-    Begin, BeginRequest, Completion, FencingToken, Fingerprint, Purged, Record, RecordId, RecordState, Release, Store,
-    StoreError, UnixMillis, WaitOutcome,
+    Begin, BeginRequest, Completion, FencingToken, Purged, Record, RecordId, Release, Store, StoreError, UnixMillis,
+    WaitOutcome,
 };
 use tokio_postgres::{NoTls, Row};
 
@@ -39,10 +39,6 @@ const PURGE_LOCK_CLASS: i32 = 0x6964_656d;
 const POOL_WAIT_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long checking a returned connection may take.
 const POOL_RECYCLE_TIMEOUT: Duration = Duration::from_secs(5);
-
-const IN_FLIGHT: &str = "in-flight";
-const COMPLETED: &str = "completed";
-const UNKNOWN: &str = "unknown";
 
 const INSERT: &str = "
 INSERT INTO idem_records
@@ -307,19 +303,10 @@ fn fenced(changed: usize) -> Result<(), StoreError> {
     if changed == 0 { Err(StoreError::Fenced) } else { Ok(()) }
 }
 
-/// A row as stored, before it is checked.
+/// A row as stored: the record's fields, and the digest the claim rules compare.
 struct StoredRow {
-    state: String,
-    fingerprint: Vec<u8>,
     digest: Vec<u8>,
-    token: Option<Vec<u8>>,
-    lease_until: Option<i64>,
-    response: Option<Vec<u8>>,
-    created_at: i64,
-    completed_at: Option<i64>,
-    expires_at: Option<i64>,
-    purge_at: i64,
-    replays: i64,
+    stored: StoredRecord,
 }
 
 impl StoredRow {
@@ -327,60 +314,26 @@ impl StoredRow {
     fn from_row(row: &Row, id: &RecordId) -> Result<Self, StoreError> {
         let read = || -> Result<Self, tokio_postgres::Error> {
             Ok(Self {
-                state: row.try_get(0)?,
-                fingerprint: row.try_get(1)?,
                 digest: row.try_get(2)?,
-                token: row.try_get(3)?,
-                lease_until: row.try_get(4)?,
-                response: row.try_get(5)?,
-                created_at: row.try_get(6)?,
-                completed_at: row.try_get(7)?,
-                expires_at: row.try_get(8)?,
-                purge_at: row.try_get(9)?,
-                replays: row.try_get(10)?,
+                stored: StoredRecord {
+                    state: row.try_get(0)?,
+                    fingerprint: row.try_get(1)?,
+                    token: row.try_get(3)?,
+                    lease_until: row.try_get(4)?,
+                    response: row.try_get(5)?,
+                    created_at: row.try_get(6)?,
+                    completed_at: row.try_get(7)?,
+                    expires_at: row.try_get(8)?,
+                    purge_at: Some(row.try_get(9)?),
+                    replays: row.try_get(10)?,
+                },
             })
         };
         read().map_err(|err| StoreError::Corrupt(format!("record {} {}: {}", id.scope, id.key, describe(&err))))
     }
 
     fn into_record(self, id: RecordId) -> Result<Record, StoreError> {
-        let corrupt = |what: &str| StoreError::Corrupt(format!("record {} {}: {what}", id.scope, id.key));
-        let fingerprint = Fingerprint::decode(&self.fingerprint).map_err(|_| corrupt("undecodable fingerprint"))?;
-        let millis = |value: Option<i64>, column: &str| {
-            value
-                .map(UnixMillis::from_i64)
-                .ok_or_else(|| corrupt(&format!("{} record without {column}", self.state)))
-        };
-        let state = match self.state.as_str() {
-            IN_FLIGHT => {
-                let token = self
-                    .token
-                    .as_deref()
-                    .and_then(|bytes| <[u8; 16]>::try_from(bytes).ok())
-                    .ok_or_else(|| corrupt("in-flight record without a 16-byte token"))?;
-                RecordState::InFlight {
-                    token: FencingToken::from_bytes(token),
-                    lease_until: millis(self.lease_until, "lease_until")?,
-                }
-            }
-            COMPLETED => RecordState::Completed {
-                response: self.response.map(Bytes::from),
-                completed_at: millis(self.completed_at, "completed_at")?,
-                expires_at: millis(self.expires_at, "expires_at")?,
-                purge_at: UnixMillis::from_i64(self.purge_at),
-            },
-            UNKNOWN => RecordState::Unknown {
-                purge_at: UnixMillis::from_i64(self.purge_at),
-            },
-            other => return Err(corrupt(&format!("unknown state {other:?}"))),
-        };
-        Ok(Record {
-            fingerprint,
-            created_at: UnixMillis::from_i64(self.created_at),
-            replays: u64::try_from(self.replays).map_err(|_| corrupt("negative replay count"))?,
-            state,
-            id,
-        })
+        self.stored.into_record(id)
     }
 }
 
@@ -431,7 +384,7 @@ impl Store for PostgresStore {
                 continue;
             };
             let row = StoredRow::from_row(&row, id)?;
-            let begun = if row.purge_at <= now {
+            let begun = if row.stored.purge_at.is_none_or(|purge_at| purge_at <= now) {
                 let replace = tx.prepare_cached(REPLACE).await.map_err(db)?;
                 tx.query(
                     &replace,
@@ -452,8 +405,8 @@ impl Store for PostgresStore {
                 Begin::Acquired { recovered: false }
             } else {
                 let same_request = row.digest.as_slice() == digest;
-                let lease_ended = row.lease_until.is_some_and(|until| until <= now);
-                let abandoned = (row.state == IN_FLIGHT && lease_ended) || row.state == UNKNOWN;
+                let lease_ended = row.stored.lease_until.is_some_and(|until| until <= now);
+                let abandoned = (row.stored.state == IN_FLIGHT && lease_ended) || row.stored.state == UNKNOWN;
                 if same_request && abandoned {
                     let take_over = tx.prepare_cached(TAKE_OVER).await.map_err(db)?;
                     tx.query(&take_over, &[&scope, &key, &token, &lease_until, &purge_at, &notice])
@@ -462,9 +415,9 @@ impl Store for PostgresStore {
                     Begin::Acquired { recovered: true }
                 } else {
                     let replayed = same_request
-                        && row.state == COMPLETED
-                        && row.response.is_some()
-                        && row.expires_at.is_some_and(|expires| now < expires);
+                        && row.stored.state == COMPLETED
+                        && row.stored.response.is_some()
+                        && row.stored.expires_at.is_some_and(|expires| now < expires);
                     // A corrupt row fails here, before anything is changed.
                     let mut record = row.into_record(id.clone())?;
                     if replayed {
@@ -574,36 +527,12 @@ impl Store for PostgresStore {
             .as_ref()
             .map(|listener| listener.registry().subscribe(payload(id)));
         // Polling backs off from a quarter of the interval up to it. With notifications it is only
-        // a safety net; with `notify=off` it is how changes are seen.
+        // a safety net; with `notify=off` it is how changes are seen. The subscription is taken
+        // before each check (the listening connection has been listening since before it, or, if
+        // it is reconnecting, wakes every waiter once it listens again).
         let max_poll = self.inner.poll_interval;
-        let mut poll = (max_poll / 4).max(Duration::from_millis(1));
-        loop {
-            // Subscribed before the check: a change committed after it still wakes us (the
-            // listening connection has been listening since before the check, or, if it is
-            // reconnecting, wakes every waiter once it listens again).
-            let notified = subscription.as_ref().map(|s| s.notify().notified());
-            let mut notified = std::pin::pin!(notified);
-            if let Some(notified) = notified.as_mut().as_pin_mut() {
-                notified.enable();
-            }
-            if !self.holds(id, token).await? {
-                return Ok(WaitOutcome::Changed);
-            }
-            if tokio::time::Instant::now() >= deadline {
-                return Ok(WaitOutcome::TimedOut);
-            }
-            let woken = async {
-                match notified.as_mut().as_pin_mut() {
-                    Some(notified) => notified.await,
-                    None => std::future::pending().await,
-                }
-            };
-            tokio::select! {
-                () = woken => {}
-                () = tokio::time::sleep(poll) => poll = (poll * 2).min(max_poll),
-                () = tokio::time::sleep_until(deadline) => {}
-            }
-        }
+        let notify = subscription.as_ref().map(|s| s.notify());
+        wait_for_change(notify, deadline, max_poll / 4, max_poll, || self.holds(id, token)).await
     }
 
     async fn purge(&self, now: UnixMillis, batch: usize) -> Result<Purged, StoreError> {

@@ -6,10 +6,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use bytes::Bytes;
+use idem_core::stored::{IN_FLIGHT, StoredRecord, wait_for_change};
 use idem_core::{
-    Begin, BeginRequest, Completion, FencingToken, Fingerprint, Purged, Record, RecordId, RecordState, Release, Store,
-    StoreError, UnixMillis, WaitOutcome,
+    Begin, BeginRequest, Completion, FencingToken, Purged, Record, RecordId, Release, Store, StoreError, UnixMillis,
+    WaitOutcome,
 };
 use redis::{PushInfo, Script, Value};
 use tokio::sync::Notify;
@@ -23,10 +23,6 @@ use crate::{RedisError, url};
 /// How long an in-flight record whose holder vanished (its lease ended and nobody retried) is kept
 /// before Redis expires it. Until then a retry takes it over and is marked recovered.
 const ABANDONED_CLAIM_RETENTION: Duration = Duration::from_secs(7 * 24 * 60 * 60);
-
-const IN_FLIGHT: &[u8] = b"in-flight";
-const COMPLETED: &[u8] = b"completed";
-const UNKNOWN: &[u8] = b"unknown";
 
 /// An idempotency store in Redis: one server (`redis://`) or a Redis Cluster
 /// (`redis+cluster://`).
@@ -151,7 +147,7 @@ impl RedisStore {
             .query_async(&mut self.conn())
             .await
             .map_err(store_error)?;
-        Ok(state.as_deref() == Some(IN_FLIGHT) && current.as_deref() == Some(&token.as_bytes()[..]))
+        Ok(state.as_deref() == Some(IN_FLIGHT.as_bytes()) && current.as_deref() == Some(&token.as_bytes()[..]))
     }
 
     /// Runs a compare-and-set script: 1 done, 0 fenced.
@@ -208,12 +204,12 @@ fn array(value: Value, what: &str) -> Result<Vec<Value>, StoreError> {
 }
 
 /// The record as `HGETALL` returned it, and its body.
-struct StoredRecord {
+struct StoredHash {
     fields: HashMap<Vec<u8>, Vec<u8>>,
     body: Option<Vec<u8>>,
 }
 
-impl StoredRecord {
+impl StoredHash {
     /// `None` for a missing record (an empty hash).
     fn parse(fields: Value, body: Value) -> Result<Option<Self>, StoreError> {
         let flat = array(fields, "the record's fields")?;
@@ -240,48 +236,32 @@ impl StoredRecord {
         let Self { mut fields, body } = self;
         let corrupt = |what: &str| StoreError::Corrupt(format!("record {} {}: {what}", id.scope, id.key));
         let mut take = |field: &str| fields.remove(field.as_bytes());
-        let millis = |value: Option<Vec<u8>>, field: &str| -> Result<UnixMillis, StoreError> {
+        let number = |value: Option<Vec<u8>>, field: &str| -> Result<Option<i64>, StoreError> {
             value
-                .as_deref()
-                .and_then(|bytes| std::str::from_utf8(bytes).ok())
-                .and_then(|text| text.parse::<u64>().ok())
-                .map(UnixMillis)
-                .ok_or_else(|| corrupt(&format!("no valid {field}")))
+                .map(|bytes| {
+                    std::str::from_utf8(&bytes)
+                        .ok()
+                        .and_then(|text| text.parse::<i64>().ok())
+                        .ok_or_else(|| corrupt(&format!("no valid {field}")))
+                })
+                .transpose()
         };
-        let state = take("state").ok_or_else(|| corrupt("no state"))?;
-        let fingerprint = take("fingerprint")
-            .and_then(|bytes| Fingerprint::decode(&bytes).ok())
-            .ok_or_else(|| corrupt("undecodable fingerprint"))?;
-        let created_at = millis(take("created_at"), "created_at")?;
-        let replays = millis(take("replays"), "replays")?.0;
-        let state = match state.as_slice() {
-            IN_FLIGHT => {
-                let token = take("token")
-                    .and_then(|bytes| <[u8; 16]>::try_from(bytes.as_slice()).ok())
-                    .ok_or_else(|| corrupt("in-flight record without a 16-byte token"))?;
-                RecordState::InFlight {
-                    token: FencingToken::from_bytes(token),
-                    lease_until: millis(take("lease_until"), "lease_until")?,
-                }
-            }
-            COMPLETED => RecordState::Completed {
-                completed_at: millis(take("completed_at"), "completed_at")?,
-                expires_at: millis(take("expires_at"), "expires_at")?,
-                purge_at: millis(take("purge_at"), "purge_at")?,
-                response: body.map(Bytes::from),
-            },
-            UNKNOWN => RecordState::Unknown {
-                purge_at: millis(take("purge_at"), "purge_at")?,
-            },
-            other => return Err(corrupt(&format!("unknown state {:?}", String::from_utf8_lossy(other)))),
-        };
-        Ok(Record {
-            id,
-            fingerprint,
-            created_at,
-            replays,
+        let state = take("state")
+            .and_then(|bytes| String::from_utf8(bytes).ok())
+            .ok_or_else(|| corrupt("no state"))?;
+        let stored = StoredRecord {
             state,
-        })
+            fingerprint: take("fingerprint").unwrap_or_default(),
+            token: take("token"),
+            lease_until: number(take("lease_until"), "lease_until")?,
+            response: body,
+            created_at: number(take("created_at"), "created_at")?.ok_or_else(|| corrupt("no created_at"))?,
+            completed_at: number(take("completed_at"), "completed_at")?,
+            expires_at: number(take("expires_at"), "expires_at")?,
+            purge_at: number(take("purge_at"), "purge_at")?,
+            replays: number(take("replays"), "replays")?.ok_or_else(|| corrupt("no replays"))?,
+        };
+        stored.into_record(id)
     }
 }
 
@@ -299,7 +279,7 @@ fn parse_begin(reply: Value, id: &RecordId) -> Result<Begin, StoreError> {
         b"existing" => {
             let fields = items.next().unwrap_or_default();
             let body = items.next().unwrap_or_default();
-            let stored = StoredRecord::parse(fields, body)?
+            let stored = StoredHash::parse(fields, body)?
                 .ok_or_else(|| StoreError::Corrupt("begin returned an empty record".to_owned()))?;
             Ok(Begin::Existing(stored.into_record(id.clone())?))
         }
@@ -390,7 +370,7 @@ impl Store for RedisStore {
         let mut items = array(reply, "the reply of get")?.into_iter();
         let fields = items.next().unwrap_or_default();
         let body = items.next().unwrap_or_default();
-        StoredRecord::parse(fields, body)?
+        StoredHash::parse(fields, body)?
             .map(|stored| stored.into_record(id.clone()))
             .transpose()
     }
@@ -411,23 +391,7 @@ impl Store for RedisStore {
             // Not subscribed (the deadline came first, or the runtime shuts down): poll only.
             .unwrap_or_else(|| Arc::new(Notify::new()));
         let cap = self.inner.poll_interval;
-        let mut poll = (cap / 4).max(Duration::from_millis(1));
-        loop {
-            let notified = notify.notified();
-            let mut notified = std::pin::pin!(notified);
-            notified.as_mut().enable();
-            if !self.holds(&keys, token).await? {
-                return Ok(WaitOutcome::Changed);
-            }
-            if tokio::time::Instant::now() >= deadline {
-                return Ok(WaitOutcome::TimedOut);
-            }
-            tokio::select! {
-                () = &mut notified => {}
-                () = tokio::time::sleep(poll) => poll = (poll * 2).min(cap),
-                () = tokio::time::sleep_until(deadline) => {}
-            }
-        }
+        wait_for_change(Some(&notify), deadline, cap / 4, cap, || self.holds(&keys, token)).await
     }
 
     /// Does nothing and returns [`Purged::default()`]: Redis expires records by itself. An

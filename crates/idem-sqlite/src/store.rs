@@ -11,10 +11,10 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use bytes::Bytes;
+use idem_core::stored::{COMPLETED, IN_FLIGHT, StoredRecord, UNKNOWN, wait_for_change};
 use idem_core::{
-    Begin, BeginRequest, Completion, FencingToken, Fingerprint, Purged, Record, RecordId, RecordState, Release, Store,
-    StoreError, UnixMillis, WaitOutcome,
+    Begin, BeginRequest, Completion, FencingToken, Purged, Record, RecordId, Release, Store, StoreError, UnixMillis,
+    WaitOutcome,
 };
 use rusqlite::{Connection, OptionalExtension, Row, Transaction, TransactionBehavior, params};
 
@@ -31,10 +31,6 @@ const ABANDONED_CLAIM_RETENTION: Duration = Duration::from_secs(7 * 24 * 60 * 60
 /// Polling for changes made by other processes, which cannot wake this one.
 const POLL_FIRST: Duration = Duration::from_millis(5);
 const POLL_MAX: Duration = Duration::from_millis(100);
-
-const IN_FLIGHT: &str = "in-flight";
-const COMPLETED: &str = "completed";
-const UNKNOWN: &str = "unknown";
 
 /// An idempotency store in one SQLite file.
 ///
@@ -279,36 +275,29 @@ fn abandoned_purge_at(lease_until: UnixMillis) -> i64 {
 const COLUMNS: &str =
     "state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays";
 
-/// A row as stored, before it is checked.
+/// A row as stored: the record's fields, and the digest the claim rules compare.
 struct StoredRow {
-    state: String,
-    fingerprint: Vec<u8>,
     digest: Vec<u8>,
-    token: Option<Vec<u8>>,
-    lease_until: Option<i64>,
-    response: Option<Vec<u8>>,
-    created_at: i64,
-    completed_at: Option<i64>,
-    expires_at: Option<i64>,
-    purge_at: i64,
-    replays: i64,
+    stored: StoredRecord,
 }
 
 impl StoredRow {
     /// Reads the columns of [`COLUMNS`], in order.
     fn from_row(row: &Row<'_>) -> rusqlite::Result<Self> {
         Ok(Self {
-            state: row.get(0)?,
-            fingerprint: row.get(1)?,
             digest: row.get(2)?,
-            token: row.get(3)?,
-            lease_until: row.get(4)?,
-            response: row.get(5)?,
-            created_at: row.get(6)?,
-            completed_at: row.get(7)?,
-            expires_at: row.get(8)?,
-            purge_at: row.get(9)?,
-            replays: row.get(10)?,
+            stored: StoredRecord {
+                state: row.get(0)?,
+                fingerprint: row.get(1)?,
+                token: row.get(3)?,
+                lease_until: row.get(4)?,
+                response: row.get(5)?,
+                created_at: row.get(6)?,
+                completed_at: row.get(7)?,
+                expires_at: row.get(8)?,
+                purge_at: Some(row.get(9)?),
+                replays: row.get(10)?,
+            },
         })
     }
 
@@ -324,43 +313,7 @@ impl StoredRow {
     }
 
     fn into_record(self, id: RecordId) -> Result<Record, StoreError> {
-        let corrupt = |what: &str| StoreError::Corrupt(format!("record {} {}: {what}", id.scope, id.key));
-        let fingerprint = Fingerprint::decode(&self.fingerprint).map_err(|_| corrupt("undecodable fingerprint"))?;
-        let millis = |value: Option<i64>, column: &str| {
-            value
-                .map(UnixMillis::from_i64)
-                .ok_or_else(|| corrupt(&format!("{} record without {column}", self.state)))
-        };
-        let state = match self.state.as_str() {
-            IN_FLIGHT => {
-                let token = self
-                    .token
-                    .as_deref()
-                    .and_then(|bytes| <[u8; 16]>::try_from(bytes).ok())
-                    .ok_or_else(|| corrupt("in-flight record without a 16-byte token"))?;
-                RecordState::InFlight {
-                    token: FencingToken::from_bytes(token),
-                    lease_until: millis(self.lease_until, "lease_until")?,
-                }
-            }
-            COMPLETED => RecordState::Completed {
-                response: self.response.map(Bytes::from),
-                completed_at: millis(self.completed_at, "completed_at")?,
-                expires_at: millis(self.expires_at, "expires_at")?,
-                purge_at: UnixMillis::from_i64(self.purge_at),
-            },
-            UNKNOWN => RecordState::Unknown {
-                purge_at: UnixMillis::from_i64(self.purge_at),
-            },
-            other => return Err(corrupt(&format!("unknown state {other:?}"))),
-        };
-        Ok(Record {
-            fingerprint,
-            created_at: UnixMillis::from_i64(self.created_at),
-            replays: u64::try_from(self.replays).map_err(|_| corrupt("negative replay count"))?,
-            state,
-            id,
-        })
+        self.stored.into_record(id)
     }
 }
 
@@ -407,7 +360,7 @@ fn begin_in(tx: &Transaction<'_>, id: RecordId, request: OwnedBegin) -> Result<(
     let row = StoredRow::find(tx, &id)?
         .ok_or_else(|| StoreError::Corrupt(format!("record {scope} {key} conflicted on insert but cannot be read")))?;
     let now = now.as_i64();
-    if row.purge_at <= now {
+    if row.stored.purge_at.is_none_or(|purge_at| purge_at <= now) {
         tx.prepare_cached(
             "UPDATE idem_records
              SET state = 'in-flight', fingerprint = ?3, digest = ?4, token = ?5, lease_until = ?6,
@@ -431,8 +384,8 @@ fn begin_in(tx: &Transaction<'_>, id: RecordId, request: OwnedBegin) -> Result<(
         return Ok((Begin::Acquired { recovered: false }, true));
     }
     let same_request = row.digest.as_slice() == digest.as_slice();
-    let lease_ended = row.lease_until.is_some_and(|until| until <= now);
-    let abandoned = (row.state == IN_FLIGHT && lease_ended) || row.state == UNKNOWN;
+    let lease_ended = row.stored.lease_until.is_some_and(|until| until <= now);
+    let abandoned = (row.stored.state == IN_FLIGHT && lease_ended) || row.stored.state == UNKNOWN;
     if same_request && abandoned {
         tx.prepare_cached(
             "UPDATE idem_records
@@ -451,8 +404,9 @@ fn begin_in(tx: &Transaction<'_>, id: RecordId, request: OwnedBegin) -> Result<(
         .map_err(db_error)?;
         return Ok((Begin::Acquired { recovered: true }, true));
     }
-    let replayable =
-        row.state == COMPLETED && row.response.is_some() && row.expires_at.is_some_and(|expires| now < expires);
+    let replayable = row.stored.state == COMPLETED
+        && row.stored.response.is_some()
+        && row.stored.expires_at.is_some_and(|expires| now < expires);
     let replayed = same_request && replayable;
     if replayed {
         tx.prepare_cached("UPDATE idem_records SET replays = replays + 1 WHERE scope = ?1 AND key = ?2")
@@ -587,24 +541,10 @@ impl Store for SqliteStore {
         deadline: tokio::time::Instant,
     ) -> Result<WaitOutcome, StoreError> {
         let subscription = Subscription::new(&self.inner.database, id);
-        let mut poll = POLL_FIRST;
-        loop {
-            // Subscribed before the check: a change committed after it still wakes us.
-            let notified = subscription.notify().notified();
-            let mut notified = std::pin::pin!(notified);
-            notified.as_mut().enable();
-            if !self.holds(id, token).await? {
-                return Ok(WaitOutcome::Changed);
-            }
-            if tokio::time::Instant::now() >= deadline {
-                return Ok(WaitOutcome::TimedOut);
-            }
-            tokio::select! {
-                () = &mut notified => {}
-                () = tokio::time::sleep(poll) => poll = (poll * 2).min(POLL_MAX),
-                () = tokio::time::sleep_until(deadline) => {}
-            }
-        }
+        wait_for_change(Some(subscription.notify()), deadline, POLL_FIRST, POLL_MAX, || {
+            self.holds(id, token)
+        })
+        .await
     }
 
     async fn purge(&self, now: UnixMillis, batch: usize) -> Result<Purged, StoreError> {
@@ -647,6 +587,8 @@ impl Store for SqliteStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use bytes::Bytes;
+    use idem_core::Fingerprint;
 
     fn plan(conn: &Connection, sql: &str) -> String {
         let mut stmt = conn.prepare(&format!("EXPLAIN QUERY PLAN {sql}")).unwrap();

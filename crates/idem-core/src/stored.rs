@@ -1,0 +1,132 @@
+//! What the store implementations share: the stored form of a record (its state as a word, its
+//! times as integers) checked into a [`Record`], and the loop that waits for a claim to change.
+//! Stores still do their own atomic primitives; this only keeps them from writing the same
+//! decoding and waiting three times.
+
+use std::future::Future;
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use crate::{FencingToken, Fingerprint, Record, RecordId, RecordState, StoreError, UnixMillis, WaitOutcome};
+
+/// The stored word of [`RecordState::InFlight`].
+pub const IN_FLIGHT: &str = "in-flight";
+/// The stored word of [`RecordState::Completed`].
+pub const COMPLETED: &str = "completed";
+/// The stored word of [`RecordState::Unknown`].
+pub const UNKNOWN: &str = "unknown";
+
+/// A record's fields as a store keeps them (times in Unix milliseconds), before they are checked.
+#[derive(Debug, Clone, Default)]
+pub struct StoredRecord {
+    /// [`IN_FLIGHT`], [`COMPLETED`] or [`UNKNOWN`].
+    pub state: String,
+    /// [`Fingerprint::encode`]'s output.
+    pub fingerprint: Vec<u8>,
+    /// The current claim's token (in flight only).
+    pub token: Option<Vec<u8>>,
+    /// The end of the current lease (in flight only).
+    pub lease_until: Option<i64>,
+    /// The encoded answer (completed, until it expires).
+    pub response: Option<Vec<u8>>,
+    /// When the record was first claimed.
+    pub created_at: i64,
+    /// When the handler finished (completed only).
+    pub completed_at: Option<i64>,
+    /// Until when the answer is replayable (completed only).
+    pub expires_at: Option<i64>,
+    /// When the record is deleted (required when completed or unknown).
+    pub purge_at: Option<i64>,
+    /// How many times the answer was replayed.
+    pub replays: i64,
+}
+
+impl StoredRecord {
+    /// Checks the fields and builds the [`Record`]; anything missing or malformed is
+    /// [`StoreError::Corrupt`], naming the record.
+    pub fn into_record(self, id: RecordId) -> Result<Record, StoreError> {
+        let corrupt = |what: &str| StoreError::Corrupt(format!("record {} {}: {what}", id.scope, id.key));
+        let fingerprint = Fingerprint::decode(&self.fingerprint).map_err(|_| corrupt("undecodable fingerprint"))?;
+        let millis = |value: Option<i64>, field: &str| {
+            value
+                .map(UnixMillis::from_i64)
+                .ok_or_else(|| corrupt(&format!("{} record without {field}", self.state)))
+        };
+        let state = match self.state.as_str() {
+            IN_FLIGHT => {
+                let token = self
+                    .token
+                    .as_deref()
+                    .and_then(|bytes| <[u8; 16]>::try_from(bytes).ok())
+                    .ok_or_else(|| corrupt("in-flight record without a 16-byte token"))?;
+                RecordState::InFlight {
+                    token: FencingToken::from_bytes(token),
+                    lease_until: millis(self.lease_until, "lease_until")?,
+                }
+            }
+            COMPLETED => RecordState::Completed {
+                response: self.response.map(Bytes::from),
+                completed_at: millis(self.completed_at, "completed_at")?,
+                expires_at: millis(self.expires_at, "expires_at")?,
+                purge_at: millis(self.purge_at, "purge_at")?,
+            },
+            UNKNOWN => RecordState::Unknown {
+                purge_at: millis(self.purge_at, "purge_at")?,
+            },
+            other => return Err(corrupt(&format!("unknown state {other:?}"))),
+        };
+        Ok(Record {
+            fingerprint,
+            created_at: UnixMillis::from_i64(self.created_at),
+            replays: u64::try_from(self.replays).map_err(|_| corrupt("negative replay count"))?,
+            state,
+            id,
+        })
+    }
+}
+
+/// The waiting loop of [`Store::wait`](crate::Store::wait): until `holds()` says the claim is no
+/// longer current, or `deadline`.
+///
+/// Each round enables a wake-up from `notify` (when the store has notifications) *before* it
+/// checks, so that a change between the check and the sleep still wakes it; between checks it
+/// polls, backing off from `first_poll` to `max_poll`, for changes no notification reports.
+pub async fn wait_for_change<F, Fut>(
+    notify: Option<&Notify>,
+    deadline: Instant,
+    first_poll: Duration,
+    max_poll: Duration,
+    mut holds: F,
+) -> Result<WaitOutcome, StoreError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<bool, StoreError>>,
+{
+    let mut poll = first_poll.max(Duration::from_millis(1));
+    loop {
+        let mut notified = std::pin::pin!(notify.map(Notify::notified));
+        if let Some(notified) = notified.as_mut().as_pin_mut() {
+            notified.enable();
+        }
+        if !holds().await? {
+            return Ok(WaitOutcome::Changed);
+        }
+        if Instant::now() >= deadline {
+            return Ok(WaitOutcome::TimedOut);
+        }
+        let woken = async {
+            match notified.as_mut().as_pin_mut() {
+                Some(notified) => notified.await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            () = woken => {}
+            () = tokio::time::sleep(poll) => poll = (poll * 2).min(max_poll),
+            () = tokio::time::sleep_until(deadline) => {}
+        }
+    }
+}
