@@ -41,7 +41,7 @@ pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use policy::{IDEMPOTENCY_KEY, MissingKeyPolicy, MissingKeyPolicyError, Policy};
 pub use problem::{Problem, ProblemKind};
 pub use protocol::{Admission, Claim, Decision, Disposition, Keyed, Outcome, Protocol};
-pub use response::{HeaderAllowList, REPLAYED, ResponseDecodeError, StoredResponse};
+pub use response::{HOP_BY_HOP, HeaderAllowList, REPLAYED, ResponseDecodeError, StoredResponse};
 pub use scope::{Scope, ScopeSource, ScopeSourceError};
 pub use store::{
     Begin, BeginRequest, Completion, FencingToken, Purged, Record, RecordId, RecordState, Release, Store, StoreError,

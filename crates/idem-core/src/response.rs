@@ -27,24 +27,30 @@ impl Default for HeaderAllowList {
     }
 }
 
-const NEVER_STORED: [HeaderName; 11] = [
-    header::SET_COOKIE,
+/// The headers that belong to one connection (RFC 9110 §7.6.1): a proxy drops them, and a stored
+/// answer never keeps them.
+pub const HOP_BY_HOP: [HeaderName; 9] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
     header::PROXY_AUTHENTICATE,
     header::PROXY_AUTHORIZATION,
     header::TE,
     header::TRAILER,
     header::TRANSFER_ENCODING,
     header::UPGRADE,
-    header::CONTENT_LENGTH,
-    REPLAYED,
 ];
+
+/// Never stored, whatever the configuration: one caller's session, the framing of one answer, and
+/// the replay marker itself.
+fn never_stored(name: &HeaderName) -> bool {
+    HOP_BY_HOP.contains(name) || [header::SET_COOKIE, header::CONTENT_LENGTH, REPLAYED].contains(name)
+}
 
 impl HeaderAllowList {
     /// Adds a header to keep; `Set-Cookie`, hop-by-hop headers and `Content-Length` are ignored.
     pub fn with(mut self, name: HeaderName) -> Self {
-        if !NEVER_STORED.contains(&name) && !self.0.contains(&name) {
+        if !never_stored(&name) && !self.0.contains(&name) {
             self.0.push(name);
         }
         self

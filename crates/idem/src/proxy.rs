@@ -15,7 +15,7 @@ use http::{Request, Response, Uri};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use idem_core::{Problem, ProblemKind};
+use idem_core::{HOP_BY_HOP, Problem, ProblemKind};
 use idem_tower::{Body, IdempotencyInfo, NoAnswer};
 
 const RECOVERED: HeaderName = HeaderName::from_static("idempotency-recovered");
@@ -149,17 +149,7 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
     for name in named {
         headers.remove(name);
     }
-    for name in [
-        header::CONNECTION,
-        HeaderName::from_static("keep-alive"),
-        HeaderName::from_static("proxy-connection"),
-        header::PROXY_AUTHENTICATE,
-        header::PROXY_AUTHORIZATION,
-        header::TE,
-        header::TRAILER,
-        header::TRANSFER_ENCODING,
-        header::UPGRADE,
-    ] {
+    for name in HOP_BY_HOP {
         headers.remove(name);
     }
 }
