@@ -29,6 +29,9 @@ pub(crate) enum Command {
     /// Measure what a keyed request costs the store: operations per new request and per replay, and
     /// each operation's latency.
     Bench(BenchArgs),
+    /// See why idempotency keys need one shared store: payments through several gateway instances
+    /// over a faulty network, in three set-ups, counted in one table.
+    Demo(DemoArgs),
     /// Send one request like curl, with an idempotency key and retries; body to stdout, a summary line
     /// (status, attempts, key, replayed) to stderr.
     Request(crate::request::RequestArgs),
@@ -122,4 +125,45 @@ pub(crate) struct BenchArgs {
     /// The size of each stored answer's body, in bytes.
     #[arg(long, default_value_t = 256)]
     pub(crate) body_size: usize,
+}
+
+#[derive(Debug, Args)]
+#[command(after_help = "\
+Starts, in this process, a payments service that records every charge, gateway instances behind a
+round-robin balancer that drops answers and resets connections, and clients that retry with
+idem-client; one instance is killed partway and restarted. The same traffic runs with no
+idempotency, with a store per instance, and with one shared store.")]
+pub(crate) struct DemoArgs {
+    /// Gateway instances behind the balancer.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub(crate) instances: u16,
+    /// Payments sent in each set-up.
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub(crate) payments: u64,
+    /// The share of answers the network drops after the payment went through (0 to 1).
+    #[arg(long, default_value_t = 0.1, value_parser = parse_rate)]
+    pub(crate) drop_rate: f64,
+    /// The share of connections the network resets before the request arrives (0 to 1).
+    #[arg(long, default_value_t = 0.05, value_parser = parse_rate)]
+    pub(crate) reset_rate: f64,
+    /// Clients sending payments at once.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub(crate) clients: u16,
+    /// The shared store of the third set-up (default: a fresh temporary SQLite file).
+    #[arg(long)]
+    pub(crate) store: Option<String>,
+    /// The seed of the faults; the same seed gives every payment the same faults (random by default,
+    /// and printed).
+    #[arg(long)]
+    pub(crate) seed: Option<u64>,
+    /// Print the results as JSON.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+fn parse_rate(text: &str) -> Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(rate) if (0.0..=1.0).contains(&rate) => Ok(rate),
+        _ => Err(format!("{text:?} is not a rate between 0 and 1, such as 0.1")),
+    }
 }

@@ -1,9 +1,10 @@
-//! The `idem` command: the gateway (`idem serve`) and the operator's commands.
+//! The `idem` command: the gateway (`idem serve`), the demo (`idem demo`) and the operator's commands.
 
 mod admin;
 mod bench;
 mod cli;
 mod commands;
+mod demo;
 mod instrumented;
 mod proxy;
 mod request;
@@ -22,7 +23,13 @@ use crate::cli::{Cli, Command};
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    let filter = EnvFilter::try_from_env("IDEM_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    // The demo's gateways would log every request: its output is the table.
+    let default_filter = if matches!(cli.command, Command::Demo(_)) {
+        "error"
+    } else {
+        "info"
+    };
+    let filter = EnvFilter::try_from_env("IDEM_LOG").unwrap_or_else(|_| EnvFilter::new(default_filter));
     let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
@@ -38,6 +45,7 @@ async fn main() -> ExitCode {
         Command::Purge(args) => commands::purge(args).await,
         Command::Migrate(args) => commands::migrate(args).await,
         Command::Bench(args) => bench::run(args).await,
+        Command::Demo(args) => demo::run(args).await,
         // Its exit status tells the kind of answer, not just success or failure.
         Command::Request(args) => return request::run(args).await,
     };

@@ -1,6 +1,9 @@
 //! `idem serve`: the idempotency layer around the proxy, the admin listener, the background
 //! purger and a graceful shutdown that lets running requests finish and store their answers.
+//! [`Instance`] runs the same gateway inside this process, on a runtime of its own, so that
+//! `idem demo` can start, stop and crash instances as if they were processes.
 
+use std::future::Future;
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -10,7 +13,9 @@ use std::sync::Arc;
 use idem_core::{Policy, Protocol, Store};
 use idem_tower::IdempotencyLayer;
 use tokio::net::TcpListener;
+use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use crate::cli::ServeArgs;
 use crate::instrumented::{Instrumented, Prometheus};
@@ -40,13 +45,7 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
         fail_open: args.fail_open,
         ..Policy::default()
     };
-    let layer = IdempotencyLayer::from_shared(store.clone())
-        .with_policy(policy)
-        .with_response_timeout(args.upstream_timeout);
-    let tasks = layer.tasks();
-    let protocol = layer.protocol();
-    let proxy = Proxy::new(args.upstream.clone(), args.upstream_timeout)?;
-    let app = axum::Router::new().fallback_service(tower::ServiceBuilder::new().layer(layer).service(proxy));
+    let gateway = Gateway::protected(store.clone(), policy, args.upstream.clone(), args.upstream_timeout)?;
 
     let listener = TcpListener::bind(args.listen)
         .await
@@ -59,7 +58,10 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
     tracing::info!(%addr, %admin_addr, upstream = %args.upstream, store = %args.store.store, "idem serve started");
 
     let shutdown = CancellationToken::new();
-    let purger = tokio::spawn(purge_forever(protocol, shutdown.clone()));
+    let purger = gateway
+        .protocol
+        .clone()
+        .map(|protocol| tokio::spawn(purge_forever(protocol, shutdown.clone())));
     let admin = tokio::spawn({
         let shutdown = shutdown.clone();
         let router = admin::router(store.clone(), metrics);
@@ -69,32 +71,251 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
                 .await
         }
     });
-    let gateway = axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>())
-        .with_graceful_shutdown({
+    gateway
+        .serve(listener, {
             let shutdown = shutdown.clone();
             async move {
                 terminated().await;
                 tracing::info!("shutting down: finishing requests in flight");
                 shutdown.cancel();
             }
-        });
-    gateway.await.context("the gateway's listener failed")?;
+        })
+        .await
+        .context("the gateway's listener failed")?;
 
     // Handlers whose clients already left (or timed out) may still run; let them store their answers.
-    tasks.close();
-    let grace = args.lease;
-    if tokio::time::timeout(grace, tasks.wait()).await.is_err() {
-        tracing::warn!(
-            ?grace,
-            "requests still running at exit; their keys are taken over when their leases end"
-        );
-    }
+    gateway.drain(args.lease).await;
     shutdown.cancel();
     let _ = admin.await;
-    let _ = purger.await;
+    if let Some(purger) = purger {
+        let _ = purger.await;
+    }
     drop(store);
     tracing::info!("idem serve stopped");
     Ok(())
+}
+
+/// The gateway's service: the idempotency layer around the proxy, or the bare proxy.
+pub(crate) struct Gateway {
+    app: axum::Router,
+    /// The keyed handlers still running (none without the layer).
+    tasks: TaskTracker,
+    /// The protocol the layer applies (`None`: the bare proxy).
+    protocol: Option<Protocol>,
+}
+
+impl Gateway {
+    /// The idempotency layer over `store` around a proxy to `upstream`: what `idem serve` runs.
+    pub(crate) fn protected(
+        store: Arc<dyn Store>,
+        policy: Policy,
+        upstream: http::Uri,
+        upstream_timeout: Duration,
+    ) -> anyhow::Result<Self> {
+        let layer = IdempotencyLayer::from_shared(store)
+            .with_policy(policy)
+            .with_response_timeout(upstream_timeout);
+        let (tasks, protocol) = (layer.tasks(), layer.protocol());
+        let proxy = Proxy::new(upstream, upstream_timeout)?;
+        let app = axum::Router::new().fallback_service(tower::ServiceBuilder::new().layer(layer).service(proxy));
+        Ok(Self {
+            app,
+            tasks,
+            protocol: Some(protocol),
+        })
+    }
+
+    /// A proxy to `upstream` with no idempotency at all (`idem demo`'s first set-up).
+    pub(crate) fn unprotected(upstream: http::Uri, upstream_timeout: Duration) -> anyhow::Result<Self> {
+        let proxy = Proxy::new(upstream, upstream_timeout)?;
+        Ok(Self {
+            app: axum::Router::new().fallback_service(
+                tower::ServiceBuilder::new()
+                    .map_request(|request: http::Request<axum::body::Body>| request.map(idem_tower::Body::new))
+                    .service(proxy),
+            ),
+            tasks: TaskTracker::new(),
+            protocol: None,
+        })
+    }
+
+    /// Serves on `listener` until `shutdown` resolves, then until the open connections are done.
+    pub(crate) async fn serve(
+        &self,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> std::io::Result<()> {
+        let app = self.app.clone();
+        axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>())
+            .with_graceful_shutdown(shutdown)
+            .await
+    }
+
+    /// Waits up to `grace` for the keyed handlers still running (their clients may have left) to
+    /// store their answers.
+    pub(crate) async fn drain(&self, grace: Duration) {
+        self.tasks.close();
+        if tokio::time::timeout(grace, self.tasks.wait()).await.is_err() {
+            tracing::warn!(
+                ?grace,
+                "requests still running at exit; their keys are taken over when their leases end"
+            );
+        }
+    }
+}
+
+/// What an in-process [`Instance`] puts in front of its upstream.
+#[derive(Debug, Clone)]
+pub(crate) enum Protection {
+    /// Nothing: a bare proxy.
+    None,
+    /// The idempotency layer over the store at `url` (opened by the instance itself, as a process
+    /// would, so that its connections live and die with it).
+    Store { url: String, policy: Box<Policy> },
+}
+
+/// How an in-process instance is set up.
+#[derive(Debug, Clone)]
+pub(crate) struct InstanceConfig {
+    pub(crate) listen: SocketAddr,
+    pub(crate) upstream: http::Uri,
+    pub(crate) upstream_timeout: Duration,
+    pub(crate) protection: Protection,
+}
+
+/// How an instance is asked to end.
+#[derive(Debug)]
+enum Ending {
+    /// Stop accepting, let running requests finish and store their answers.
+    Graceful,
+    /// Crash: everything in flight vanishes.
+    Crash,
+}
+
+/// A gateway running in this process on a thread and a Tokio runtime of its own, which behaves
+/// like a separate process: it opens its own store connections, and [`Instance::kill`] drops its
+/// runtime with whatever was in flight (handlers, lease renewals, connections), as a crash would.
+/// Dropping the handle kills the instance too.
+#[derive(Debug)]
+pub(crate) struct Instance {
+    addr: SocketAddr,
+    control: Option<oneshot::Sender<Ending>>,
+    ended: Option<oneshot::Receiver<()>>,
+}
+
+impl Instance {
+    /// Starts an instance; returns once it listens.
+    pub(crate) async fn start(config: InstanceConfig) -> anyhow::Result<Self> {
+        let (ready_tx, ready_rx) = oneshot::channel();
+        let (control_tx, control_rx) = oneshot::channel();
+        let (ended_tx, ended_rx) = oneshot::channel();
+        std::thread::Builder::new()
+            .name("idem-instance".into())
+            .spawn(move || {
+                let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                    Ok(runtime) => runtime,
+                    Err(err) => {
+                        let _ = ready_tx.send(Err(anyhow::Error::new(err).context("cannot start a runtime")));
+                        return;
+                    }
+                };
+                runtime.block_on(run_instance(config, ready_tx, control_rx));
+                // Whatever is still spawned on the runtime is dropped here without being polled
+                // again: after a crash, that is every request in flight.
+                runtime.shutdown_background();
+                let _ = ended_tx.send(());
+            })
+            .context("cannot start a thread for the instance")?;
+        let addr = ready_rx.await.context("the instance ended before it listened")??;
+        Ok(Self {
+            addr,
+            control: Some(control_tx),
+            ended: Some(ended_rx),
+        })
+    }
+
+    /// Where it listens.
+    pub(crate) fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Stops accepting, lets running requests finish and store their answers, then ends.
+    pub(crate) async fn stop(mut self) {
+        self.end(Ending::Graceful).await;
+    }
+
+    /// Crashes the instance: its listener closes and everything it had in flight vanishes, its
+    /// records stay in flight in the store until their leases end.
+    pub(crate) async fn kill(mut self) {
+        self.end(Ending::Crash).await;
+    }
+
+    async fn end(&mut self, ending: Ending) {
+        if let Some(control) = self.control.take() {
+            let _ = control.send(ending);
+        }
+        if let Some(ended) = self.ended.take() {
+            let _ = ended.await;
+        }
+    }
+}
+
+async fn run_instance(
+    config: InstanceConfig,
+    ready: oneshot::Sender<anyhow::Result<SocketAddr>>,
+    control: oneshot::Receiver<Ending>,
+) {
+    let started = async {
+        let (gateway, grace) = match config.protection {
+            Protection::None => (
+                Gateway::unprotected(config.upstream, config.upstream_timeout)?,
+                config.upstream_timeout,
+            ),
+            Protection::Store { url, policy } => {
+                let grace = policy.lease;
+                let store = stores::open(&url).await?;
+                (
+                    Gateway::protected(store, *policy, config.upstream, config.upstream_timeout)?,
+                    grace,
+                )
+            }
+        };
+        let listener = TcpListener::bind(config.listen)
+            .await
+            .with_context(|| format!("cannot listen on {}", config.listen))?;
+        let addr = listener.local_addr()?;
+        anyhow::Ok((gateway, grace, listener, addr))
+    };
+    let (gateway, grace, listener, addr) = match started.await {
+        Ok(started) => started,
+        Err(err) => {
+            let _ = ready.send(Err(err));
+            return;
+        }
+    };
+    if ready.send(Ok(addr)).is_err() {
+        return;
+    }
+    let shutdown = CancellationToken::new();
+    let serving = gateway.serve(listener, shutdown.clone().cancelled_owned());
+    tokio::pin!(serving);
+    tokio::select! {
+        result = &mut serving => {
+            if let Err(err) = result {
+                tracing::error!(%addr, error = %err, "an instance's listener failed");
+            }
+        }
+        ending = control => match ending {
+            Ok(Ending::Graceful) => {
+                shutdown.cancel();
+                // Connections still open after the grace period are cut, as a supervisor would.
+                let _ = tokio::time::timeout(grace, &mut serving).await;
+                gateway.drain(grace).await;
+            }
+            // A handle dropped without a word is a crash too.
+            Ok(Ending::Crash) | Err(_) => {}
+        },
+    }
 }
 
 async fn purge_forever(protocol: Protocol, shutdown: CancellationToken) {
