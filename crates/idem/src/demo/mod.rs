@@ -194,7 +194,23 @@ async fn run_set_up(plan: &Plan, set_up: SetUp) -> anyhow::Result<Row> {
         instances[victim] = Some(restarted);
         anyhow::Ok(())
     };
-    let (paid, crashed) = tokio::join!(traffic, crash);
+    // If the clients fail, the payments stop counting up: the crash must not wait for them.
+    let failed = tokio_util::sync::CancellationToken::new();
+    let (paid, crashed) = tokio::join!(
+        async {
+            let paid = traffic.await;
+            if paid.is_err() {
+                failed.cancel();
+            }
+            paid
+        },
+        async {
+            tokio::select! {
+                crashed = crash => crashed,
+                () = failed.cancelled() => Ok(()),
+            }
+        },
+    );
     let paid = paid?;
     crashed?;
     for instance in instances.into_iter().flatten() {
