@@ -44,7 +44,39 @@ pub struct StoredRecord {
     pub replays: i64,
 }
 
+/// What [`Store::begin`](crate::Store::begin) does with a record that already exists, by the
+/// trait's rules.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Existing {
+    /// Past its `purge_at`: gone in all but storage. Replace it with a new claim.
+    Replace,
+    /// An in-flight claim whose lease ended, or an unknown outcome, of the same request: take it
+    /// over (`recovered: true`).
+    TakeOver,
+    /// A live answer to the same request: count a replay and return it.
+    Replay,
+    /// Anything else: return it unchanged.
+    Leave,
+}
+
 impl StoredRecord {
+    /// The claim rule for this record at `now`; `same_request` says whether the claiming request's
+    /// fingerprint digest equals the stored one.
+    pub fn on_begin(&self, same_request: bool, now: i64) -> Existing {
+        if self.purge_at.is_none_or(|purge_at| purge_at <= now) {
+            return Existing::Replace;
+        }
+        let lease_ended = self.lease_until.is_some_and(|until| until <= now);
+        let abandoned = (self.state == IN_FLIGHT && lease_ended) || self.state == UNKNOWN;
+        let replayable =
+            self.state == COMPLETED && self.response.is_some() && self.expires_at.is_some_and(|expires| now < expires);
+        match (same_request, abandoned, replayable) {
+            (true, true, _) => Existing::TakeOver,
+            (true, false, true) => Existing::Replay,
+            _ => Existing::Leave,
+        }
+    }
+
     /// Checks the fields and builds the [`Record`]; anything missing or malformed is
     /// [`StoreError::Corrupt`], naming the record.
     pub fn into_record(self, id: RecordId) -> Result<Record, StoreError> {
@@ -128,5 +160,64 @@ where
             () = tokio::time::sleep(poll) => poll = (poll * 2).min(max_poll),
             () = tokio::time::sleep_until(deadline) => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stored(state: &str) -> StoredRecord {
+        StoredRecord {
+            state: state.to_owned(),
+            lease_until: Some(100),
+            response: Some(b"answer".to_vec()),
+            expires_at: Some(200),
+            purge_at: Some(300),
+            ..StoredRecord::default()
+        }
+    }
+
+    #[test]
+    fn the_claim_rules_of_begin() {
+        assert_eq!(
+            stored(IN_FLIGHT).on_begin(true, 300),
+            Existing::Replace,
+            "past purge_at, whoever asks"
+        );
+        assert_eq!(stored(COMPLETED).on_begin(false, 300), Existing::Replace);
+        assert_eq!(
+            stored(IN_FLIGHT).on_begin(true, 100),
+            Existing::TakeOver,
+            "the lease ended"
+        );
+        assert_eq!(
+            stored(IN_FLIGHT).on_begin(true, 99),
+            Existing::Leave,
+            "the lease still runs"
+        );
+        assert_eq!(
+            stored(IN_FLIGHT).on_begin(false, 150),
+            Existing::Leave,
+            "another request never takes over"
+        );
+        assert_eq!(stored(UNKNOWN).on_begin(true, 0), Existing::TakeOver);
+        assert_eq!(stored(UNKNOWN).on_begin(false, 0), Existing::Leave);
+        assert_eq!(stored(COMPLETED).on_begin(true, 199), Existing::Replay);
+        assert_eq!(
+            stored(COMPLETED).on_begin(true, 200),
+            Existing::Leave,
+            "an expired answer is no replay"
+        );
+        assert_eq!(
+            stored(COMPLETED).on_begin(false, 100),
+            Existing::Leave,
+            "a mismatch is no replay"
+        );
+        let tombstone = StoredRecord {
+            response: None,
+            ..stored(COMPLETED)
+        };
+        assert_eq!(tombstone.on_begin(true, 100), Existing::Leave);
     }
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
-use idem_core::stored::{COMPLETED, IN_FLIGHT, StoredRecord, UNKNOWN, wait_for_change};
+use idem_core::stored::{Existing, StoredRecord, wait_for_change};
 use idem_core::{
     Begin, BeginRequest, Completion, FencingToken, Purged, Record, RecordId, Release, Store, StoreError, UnixMillis,
     WaitOutcome,
@@ -384,7 +384,8 @@ impl Store for PostgresStore {
                 continue;
             };
             let row = StoredRow::from_row(&row, id)?;
-            let begun = if row.stored.purge_at.is_none_or(|purge_at| purge_at <= now) {
+            let action = row.stored.on_begin(row.digest.as_slice() == digest, now);
+            let begun = if action == Existing::Replace {
                 let replace = tx.prepare_cached(REPLACE).await.map_err(db)?;
                 tx.query(
                     &replace,
@@ -404,20 +405,14 @@ impl Store for PostgresStore {
                 .map_err(db)?;
                 Begin::Acquired { recovered: false }
             } else {
-                let same_request = row.digest.as_slice() == digest;
-                let lease_ended = row.stored.lease_until.is_some_and(|until| until <= now);
-                let abandoned = (row.stored.state == IN_FLIGHT && lease_ended) || row.stored.state == UNKNOWN;
-                if same_request && abandoned {
+                if action == Existing::TakeOver {
                     let take_over = tx.prepare_cached(TAKE_OVER).await.map_err(db)?;
                     tx.query(&take_over, &[&scope, &key, &token, &lease_until, &purge_at, &notice])
                         .await
                         .map_err(db)?;
                     Begin::Acquired { recovered: true }
                 } else {
-                    let replayed = same_request
-                        && row.stored.state == COMPLETED
-                        && row.stored.response.is_some()
-                        && row.stored.expires_at.is_some_and(|expires| now < expires);
+                    let replayed = action == Existing::Replay;
                     // A corrupt row fails here, before anything is changed.
                     let mut record = row.into_record(id.clone())?;
                     if replayed {

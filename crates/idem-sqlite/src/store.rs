@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idem_core::stored::{COMPLETED, IN_FLIGHT, StoredRecord, UNKNOWN, wait_for_change};
+use idem_core::stored::{Existing, StoredRecord, wait_for_change};
 use idem_core::{
     Begin, BeginRequest, Completion, FencingToken, Purged, Record, RecordId, Release, Store, StoreError, UnixMillis,
     WaitOutcome,
@@ -360,7 +360,8 @@ fn begin_in(tx: &Transaction<'_>, id: RecordId, request: OwnedBegin) -> Result<(
     let row = StoredRow::find(tx, &id)?
         .ok_or_else(|| StoreError::Corrupt(format!("record {scope} {key} conflicted on insert but cannot be read")))?;
     let now = now.as_i64();
-    if row.stored.purge_at.is_none_or(|purge_at| purge_at <= now) {
+    let action = row.stored.on_begin(row.digest.as_slice() == digest.as_slice(), now);
+    if action == Existing::Replace {
         tx.prepare_cached(
             "UPDATE idem_records
              SET state = 'in-flight', fingerprint = ?3, digest = ?4, token = ?5, lease_until = ?6,
@@ -383,10 +384,7 @@ fn begin_in(tx: &Transaction<'_>, id: RecordId, request: OwnedBegin) -> Result<(
         .map_err(db_error)?;
         return Ok((Begin::Acquired { recovered: false }, true));
     }
-    let same_request = row.digest.as_slice() == digest.as_slice();
-    let lease_ended = row.stored.lease_until.is_some_and(|until| until <= now);
-    let abandoned = (row.stored.state == IN_FLIGHT && lease_ended) || row.stored.state == UNKNOWN;
-    if same_request && abandoned {
+    if action == Existing::TakeOver {
         tx.prepare_cached(
             "UPDATE idem_records
              SET state = 'in-flight', token = ?3, lease_until = ?4, purge_at = ?5
@@ -404,10 +402,7 @@ fn begin_in(tx: &Transaction<'_>, id: RecordId, request: OwnedBegin) -> Result<(
         .map_err(db_error)?;
         return Ok((Begin::Acquired { recovered: true }, true));
     }
-    let replayable = row.stored.state == COMPLETED
-        && row.stored.response.is_some()
-        && row.stored.expires_at.is_some_and(|expires| now < expires);
-    let replayed = same_request && replayable;
+    let replayed = action == Existing::Replay;
     if replayed {
         tx.prepare_cached("UPDATE idem_records SET replays = replays + 1 WHERE scope = ?1 AND key = ?2")
             .and_then(|mut stmt| stmt.execute(params![scope, key]))
