@@ -1,12 +1,13 @@
 //! Request fingerprints: a SHA-256 over an unambiguous, length-prefixed encoding of method, path,
-//! query and body, with JSON bodies canonicalised (RFC 8785) first.
+//! query and body, with JSON bodies canonicalised first (RFC 8785 with exact numbers; a body that is
+//! not I-JSON is hashed as raw bytes).
 
 use std::fmt;
 
 use http::{HeaderMap, Method, header::CONTENT_TYPE};
 use sha2::{Digest, Sha256};
 
-use crate::scope::hex;
+use crate::{canonical_json::canonicalise, scope::hex};
 
 /// What identifies "the same request" for one key.
 ///
@@ -46,7 +47,7 @@ impl Fingerprint {
     pub fn of(method: &Method, uri: &http::Uri, headers: &HeaderMap, body: &[u8]) -> Self {
         let path = uri.path();
         let query = uri.query().unwrap_or("");
-        let canonical = if is_json(headers) { canonical_json(body) } else { None };
+        let canonical = if is_json(headers) { canonicalise(body) } else { None };
         let (body_kind, body_bytes): (&[u8], &[u8]) = match &canonical {
             Some(json) => (b"json", json),
             None => (b"bytes", body),
@@ -181,12 +182,6 @@ fn is_json(headers: &HeaderMap) -> bool {
     };
     let essence = value.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
     essence == "application/json" || (essence.starts_with("application/") && essence.ends_with("+json"))
-}
-
-/// RFC 8785 canonical form; `None` if the body is not valid JSON (it is then hashed as bytes).
-fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
-    let text = std::str::from_utf8(body).ok()?;
-    serde_json_canonicalizer::pipe(text).ok().map(String::into_bytes)
 }
 
 #[cfg(test)]
