@@ -2,6 +2,7 @@
 //! time-ordered keys (UUIDv7, ULID) carry.
 
 use std::fmt;
+use std::str::FromStr;
 
 use http::header::{GetAll, HeaderValue};
 
@@ -105,9 +106,79 @@ impl IdempotencyKey {
         HeaderValue::from_str(&quoted).expect("visible ASCII is a valid header value")
     }
 
-    /// The creation time embedded in a time-ordered key (UUIDv7 or ULID), if this is one.
-    pub fn timestamp(&self) -> Option<UnixMillis> {
-        uuid_v7_millis(&self.0).or_else(|| ulid_millis(&self.0))
+    /// The creation time embedded in this key, if it is a time-ordered key of one of `formats`.
+    pub fn timestamp(&self, formats: KeyTimeFormats) -> Option<UnixMillis> {
+        let uuid7 = || formats.uuid7.then(|| uuid_v7_millis(&self.0)).flatten();
+        let ulid = || formats.ulid.then(|| ulid_millis(&self.0)).flatten();
+        uuid7().or_else(ulid)
+    }
+}
+
+/// The time-ordered key formats whose embedded creation time is trusted to expire a key before
+/// any lookup (`--expire-by-key-time`).
+///
+/// A UUIDv7 says what it is (its version digit), so it is trusted by default. A ULID carries no
+/// marker: any 26-character Crockford string reads as one, so a random key such as
+/// `01ARZ3NDEKTSV4RRFFQ69G5FAV` would be "created" in 2016 and expire on first use. ULIDs are
+/// trusted only when a deployment says its clients send them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyTimeFormats {
+    /// UUIDv7 keys (RFC 9562).
+    pub uuid7: bool,
+    /// ULID keys.
+    pub ulid: bool,
+}
+
+impl KeyTimeFormats {
+    /// No key's time is trusted (`off`).
+    pub const OFF: Self = Self {
+        uuid7: false,
+        ulid: false,
+    };
+}
+
+impl Default for KeyTimeFormats {
+    /// `uuid7`.
+    fn default() -> Self {
+        Self {
+            uuid7: true,
+            ulid: false,
+        }
+    }
+}
+
+impl fmt::Display for KeyTimeFormats {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match (self.uuid7, self.ulid) {
+            (false, false) => f.write_str("off"),
+            (true, false) => f.write_str("uuid7"),
+            (false, true) => f.write_str("ulid"),
+            (true, true) => f.write_str("uuid7,ulid"),
+        }
+    }
+}
+
+/// An `--expire-by-key-time` value that is not `off` or a list of `uuid7` and `ulid`.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid key-time formats {0:?}: use off, or a comma-separated list of uuid7 and ulid")]
+pub struct KeyTimeFormatsError(String);
+
+impl FromStr for KeyTimeFormats {
+    type Err = KeyTimeFormatsError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s.trim() == "off" {
+            return Ok(Self::OFF);
+        }
+        let mut formats = Self::OFF;
+        for name in s.split(',').map(str::trim) {
+            match name {
+                "uuid7" => formats.uuid7 = true,
+                "ulid" => formats.ulid = true,
+                _ => return Err(KeyTimeFormatsError(s.to_owned())),
+            }
+        }
+        Ok(formats)
     }
 }
 
@@ -205,12 +276,22 @@ mod tests {
         let at = UnixMillis(1_700_000_000_123);
         let ts = uuid::Timestamp::from_unix(uuid::NoContext, at.0 / 1000, (at.0 % 1000) as u32 * 1_000_000);
         let v7 = uuid::Uuid::new_v7(ts).to_string();
-        assert_eq!(IdempotencyKey::new(&v7).unwrap().timestamp(), Some(at));
-        // ULID spec example: 01ARZ3NDEK decodes to 1469922850259 ms.
+        let all = KeyTimeFormats {
+            uuid7: true,
+            ulid: true,
+        };
+        assert_eq!(IdempotencyKey::new(&v7).unwrap().timestamp(all), Some(at));
+        assert_eq!(
+            IdempotencyKey::new(&v7).unwrap().timestamp(KeyTimeFormats::default()),
+            Some(at)
+        );
+        assert_eq!(IdempotencyKey::new(&v7).unwrap().timestamp(KeyTimeFormats::OFF), None);
+        // ULID spec example: 01ARZ3NDEK decodes to 1469922850259 ms; trusted only when asked.
         let ulid = IdempotencyKey::new("01ARZ3NDEKTSV4RRFFQ69G5FAV").unwrap();
-        assert_eq!(ulid.timestamp(), Some(UnixMillis(1_469_922_850_259)));
+        assert_eq!(ulid.timestamp(all), Some(UnixMillis(1_469_922_850_259)));
+        assert_eq!(ulid.timestamp(KeyTimeFormats::default()), None);
         let v4 = uuid::Uuid::new_v4().to_string();
-        assert_eq!(IdempotencyKey::new(&v4).unwrap().timestamp(), None);
-        assert_eq!(IdempotencyKey::new("order-42").unwrap().timestamp(), None);
+        assert_eq!(IdempotencyKey::new(&v4).unwrap().timestamp(all), None);
+        assert_eq!(IdempotencyKey::new("order-42").unwrap().timestamp(all), None);
     }
 }

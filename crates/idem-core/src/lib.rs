@@ -21,7 +21,9 @@
 //! ```
 #![forbid(unsafe_code)]
 
+mod canonical_json;
 mod codec;
+mod coding;
 mod fingerprint;
 mod key;
 mod policy;
@@ -36,13 +38,17 @@ mod time;
 #[cfg(feature = "testkit")]
 pub mod testkit;
 
+pub use coding::AcceptEncoding;
 pub use fingerprint::{Differences, Fingerprint, FingerprintDecodeError};
-pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
-pub use policy::{IDEMPOTENCY_KEY, MissingKeyPolicy, MissingKeyPolicyError, Policy};
+pub use key::{IdempotencyKey, KeyError, KeyTimeFormats, KeyTimeFormatsError, MAX_KEY_LEN};
+pub use policy::{
+    AnonymousPolicy, AnonymousPolicyError, IDEMPOTENCY_KEY, MissingKeyPolicy, MissingKeyPolicyError, Policy,
+    PolicyError,
+};
 pub use problem::{Problem, ProblemKind};
 pub use protocol::{Admission, Claim, Decision, Disposition, Keyed, Outcome, Protocol};
-pub use response::{HOP_BY_HOP, HeaderAllowList, REPLAYED, ResponseDecodeError, StoredResponse};
-pub use scope::{Scope, ScopeSource, ScopeSourceError};
+pub use response::{HOP_BY_HOP, HeaderAllowList, REPLAY, REPLAYED, ResponseDecodeError, StoredResponse};
+pub use scope::{Scope, ScopeError, ScopeSource, ScopeSourceError};
 pub use store::{
     Begin, BeginRequest, Completion, FencingToken, Purged, Record, RecordId, RecordState, Release, Store, StoreError,
     WaitOutcome,

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use http::{HeaderName, Method, StatusCode};
 
+use crate::key::KeyTimeFormats;
 use crate::response::HeaderAllowList;
 use crate::scope::ScopeSource;
 use crate::time::UnixMillis;
@@ -79,6 +80,45 @@ impl FromStr for MissingKeyPolicy {
     }
 }
 
+/// What happens to a keyed request from a caller without an identity (`--anonymous`): no
+/// credential, no scope header, no application scope.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AnonymousPolicy {
+    /// Such callers share the anonymous scope (the default).
+    #[default]
+    Allow,
+    /// Refuse them with `401 credential-missing`, for deployments where anonymous callers must
+    /// never see each other's answers.
+    Reject,
+}
+
+/// An `--anonymous` value other than `allow` or `reject`.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid anonymous policy {0:?}: use allow or reject")]
+pub struct AnonymousPolicyError(String);
+
+impl FromStr for AnonymousPolicy {
+    type Err = AnonymousPolicyError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "allow" => Ok(Self::Allow),
+            "reject" => Ok(Self::Reject),
+            _ => Err(AnonymousPolicyError(s.to_owned())),
+        }
+    }
+}
+
+/// A policy that cannot work, found by [`Policy::validate`]: the setting and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{setting}: {reason}")]
+pub struct PolicyError {
+    /// The setting, by its command-line name (`lease`, `ttl`, …).
+    pub setting: &'static str,
+    /// Why it cannot work.
+    pub reason: String,
+}
+
 /// Everything the protocol needs to decide, with the defaults of the design.
 #[derive(Debug, Clone)]
 pub struct Policy {
@@ -88,10 +128,15 @@ pub struct Policy {
     pub methods: Vec<Method>,
     /// Where the scope comes from (default: a hash of the credential).
     pub scope: ScopeSource,
+    /// Keyed requests from callers without an identity (default: allow, in the anonymous scope).
+    pub anonymous: AnonymousPolicy,
     /// Keyless requests (default: allow).
     pub missing_key: MissingKeyPolicy,
     /// How long an answer is replayable (default 24 h).
     pub ttl: Duration,
+    /// The key formats whose embedded time expires a key older than `ttl` before any lookup
+    /// (default: UUIDv7 only).
+    pub expire_by_key_time: KeyTimeFormats,
     /// How long a tombstone answers `key-expired` after completion (default 7 d).
     pub tombstone_ttl: Duration,
     /// A claim's lease, renewed while the handler runs (default 60 s).
@@ -118,7 +163,9 @@ impl Default for Policy {
             key_header: IDEMPOTENCY_KEY,
             methods: vec![Method::POST, Method::PATCH],
             scope: ScopeSource::default(),
+            anonymous: AnonymousPolicy::default(),
             missing_key: MissingKeyPolicy::default(),
+            expire_by_key_time: KeyTimeFormats::default(),
             ttl: Duration::from_secs(24 * 3600),
             tombstone_ttl: Duration::from_secs(7 * 24 * 3600),
             lease: Duration::from_secs(60),
@@ -134,6 +181,38 @@ impl Default for Policy {
 }
 
 impl Policy {
+    /// Checks that the settings can work together; the first that cannot is the error.
+    ///
+    /// The gateway refuses to start with such a policy. The tower layer does not check (it is
+    /// built infallibly): call this where you build yours.
+    pub fn validate(&self) -> Result<(), PolicyError> {
+        let fail = |setting, reason: &str| {
+            Err(PolicyError {
+                setting,
+                reason: reason.to_owned(),
+            })
+        };
+        if self.lease.is_zero() {
+            return fail(
+                "lease",
+                "must be longer than zero: a claim is renewed every third of its lease while the request runs",
+            );
+        }
+        if self.ttl.is_zero() {
+            return fail("ttl", "must be longer than zero, or no answer could ever be replayed");
+        }
+        if self.methods.is_empty() {
+            return fail("methods", "must name at least one method");
+        }
+        if self.anonymous == AnonymousPolicy::Reject && self.scope == ScopeSource::None {
+            return fail(
+                "anonymous",
+                "reject needs a scope that identifies callers; with --scope none nobody has a credential",
+            );
+        }
+        Ok(())
+    }
+
     /// Whether an answer with this status is stored (otherwise the key is released and a retry
     /// runs again): every status below 500 except 408, 409, 425 and 429; 5xx only with `store_5xx`.
     pub fn stores(&self, status: StatusCode) -> bool {

@@ -12,6 +12,11 @@ use serde::Serialize;
 pub enum ProblemKind {
     /// The key header is malformed, repeated or a list.
     KeyInvalid,
+    /// The header the scope comes from is repeated, so who the caller is cannot be told.
+    ScopeInvalid,
+    /// The caller presented no credential and anonymous keyed requests are refused
+    /// (`--anonymous reject`).
+    CredentialMissing,
     /// The route requires a key and none was sent.
     KeyMissing,
     /// The key was used for a different request.
@@ -24,6 +29,11 @@ pub enum ProblemKind {
     StoreUnavailable,
     /// The keyed request's body is over the limit.
     BodyTooLarge,
+    /// The request's body broke off or could not be read; nothing was claimed or run.
+    BodyIncomplete,
+    /// Something failed inside idem itself (a bug); the answer says so instead of closing the
+    /// connection.
+    Internal,
     /// The upstream could not be reached; nothing was sent.
     UpstreamUnavailable,
     /// The connection to the upstream was lost after the request was sent.
@@ -37,12 +47,16 @@ impl ProblemKind {
     pub fn name(self) -> &'static str {
         match self {
             Self::KeyInvalid => "key-invalid",
+            Self::ScopeInvalid => "scope-invalid",
+            Self::CredentialMissing => "credential-missing",
             Self::KeyMissing => "key-missing",
             Self::KeyMismatch => "key-mismatch",
             Self::KeyInFlight => "key-in-flight",
             Self::KeyExpired => "key-expired",
             Self::StoreUnavailable => "store-unavailable",
             Self::BodyTooLarge => "body-too-large",
+            Self::BodyIncomplete => "body-incomplete",
+            Self::Internal => "internal-error",
             Self::UpstreamUnavailable => "upstream-unavailable",
             Self::UpstreamFailed => "upstream-failed",
             Self::UpstreamTimeout => "upstream-timeout",
@@ -52,7 +66,9 @@ impl ProblemKind {
     /// The HTTP status.
     pub fn status(self) -> StatusCode {
         match self {
-            Self::KeyInvalid | Self::KeyMissing => StatusCode::BAD_REQUEST,
+            Self::KeyInvalid | Self::KeyMissing | Self::ScopeInvalid | Self::BodyIncomplete => StatusCode::BAD_REQUEST,
+            Self::CredentialMissing => StatusCode::UNAUTHORIZED,
+            Self::Internal => StatusCode::INTERNAL_SERVER_ERROR,
             Self::KeyMismatch | Self::KeyExpired => StatusCode::UNPROCESSABLE_ENTITY,
             Self::KeyInFlight => StatusCode::CONFLICT,
             Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
@@ -66,12 +82,16 @@ impl ProblemKind {
     pub fn title(self) -> &'static str {
         match self {
             Self::KeyInvalid => "Invalid idempotency key",
+            Self::ScopeInvalid => "Ambiguous caller identity",
+            Self::CredentialMissing => "Credential required for idempotent requests",
             Self::KeyMissing => "Idempotency key required",
             Self::KeyMismatch => "Idempotency key reused for a different request",
             Self::KeyInFlight => "Request with this idempotency key is in progress",
             Self::KeyExpired => "Idempotency key expired",
             Self::StoreUnavailable => "Idempotency store unavailable",
             Self::BodyTooLarge => "Request body too large",
+            Self::BodyIncomplete => "Request body incomplete",
+            Self::Internal => "Internal error",
             Self::UpstreamUnavailable => "Upstream unavailable",
             Self::UpstreamFailed => "Upstream connection lost",
             Self::UpstreamTimeout => "Upstream timed out",

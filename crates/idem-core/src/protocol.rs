@@ -12,12 +12,13 @@ use bytes::Bytes;
 use http::request::Parts;
 use http::{HeaderMap, HeaderValue, Response};
 
+use crate::coding::AcceptEncoding;
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, KeyError};
-use crate::policy::{MissingKeyPolicy, Policy};
+use crate::policy::{AnonymousPolicy, MissingKeyPolicy, Policy};
 use crate::problem::{Problem, ProblemKind};
 use crate::response::StoredResponse;
-use crate::scope::{Scope, hex};
+use crate::scope::{Scope, ScopeSource, hex};
 use crate::store::{
     Begin, BeginRequest, Completion, FencingToken, Purged, Record, RecordId, RecordState, Release, Store, StoreError,
 };
@@ -48,6 +49,14 @@ pub enum Outcome {
     Missing,
     /// The body was over the limit.
     TooLarge,
+    /// The body broke off before it was complete.
+    BodyIncomplete,
+    /// The caller's scope could not be told (a repeated scope header).
+    ScopeInvalid,
+    /// A caller without an identity, under `--anonymous reject`.
+    CredentialMissing,
+    /// A bug: something in the request's path panicked.
+    Internal,
 }
 
 impl Outcome {
@@ -65,6 +74,10 @@ impl Outcome {
             Self::Invalid => "invalid",
             Self::Missing => "missing",
             Self::TooLarge => "too-large",
+            Self::BodyIncomplete => "body-incomplete",
+            Self::ScopeInvalid => "scope-invalid",
+            Self::CredentialMissing => "credential-missing",
+            Self::Internal => "internal-error",
         }
     }
 }
@@ -94,6 +107,8 @@ pub enum Admission {
 pub struct Keyed {
     scope: Scope,
     key: KeySource,
+    /// What this request's client accepts: a replay is decoded for it when needed.
+    accept: AcceptEncoding,
 }
 
 #[derive(Debug, Clone)]
@@ -244,14 +259,47 @@ impl Protocol {
                 headers: HeaderMap::new(),
             };
         }
-        let scope = policy.scope.scope_of(parts);
-        match IdempotencyKey::from_headers(parts.headers.get_all(&policy.key_header)) {
-            Ok(Some(key)) => Admission::Keyed(Keyed {
-                scope,
-                key: KeySource::Client(key),
-            }),
-            Err(err) => Admission::Refuse(self.invalid_key(&err), Outcome::Invalid),
-            Ok(None) => self.admit_keyless(scope),
+        let key = match IdempotencyKey::from_headers(parts.headers.get_all(&policy.key_header)) {
+            Ok(Some(key)) => KeySource::Client(key),
+            Ok(None) => match self.admit_keyless() {
+                Ok(window) => KeySource::Provisional(window),
+                Err(admission) => return admission,
+            },
+            Err(err) => return Admission::Refuse(self.invalid_key(&err), Outcome::Invalid),
+        };
+        // The scope is needed only once the request is keyed: a keyless request passes through
+        // whatever its headers say.
+        let scope = match policy.scope.scope_of(parts) {
+            Ok(scope) => scope,
+            Err(err) => {
+                let detail = format!("{err}: the caller's scope is taken from it. The request was not processed.");
+                return Admission::Refuse(Problem::new(ProblemKind::ScopeInvalid, detail), Outcome::ScopeInvalid);
+            }
+        };
+        if scope.is_anonymous() && policy.anonymous == AnonymousPolicy::Reject {
+            let detail = format!(
+                "this endpoint keeps stored answers per caller and this request names none ({}); send it with your credential. The request was not processed.",
+                self.identity()
+            );
+            return Admission::Refuse(
+                Problem::new(ProblemKind::CredentialMissing, detail),
+                Outcome::CredentialMissing,
+            );
+        }
+        Admission::Keyed(Keyed {
+            scope,
+            key,
+            accept: AcceptEncoding::from_headers(&parts.headers),
+        })
+    }
+
+    /// What identifies a caller under this policy, for messages.
+    fn identity(&self) -> String {
+        match &self.inner.policy.scope {
+            ScopeSource::Credential => "no Authorization header".to_owned(),
+            ScopeSource::Header(name) => format!("no {name} header"),
+            ScopeSource::Extension => "no scope from the application's authentication".to_owned(),
+            ScopeSource::None => "every caller shares one scope".to_owned(),
         }
     }
 
@@ -262,22 +310,27 @@ impl Protocol {
         )
     }
 
-    fn admit_keyless(&self, scope: Scope) -> Admission {
+    /// A keyless request: the provisional window under `fingerprint:<window>`, else how it is
+    /// passed through or refused.
+    fn admit_keyless(&self) -> Result<Duration, Admission> {
         let header = &self.inner.policy.key_header;
         let required = || {
             let detail = format!(
                 "this endpoint requires an {header} header; send a unique key (a UUIDv7 is a good choice) and reuse it on every retry of the same request"
             );
-            Admission::Refuse(Problem::new(ProblemKind::KeyMissing, detail), Outcome::Missing)
+            Err(Admission::Refuse(
+                Problem::new(ProblemKind::KeyMissing, detail),
+                Outcome::Missing,
+            ))
         };
         match self.inner.policy.missing_key {
-            MissingKeyPolicy::Allow => Admission::PassThrough {
+            MissingKeyPolicy::Allow => Err(Admission::PassThrough {
                 headers: HeaderMap::new(),
-            },
+            }),
             MissingKeyPolicy::Require => required(),
             MissingKeyPolicy::Grace { until } if self.now() >= until => required(),
             MissingKeyPolicy::Grace { until } => {
-                tracing::warn!(%scope, sunset = %until, "keyless request accepted during the grace period; keys become required at the sunset");
+                tracing::warn!(sunset = %until, "keyless request accepted during the grace period; keys become required at the sunset");
                 let mut headers = HeaderMap::new();
                 headers.insert("deprecation", HeaderValue::from_static("true"));
                 let sunset = httpdate::fmt_http_date(until.to_system_time());
@@ -285,12 +338,9 @@ impl Protocol {
                     "sunset",
                     HeaderValue::from_str(&sunset).expect("an HTTP date is a valid header value"),
                 );
-                Admission::PassThrough { headers }
+                Err(Admission::PassThrough { headers })
             }
-            MissingKeyPolicy::Fingerprint { window } => Admission::Keyed(Keyed {
-                scope,
-                key: KeySource::Provisional(window),
-            }),
+            MissingKeyPolicy::Fingerprint { window } => Ok(window),
         }
     }
 
@@ -315,7 +365,7 @@ impl Protocol {
             key,
         };
         if provisional.is_none()
-            && let Some(created) = id.key.timestamp()
+            && let Some(created) = id.key.timestamp(policy.expire_by_key_time)
             && self.now().since(created) > policy.ttl
         {
             let detail = format!(
@@ -349,7 +399,7 @@ impl Protocol {
                 }
                 Ok(Begin::Existing(record)) => record,
             };
-            let (holder, lease_until) = match self.judge(&record, fingerprint, now, waited) {
+            let (holder, lease_until) = match self.judge(&record, fingerprint, now, waited, &keyed.accept) {
                 Judgement::Answer(response, outcome) => return Decision::Respond { response, outcome, id },
                 Judgement::Wait { holder, lease_until } => (holder, lease_until),
             };
@@ -371,7 +421,14 @@ impl Protocol {
         }
     }
 
-    fn judge(&self, record: &Record, fingerprint: &Fingerprint, now: UnixMillis, waited: bool) -> Judgement {
+    fn judge(
+        &self,
+        record: &Record,
+        fingerprint: &Fingerprint,
+        now: UnixMillis,
+        waited: bool,
+        accept: &AcceptEncoding,
+    ) -> Judgement {
         if let RecordState::Completed {
             response,
             expires_at,
@@ -402,7 +459,7 @@ impl Protocol {
             } => match StoredResponse::decode(bytes) {
                 Ok(stored) => {
                     let outcome = if waited { Outcome::Waited } else { Outcome::Replayed };
-                    Judgement::Answer(stored.to_replay(), outcome)
+                    Judgement::Answer(stored.to_replay(accept), outcome)
                 }
                 Err(err) => {
                     tracing::error!(scope = %record.id.scope, key = %record.id.key, error = %err, "stored answer cannot be read");
@@ -494,7 +551,8 @@ impl Protocol {
 
     /// How often a running claim renews its lease: a third of it, so two renewals can fail first.
     pub fn renew_every(&self) -> Duration {
-        self.inner.policy.lease / 3
+        // Never zero, which no timer accepts: a policy that was not validated must not panic here.
+        (self.inner.policy.lease / 3).max(Duration::from_millis(1))
     }
 
     /// Runs retention work in batches of `batch` until nothing is left; returns the totals.

@@ -50,8 +50,19 @@ impl Scope {
         Self(format!("cred:{}", hex(&digest)).into())
     }
 
+    /// Whether this is the scope of callers that present no identity.
+    pub fn is_anonymous(&self) -> bool {
+        &*self.0 == "anonymous"
+    }
+
+    /// The scope named by a header's exact bytes: `header:VALUE` for UTF-8 (the form records were
+    /// always stored in), `header-bytes:HEX` for anything else, so two different values never
+    /// share a scope.
     fn header(value: &[u8]) -> Self {
-        Self(format!("header:{}", String::from_utf8_lossy(value)).into())
+        match std::str::from_utf8(value) {
+            Ok(text) => Self(format!("header:{text}").into()),
+            Err(_) => Self(format!("header-bytes:{}", hex(value)).into()),
+        }
     }
 }
 
@@ -84,25 +95,34 @@ pub enum ScopeSource {
     Extension,
 }
 
+/// A request whose scope cannot be told: the header that names it is repeated, so which caller
+/// it is depends on which copy one believes (`400 scope-invalid`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("the {0} header appears more than once; send it once")]
+pub struct ScopeError(pub HeaderName);
+
 impl ScopeSource {
-    /// The scope of a request.
-    pub fn scope_of(&self, parts: &Parts) -> Scope {
+    /// The scope of a request. An absent or empty header is the anonymous scope.
+    pub fn scope_of(&self, parts: &Parts) -> Result<Scope, ScopeError> {
         match self {
-            Self::Credential => parts
-                .headers
-                .get(http::header::AUTHORIZATION)
-                .map_or_else(Scope::anonymous, |v| Scope::credential(v.as_bytes())),
-            Self::Header(name) => parts
-                .headers
-                .get(name)
-                .map_or_else(Scope::anonymous, |v| Scope::header(v.as_bytes())),
-            Self::None => Scope::shared(),
-            Self::Extension => parts
+            Self::Credential => header_scope(parts, &http::header::AUTHORIZATION, Scope::credential),
+            Self::Header(name) => header_scope(parts, name, Scope::header),
+            Self::None => Ok(Scope::shared()),
+            Self::Extension => Ok(parts
                 .extensions
                 .get::<Scope>()
                 .cloned()
-                .unwrap_or_else(Scope::anonymous),
+                .unwrap_or_else(Scope::anonymous)),
         }
+    }
+}
+
+fn header_scope(parts: &Parts, name: &HeaderName, scope: fn(&[u8]) -> Scope) -> Result<Scope, ScopeError> {
+    let mut values = parts.headers.get_all(name).iter();
+    match (values.next(), values.next()) {
+        (Some(_), Some(_)) => Err(ScopeError(name.clone())),
+        (Some(value), None) if !value.is_empty() => Ok(scope(value.as_bytes())),
+        _ => Ok(Scope::anonymous()),
     }
 }
 
@@ -140,10 +160,10 @@ pub(crate) fn hex(bytes: &[u8]) -> String {
 mod tests {
     use super::*;
 
-    fn parts(headers: &[(&str, &str)]) -> Parts {
+    fn parts(headers: &[(&str, &[u8])]) -> Parts {
         let mut builder = http::Request::builder();
         for (name, value) in headers {
-            builder = builder.header(*name, *value);
+            builder = builder.header(*name, http::HeaderValue::from_bytes(value).unwrap());
         }
         builder.body(()).unwrap().into_parts().0
     }
@@ -151,11 +171,19 @@ mod tests {
     #[test]
     fn credentials_separate_callers() {
         let source = ScopeSource::Credential;
-        let alice = source.scope_of(&parts(&[("authorization", "Bearer alice")]));
-        let bob = source.scope_of(&parts(&[("authorization", "Bearer bob")]));
+        let alice = source.scope_of(&parts(&[("authorization", b"Bearer alice")])).unwrap();
+        let bob = source.scope_of(&parts(&[("authorization", b"Bearer bob")])).unwrap();
         assert_ne!(alice, bob);
-        assert_eq!(alice, source.scope_of(&parts(&[("authorization", "Bearer alice")])));
-        assert_eq!(source.scope_of(&parts(&[])), Scope::anonymous());
+        assert_eq!(
+            alice,
+            source.scope_of(&parts(&[("authorization", b"Bearer alice")])).unwrap()
+        );
+        assert_eq!(source.scope_of(&parts(&[])).unwrap(), Scope::anonymous());
+        assert_eq!(
+            source.scope_of(&parts(&[("authorization", b"")])).unwrap(),
+            Scope::anonymous()
+        );
+        assert!(!alice.is_anonymous());
         assert!(
             !alice.as_str().contains("alice"),
             "the credential itself is never stored"
@@ -175,7 +203,38 @@ mod tests {
 
     #[test]
     fn header_and_application_scopes_never_collide() {
-        let from_header = ScopeSource::Header(HeaderName::from_static("x-user")).scope_of(&parts(&[("x-user", "7")]));
+        let from_header = ScopeSource::Header(HeaderName::from_static("x-user"))
+            .scope_of(&parts(&[("x-user", b"7")]))
+            .unwrap();
         assert_ne!(from_header, Scope::application("7"));
+    }
+
+    #[test]
+    fn header_scopes_keep_exact_bytes() {
+        let source = ScopeSource::Header(HeaderName::from_static("x-user-id"));
+        let scope = |value: &[u8]| source.scope_of(&parts(&[("x-user-id", value)])).unwrap();
+        // Latin-1 "müller" and "mäller": one lossy UTF-8 conversion would make them one scope.
+        assert_ne!(scope(b"m\xfcller"), scope(b"m\xe4ller"));
+        assert_ne!(scope(b"m\xfcller"), scope("m\u{fffd}ller".as_bytes()));
+        // UTF-8 values keep the form records were stored in before.
+        assert_eq!(scope(b"u-7").as_str(), "header:u-7");
+        assert_eq!(scope(b"m\xfcller").as_str(), "header-bytes:6dfc6c6c6572");
+    }
+
+    #[test]
+    fn a_repeated_scope_header_is_refused() {
+        let source = ScopeSource::Header(HeaderName::from_static("x-user-id"));
+        let err = source
+            .scope_of(&parts(&[("x-user-id", b"alice"), ("x-user-id", b"bob")]))
+            .unwrap_err();
+        assert_eq!(err.0, "x-user-id");
+        assert!(
+            ScopeSource::Credential
+                .scope_of(&parts(&[
+                    ("authorization", b"Bearer a"),
+                    ("authorization", b"Bearer b")
+                ]))
+                .is_err()
+        );
     }
 }

@@ -3,11 +3,13 @@
 //! task (renewing its lease) and hands the answer back.
 
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::pin::{Pin, pin};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures_util::FutureExt;
 use http::{HeaderMap, Request, Response, header};
 use http_body::Body as HttpBody;
 use http_body_util::{BodyExt, Limited};
@@ -94,7 +96,19 @@ where
             response_timeout: self.response_timeout,
             tasks: self.tasks.clone(),
         };
-        Box::pin(handling.handle(request))
+        // A panic anywhere in the request's path is a bug, but the caller still gets an answer
+        // that says so, and the connection lives.
+        Box::pin(
+            AssertUnwindSafe(handling.handle(request))
+                .catch_unwind()
+                .map(|handled| {
+                    handled.unwrap_or_else(|panic| {
+                        tracing::error!(panic = panic_message(&*panic), "the idempotency layer panicked");
+                        record_outcome(None, Outcome::Internal, http::StatusCode::INTERNAL_SERVER_ERROR);
+                        Ok(internal_error())
+                    })
+                }),
+        )
     }
 }
 
@@ -137,7 +151,7 @@ where
                 let outcome = if problem.kind == ProblemKind::BodyTooLarge {
                     Outcome::TooLarge
                 } else {
-                    Outcome::Invalid
+                    Outcome::BodyIncomplete
                 };
                 tracing::info!(scope = %keyed.scope(), key = keyed.key().map(|k| k.as_str()), outcome = %outcome, "idempotency");
                 record_outcome(None, outcome, problem.kind.status());
@@ -176,6 +190,7 @@ where
         let answered = async {
             match answered.await {
                 Ok(result) => result,
+                // The task ended without answering: it panicked after the handler's answer.
                 Err(_) => Ok(internal_error()),
             }
         };
@@ -214,15 +229,27 @@ where
     ResBody: HttpBody<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    let call = inner.call(request);
+    let call = std::panic::catch_unwind(AssertUnwindSafe(|| inner.call(request)));
     async move {
         let id = claim.id().clone();
-        let response = match renewing(&protocol, &claim, call).await {
-            Ok(response) => response,
-            Err(err) => {
+        let ran = match call {
+            Ok(call) => renewing(&protocol, &claim, AssertUnwindSafe(call).catch_unwind()).await,
+            Err(panic) => Err(panic),
+        };
+        let response = match ran {
+            Ok(Ok(response)) => response,
+            Ok(Err(err)) => {
                 settle(protocol.abandon(&claim, true).await, &id, "release");
                 record_outcome(Some(&id), claim.outcome(), http::StatusCode::INTERNAL_SERVER_ERROR);
                 let _ = answer.send(Err(err));
+                return;
+            }
+            Err(panic) => {
+                // The handler may have acted before it panicked: the retry runs, marked recovered.
+                tracing::error!(scope = %id.scope, key = %id.key, panic = panic_message(&*panic), "the handler panicked");
+                settle(protocol.abandon(&claim, true).await, &id, "release");
+                record_outcome(Some(&id), Outcome::Internal, http::StatusCode::INTERNAL_SERVER_ERROR);
+                let _ = answer.send(Ok(internal_error()));
                 return;
             }
         };
@@ -324,8 +351,10 @@ where
         Ok(collected) => Ok(collected.to_bytes()),
         Err(err) if err.is::<http_body_util::LengthLimitError>() => Err(too_large()),
         Err(err) => Err(Problem::new(
-            ProblemKind::KeyInvalid,
-            format!("the request body could not be read ({err}); nothing was processed"),
+            ProblemKind::BodyIncomplete,
+            format!(
+                "the request body broke off before it was complete ({err}); nothing was processed, send the request again"
+            ),
         )),
     }
 }
@@ -335,10 +364,18 @@ fn with_headers(mut response: Response<Body>, headers: HeaderMap) -> Response<Bo
     response
 }
 
+/// `500 internal-error`: a bug in the request's path, said as a problem rather than an empty answer.
 fn internal_error() -> Response<Body> {
-    let mut response = Response::new(full(Bytes::new()));
-    *response.status_mut() = http::StatusCode::INTERNAL_SERVER_ERROR;
-    response
+    let detail = "the idempotency layer failed unexpectedly (a bug, logged); if the request was keyed, retry it with the same key: a run that may have had effects is marked recovered";
+    Problem::new(ProblemKind::Internal, detail).to_response().map(full)
+}
+
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("a panic without a message")
 }
 
 fn record_outcome(id: Option<&RecordId>, outcome: Outcome, status: http::StatusCode) {

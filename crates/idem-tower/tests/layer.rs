@@ -303,3 +303,98 @@ async fn an_unreachable_store_fails_closed_unless_told_otherwise() {
         (StatusCode::CREATED, false, "run 1".into())
     );
 }
+
+/// The problem type of an answer, if it is a problem.
+fn problem_type(body: &str) -> Option<String> {
+    let value: serde_json::Value = serde_json::from_str(body).ok()?;
+    value.get("type")?.as_str().map(str::to_owned)
+}
+
+#[tokio::test]
+async fn a_panicking_handler_is_a_problem_and_its_retry_runs_marked_recovered() {
+    let (store, dir) = sqlite().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counter = runs.clone();
+    let router = Router::new()
+        .route(
+            "/pay",
+            post(move |info: axum::Extension<idem_tower::IdempotencyInfo>| {
+                let counter = counter.clone();
+                async move {
+                    let run = counter.fetch_add(1, Ordering::SeqCst) + 1;
+                    assert!(run > 1, "the handler's first run panics after it may have acted");
+                    (StatusCode::CREATED, format!("run {run} recovered={}", info.recovered))
+                }
+            }),
+        )
+        .layer(IdempotencyLayer::new(store));
+
+    let (status, replayed, body) = send(&router, pay("k", "")).await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{body}");
+    assert!(!replayed);
+    assert_eq!(
+        problem_type(&body).as_deref(),
+        Some("urn:idem:problem:internal-error"),
+        "{body}"
+    );
+
+    // The key was released as unknown at once (no lease to wait out): the retry runs, told that
+    // the first run may have had effects, and its answer is the one kept.
+    let retry = send(&router, pay("k", "")).await;
+    assert_eq!(retry, (StatusCode::CREATED, false, "run 2 recovered=true".into()));
+    let again = send(&router, pay("k", "")).await;
+    assert_eq!(again, (StatusCode::CREATED, true, "run 2 recovered=true".into()));
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    drop(dir);
+}
+
+/// A store that panics (a bug) when asked to claim a record.
+#[derive(Debug)]
+struct Panicking(SqliteStore);
+
+#[async_trait]
+impl Store for Panicking {
+    async fn begin(&self, _: BeginRequest<'_>) -> Result<Begin, StoreError> {
+        panic!("a bug in the store")
+    }
+    async fn complete(&self, id: &RecordId, token: FencingToken, done: Completion) -> Result<(), StoreError> {
+        self.0.complete(id, token, done).await
+    }
+    async fn release(&self, id: &RecordId, token: FencingToken, how: Release) -> Result<(), StoreError> {
+        self.0.release(id, token, how).await
+    }
+    async fn renew(&self, id: &RecordId, token: FencingToken, until: UnixMillis) -> Result<(), StoreError> {
+        self.0.renew(id, token, until).await
+    }
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+        self.0.get(id).await
+    }
+    async fn wait(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        until: tokio::time::Instant,
+    ) -> Result<WaitOutcome, StoreError> {
+        self.0.wait(id, token, until).await
+    }
+    async fn purge(&self, now: UnixMillis, batch: usize) -> Result<Purged, StoreError> {
+        self.0.purge(now, batch).await
+    }
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.0.ping().await
+    }
+}
+
+#[tokio::test]
+async fn a_panic_in_the_layer_is_a_problem_not_a_dead_connection() {
+    let (store, dir) = sqlite().await;
+    let app = app(IdempotencyLayer::new(Panicking(store)), dir);
+    let (status, _, body) = send(&app.router, pay("k", "")).await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{body}");
+    assert_eq!(
+        problem_type(&body).as_deref(),
+        Some("urn:idem:problem:internal-error"),
+        "{body}"
+    );
+    assert_eq!(app.runs.load(Ordering::SeqCst), 0, "nothing runs without a claim");
+}

@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use idem_core::{MissingKeyPolicy, ScopeSource};
+use idem_core::{AnonymousPolicy, KeyTimeFormats, MissingKeyPolicy, ScopeSource};
 
 use crate::units::{parse_duration, parse_size};
 
@@ -88,6 +88,15 @@ pub(crate) struct ServeArgs {
     /// Who the caller is: credential, none or header:NAME.
     #[arg(long, env = "IDEM_SCOPE", default_value = "credential")]
     pub(crate) scope: ScopeSource,
+    /// Keyed requests from callers without a credential (or scope header): allow (they share the
+    /// anonymous scope) or reject (401 credential-missing).
+    #[arg(long, env = "IDEM_ANONYMOUS", default_value = "allow")]
+    pub(crate) anonymous: AnonymousPolicy,
+    /// Key formats whose embedded time expires a key older than --ttl on first sight: uuid7,
+    /// ulid (comma-separated) or off. ULIDs have no version marker, so any 26-character Crockford
+    /// string reads as one: add ulid only if your clients send ULIDs.
+    #[arg(long, env = "IDEM_EXPIRE_BY_KEY_TIME", default_value = "uuid7")]
+    pub(crate) expire_by_key_time: KeyTimeFormats,
     /// Keyless requests: allow, require, grace:<RFC 3339 date> or fingerprint:<duration>.
     #[arg(long, env = "IDEM_MISSING_KEY", default_value = "allow")]
     pub(crate) missing_key: MissingKeyPolicy,
@@ -110,6 +119,14 @@ pub(crate) struct ServeArgs {
     /// the answer for the retry.
     #[arg(long, env = "IDEM_UPSTREAM_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub(crate) upstream_timeout: Duration,
+}
+
+/// A setting that parses but cannot work: `idem` exits 2 (as for a usage error) naming the flag.
+#[derive(Debug, thiserror::Error)]
+#[error("--{flag}: {reason}")]
+pub(crate) struct Misconfigured {
+    pub(crate) flag: &'static str,
+    pub(crate) reason: String,
 }
 
 #[derive(Debug, Args)]

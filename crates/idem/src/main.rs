@@ -53,7 +53,12 @@ async fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("idem: {err:#}");
-            ExitCode::FAILURE
+            // Settings that cannot work are a usage error, like those clap finds.
+            if err.is::<cli::Misconfigured>() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::FAILURE
+            }
         }
     }
 }

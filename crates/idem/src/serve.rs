@@ -10,31 +10,44 @@ use std::time::Duration;
 use anyhow::Context as _;
 use std::sync::Arc;
 
-use idem_core::{Policy, Protocol, Store};
+use idem_core::{Policy, Protocol, ScopeSource, Store};
 use idem_tower::IdempotencyLayer;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::cli::ServeArgs;
+use crate::cli::{Misconfigured, ServeArgs};
 use crate::instrumented::{Instrumented, Prometheus};
 use crate::proxy::Proxy;
 use crate::{admin, stores};
 
-/// How often the background purger runs, and how many records one batch touches.
-const PURGE_EVERY: Duration = Duration::from_secs(60);
-const PURGE_BATCH: usize = 1000;
-
-pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
-    let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
-        .install_recorder()
-        .context("cannot install the metrics recorder")?;
-    let store: Arc<dyn Store> = Arc::new(Instrumented::new(stores::open(&args.store.store).await?, Prometheus));
+/// The gateway's policy from its flags, refused with the flag and the reason if it cannot work.
+fn policy(args: &ServeArgs) -> Result<Policy, Misconfigured> {
+    let refuse = |flag, reason: &str| {
+        Err(Misconfigured {
+            flag,
+            reason: reason.to_owned(),
+        })
+    };
+    if args.scope == ScopeSource::Extension {
+        return refuse(
+            "scope",
+            "extension is set by an application's own middleware, which the gateway does not have: every caller would be anonymous; use credential, header:NAME or none",
+        );
+    }
+    if args.lease < MIN_LEASE {
+        return refuse(
+            "lease",
+            "must be at least 1s: the lease is renewed over the network every third of it, and a shorter one expires under a running request",
+        );
+    }
     let policy = Policy {
         methods: args.methods.clone(),
         scope: args.scope.clone(),
+        anonymous: args.anonymous,
         missing_key: args.missing_key,
+        expire_by_key_time: args.expire_by_key_time,
         ttl: args.ttl,
         tombstone_ttl: args.tombstone_ttl,
         lease: args.lease,
@@ -45,6 +58,26 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
         fail_open: args.fail_open,
         ..Policy::default()
     };
+    policy.validate().map_err(|err| Misconfigured {
+        flag: err.setting,
+        reason: err.reason,
+    })?;
+    Ok(policy)
+}
+
+/// The shortest lease the gateway accepts.
+const MIN_LEASE: Duration = Duration::from_secs(1);
+
+/// How often the background purger runs, and how many records one batch touches.
+const PURGE_EVERY: Duration = Duration::from_secs(60);
+const PURGE_BATCH: usize = 1000;
+
+pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .install_recorder()
+        .context("cannot install the metrics recorder")?;
+    let policy = policy(&args)?;
+    let store: Arc<dyn Store> = Arc::new(Instrumented::new(stores::open(&args.store.store).await?, Prometheus));
     let gateway = Gateway::protected(store.clone(), policy, args.upstream.clone(), args.upstream_timeout)?;
 
     let listener = TcpListener::bind(args.listen)

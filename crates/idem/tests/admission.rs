@@ -1,0 +1,279 @@
+//! Which record a request belongs to, through the gateway (`idem serve`): bodies that are different
+//! JSON values never share a fingerprint, scopes are the exact bytes of their header, a key's
+//! embedded time is trusted only for formats that say what they are, settings that cannot work
+//! never start, and a body that breaks off claims nothing.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Gateway, Reply, Upstream, count, new_key, run_idem, send};
+use reqwest::header::HeaderValue;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+// ---------------------------------------------------------------------------------------------
+// Fingerprints
+// ---------------------------------------------------------------------------------------------
+
+/// Sends `first` then `second` with one key; returns the second answer.
+async fn same_key(gw: &Gateway, first: &str, second: &str) -> (Reply, Reply) {
+    let key = new_key();
+    let a = gw.post_json("/pay", Some(&key), first).await;
+    assert_eq!(a.status, 201, "{a}");
+    let b = gw.post_json("/pay", Some(&key), second).await;
+    (a, b)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn integers_beyond_f64_precision_are_different_bodies() {
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&upstream.url(), &[]).await;
+    // 2^53 + 1 and 2^53 are one f64: a canonicaliser that goes through floating point makes the
+    // second payment a replay of the first.
+    let (_, second) = same_key(
+        &gw,
+        r#"{"user":"u1","amount":100,"to":9007199254740993}"#,
+        r#"{"user":"u1","amount":100,"to":9007199254740992}"#,
+    )
+    .await;
+    second.assert_problem(422, "key-mismatch");
+    assert!(!second.replayed(), "{second}");
+    assert_eq!(count(&upstream.state.pay), 1);
+
+    // The same number written another way is the same value, and still a replay.
+    let (_, again) = same_key(&gw, r#"{"amount":1e2}"#, r#"{ "amount" : 100 }"#).await;
+    assert_eq!(again.status, 201, "{again}");
+    assert!(again.replayed(), "100 and 1e2 are one JSON value: {again}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_with_duplicate_members_is_not_the_body_without_them() {
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&upstream.url(), &[]).await;
+    // Which "amount" a JSON parser keeps differs between parsers: such a body is its bytes.
+    let (_, second) = same_key(
+        &gw,
+        r#"{"user":"u1","amount":1,"amount":500}"#,
+        r#"{"user":"u1","amount":500}"#,
+    )
+    .await;
+    second.assert_problem(422, "key-mismatch");
+    let (_, second) = same_key(&gw, r#"{"note":"\ud800"}"#, r#"{"note":"\ufffd"}"#).await;
+    second.assert_problem(422, "key-mismatch");
+    assert_eq!(count(&upstream.state.pay), 2, "mismatches never reach the upstream");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scopes
+// ---------------------------------------------------------------------------------------------
+
+/// A keyed payment from the caller named by `X-User-Id: user` (raw bytes).
+async fn pay_as(gw: &Gateway, key: &str, user: &[&[u8]]) -> Reply {
+    let mut request = gw
+        .post("/pay", r#"{"amount":100}"#)
+        .header("content-type", "application/json")
+        .header("idempotency-key", key);
+    for value in user {
+        request = request.header("x-user-id", HeaderValue::from_bytes(value).expect("a header value"));
+    }
+    send(request).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scope_headers_are_compared_byte_for_byte() {
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&upstream.url(), &["--scope", "header:X-User-Id"]).await;
+    let key = new_key();
+    // "müller" and "mäller" in Latin-1: not UTF-8, and one scope after a lossy conversion.
+    let mueller = pay_as(&gw, &key, &[b"m\xfcller"]).await;
+    let maeller = pay_as(&gw, &key, &[b"m\xe4ller"]).await;
+    assert_eq!(mueller.status, 201, "{mueller}");
+    assert_eq!(maeller.status, 201, "{maeller}");
+    assert!(
+        !maeller.replayed(),
+        "another user must never get the first user's answer: {maeller}"
+    );
+    assert_ne!(mueller.charge(), maeller.charge());
+    assert_eq!(count(&upstream.state.pay), 2);
+
+    // Each still gets its own answer on a retry.
+    let retry = pay_as(&gw, &key, &[b"m\xfcller"]).await;
+    assert!(retry.replayed(), "{retry}");
+    assert_eq!(retry.charge(), mueller.charge());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_scope_header_is_refused() {
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&upstream.url(), &["--scope", "header:X-User-Id"]).await;
+    let key = new_key();
+    let alice = pay_as(&gw, &key, &[b"alice"]).await;
+    assert_eq!(alice.status, 201, "{alice}");
+    // Before, the first value won: alice's answer went to a request that also says "mallory".
+    let both = pay_as(&gw, &key, &[b"alice", b"mallory"]).await;
+    both.assert_problem(400, "scope-invalid");
+    assert!(
+        both.detail().contains("x-user-id"),
+        "the detail names the header: {both}"
+    );
+    assert_eq!(count(&upstream.state.pay), 1);
+
+    // Under the default credential scope, two Authorization headers are the same refusal.
+    let gw = Gateway::start(&upstream.url(), &[]).await;
+    let twice = send(
+        gw.post("/pay", "{}")
+            .header("idempotency-key", new_key())
+            .header("authorization", "Bearer a")
+            .header("authorization", "Bearer b"),
+    )
+    .await;
+    twice.assert_problem(400, "scope-invalid");
+    assert_eq!(count(&upstream.state.pay), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anonymous_reject_refuses_keyed_requests_without_a_credential() {
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&upstream.url(), &["--anonymous", "reject"]).await;
+
+    let anonymous = gw.post_json("/pay", Some(&new_key()), "{}").await;
+    anonymous.assert_problem(401, "credential-missing");
+    assert!(anonymous.detail().contains("Authorization"), "{anonymous}");
+    let empty = send(
+        gw.post("/pay", "{}")
+            .header("idempotency-key", new_key())
+            .header("authorization", ""),
+    )
+    .await;
+    empty.assert_problem(401, "credential-missing");
+    assert_eq!(count(&upstream.state.pay), 0);
+
+    // With a credential it is the protocol as usual; keyless requests are not its business.
+    let key = new_key();
+    let with = |key: &str| {
+        gw.post("/pay", "{}")
+            .header("idempotency-key", key)
+            .header("authorization", "Bearer alice")
+    };
+    assert_eq!(send(with(&key)).await.status, 201);
+    assert!(send(with(&key)).await.replayed());
+    let keyless = gw.post_json("/pay", None, "{}").await;
+    assert_eq!(keyless.status, 201, "{keyless}");
+    assert_eq!(count(&upstream.state.pay), 2);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Keys' embedded time
+// ---------------------------------------------------------------------------------------------
+
+/// A key any 26-character Crockford reading takes for a ULID created in 2016.
+const ULID_LOOKING: &str = "01ARZ3NDEKTSV4RRFFQ69G5FAV";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_that_merely_looks_like_a_ulid_does_not_expire() {
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&upstream.url(), &[]).await;
+    let first = gw.post_json("/pay", Some(ULID_LOOKING), "{}").await;
+    assert_eq!(first.status, 201, "{first}");
+    let retry = gw.post_json("/pay", Some(ULID_LOOKING), "{}").await;
+    assert!(retry.replayed(), "{retry}");
+    // A UUIDv7 from two days ago still expires on sight: its version digit says what it is.
+    let old = common::uuid_v7_at(common::now_millis() - 48 * 3600 * 1000);
+    gw.post_json("/pay", Some(&old), "{}")
+        .await
+        .assert_problem(422, "key-expired");
+    assert_eq!(count(&upstream.state.pay), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ulid_times_expire_keys_only_when_asked() {
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&upstream.url(), &["--expire-by-key-time", "uuid7,ulid"]).await;
+    gw.post_json("/pay", Some(ULID_LOOKING), "{}")
+        .await
+        .assert_problem(422, "key-expired");
+
+    let off = Gateway::start(&upstream.url(), &["--expire-by-key-time", "off"]).await;
+    let old = common::uuid_v7_at(common::now_millis() - 48 * 3600 * 1000);
+    let answer = off.post_json("/pay", Some(&old), "{}").await;
+    assert_eq!(answer.status, 201, "with off, no key expires by its own time: {answer}");
+    assert_eq!(count(&upstream.state.pay), 1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Settings that cannot work
+// ---------------------------------------------------------------------------------------------
+
+/// Runs `idem serve` with `args`; asserts that it refuses to start (exit 2) naming `flag`.
+async fn refused(args: &[&str], flag: &str) {
+    let mut all = vec![
+        "serve",
+        "--upstream",
+        "http://127.0.0.1:9",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let store = common::store_url_in(dir.path());
+    all.extend(["--store", &store]);
+    all.extend(args);
+    let output = run_idem(&all, Duration::from_secs(30)).await;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{args:?}: {}", common::describe(&output));
+    assert!(stderr.contains(flag), "{args:?}: stderr names {flag}: {stderr}");
+    assert!(
+        !dir.path().join("idem.db").exists(),
+        "{args:?}: refused before the store is touched"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settings_that_cannot_work_never_start() {
+    refused(&["--lease", "0s"], "--lease").await;
+    refused(&["--lease", "500ms"], "--lease").await;
+    refused(&["--ttl", "0s"], "--ttl").await;
+    refused(&["--scope", "extension"], "--scope").await;
+    refused(&["--scope", "none", "--anonymous", "reject"], "--anonymous").await;
+    refused(&["--anonymous", "maybe"], "--anonymous").await;
+    refused(&["--expire-by-key-time", "uuid4"], "--expire-by-key-time").await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bodies that break off
+// ---------------------------------------------------------------------------------------------
+
+/// Writes `raw` to the gateway and reads what comes back until it closes (or 10 s pass).
+async fn exchange(gw: &Gateway, raw: &[u8]) -> String {
+    let mut stream = TcpStream::connect(gw.addr()).await.expect("connect to the gateway");
+    stream.write_all(raw).await.expect("send");
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut answer)).await;
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_breaks_off_is_body_incomplete_and_claims_nothing() {
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&upstream.url(), &[]).await;
+    let key = new_key();
+    // A chunked body whose second chunk-size line is not a number: the body cannot be read whole.
+    let raw = format!(
+        "POST /pay HTTP/1.1\r\nhost: idem\r\nidempotency-key: {key}\r\ncontent-type: application/json\r\n\
+         transfer-encoding: chunked\r\n\r\n5\r\n{{\"a\":\r\nzz\r\n"
+    );
+    let answer = exchange(&gw, raw.as_bytes()).await;
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    assert!(answer.contains("application/problem+json"), "{answer}");
+    assert!(answer.contains("urn:idem:problem:body-incomplete"), "{answer}");
+    assert_eq!(count(&upstream.state.pay), 0);
+
+    // Nothing was claimed: the same key sent whole runs at once, as new.
+    let whole = gw.post_json("/pay", Some(&key), r#"{"a":1}"#).await;
+    assert_eq!(whole.status, 201, "{whole}");
+    assert!(!whole.replayed(), "{whole}");
+    assert_eq!(whole.header("x-seen-recovered"), None, "{whole}");
+    assert_eq!(count(&upstream.state.pay), 1);
+}
