@@ -82,6 +82,10 @@ pub(crate) struct ServeArgs {
     /// The lease of a running request; renewed while it runs.
     #[arg(long, env = "IDEM_LEASE", default_value = "60s", value_parser = parse_duration)]
     pub(crate) lease: Duration,
+    /// How long a request may run before it is given up and its key released as unknown (the
+    /// retry runs, marked Idempotency-Recovered), so a hung upstream never wedges its key.
+    #[arg(long, env = "IDEM_RUN_TIMEOUT", default_value = "5m", value_parser = parse_duration)]
+    pub(crate) run_timeout: Duration,
     /// How long a copy waits for the first request before 409 key-in-flight.
     #[arg(long, env = "IDEM_WAIT", default_value = "10s", value_parser = parse_duration)]
     pub(crate) wait: Duration,
@@ -119,6 +123,20 @@ pub(crate) struct ServeArgs {
     /// the answer for the retry.
     #[arg(long, env = "IDEM_UPSTREAM_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub(crate) upstream_timeout: Duration,
+    /// How long a client may take to send a request's head (counted from when its connection
+    /// opened or went idle, so an idle connection is closed after it too), and how long in all it
+    /// may keep the gateway waiting for the body (a keyed body cut off by it is 400
+    /// body-incomplete, nothing claimed).
+    #[arg(long, env = "IDEM_READ_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub(crate) read_timeout: Duration,
+    /// The most client connections open at once; further connections wait in the listen queue
+    /// until one closes.
+    #[arg(long, env = "IDEM_MAX_CONNECTIONS", default_value = "10000")]
+    pub(crate) max_connections: usize,
+    /// On SIGTERM: how long running requests may take to finish and store their answers before
+    /// the gateway closes what is left and exits.
+    #[arg(long, env = "IDEM_SHUTDOWN_GRACE", default_value = "30s", value_parser = parse_duration)]
+    pub(crate) shutdown_grace: Duration,
 }
 
 /// A setting that parses but cannot work: `idem` exits 2 (as for a usage error) naming the flag.

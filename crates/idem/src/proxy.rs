@@ -18,6 +18,8 @@ use hyper_util::rt::TokioExecutor;
 use idem_core::{HOP_BY_HOP, Problem, ProblemKind};
 use idem_tower::{Body, IdempotencyInfo, NoAnswer};
 
+use crate::serve::ClientBodyFailed;
+
 const RECOVERED: HeaderName = HeaderName::from_static("idempotency-recovered");
 
 /// Forwards requests to one upstream over a pooled connection.
@@ -110,14 +112,28 @@ impl Proxy {
                     NoAnswer::NotSent,
                 )
             }
-            Ok(Err(err)) => {
-                tracing::warn!(upstream = %self.upstream, error = %err, "connection to the upstream lost after sending");
-                let detail = "the connection to the upstream was lost after the request was sent, so whether it took effect is unknown; retry with the same key (the upstream is told the retry is a recovery)";
-                no_answer(
-                    Problem::new(ProblemKind::UpstreamFailed, detail),
-                    NoAnswer::OutcomeUnknown,
-                )
-            }
+            Ok(Err(err)) => match client_body_failed(&err) {
+                Some(failed) => {
+                    // The client's fault, not the upstream's: no 5xx that would page someone about
+                    // the upstream. Only a request passed through gets here (a keyed body is read
+                    // whole before anything is sent), so nothing is said of what the upstream did.
+                    tracing::info!(upstream = %self.upstream, error = %failed, "a request body broke off; the forwarded request was cut off");
+                    let detail =
+                        format!("the request body broke off before it was complete ({failed}); send the request again");
+                    no_answer(
+                        Problem::new(ProblemKind::BodyIncomplete, detail),
+                        NoAnswer::OutcomeUnknown,
+                    )
+                }
+                None => {
+                    tracing::warn!(upstream = %self.upstream, error = %err, "connection to the upstream lost after sending");
+                    let detail = "the connection to the upstream was lost after the request was sent, so whether it took effect is unknown; retry with the same key (the upstream is told the retry is a recovery)";
+                    no_answer(
+                        Problem::new(ProblemKind::UpstreamFailed, detail),
+                        NoAnswer::OutcomeUnknown,
+                    )
+                }
+            },
             Err(_) => {
                 let detail = format!(
                     "the upstream did not answer within {}",
@@ -128,6 +144,12 @@ impl Proxy {
             }
         }
     }
+}
+
+/// The client's body, if that is why sending the request failed: its client kept the gateway
+/// waiting too long for it, or it broke off.
+fn client_body_failed<'a>(err: &'a (dyn std::error::Error + 'static)) -> Option<&'a ClientBodyFailed> {
+    std::iter::successors(Some(err), |err| err.source()).find_map(|err| err.downcast_ref::<ClientBodyFailed>())
 }
 
 fn no_answer(problem: Problem, why: NoAnswer) -> Response<Body> {

@@ -1,5 +1,6 @@
 //! `idem serve`: the idempotency layer around the proxy, the admin listener, the background
-//! purger and a graceful shutdown that lets running requests finish and store their answers.
+//! purger and a graceful shutdown that lets running requests finish and store their answers
+//! within `--shutdown-grace`. How connections are held is in [`connections`].
 //! [`Instance`] runs the same gateway inside this process, on a runtime of its own, so that
 //! `idem demo` can start, stop and crash instances as if they were processes.
 
@@ -21,6 +22,11 @@ use crate::cli::{Misconfigured, ServeArgs};
 use crate::instrumented::{Instrumented, Prometheus};
 use crate::proxy::Proxy;
 use crate::{admin, stores};
+
+mod connections;
+
+pub(crate) use connections::ClientBodyFailed;
+use connections::Limits;
 
 /// The gateway's policy from its flags, refused with the flag and the reason if it cannot work.
 fn policy(args: &ServeArgs) -> Result<Policy, Misconfigured> {
@@ -51,6 +57,7 @@ fn policy(args: &ServeArgs) -> Result<Policy, Misconfigured> {
         ttl: args.ttl,
         tombstone_ttl: args.tombstone_ttl,
         lease: args.lease,
+        run_timeout: args.run_timeout,
         wait: args.wait,
         max_body: args.max_body,
         max_stored_body: args.max_stored_body,
@@ -65,6 +72,42 @@ fn policy(args: &ServeArgs) -> Result<Policy, Misconfigured> {
     Ok(policy)
 }
 
+/// What the gateway's listeners allow their clients, refused with the flag if it cannot work.
+fn limits(args: &ServeArgs) -> Result<Limits, Misconfigured> {
+    let refuse = |flag, reason: &str| {
+        Err(Misconfigured {
+            flag,
+            reason: reason.to_owned(),
+        })
+    };
+    if args.read_timeout.is_zero() {
+        return refuse(
+            "read-timeout",
+            "must be longer than zero, or no client could ever send a request",
+        );
+    }
+    if args.max_connections == 0 {
+        return refuse("max-connections", "must be at least 1, or no client could ever connect");
+    }
+    if args.max_connections > connections::MOST_CONNECTIONS {
+        return Err(Misconfigured {
+            flag: "max-connections",
+            reason: format!("must be at most {}", connections::MOST_CONNECTIONS),
+        });
+    }
+    if args.shutdown_grace.is_zero() {
+        return refuse(
+            "shutdown-grace",
+            "must be longer than zero, or a shutdown would cut every running request and lose its answer",
+        );
+    }
+    Ok(Limits {
+        read_timeout: args.read_timeout,
+        max_connections: args.max_connections,
+        shutdown_grace: args.shutdown_grace,
+    })
+}
+
 /// The shortest lease the gateway accepts.
 const MIN_LEASE: Duration = Duration::from_secs(1);
 
@@ -77,6 +120,7 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .install_recorder()
         .context("cannot install the metrics recorder")?;
     let policy = policy(&args)?;
+    let limits = limits(&args)?;
     let store: Arc<dyn Store> = Arc::new(Instrumented::new(stores::open(&args.store.store).await?, Prometheus));
     let gateway = Gateway::protected(store.clone(), policy, args.upstream.clone(), args.upstream_timeout)?;
 
@@ -96,28 +140,33 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .clone()
         .map(|protocol| tokio::spawn(purge_forever(protocol, shutdown.clone())));
     let admin = tokio::spawn({
-        let shutdown = shutdown.clone();
+        let (shutdown, limits) = (shutdown.clone(), limits.clone());
         let router = admin::router(store.clone(), metrics);
         async move {
-            axum::serve(admin_listener, router)
-                .with_graceful_shutdown(shutdown.cancelled_owned())
-                .await
+            connections::serve(
+                "admin",
+                admin_listener,
+                router,
+                &limits,
+                &TaskTracker::new(),
+                shutdown.cancelled_owned(),
+            )
+            .await;
         }
     });
+    // Returns at most the grace after the signal, the keyed handlers whose clients already left
+    // (or timed out) included.
     gateway
-        .serve(listener, {
+        .serve(listener, &limits, {
             let shutdown = shutdown.clone();
+            let grace = limits.shutdown_grace;
             async move {
                 terminated().await;
-                tracing::info!("shutting down: finishing requests in flight");
+                tracing::info!(?grace, "shutting down: finishing requests in flight");
                 shutdown.cancel();
             }
         })
-        .await
-        .context("the gateway's listener failed")?;
-
-    // Handlers whose clients already left (or timed out) may still run; let them store their answers.
-    gateway.drain(args.lease).await;
+        .await;
     shutdown.cancel();
     let _ = admin.await;
     if let Some(purger) = purger {
@@ -172,28 +221,11 @@ impl Gateway {
         })
     }
 
-    /// Serves on `listener` until `shutdown` resolves, then until the open connections are done.
-    pub(crate) async fn serve(
-        &self,
-        listener: TcpListener,
-        shutdown: impl Future<Output = ()> + Send + 'static,
-    ) -> std::io::Result<()> {
-        let app = self.app.clone();
-        axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>())
-            .with_graceful_shutdown(shutdown)
-            .await
-    }
-
-    /// Waits up to `grace` for the keyed handlers still running (their clients may have left) to
-    /// store their answers.
-    pub(crate) async fn drain(&self, grace: Duration) {
-        self.tasks.close();
-        if tokio::time::timeout(grace, self.tasks.wait()).await.is_err() {
-            tracing::warn!(
-                ?grace,
-                "requests still running at exit; their keys are taken over when their leases end"
-            );
-        }
+    /// Serves on `listener` within `limits` until `shutdown` resolves; then stops accepting and
+    /// returns once the open connections and the keyed handlers still running (their clients may
+    /// have left) are done, or the shutdown grace has passed.
+    pub(crate) async fn serve(&self, listener: TcpListener, limits: &Limits, shutdown: impl Future<Output = ()>) {
+        connections::serve("proxy", listener, self.app.clone(), limits, &self.tasks, shutdown).await;
     }
 }
 
@@ -330,20 +362,19 @@ async fn run_instance(
         return;
     }
     let shutdown = CancellationToken::new();
-    let serving = gateway.serve(listener, shutdown.clone().cancelled_owned());
+    let limits = Limits {
+        shutdown_grace: grace,
+        ..Limits::default()
+    };
+    let serving = gateway.serve(listener, &limits, shutdown.clone().cancelled_owned());
     tokio::pin!(serving);
     tokio::select! {
-        result = &mut serving => {
-            if let Err(err) = result {
-                tracing::error!(%addr, error = %err, "an instance's listener failed");
-            }
-        }
+        () = &mut serving => {}
         ending = control => match ending {
             Ok(Ending::Graceful) => {
                 shutdown.cancel();
                 // Connections still open after the grace period are cut, as a supervisor would.
-                let _ = tokio::time::timeout(grace, &mut serving).await;
-                gateway.drain(grace).await;
+                serving.await;
             }
             // A handle dropped without a word is a crash too.
             Ok(Ending::Crash) | Err(_) => {}

@@ -1,0 +1,482 @@
+//! How a listener holds its clients: at most `--max-connections` open (the others wait in the
+//! kernel's listen queue); a client that takes longer than `--read-timeout` to send a request's
+//! head is disconnected, one that keeps the gateway waiting longer for a body has it cut off; a
+//! shutdown closes whatever is left when the grace is over.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::extract::ConnectInfo;
+use bytes::Bytes;
+use http::Request;
+use hyper::body::{Body as HttpBody, Frame, Incoming, SizeHint};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::time::{Instant, Sleep};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tower::ServiceExt as _;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// What a listener allows its clients.
+#[derive(Debug, Clone)]
+pub(crate) struct Limits {
+    /// How long a client may take to send a request's head, counted from when its connection
+    /// opened or its last answer ended, and how long in all it may keep the gateway waiting for a
+    /// request's body.
+    pub(crate) read_timeout: Duration,
+    /// Connections open at once; accepting waits while this many are open.
+    pub(crate) max_connections: usize,
+    /// From the shutdown signal: how long running requests (and `background` work) may take
+    /// before the connections left are closed.
+    pub(crate) shutdown_grace: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            read_timeout: Duration::from_secs(30),
+            max_connections: 10_000,
+            shutdown_grace: Duration::from_secs(30),
+        }
+    }
+}
+
+/// The most connections a listener can be asked to hold (the semaphore's own limit).
+pub(crate) const MOST_CONNECTIONS: usize = Semaphore::MAX_PERMITS;
+
+/// How often at most a listener says that it is full.
+const FULL_WARNING_EVERY: Duration = Duration::from_secs(60);
+
+/// Serves `app` on `listener` within `limits` until `shutdown` resolves; then stops accepting,
+/// lets the open connections finish their requests and `background` its work, and returns once
+/// all of that is done or `limits.shutdown_grace` has passed, having closed what was left.
+/// `name` labels the `idem_connections_open` gauge.
+pub(crate) async fn serve(
+    name: &'static str,
+    listener: TcpListener,
+    app: axum::Router,
+    limits: &Limits,
+    background: &TaskTracker,
+    shutdown: impl Future<Output = ()>,
+) {
+    let mut shutdown = std::pin::pin!(shutdown);
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let connections = TaskTracker::new();
+    let graceful = CancellationToken::new();
+    let cut = CancellationToken::new();
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    // The head is timed by `Connection::serve`, for both protocols and for the wait before the
+    // first byte too (when hyper has not yet been told which protocol it speaks).
+    builder.http1().header_read_timeout(None);
+    let mut warned: Option<Instant> = None;
+    loop {
+        // Waiting for a slot before accepting leaves the connections beyond the limit in the
+        // kernel's listen queue, served in turn as slots free up (as HAProxy's maxconn does): a
+        // burst is served late instead of failed, a client never accepted hits its own connect
+        // or request timeout and retries as after any network fault, and no accept-then-close
+        // loop spends, under a flood of retrying clients, the CPU the limit is there to save.
+        let slot = match slots.clone().try_acquire_owned() {
+            Ok(slot) => slot,
+            Err(_) => {
+                if warned.is_none_or(|at| at.elapsed() >= FULL_WARNING_EVERY) {
+                    warned = Some(Instant::now());
+                    tracing::warn!(
+                        listener = name,
+                        max_connections = limits.max_connections,
+                        "connection limit reached: new connections wait in the listen queue until one closes"
+                    );
+                }
+                tokio::select! {
+                    slot = slots.clone().acquire_owned() => slot.expect("the semaphore is never closed"),
+                    () = &mut shutdown => break,
+                }
+            }
+        };
+        let (stream, remote) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(err) => {
+                    accept_failed(name, err).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let gauge = metrics::gauge!("idem_connections_open", "listener" => name);
+        gauge.increment(1.0);
+        let connection = Connection {
+            builder: builder.clone(),
+            app: app.clone(),
+            read_timeout: limits.read_timeout,
+            graceful: graceful.clone(),
+            cut: cut.clone(),
+            _slot: slot,
+        };
+        connections.spawn(async move {
+            connection.serve(stream, remote).await;
+            gauge.decrement(1.0);
+        });
+    }
+
+    // Stop accepting: connections still in the listen queue are refused.
+    drop(listener);
+    let deadline = Instant::now() + limits.shutdown_grace;
+    graceful.cancel();
+    connections.close();
+    background.close();
+    // Connections first: while one is open it may still start background work.
+    let drained = tokio::time::timeout_at(deadline, async {
+        connections.wait().await;
+        background.wait().await;
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!(
+            listener = name,
+            grace = ?limits.shutdown_grace,
+            connections = connections.len(),
+            requests = background.len(),
+            "shutdown grace over: closing the connections left; requests still running have their keys taken over when their leases end"
+        );
+    }
+    cut.cancel();
+    connections.wait().await;
+}
+
+/// Accepting fails for a connection that is already gone (nothing to do) or because the process
+/// is out of file descriptors: then wait a little for some to close rather than spin.
+async fn accept_failed(name: &'static str, err: std::io::Error) {
+    use std::io::ErrorKind;
+    if matches!(
+        err.kind(),
+        ErrorKind::ConnectionAborted | ErrorKind::ConnectionReset | ErrorKind::ConnectionRefused
+    ) {
+        return;
+    }
+    tracing::error!(listener = name, error = %err, "cannot accept a connection; retrying in 1 s");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+}
+
+/// One accepted connection and what it needs to be served.
+struct Connection {
+    builder: auto::Builder<TokioExecutor>,
+    app: axum::Router,
+    read_timeout: Duration,
+    /// Asks the connection to finish its requests and close.
+    graceful: CancellationToken,
+    /// Closes the connection at once.
+    cut: CancellationToken,
+    /// Holds one of the listener's connection slots until the connection ends.
+    _slot: OwnedSemaphorePermit,
+}
+
+impl Connection {
+    /// Serves HTTP/1.1 or HTTP/2 (prior knowledge) on `stream` until the client closes it, it stays
+    /// without a request for the read timeout, or the listener shuts down.
+    async fn serve(self, stream: TcpStream, remote: SocketAddr) {
+        let activity = Arc::new(Activity::new());
+        let service = {
+            let (app, activity, read_timeout) = (self.app, activity.clone(), self.read_timeout);
+            hyper::service::service_fn(move |request: Request<Incoming>| {
+                let in_flight = InFlight::start(&activity);
+                let mut request = request.map(|body| ReadTimeout::new(body, read_timeout));
+                request.extensions_mut().insert(ConnectInfo(remote));
+                let call = app.clone().oneshot(request);
+                async move {
+                    let response = call.await?;
+                    Ok::<_, Infallible>(response.map(|body| Answering {
+                        body,
+                        _in_flight: in_flight,
+                    }))
+                }
+            })
+        };
+        let connection = self.builder.serve_connection(TokioIo::new(stream), service);
+        let mut connection = std::pin::pin!(connection);
+        let mut closing = false;
+        loop {
+            // While a request is being answered its body has a timeout of its own; between
+            // requests (and before the first), the next head must come within the read timeout.
+            let idle_until = activity.idle_since().map(|since| since + self.read_timeout);
+            tokio::select! {
+                served = connection.as_mut() => {
+                    if let Err(err) = served {
+                        tracing::debug!(%remote, error = %err, "connection ended with an error");
+                    }
+                    return;
+                }
+                () = self.cut.cancelled() => return,
+                () = self.graceful.cancelled(), if !closing => {
+                    closing = true;
+                    connection.as_mut().graceful_shutdown();
+                }
+                () = activity.changed.notified() => {}
+                () = tokio::time::sleep_until(idle_until.unwrap_or_else(Instant::now)), if idle_until.is_some() => {
+                    // Checked again: a request may have started since the deadline was computed.
+                    if activity.idle_since().is_some_and(|since| since.elapsed() >= self.read_timeout) {
+                        tracing::debug!(%remote, read_timeout = ?self.read_timeout, "closing a connection that sent no request head in time");
+                        return;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Whether a connection is answering requests, and since when it has not been.
+#[derive(Debug)]
+struct Activity {
+    in_flight: AtomicUsize,
+    idle_since: Mutex<Instant>,
+    /// Woken when the last request in flight ends, so that the idle deadline is set again.
+    changed: Notify,
+}
+
+impl Activity {
+    fn new() -> Self {
+        Self {
+            in_flight: AtomicUsize::new(0),
+            idle_since: Mutex::new(Instant::now()),
+            changed: Notify::new(),
+        }
+    }
+
+    /// When the connection went idle, or `None` while it answers a request.
+    fn idle_since(&self) -> Option<Instant> {
+        let since = *self.idle_since.lock().unwrap_or_else(PoisonError::into_inner);
+        (self.in_flight.load(Ordering::SeqCst) == 0).then_some(since)
+    }
+}
+
+/// One request being answered: from its head until its answer's body is done or dropped.
+#[derive(Debug)]
+struct InFlight(Arc<Activity>);
+
+impl InFlight {
+    fn start(activity: &Arc<Activity>) -> Self {
+        activity.in_flight.fetch_add(1, Ordering::SeqCst);
+        Self(activity.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        *self.0.idle_since.lock().unwrap_or_else(PoisonError::into_inner) = Instant::now();
+        if self.0.in_flight.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.0.changed.notify_one();
+        }
+    }
+}
+
+/// An answer's body that keeps its request counted as in flight until it is done.
+#[derive(Debug)]
+struct Answering<B> {
+    body: B,
+    _in_flight: InFlight,
+}
+
+impl<B: HttpBody + Unpin> HttpBody for Answering<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<B::Data>, B::Error>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// A request body that fails once its client has kept the gateway waiting for more than the read
+/// timeout in all. Only time spent waiting for the client counts (not time in which nobody asked
+/// for the body), so a body dripped in byte by byte is cut off as surely as one that stops, and a
+/// fast client is never cut off because the upstream reads slowly. The idempotency layer answers
+/// a keyed request whose body fails `400 body-incomplete`, with nothing claimed.
+#[derive(Debug)]
+pub(crate) struct ReadTimeout<B> {
+    body: B,
+    limit: Duration,
+    /// What is left of `limit`.
+    left: Duration,
+    /// Since when the current wait for the client has lasted.
+    waiting_since: Option<Instant>,
+    timer: Option<Pin<Box<Sleep>>>,
+    timed_out: bool,
+}
+
+impl<B> ReadTimeout<B> {
+    pub(crate) fn new(body: B, limit: Duration) -> Self {
+        Self {
+            body,
+            limit,
+            left: limit,
+            waiting_since: None,
+            timer: None,
+            timed_out: false,
+        }
+    }
+}
+
+/// The error of a [`ReadTimeout`] body: its client was too slow, or the body broke off (a
+/// malformed chunk, a connection closed mid-body). Either way the client's fault, never the
+/// upstream's.
+#[derive(Debug)]
+pub(crate) enum ClientBodyFailed {
+    /// The client took longer than the read timeout to send it.
+    TimedOut(Duration),
+    /// The body could not be read whole.
+    Broken(BoxError),
+}
+
+impl std::fmt::Display for ClientBodyFailed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::TimedOut(limit) => write!(
+                f,
+                "the client took longer than the read timeout ({}) to send it",
+                humantime::format_duration(*limit)
+            ),
+            Self::Broken(err) => write!(f, "{err}"),
+        }
+    }
+}
+
+impl std::error::Error for ClientBodyFailed {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::TimedOut(_) => None,
+            Self::Broken(err) => Some(&**err),
+        }
+    }
+}
+
+impl<B> HttpBody for ReadTimeout<B>
+where
+    B: HttpBody<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        if this.timed_out {
+            return Poll::Ready(None);
+        }
+        match Pin::new(&mut this.body).poll_frame(cx) {
+            Poll::Ready(frame) => {
+                if let Some(since) = this.waiting_since.take() {
+                    this.left = this.left.saturating_sub(since.elapsed());
+                }
+                Poll::Ready(frame.map(|frame| frame.map_err(|err| ClientBodyFailed::Broken(err.into()).into())))
+            }
+            Poll::Pending => {
+                if this.waiting_since.is_none() {
+                    let now = Instant::now();
+                    this.waiting_since = Some(now);
+                    match &mut this.timer {
+                        Some(timer) => timer.as_mut().reset(now + this.left),
+                        None => this.timer = Some(Box::pin(tokio::time::sleep_until(now + this.left))),
+                    }
+                }
+                let timer = this.timer.as_mut().expect("armed when the wait began");
+                if timer.as_mut().poll(cx).is_ready() {
+                    this.timed_out = true;
+                    return Poll::Ready(Some(Err(ClientBodyFailed::TimedOut(this.limit).into())));
+                }
+                Poll::Pending
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.timed_out || self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::BodyExt as _;
+    use http_body_util::StreamBody;
+
+    /// A body that sends `chunks` one-byte frames, `every` apart.
+    fn dripping(chunks: usize, every: Duration) -> impl HttpBody<Data = Bytes, Error = Infallible> + Unpin {
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        tokio::spawn(async move {
+            for _ in 0..chunks {
+                tokio::time::sleep(every).await;
+                if tx.send(Ok(Frame::data(Bytes::from_static(b"x")))).await.is_err() {
+                    return;
+                }
+            }
+        });
+        StreamBody::new(tokio_stream_from(rx))
+    }
+
+    fn tokio_stream_from<T: Send + 'static>(
+        mut rx: tokio::sync::mpsc::Receiver<T>,
+    ) -> impl futures_util::Stream<Item = T> + Unpin {
+        Box::pin(futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx)))
+    }
+
+    #[tokio::test]
+    async fn a_body_that_comes_in_time_is_read_whole() {
+        let body = ReadTimeout::new(dripping(5, Duration::from_millis(10)), Duration::from_secs(2));
+        let bytes = body.collect().await.expect("in time").to_bytes();
+        assert_eq!(&bytes[..], b"xxxxx");
+    }
+
+    #[tokio::test]
+    async fn a_body_that_stops_fails_after_the_timeout() {
+        let started = Instant::now();
+        let body = ReadTimeout::new(dripping(1, Duration::from_secs(60)), Duration::from_millis(200));
+        let err = body.collect().await.expect_err("the client stalled");
+        assert!(
+            matches!(
+                err.downcast_ref::<ClientBodyFailed>(),
+                Some(ClientBodyFailed::TimedOut(_))
+            ),
+            "{err}"
+        );
+        let waited = started.elapsed();
+        assert!(
+            waited >= Duration::from_millis(200) && waited < Duration::from_secs(5),
+            "{waited:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_dripping_body_fails_when_its_waits_add_up_to_the_timeout() {
+        // Each byte comes well within the timeout, but all of them together would not.
+        let body = ReadTimeout::new(dripping(100, Duration::from_millis(50)), Duration::from_millis(300));
+        let err = body.collect().await.expect_err("the client dripped");
+        assert!(
+            matches!(
+                err.downcast_ref::<ClientBodyFailed>(),
+                Some(ClientBodyFailed::TimedOut(_))
+            ),
+            "{err}"
+        );
+    }
+}
