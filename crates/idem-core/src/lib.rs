@@ -30,6 +30,7 @@ mod policy;
 mod problem;
 mod protocol;
 mod response;
+mod run;
 mod scope;
 mod store;
 pub mod stored;
@@ -48,6 +49,7 @@ pub use policy::{
 pub use problem::{Problem, ProblemKind};
 pub use protocol::{Admission, Claim, Decision, Disposition, Keyed, Outcome, Protocol};
 pub use response::{HOP_BY_HOP, HeaderAllowList, REPLAY, REPLAYED, ResponseDecodeError, StoredResponse};
+pub use run::{MAX_PENDING_BYTES, PendingAnswer, RunTimedOut, Unstored};
 pub use scope::{Scope, ScopeError, ScopeSource, ScopeSourceError};
 pub use store::{
     Begin, BeginRequest, Completion, FencingToken, Purged, Record, RecordId, RecordState, Release, Store, StoreError,

@@ -141,6 +141,12 @@ pub struct Policy {
     pub tombstone_ttl: Duration,
     /// A claim's lease, renewed while the handler runs (default 60 s).
     pub lease: Duration,
+    /// How long a run may take before it is given up and its key released as unknown, so a hung
+    /// handler or upstream never wedges its key (default 5 min).
+    pub run_timeout: Duration,
+    /// How long one store operation may take before it counts as failed (default 5 s), so a
+    /// half-open connection or a held lock answers `503` instead of hanging the request.
+    pub store_timeout: Duration,
     /// How long a copy waits for the first request before `409 key-in-flight` (default 10 s).
     pub wait: Duration,
     /// The largest keyed request body, buffered to fingerprint it (default 1 MiB).
@@ -169,6 +175,8 @@ impl Default for Policy {
             ttl: Duration::from_secs(24 * 3600),
             tombstone_ttl: Duration::from_secs(7 * 24 * 3600),
             lease: Duration::from_secs(60),
+            run_timeout: Duration::from_secs(5 * 60),
+            store_timeout: Duration::from_secs(5),
             wait: Duration::from_secs(10),
             max_body: 1024 * 1024,
             max_stored_body: 256 * 1024,
@@ -196,6 +204,15 @@ impl Policy {
             return fail(
                 "lease",
                 "must be longer than zero: a claim is renewed every third of its lease while the request runs",
+            );
+        }
+        if self.run_timeout.is_zero() {
+            return fail("run-timeout", "must be longer than zero, or no request could ever run");
+        }
+        if self.store_timeout.is_zero() {
+            return fail(
+                "store-timeout",
+                "must be longer than zero, or no store operation could succeed",
             );
         }
         if self.ttl.is_zero() {

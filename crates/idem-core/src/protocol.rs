@@ -18,9 +18,10 @@ use crate::key::{IdempotencyKey, KeyError};
 use crate::policy::{AnonymousPolicy, MissingKeyPolicy, Policy};
 use crate::problem::{Problem, ProblemKind};
 use crate::response::StoredResponse;
+use crate::run::{Pending, StoreTimedOut};
 use crate::scope::{Scope, ScopeSource, hex};
 use crate::store::{
-    Begin, BeginRequest, Completion, FencingToken, Purged, Record, RecordId, RecordState, Release, Store, StoreError,
+    Begin, BeginRequest, FencingToken, Purged, Record, RecordId, RecordState, Release, Store, StoreError,
 };
 use crate::time::{Clock, SystemClock, UnixMillis};
 
@@ -57,6 +58,8 @@ pub enum Outcome {
     CredentialMissing,
     /// A bug: something in the request's path panicked.
     Internal,
+    /// The run passed the run timeout and was given up.
+    RunTimedOut,
 }
 
 impl Outcome {
@@ -78,6 +81,7 @@ impl Outcome {
             Self::ScopeInvalid => "scope-invalid",
             Self::CredentialMissing => "credential-missing",
             Self::Internal => "internal-error",
+            Self::RunTimedOut => "run-timeout",
         }
     }
 }
@@ -161,6 +165,8 @@ pub struct Claim {
     token: FencingToken,
     recovered: bool,
     provisional: Option<Duration>,
+    /// When the run is given up (`run_timeout` after the claim).
+    run_deadline: tokio::time::Instant,
 }
 
 impl Claim {
@@ -178,6 +184,16 @@ impl Claim {
     /// outcome): the handler should check before acting again.
     pub fn recovered(&self) -> bool {
         self.recovered
+    }
+
+    /// The window of a provisional key (`fingerprint:<window>`), `None` for a client's key.
+    pub(crate) fn provisional(&self) -> Option<Duration> {
+        self.provisional
+    }
+
+    /// When the run is given up.
+    pub(crate) fn run_deadline(&self) -> tokio::time::Instant {
+        self.run_deadline
     }
 
     /// How the request is logged once it runs.
@@ -208,10 +224,12 @@ pub struct Protocol {
     inner: Arc<Inner>,
 }
 
-struct Inner {
+pub(crate) struct Inner {
     store: Arc<dyn Store>,
     policy: Policy,
     clock: Arc<dyn Clock>,
+    /// Answers held while the store refuses them.
+    pub(crate) pending: Arc<Pending>,
 }
 
 impl fmt::Debug for Protocol {
@@ -233,7 +251,12 @@ impl Protocol {
     /// The protocol with an injected clock (tests of leases and retention).
     pub fn with_clock(store: Arc<dyn Store>, policy: Policy, clock: Arc<dyn Clock>) -> Self {
         Self {
-            inner: Arc::new(Inner { store, policy, clock }),
+            inner: Arc::new(Inner {
+                store,
+                policy,
+                clock,
+                pending: Arc::default(),
+            }),
         }
     }
 
@@ -247,8 +270,12 @@ impl Protocol {
         &self.inner.store
     }
 
-    fn now(&self) -> UnixMillis {
+    pub(crate) fn now(&self) -> UnixMillis {
         self.inner.clock.now()
+    }
+
+    pub(crate) fn inner(&self) -> &Inner {
+        &self.inner
     }
 
     /// Decides from the request head whether the protocol applies.
@@ -380,14 +407,7 @@ impl Protocol {
         loop {
             let now = self.now();
             let token = FencingToken::random();
-            let request = BeginRequest {
-                id: &id,
-                fingerprint,
-                now,
-                lease_until: now.plus(policy.lease),
-                token,
-            };
-            let record = match self.inner.store.begin(request).await {
+            let record = match self.claim_or_read(&id, fingerprint, now, token).await {
                 Err(err) => return self.store_failed(&err, id),
                 Ok(Begin::Acquired { recovered }) => {
                     return Decision::Run(Claim {
@@ -395,6 +415,7 @@ impl Protocol {
                         token,
                         recovered,
                         provisional,
+                        run_deadline: tokio::time::Instant::now() + policy.run_timeout,
                     });
                 }
                 Ok(Begin::Existing(record)) => record,
@@ -415,7 +436,12 @@ impl Protocol {
             // Wake at the latest when the holder's lease runs out, to take over from a crashed holder.
             let until = deadline.min(tokio::time::Instant::now() + lease_until.since(now) + Duration::from_millis(5));
             waited = true;
-            if let Err(err) = self.inner.store.wait(&id, holder, until).await {
+            let limit = policy.store_timeout;
+            let waiting = tokio::time::timeout_at(until + limit, self.inner.store.wait(&id, holder, until));
+            if let Err(err) = waiting
+                .await
+                .unwrap_or_else(|_| Err(StoreError::unavailable(StoreTimedOut(limit))))
+            {
                 return self.store_failed(&err, id);
             }
         }
@@ -506,28 +532,52 @@ impl Protocol {
         }
     }
 
-    /// Stores the answer of a run (`body: None` stores it compact).
-    pub async fn finish(
+    /// The stored form of an answer (`body: None`: compact).
+    pub(crate) fn capture(&self, head: &http::response::Parts, body: Option<Bytes>) -> Bytes {
+        let stored = StoredResponse::capture(head.status, &head.headers, &self.inner.policy.stored_headers, body);
+        stored.encode().into()
+    }
+
+    /// One `begin` in the store, run to its end whatever becomes of this request: if it does not
+    /// answer within `store_timeout`, the request is told the store failed, and a claim that the
+    /// store makes later is released at once (nothing was sent).
+    async fn claim_or_read(
         &self,
-        claim: &Claim,
-        head: &http::response::Parts,
-        body: Option<Bytes>,
-    ) -> Result<(), StoreError> {
-        let policy = &self.inner.policy;
-        let stored = StoredResponse::capture(head.status, &head.headers, &policy.stored_headers, body);
-        let now = self.now();
-        let (expires_at, purge_at) = match claim.provisional {
-            // A provisional key leaves no tombstone: after the window the same body is a new request.
-            Some(window) => (now.plus(window), now.plus(window)),
-            None => (now.plus(policy.ttl), now.plus(policy.tombstone_ttl.max(policy.ttl))),
-        };
-        let completion = Completion {
-            response: stored.encode().into(),
-            completed_at: now,
-            expires_at,
-            purge_at,
-        };
-        self.inner.store.complete(&claim.id, claim.token, completion).await
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        now: UnixMillis,
+        token: FencingToken,
+    ) -> Result<Begin, StoreError> {
+        let store = self.inner.store.clone();
+        let (owned_id, owned_fingerprint) = (id.clone(), fingerprint.clone());
+        let lease_until = now.plus(self.inner.policy.lease);
+        let mut begin = tokio::spawn(async move {
+            let request = BeginRequest {
+                id: &owned_id,
+                fingerprint: &owned_fingerprint,
+                now,
+                lease_until,
+                token,
+            };
+            let begun = store.begin(request).await;
+            (begun, owned_id, store)
+        });
+        let limit = self.inner.policy.store_timeout;
+        match tokio::time::timeout(limit, &mut begin).await {
+            Ok(Ok((begun, _, _))) => begun,
+            Ok(Err(join)) if join.is_panic() => std::panic::resume_unwind(join.into_panic()),
+            Ok(Err(join)) => Err(StoreError::unavailable(join)),
+            Err(_) => {
+                tokio::spawn(async move {
+                    if let Ok((Ok(Begin::Acquired { .. }), id, store)) = begin.await
+                        && let Err(err) = store.release(&id, token, Release::Forget).await
+                    {
+                        tracing::error!(scope = %id.scope, key = %id.key, error = %err, "could not release a claim made after its request gave up on the store");
+                    }
+                });
+                Err(StoreError::unavailable(StoreTimedOut(limit)))
+            }
+        }
     }
 
     /// Gives the claim up without an answer. With `unknown_outcome`, the request may have had
@@ -540,13 +590,15 @@ impl Protocol {
         } else {
             Release::Forget
         };
-        self.inner.store.release(&claim.id, claim.token, release).await
+        self.bounded(self.inner.store.release(&claim.id, claim.token, release))
+            .await
     }
 
     /// Extends the claim's lease by another `lease` from now.
     pub async fn renew(&self, claim: &Claim) -> Result<(), StoreError> {
         let lease_until = self.now().plus(self.inner.policy.lease);
-        self.inner.store.renew(&claim.id, claim.token, lease_until).await
+        self.bounded(self.inner.store.renew(&claim.id, claim.token, lease_until))
+            .await
     }
 
     /// How often a running claim renews its lease: a third of it, so two renewals can fail first.

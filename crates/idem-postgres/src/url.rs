@@ -15,6 +15,12 @@ pub(crate) const DEFAULT_POOL_SIZE: usize = 16;
 pub(crate) const DEFAULT_POLL_INTERVAL: Duration = Duration::from_millis(200);
 /// How long connecting may take unless `connect_timeout` says otherwise.
 const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// TCP keepalive unless the URL says otherwise: a connection whose peer vanished (a half-open
+/// connection after a failover or a dropped NAT entry) is found dead within about a minute,
+/// instead of after the kernel's two hours.
+const DEFAULT_KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
+const DEFAULT_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+const DEFAULT_KEEPALIVE_RETRIES: u32 = 3;
 /// Names the connections in `pg_stat_activity` unless `application_name` says otherwise.
 const DEFAULT_APPLICATION_NAME: &str = "idem";
 
@@ -101,6 +107,17 @@ impl Settings {
         }
         if config.get_connect_timeout().is_none() {
             config.connect_timeout(DEFAULT_CONNECT_TIMEOUT);
+        }
+        let given = |name: &str| rest.contains(&format!("{name}="));
+        config.keepalives(true);
+        if !given("keepalives_idle") {
+            config.keepalives_idle(DEFAULT_KEEPALIVE_IDLE);
+        }
+        if !given("keepalives_interval") {
+            config.keepalives_interval(DEFAULT_KEEPALIVE_INTERVAL);
+        }
+        if !given("keepalives_retries") {
+            config.keepalives_retries(DEFAULT_KEEPALIVE_RETRIES);
         }
         if let Some(schema) = &schema {
             // A startup option rather than a `SET` per connection: it survives `RESET ALL` and
@@ -199,6 +216,8 @@ mod tests {
         assert_eq!(settings.config.get_options(), None);
         assert_eq!(settings.config.get_application_name(), Some("idem"));
         assert_eq!(settings.config.get_connect_timeout(), Some(&DEFAULT_CONNECT_TIMEOUT));
+        assert!(settings.config.get_keepalives());
+        assert_eq!(settings.config.get_keepalives_idle(), DEFAULT_KEEPALIVE_IDLE);
         assert_eq!(settings.target, "postgres@127.0.0.1:5432/test");
     }
 
@@ -211,6 +230,8 @@ mod tests {
             Some("-c statement_timeout=5s -c search_path=s")
         );
         assert_eq!(settings.config.get_connect_timeout(), Some(&Duration::from_secs(3)));
+        let keepalive = Settings::parse("postgres://u@h/d?keepalives_idle=300").unwrap();
+        assert_eq!(keepalive.config.get_keepalives_idle(), Duration::from_secs(300));
     }
 
     #[test]

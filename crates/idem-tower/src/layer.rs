@@ -74,6 +74,19 @@ impl IdempotencyLayer {
         self
     }
 
+    /// How long a request may run before it is given up and its key released as unknown, so a
+    /// hung handler never wedges its key (default 5 min).
+    pub fn with_run_timeout(mut self, limit: Duration) -> Self {
+        self.policy.run_timeout = limit;
+        self
+    }
+
+    /// How long one store operation may take before it counts as failed (default 5 s).
+    pub fn with_store_timeout(mut self, limit: Duration) -> Self {
+        self.policy.store_timeout = limit;
+        self
+    }
+
     /// How long a copy waits for the first request before `409 key-in-flight` (default 10 s).
     pub fn with_wait(mut self, wait: Duration) -> Self {
         self.policy.wait = wait;

@@ -4,7 +4,7 @@
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
-use std::pin::{Pin, pin};
+use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -14,8 +14,8 @@ use http::{HeaderMap, Request, Response, header};
 use http_body::Body as HttpBody;
 use http_body_util::{BodyExt, Limited};
 use idem_core::{
-    Admission, Claim, Decision, Disposition, Fingerprint, IdempotencyKey, Outcome, Problem, ProblemKind, Protocol,
-    RecordId, Scope,
+    Admission, Claim, Decision, Disposition, Fingerprint, IdempotencyKey, Outcome, PendingAnswer, Problem, ProblemKind,
+    Protocol, RecordId, RunTimedOut, Scope, Unstored,
 };
 use tokio::sync::oneshot;
 use tokio_util::task::TaskTracker;
@@ -160,33 +160,57 @@ where
         };
         let fingerprint = Fingerprint::of(&parts.method, &parts.uri, &parts.headers, &bytes);
         let started = std::time::Instant::now();
-        let claim = match self.protocol.begin(keyed, &fingerprint).await {
-            Decision::Respond { response, outcome, id } => {
+        // The claim is made, and the handler run, in a task of their own: a caller that hangs up
+        // cancels neither, so a claim is never left made with nothing running under it.
+        let (decided, decision) = oneshot::channel();
+        let protocol = self.protocol.clone();
+        let inner = self.inner;
+        self.tasks.spawn(async move {
+            let claim = match protocol.begin(keyed, &fingerprint).await {
+                Decision::Run(claim) => claim,
+                Decision::Respond { response, outcome, id } => {
+                    let _ = decided.send(Decided::Respond { response, outcome, id });
+                    return;
+                }
+                Decision::PassThrough { id } => {
+                    tracing::warn!(scope = %id.scope, key = %id.key, "store unavailable: running the request unprotected (fail-open)");
+                    let (answer, answered) = oneshot::channel();
+                    if decided.send(Decided::Running(answered)).is_ok() {
+                        let _ = answer.send(pass_through(inner, Request::from_parts(parts, full(bytes))).await);
+                    }
+                    return;
+                }
+            };
+            let (answer, answered) = oneshot::channel();
+            if decided.send(Decided::Running(answered)).is_err() {
+                // The caller hung up while the claim was made: nothing was sent, so the key is
+                // free again at once (no lease to wait out, no phantom recovered run).
+                tracing::info!(scope = %claim.id().scope, key = %claim.id().key, "the caller left before the request ran; releasing its claim");
+                settle(protocol.abandon(&claim, false).await, claim.id(), "release");
+                return;
+            }
+            parts.extensions.insert(IdempotencyInfo {
+                scope: claim.id().scope.clone(),
+                key: claim.id().key.clone(),
+                recovered: claim.recovered(),
+            });
+            run(protocol, claim, inner, Request::from_parts(parts, full(bytes)), answer).await;
+        });
+        let answered = match decision.await {
+            Ok(Decided::Respond { response, outcome, id }) => {
                 if matches!(outcome, Outcome::Waited | Outcome::InFlight) {
                     metrics::histogram!("idem_wait_seconds").record(started.elapsed().as_secs_f64());
                 }
                 record_outcome(Some(&id), outcome, response.status());
                 return Ok(response.map(full));
             }
-            Decision::PassThrough { id } => {
-                tracing::warn!(scope = %id.scope, key = %id.key, "store unavailable: running the request unprotected (fail-open)");
-                let response = self.inner.call(Request::from_parts(parts, full(bytes))).await?;
-                return Ok(response.map(boxed));
+            Ok(Decided::Running(answered)) => answered,
+            // The task panicked before it decided (logged by the runtime).
+            Err(_) => {
+                record_outcome(None, Outcome::Internal, http::StatusCode::INTERNAL_SERVER_ERROR);
+                return Ok(internal_error());
             }
-            Decision::Run(claim) => claim,
         };
-
-        parts.extensions.insert(IdempotencyInfo {
-            scope: claim.id().scope.clone(),
-            key: claim.id().key.clone(),
-            recovered: claim.recovered(),
-        });
-        let request = Request::from_parts(parts, full(bytes));
-        let (answer, answered) = oneshot::channel();
-        // The handler runs in its own task: a caller that hangs up does not cancel it, so a retry
-        // finds the stored answer instead of a half-done one.
-        self.tasks
-            .spawn(run(self.protocol.clone(), claim, self.inner, request, answer));
         let answered = async {
             match answered.await {
                 Ok(result) => result,
@@ -213,111 +237,152 @@ where
     }
 }
 
-/// Runs the handler under `claim`, renewing the lease, then keeps or releases its answer and
-/// sends the answer to the caller (who may have gone).
-fn run<S, ResBody>(
+/// What the task that claims and runs a request tells its caller.
+enum Decided<E> {
+    /// Answer with this; nothing ran.
+    Respond {
+        response: Response<Bytes>,
+        outcome: Outcome,
+        id: RecordId,
+    },
+    /// The request runs; its answer comes here.
+    Running(oneshot::Receiver<Result<Response<Body>, E>>),
+}
+
+/// Runs a request unprotected (the store is down and the policy is fail-open).
+async fn pass_through<S, ResBody>(mut inner: S, request: Request<Body>) -> Result<Response<Body>, S::Error>
+where
+    S: Service<Request<Body>, Response = Response<ResBody>>,
+    ResBody: HttpBody<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    Ok(inner.call(request).await?.map(boxed))
+}
+
+/// Runs the handler under `claim` (lease renewed beside it, given up after the run timeout), then
+/// keeps or releases its answer and sends the answer to the caller (who may have gone). An answer
+/// the store refuses is sent all the same, then stored again until the store takes it.
+async fn run<S, ResBody>(
     protocol: Protocol,
     claim: Claim,
     mut inner: S,
     request: Request<Body>,
     answer: oneshot::Sender<Result<Response<Body>, S::Error>>,
-) -> impl Future<Output = ()> + Send + 'static
-where
+) where
     S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
     S::Future: Send + 'static,
     S::Error: Send + 'static,
     ResBody: HttpBody<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
+    let id = claim.id().clone();
     let call = std::panic::catch_unwind(AssertUnwindSafe(|| inner.call(request)));
-    async move {
-        let id = claim.id().clone();
-        let ran = match call {
-            Ok(call) => renewing(&protocol, &claim, AssertUnwindSafe(call).catch_unwind()).await,
-            Err(panic) => Err(panic),
-        };
-        let response = match ran {
-            Ok(Ok(response)) => response,
-            Ok(Err(err)) => {
-                settle(protocol.abandon(&claim, true).await, &id, "release");
-                record_outcome(Some(&id), claim.outcome(), http::StatusCode::INTERNAL_SERVER_ERROR);
-                let _ = answer.send(Err(err));
-                return;
-            }
-            Err(panic) => {
-                // The handler may have acted before it panicked: the retry runs, marked recovered.
-                tracing::error!(scope = %id.scope, key = %id.key, panic = panic_message(&*panic), "the handler panicked");
-                settle(protocol.abandon(&claim, true).await, &id, "release");
-                record_outcome(Some(&id), Outcome::Internal, http::StatusCode::INTERNAL_SERVER_ERROR);
-                let _ = answer.send(Ok(internal_error()));
-                return;
-            }
-        };
-        let (head, body) = response.into_parts();
-        let body = boxed(body);
-        let status = head.status;
-        let release = head.extensions.get::<NoAnswer>().copied();
-        let disposition = match release {
-            Some(_) => Disposition::Release,
-            None => protocol.disposition(status, body.size_hint().exact().and_then(|n| usize::try_from(n).ok())),
-        };
-        record_outcome(Some(&id), claim.outcome(), status);
-        let response = match disposition {
-            Disposition::Release => {
-                let unknown = release == Some(NoAnswer::OutcomeUnknown);
-                settle(protocol.abandon(&claim, unknown).await, &id, "release");
-                Response::from_parts(head, body)
-            }
-            Disposition::StoreCompact => {
-                settle(protocol.finish(&claim, &head, None).await, &id, "complete");
-                Response::from_parts(head, body)
-            }
-            Disposition::Store => {
-                let limit = protocol.policy().max_stored_body;
-                match renewing(&protocol, &claim, collect_up_to(body, limit)).await {
-                    Collected::Whole(bytes) => {
-                        settle(
-                            protocol.finish(&claim, &head, Some(bytes.clone())).await,
-                            &id,
-                            "complete",
-                        );
-                        Response::from_parts(head, full(bytes))
-                    }
-                    Collected::Overflow(body) => {
-                        settle(protocol.finish(&claim, &head, None).await, &id, "complete");
-                        Response::from_parts(head, body)
-                    }
-                    Collected::Failed(err) => {
-                        // The handler acted but its answer was lost on the way: whether it took effect
-                        // is unknown, so the next run is marked recovered.
-                        tracing::warn!(scope = %id.scope, key = %id.key, error = %err, "the answer's body failed before it was complete");
-                        settle(protocol.abandon(&claim, true).await, &id, "release");
-                        let detail = "the answer was lost before it was complete; retry with the same key (the retry is marked recovered)";
-                        Problem::new(ProblemKind::UpstreamFailed, detail)
-                            .to_response()
-                            .map(full)
-                    }
+    let ran = match call {
+        Ok(call) => protocol.drive(&claim, AssertUnwindSafe(call).catch_unwind()).await,
+        Err(panic) => Ok(Err(panic)),
+    };
+    let response = match ran {
+        Ok(Ok(Ok(response))) => response,
+        Ok(Ok(Err(err))) => {
+            settle(protocol.abandon(&claim, true).await, &id, "release");
+            record_outcome(Some(&id), claim.outcome(), http::StatusCode::INTERNAL_SERVER_ERROR);
+            let _ = answer.send(Err(err));
+            return;
+        }
+        Ok(Err(panic)) => {
+            // The handler may have acted before it panicked: the retry runs, marked recovered.
+            tracing::error!(scope = %id.scope, key = %id.key, panic = panic_message(&*panic), "the handler panicked");
+            settle(protocol.abandon(&claim, true).await, &id, "release");
+            record_outcome(Some(&id), Outcome::Internal, http::StatusCode::INTERNAL_SERVER_ERROR);
+            let _ = answer.send(Ok(internal_error()));
+            return;
+        }
+        Err(RunTimedOut) => {
+            let _ = answer.send(Ok(run_timed_out(&protocol, &claim, &id).await));
+            return;
+        }
+    };
+    let (head, body) = response.into_parts();
+    let body = boxed(body);
+    let status = head.status;
+    let release = head.extensions.get::<NoAnswer>().copied();
+    let disposition = match release {
+        Some(_) => Disposition::Release,
+        None => protocol.disposition(status, body.size_hint().exact().and_then(|n| usize::try_from(n).ok())),
+    };
+    record_outcome(Some(&id), claim.outcome(), status);
+    let (response, pending) = match disposition {
+        Disposition::Release => {
+            let unknown = release == Some(NoAnswer::OutcomeUnknown);
+            settle(protocol.abandon(&claim, unknown).await, &id, "release");
+            (Response::from_parts(head, body), None)
+        }
+        Disposition::StoreCompact => {
+            let pending = kept(protocol.finish(&claim, &head, None).await, &id);
+            (Response::from_parts(head, body), pending)
+        }
+        Disposition::Store => {
+            let limit = protocol.policy().max_stored_body;
+            match protocol.drive(&claim, collect_up_to(body, limit)).await {
+                Ok(Collected::Whole(bytes)) => {
+                    let pending = kept(protocol.finish(&claim, &head, Some(bytes.clone())).await, &id);
+                    (Response::from_parts(head, full(bytes)), pending)
                 }
+                Ok(Collected::Overflow(body)) => {
+                    let pending = kept(protocol.finish(&claim, &head, None).await, &id);
+                    (Response::from_parts(head, body), pending)
+                }
+                Ok(Collected::Failed(err)) => {
+                    // The handler acted but its answer was lost on the way: whether it took effect
+                    // is unknown, so the next run is marked recovered.
+                    tracing::warn!(scope = %id.scope, key = %id.key, error = %err, "the answer's body failed before it was complete");
+                    settle(protocol.abandon(&claim, true).await, &id, "release");
+                    let detail = "the answer was lost before it was complete; retry with the same key (the retry is marked recovered)";
+                    let problem = Problem::new(ProblemKind::UpstreamFailed, detail);
+                    (problem.to_response().map(full), None)
+                }
+                Err(RunTimedOut) => (run_timed_out(&protocol, &claim, &id).await, None),
             }
-        };
-        let _ = answer.send(Ok(response));
+        }
+    };
+    let _ = answer.send(Ok(response));
+    if let Some(pending) = pending {
+        match pending.store().await {
+            Ok(()) => {}
+            Err(err) => {
+                tracing::error!(scope = %id.scope, key = %id.key, error = %err, "the held answer could not be stored; a retry runs again, marked recovered")
+            }
+        }
     }
 }
 
-/// Drives `work`, renewing the claim's lease every third of it, so a slow handler never loses its
-/// record.
-async fn renewing<F: Future>(protocol: &Protocol, claim: &Claim, work: F) -> F::Output {
-    let every = protocol.renew_every();
-    let mut work = pin!(work);
-    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
-    loop {
-        tokio::select! {
-            output = &mut work => return output,
-            _ = ticks.tick() => {
-                if let Err(err) = protocol.renew(claim).await {
-                    tracing::warn!(scope = %claim.id().scope, key = %claim.id().key, error = %err, "could not renew the lease");
-                }
-            }
+/// Gives up a run that passed the run timeout: whether it took effect is unknown, so the key is
+/// released as unknown and the retry runs, marked recovered.
+async fn run_timed_out(protocol: &Protocol, claim: &Claim, id: &RecordId) -> Response<Body> {
+    let limit = protocol.policy().run_timeout;
+    tracing::warn!(scope = %id.scope, key = %id.key, limit = ?limit, "the request ran past the run timeout and was given up");
+    settle(protocol.abandon(claim, true).await, id, "release");
+    record_outcome(Some(id), Outcome::RunTimedOut, http::StatusCode::GATEWAY_TIMEOUT);
+    let detail = format!(
+        "the request ran longer than {} and was given up; whether it took effect is unknown: retry with the same key (the retry is marked recovered)",
+        humantime_secs(limit)
+    );
+    Problem::new(ProblemKind::UpstreamTimeout, detail)
+        .retry_after(protocol.policy().retry_after)
+        .to_response()
+        .map(full)
+}
+
+/// What became of a stored answer: `Some` if it is held to be stored again.
+fn kept(result: Result<(), Unstored>, id: &RecordId) -> Option<PendingAnswer> {
+    match result {
+        Ok(()) => None,
+        Err(Unstored::Pending(pending)) => Some(pending),
+        Err(Unstored::Lost(err)) => {
+            // Fenced: the record has another holder. Otherwise the record stays in flight until its
+            // lease ends; then a retry takes it over, marked recovered.
+            tracing::error!(scope = %id.scope, key = %id.key, error = %err, "could not store the answer");
+            None
         }
     }
 }

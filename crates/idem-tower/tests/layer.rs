@@ -398,3 +398,169 @@ async fn a_panic_in_the_layer_is_a_problem_not_a_dead_connection() {
     );
     assert_eq!(app.runs.load(Ordering::SeqCst), 0, "nothing runs without a claim");
 }
+
+/// A real SQLite store whose `begin` or `renew` can be held shut, as a held lock or a half-open
+/// connection would hold them.
+#[derive(Debug)]
+struct Held {
+    store: SqliteStore,
+    begin: tokio::sync::watch::Receiver<bool>,
+    renew: tokio::sync::watch::Receiver<bool>,
+    renewals_started: AtomicUsize,
+}
+
+/// Gates that start shut; `send(true)` opens one.
+fn gates() -> (tokio::sync::watch::Sender<bool>, tokio::sync::watch::Receiver<bool>) {
+    tokio::sync::watch::channel(false)
+}
+
+async fn opened(gate: &tokio::sync::watch::Receiver<bool>) {
+    let mut gate = gate.clone();
+    let _ = gate.wait_for(|open| *open).await;
+}
+
+#[async_trait]
+impl Store for Held {
+    async fn begin(&self, request: BeginRequest<'_>) -> Result<Begin, StoreError> {
+        opened(&self.begin).await;
+        self.store.begin(request).await
+    }
+    async fn complete(&self, id: &RecordId, token: FencingToken, done: Completion) -> Result<(), StoreError> {
+        self.store.complete(id, token, done).await
+    }
+    async fn release(&self, id: &RecordId, token: FencingToken, how: Release) -> Result<(), StoreError> {
+        self.store.release(id, token, how).await
+    }
+    async fn renew(&self, id: &RecordId, token: FencingToken, until: UnixMillis) -> Result<(), StoreError> {
+        self.renewals_started.fetch_add(1, Ordering::SeqCst);
+        opened(&self.renew).await;
+        self.store.renew(id, token, until).await
+    }
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+        self.store.get(id).await
+    }
+    async fn wait(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        until: tokio::time::Instant,
+    ) -> Result<WaitOutcome, StoreError> {
+        self.store.wait(id, token, until).await
+    }
+    async fn purge(&self, now: UnixMillis, batch: usize) -> Result<Purged, StoreError> {
+        self.store.purge(now, batch).await
+    }
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.store.ping().await
+    }
+}
+
+#[tokio::test]
+async fn a_hanging_renewal_never_pauses_the_handler() {
+    let (store, _dir) = sqlite().await;
+    let (open_begin, begin) = gates();
+    let (open_renew, renew) = gates();
+    open_begin.send_replace(true);
+    let store = Arc::new(Held {
+        store,
+        begin,
+        renew,
+        renewals_started: AtomicUsize::new(0),
+    });
+    let watched = store.clone();
+    // The handler goes on only once a renewal is under way (and hanging): if the renewal were
+    // awaited in place of the handler, the handler would never be polled again and never answer.
+    let router = Router::new()
+        .route(
+            "/pay",
+            post(move || {
+                let watched = watched.clone();
+                async move {
+                    while watched.renewals_started.load(Ordering::SeqCst) == 0 {
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                    for _ in 0..5 {
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                    (StatusCode::CREATED, "paid")
+                }
+            }),
+        )
+        .layer(IdempotencyLayer::from_shared(store.clone()).with_lease(Duration::from_millis(300)));
+    let answered = tokio::time::timeout(Duration::from_secs(20), send(&router, pay("k", ""))).await;
+    open_renew.send_replace(true);
+    let (status, _, body) = answered.expect("the handler answered while its renewal hung");
+    assert_eq!((status, body.as_str()), (StatusCode::CREATED, "paid"));
+}
+
+#[tokio::test]
+async fn a_store_that_hangs_is_a_503_and_a_claim_it_makes_late_is_released() {
+    let (store, dir) = sqlite().await;
+    let (open_begin, begin) = gates();
+    let (open_renew, renew) = gates();
+    open_renew.send_replace(true);
+    let held = Held {
+        store,
+        begin,
+        renew,
+        renewals_started: AtomicUsize::new(0),
+    };
+    let app = app(
+        IdempotencyLayer::new(held).with_store_timeout(Duration::from_millis(200)),
+        dir,
+    );
+    let (status, _, body) = tokio::time::timeout(Duration::from_secs(20), send(&app.router, pay("k", "")))
+        .await
+        .expect("a hanging store is answered, not waited for");
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    assert_eq!(
+        problem_type(&body).as_deref(),
+        Some("urn:idem:problem:store-unavailable")
+    );
+    assert_eq!(app.runs.load(Ordering::SeqCst), 0);
+
+    // The store now makes the claim it was asked for: nobody will run under it, so it is released
+    // at once, and the retry runs as new instead of waiting out a lease (409) or running recovered.
+    open_begin.send_replace(true);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let retry = send(&app.router, pay("k", "")).await;
+    assert_eq!(retry, (StatusCode::CREATED, false, "run 1".into()));
+}
+
+#[tokio::test]
+async fn a_handler_past_the_run_timeout_is_given_up_and_its_retry_runs_recovered() {
+    let (store, _dir) = sqlite().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counter = runs.clone();
+    let router = Router::new()
+        .route(
+            "/pay",
+            post(move |info: axum::Extension<idem_tower::IdempotencyInfo>| {
+                let counter = counter.clone();
+                async move {
+                    if counter.fetch_add(1, Ordering::SeqCst) == 0 {
+                        // The first run hangs, as an upstream that never answers.
+                        std::future::pending::<()>().await;
+                    }
+                    (StatusCode::CREATED, format!("recovered={}", info.recovered))
+                }
+            }),
+        )
+        .layer(
+            IdempotencyLayer::new(store)
+                .with_lease(Duration::from_secs(1))
+                .with_run_timeout(Duration::from_millis(300)),
+        );
+    let (status, _, body) = tokio::time::timeout(Duration::from_secs(20), send(&router, pay("k", "")))
+        .await
+        .expect("a hung run is given up");
+    assert_eq!(status, StatusCode::GATEWAY_TIMEOUT, "{body}");
+    assert_eq!(
+        problem_type(&body).as_deref(),
+        Some("urn:idem:problem:upstream-timeout")
+    );
+    // Its lease is still being renewed nowhere, and the key is not wedged: the retry runs at once.
+    let retry = send(&router, pay("k", "")).await;
+    assert_eq!(retry, (StatusCode::CREATED, false, "recovered=true".into()));
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}

@@ -1,0 +1,235 @@
+//! A run under a claim, driven as the protocol wants it: the lease renewed *beside* the work (a
+//! slow renewal never pauses it), the run given up after `run_timeout`, every store operation
+//! bounded in time, and an answer that the store failed to take kept and retried until it is
+//! stored or the claim is fenced.
+
+use std::future::Future;
+use std::pin::pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use crate::protocol::{Claim, Protocol};
+use crate::store::{Completion, StoreError};
+
+/// The most answer bytes held in memory while the store refuses them; beyond it an answer is
+/// given up (its record stays in flight, and a retry after the lease takes it over, marked
+/// recovered).
+pub const MAX_PENDING_BYTES: usize = 64 * 1024 * 1024;
+
+/// The first pause before storing a pending answer again; it doubles up to [`MAX_RETRY_PAUSE`].
+const FIRST_RETRY_PAUSE: Duration = Duration::from_millis(50);
+const MAX_RETRY_PAUSE: Duration = Duration::from_secs(2);
+
+/// The run took longer than the policy's `run_timeout` and was given up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the run took longer than its run timeout")]
+pub struct RunTimedOut;
+
+/// A store operation did not answer within the policy's `store_timeout`.
+#[derive(Debug, thiserror::Error)]
+#[error("the store did not answer within {0:?}")]
+pub(crate) struct StoreTimedOut(pub(crate) Duration);
+
+/// An answer the store did not take when the run finished: it is held (within
+/// [`MAX_PENDING_BYTES`]) until [`PendingAnswer::store`] stores it or the claim is fenced.
+#[derive(Debug)]
+#[must_use = "a pending answer is lost unless it is stored"]
+pub struct PendingAnswer {
+    protocol: Protocol,
+    claim: Claim,
+    response: Bytes,
+    _held: Held,
+}
+
+/// Why an answer was not stored.
+#[derive(Debug)]
+pub enum Unstored {
+    /// The store failed; the answer is held to be stored again.
+    Pending(PendingAnswer),
+    /// The claim was lost (another holder took the record over), or the store failed and no more
+    /// answers can be held: the answer cannot be kept.
+    Lost(StoreError),
+}
+
+/// The bytes of the answers held, counted while they are held.
+#[derive(Debug, Default)]
+pub(crate) struct Pending {
+    bytes: AtomicUsize,
+    answers: AtomicUsize,
+}
+
+#[derive(Debug)]
+struct Held {
+    pending: Arc<Pending>,
+    bytes: usize,
+}
+
+impl Pending {
+    fn hold(self: &Arc<Self>, bytes: usize) -> Option<Held> {
+        self.bytes
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+                held.checked_add(bytes).filter(|&total| total <= MAX_PENDING_BYTES)
+            })
+            .ok()?;
+        let answers = self.answers.fetch_add(1, Ordering::AcqRel) + 1;
+        metrics::gauge!("idem_pending_answers").set(answers as f64);
+        Some(Held {
+            pending: self.clone(),
+            bytes,
+        })
+    }
+
+    /// How many answers are held now.
+    pub(crate) fn answers(&self) -> usize {
+        self.answers.load(Ordering::Acquire)
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.pending.bytes.fetch_sub(self.bytes, Ordering::AcqRel);
+        let answers = self.pending.answers.fetch_sub(1, Ordering::AcqRel) - 1;
+        metrics::gauge!("idem_pending_answers").set(answers as f64);
+    }
+}
+
+impl Protocol {
+    /// Drives `work` (the handler, then reading its answer) under `claim`: the lease is renewed
+    /// beside it, so a slow handler never loses its record and a slow renewal never pauses the
+    /// handler; after the policy's `run_timeout` (counted from the claim) the work is dropped.
+    pub async fn drive<F: Future>(&self, claim: &Claim, work: F) -> Result<F::Output, RunTimedOut> {
+        let deadline = claim.run_deadline();
+        self.renewing(claim, async move { tokio::time::timeout_at(deadline, work).await })
+            .await
+            .map_err(|_| RunTimedOut)
+    }
+
+    /// Runs `work` while renewing the claim's lease every third of it, concurrently: the work is
+    /// polled whatever a renewal is waiting for. Renewal stops if the claim is fenced.
+    pub(crate) async fn renewing<F: Future>(&self, claim: &Claim, work: F) -> F::Output {
+        let every = self.renew_every();
+        let renewal = async {
+            let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                ticks.tick().await;
+                match self.renew(claim).await {
+                    Ok(()) => {}
+                    Err(StoreError::Fenced) => {
+                        tracing::warn!(scope = %claim.id().scope, key = %claim.id().key, "the claim was taken over while the request ran; its answer will not be stored");
+                        return;
+                    }
+                    Err(err) => {
+                        tracing::warn!(scope = %claim.id().scope, key = %claim.id().key, error = %err, "could not renew the lease")
+                    }
+                }
+            }
+        };
+        let mut work = pin!(work);
+        let mut renewal = pin!(renewal);
+        tokio::select! {
+            output = &mut work => output,
+            () = &mut renewal => work.await,
+        }
+    }
+
+    /// Stores the answer of a run (`body: None` stores it compact). If the store fails, the
+    /// answer is handed back to be stored again ([`Unstored::Pending`]) rather than dropped.
+    pub async fn finish(
+        &self,
+        claim: &Claim,
+        head: &http::response::Parts,
+        body: Option<Bytes>,
+    ) -> Result<(), Unstored> {
+        let response = self.capture(head, body);
+        match self.complete(claim, response.clone()).await {
+            Ok(()) => Ok(()),
+            Err(err @ (StoreError::Fenced | StoreError::Corrupt(_))) => Err(Unstored::Lost(err)),
+            Err(err) => match self.inner().pending.hold(response.len()) {
+                Some(held) => {
+                    tracing::warn!(scope = %claim.id().scope, key = %claim.id().key, error = %err, "could not store the answer; holding it and trying again");
+                    Err(Unstored::Pending(PendingAnswer {
+                        protocol: self.clone(),
+                        claim: claim.clone(),
+                        response,
+                        _held: held,
+                    }))
+                }
+                None => {
+                    tracing::error!(scope = %claim.id().scope, key = %claim.id().key, error = %err, limit = MAX_PENDING_BYTES, "could not store the answer, and too many answers are already held: giving it up");
+                    Err(Unstored::Lost(err))
+                }
+            },
+        }
+    }
+
+    /// How many answers are held now, waiting for the store to take them.
+    pub fn pending_answers(&self) -> usize {
+        self.inner().pending.answers()
+    }
+
+    async fn complete(&self, claim: &Claim, response: Bytes) -> Result<(), StoreError> {
+        let now = self.now();
+        let policy = self.policy();
+        let (expires_at, purge_at) = match claim.provisional() {
+            // A provisional key leaves no tombstone: after the window the same body is a new request.
+            Some(window) => (now.plus(window), now.plus(window)),
+            None => (now.plus(policy.ttl), now.plus(policy.tombstone_ttl.max(policy.ttl))),
+        };
+        let completion = Completion {
+            response,
+            completed_at: now,
+            expires_at,
+            purge_at,
+        };
+        let store = self.store();
+        self.bounded(store.complete(claim.id(), claim.token(), completion))
+            .await
+    }
+
+    /// Bounds a store operation by the policy's `store_timeout`: a store that hangs (a half-open
+    /// connection, a held lock) is a store that failed.
+    pub(crate) async fn bounded<T>(
+        &self,
+        operation: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let limit = self.policy().store_timeout;
+        tokio::time::timeout(limit, operation)
+            .await
+            .unwrap_or_else(|_| Err(StoreError::unavailable(StoreTimedOut(limit))))
+    }
+}
+
+impl PendingAnswer {
+    /// Stores the answer, trying again with a short backoff (and renewing the lease meanwhile)
+    /// until it is stored or the claim is fenced.
+    pub async fn store(self) -> Result<(), StoreError> {
+        let Self {
+            protocol,
+            claim,
+            response,
+            _held,
+        } = self;
+        let retries = async {
+            let mut pause = FIRST_RETRY_PAUSE;
+            loop {
+                tokio::time::sleep(pause).await;
+                match protocol.complete(&claim, response.clone()).await {
+                    Ok(()) => {
+                        tracing::info!(scope = %claim.id().scope, key = %claim.id().key, "the held answer is stored");
+                        return Ok(());
+                    }
+                    Err(err @ (StoreError::Fenced | StoreError::Corrupt(_))) => return Err(err),
+                    Err(err) => {
+                        tracing::debug!(scope = %claim.id().scope, key = %claim.id().key, error = %err, "still cannot store the held answer");
+                        pause = (pause * 2).min(MAX_RETRY_PAUSE);
+                    }
+                }
+            }
+        };
+        protocol.renewing(&claim, retries).await
+    }
+}
