@@ -1,24 +1,29 @@
-//! The one multiplexed connection of a store, to one server or to a cluster. Both reconnect by
-//! themselves after an outage, and both carry pub/sub push messages (RESP3) next to commands.
+//! The connection that runs the store's commands: one multiplexed connection to one server, or
+//! one per node of a cluster. It never subscribes to anything (wake-ups have their own
+//! connection, see `notify`), so the redis crate never resubscribes on it, and no subscription
+//! confirmation can ever be taken for a command's reply. If a reply is found to belong to another
+//! command anyway, the connection is replaced.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
-use redis::{Cmd, Pipeline, PushInfo, RedisFuture, Value};
+use redis::{Cmd, Pipeline, RedisFuture, Value};
 
 use crate::url::{Config, Target};
 
 /// How long one command may take before it fails (the store is then unavailable). Generous
 /// enough for a stored answer of several MiB.
-const RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
+pub(crate) const RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// How long a cluster command may take with its redirections and retries.
-const CLUSTER_OVERALL_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const CLUSTER_OVERALL_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How long one attempt to (re)connect may take.
-const CONNECTION_TIMEOUT: Duration = Duration::from_secs(1);
+pub(crate) const CONNECTION_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Reconnection attempts per failed connection, standalone (each failed command starts a new
 /// round; commands fail fast meanwhile instead of queueing for minutes).
@@ -27,24 +32,19 @@ const RECONNECT_ATTEMPTS: usize = 2;
 /// The connection, cheap to clone (clones share it).
 #[derive(Clone)]
 pub(crate) enum Conn {
-    /// One server, reconnected by the connection manager, which also resubscribes.
+    /// One server, reconnected by the connection manager.
     Standalone(ConnectionManager),
-    /// A cluster: one connection per node, following slot moves; subscriptions follow their slot.
+    /// A cluster: one connection per node, following slot moves.
     Cluster(ClusterConnection),
 }
 
 impl Conn {
-    /// Connects; `push` receives every pub/sub message.
-    pub(crate) async fn connect(
-        config: &Config,
-        push: impl Fn(PushInfo) -> Result<(), std::convert::Infallible> + Send + Sync + 'static,
-    ) -> redis::RedisResult<Self> {
-        match &config.target {
+    /// Connects, without a push sender: this connection carries commands only.
+    async fn connect(target: &Target) -> redis::RedisResult<Self> {
+        match target {
             Target::Standalone(info) => {
                 let client = redis::Client::open(info.clone())?;
                 let manager_config = ConnectionManagerConfig::new()
-                    .set_push_sender(push)
-                    .set_automatic_resubscription()
                     .set_response_timeout(Some(RESPONSE_TIMEOUT))
                     .set_connection_timeout(Some(CONNECTION_TIMEOUT))
                     .set_number_of_retries(RECONNECT_ATTEMPTS)
@@ -55,7 +55,6 @@ impl Conn {
             Target::Cluster(nodes) => {
                 let client = ClusterClientBuilder::new(nodes.clone())
                     .use_protocol(redis::ProtocolVersion::RESP3)
-                    .push_sender(push)
                     .response_timeout(RESPONSE_TIMEOUT)
                     .overall_response_timeout(Some(CLUSTER_OVERALL_TIMEOUT))
                     .connection_timeout(CONNECTION_TIMEOUT)
@@ -63,26 +62,6 @@ impl Conn {
                     .build()?;
                 Ok(Self::Cluster(client.get_async_connection().await?))
             }
-        }
-    }
-
-    pub(crate) fn is_cluster(&self) -> bool {
-        matches!(self, Self::Cluster(_))
-    }
-
-    /// Subscribes to a record's channel: `SSUBSCRIBE` on a cluster (sharded pub/sub, the channel
-    /// lives on the record's shard), `SUBSCRIBE` on one server.
-    pub(crate) async fn subscribe(&mut self, channel: &str) -> redis::RedisResult<()> {
-        match self {
-            Self::Standalone(conn) => conn.subscribe(channel).await,
-            Self::Cluster(conn) => conn.ssubscribe(channel).await,
-        }
-    }
-
-    pub(crate) async fn unsubscribe(&mut self, channel: &str) -> redis::RedisResult<()> {
-        match self {
-            Self::Standalone(conn) => conn.unsubscribe(channel).await,
-            Self::Cluster(conn) => conn.sunsubscribe(channel).await,
         }
     }
 }
@@ -112,5 +91,67 @@ impl ConnectionLike for Conn {
             Self::Standalone(conn) => conn.get_db(),
             Self::Cluster(conn) => conn.get_db(),
         }
+    }
+}
+
+/// The command connection of a store, replaced when it is found out of step.
+pub(crate) struct Commands {
+    target: Target,
+    current: RwLock<Current>,
+    replacing: AtomicBool,
+}
+
+struct Current {
+    conn: Conn,
+    /// Which connection this is, so that a late report about an old one replaces nothing.
+    generation: u64,
+}
+
+impl Commands {
+    pub(crate) async fn connect(config: &Config) -> redis::RedisResult<Arc<Self>> {
+        let conn = Conn::connect(&config.target).await?;
+        Ok(Arc::new(Self {
+            target: config.target.clone(),
+            current: RwLock::new(Current { conn, generation: 0 }),
+            replacing: AtomicBool::new(false),
+        }))
+    }
+
+    pub(crate) fn is_cluster(&self) -> bool {
+        matches!(self.target, Target::Cluster(_))
+    }
+
+    /// The connection to send a command on, and its generation for [`Commands::out_of_step`].
+    pub(crate) fn get(&self) -> (Conn, u64) {
+        let current = self.current.read().unwrap_or_else(PoisonError::into_inner);
+        (current.conn.clone(), current.generation)
+    }
+
+    /// Reports that connection `generation` answered a command with another command's reply:
+    /// every later reply on it may be shifted too. A new connection is made in the background and
+    /// replaces it; commands already sent on the old one finish there (their replies are checked
+    /// like any other).
+    pub(crate) fn out_of_step(self: &Arc<Self>, generation: u64) {
+        if self.get().1 != generation || self.replacing.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let this = Arc::clone(self);
+        tokio::spawn(async move {
+            match Conn::connect(&this.target).await {
+                Ok(conn) => {
+                    let mut current = this.current.write().unwrap_or_else(PoisonError::into_inner);
+                    if current.generation == generation {
+                        *current = Current {
+                            conn,
+                            generation: generation + 1,
+                        };
+                        tracing::warn!("the Redis connection was out of step; replaced it");
+                    }
+                }
+                // The next reply found out of step tries again.
+                Err(err) => tracing::warn!(error = %err, "cannot replace the Redis connection that is out of step"),
+            }
+            this.replacing.store(false, Ordering::SeqCst);
+        });
     }
 }

@@ -69,9 +69,18 @@
 //!
 //! `wait` subscribes to the record's channel before it checks the record, then sleeps until a
 //! message, a poll (the first after a quarter of `poll_interval`, doubling up to
-//! `poll_interval`, default 250 ms) or the deadline. All waiters of a store share its one
-//! connection: the first waiter of a channel subscribes, the last unsubscribes. Messages
-//! published while the connection was down are lost; polling covers them.
+//! `poll_interval`, default 250 ms) or the deadline. All waiters of a store share one pub/sub
+//! connection (on a cluster, one per node), never the one that runs commands: the first waiter of
+//! a channel subscribes, the last unsubscribes. Messages published while that connection was down
+//! are lost: once it is back (on one server), every waiter looks at its record again, and polling
+//! covers the rest.
+//!
+//! # Replies
+//!
+//! Every script's reply starts with the key of the record and a nonce of the call it answers. A
+//! reply that reaches another call (a connection whose replies are shifted, as a redis crate
+//! resubscription can leave one) is an error, [`StoreError::Unavailable`](idem_core::StoreError),
+//! never an answer, and the connection is replaced.
 #![forbid(unsafe_code)]
 
 mod conn;

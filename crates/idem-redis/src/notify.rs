@@ -1,4 +1,5 @@
-//! Wake-ups for [`idem_core::Store::wait`] through pub/sub on the store's one connection.
+//! Wake-ups for [`idem_core::Store::wait`]: pub/sub on a connection of its own, never on the
+//! connection that runs commands.
 //!
 //! Waiters register their record's channel with a subscription task, which subscribes when the
 //! first waiter of a channel arrives and unsubscribes when the last one leaves. The task does
@@ -6,14 +7,38 @@
 //! overtake each other. Messages arrive as RESP3 push messages; the connection hands them to
 //! [`Registry::dispatch`], which wakes the channel's waiters at once, without going through the
 //! task.
+//!
+//! On one server the task keeps its connection itself, and the redis crate's automatic
+//! resubscription is not used: after a reconnection it sends one `SUBSCRIBE` for N channels and
+//! expects one reply, so when that times out the N-1 other confirmations are taken for the
+//! replies of later requests. Here every `SUBSCRIBE` names one channel and its confirmation must
+//! name it too; a connection that fails, times out or answers out of step is dropped, and the next
+//! one subscribes to every watched channel again, then wakes every waiter to look again (messages
+//! published meanwhile are lost).
+//!
+//! On a cluster, sharded pub/sub (`SSUBSCRIBE`, the channel lives on its record's shard) on a
+//! cluster connection of its own, which follows the slots and resubscribes after reconnecting.
+//! That resubscription has the same flaw, but on this connection a misplaced confirmation can
+//! only be taken for another subscription's, never for a command's reply: at worst a waiter
+//! polls.
 
 use std::collections::HashMap;
+use std::convert::Infallible;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
 
-use redis::{PushInfo, PushKind, Value};
+use redis::aio::MultiplexedConnection;
+use redis::cluster::ClusterClientBuilder;
+use redis::cluster_async::ClusterConnection;
+use redis::{AsyncConnectionConfig, PushInfo, PushKind, Value};
 use tokio::sync::{Notify, mpsc, oneshot};
+use tokio::time::Instant;
 
-use crate::conn::Conn;
+use crate::conn::{CLUSTER_OVERALL_TIMEOUT, CONNECTION_TIMEOUT, RESPONSE_TIMEOUT};
+use crate::url::{Config, Target};
+
+/// The longest pause between two attempts to reconnect the pub/sub connection.
+const MAX_RECONNECT_PAUSE: Duration = Duration::from_secs(2);
 
 /// The channels waited on in this store, and how to wake their waiters.
 #[derive(Debug, Default)]
@@ -29,13 +54,20 @@ impl Registry {
 
     /// Wakes the waiters of the channel a message was published on. Called by the connection for
     /// every push message; must not block.
-    pub(crate) fn dispatch(&self, push: &PushInfo) {
+    fn dispatch(&self, push: &PushInfo) {
         if !matches!(push.kind, PushKind::Message | PushKind::SMessage) {
             return;
         }
         if let Some(Value::BulkString(channel)) = push.data.first()
             && let Some(notify) = self.channels().get(channel.as_slice())
         {
+            notify.notify_waiters();
+        }
+    }
+
+    /// Wakes every waiter, so that each looks at its record again.
+    fn wake_all(&self) {
+        for notify in self.channels().values() {
             notify.notify_waiters();
         }
     }
@@ -58,11 +90,13 @@ pub(crate) struct Subscriptions {
 }
 
 impl Subscriptions {
-    /// Starts the subscription task on the current runtime.
-    pub(crate) fn start(conn: Conn, registry: Arc<Registry>) -> Self {
+    /// Opens the pub/sub connection and starts the subscription task on the current runtime.
+    pub(crate) async fn connect(config: &Config) -> redis::RedisResult<Self> {
+        let registry = Arc::new(Registry::default());
+        let link = Link::connect(config, Arc::clone(&registry)).await?;
         let (requests, inbox) = mpsc::unbounded_channel();
-        tokio::spawn(run(conn, registry, inbox));
-        Self { requests }
+        tokio::spawn(run(link, registry, inbox));
+        Ok(Self { requests })
     }
 
     /// Registers interest in `channel`. The channel is subscribed once
@@ -92,7 +126,8 @@ pub(crate) struct Watch {
 impl Watch {
     /// Waits until the subscription is in place and returns what wakes the channel's waiters.
     /// `None` if the task is gone (the runtime shuts down): the caller falls back to polling.
-    /// If subscribing failed, the notifier still comes, but only polling will find changes.
+    /// If subscribing failed, the notifier still comes: polling finds changes until the channel
+    /// is subscribed again, which wakes it.
     pub(crate) async fn subscribed(&mut self) -> Option<Arc<Notify>> {
         self.ready.take()?.await.ok()
     }
@@ -107,48 +142,276 @@ impl Drop for Watch {
     }
 }
 
+/// The pub/sub connection.
+enum Link {
+    Standalone(Box<Own>),
+    Cluster(ClusterConnection),
+}
+
+/// What happened to the link while the task waited for requests.
+enum LinkEvent {
+    /// The connection is gone, and its subscriptions with it.
+    Lost,
+    /// It is time to try connecting again.
+    Due,
+}
+
+impl Link {
+    async fn connect(config: &Config, registry: Arc<Registry>) -> redis::RedisResult<Self> {
+        match &config.target {
+            Target::Standalone(info) => {
+                let mut own = Own {
+                    client: redis::Client::open(info.clone())?,
+                    registry,
+                    conn: None,
+                    generation: 0,
+                    lost: mpsc::unbounded_channel(),
+                    retry_at: Instant::now(),
+                    pause: Duration::ZERO,
+                };
+                own.connect().await?;
+                Ok(Self::Standalone(Box::new(own)))
+            }
+            Target::Cluster(nodes) => {
+                let push = move |push: PushInfo| {
+                    registry.dispatch(&push);
+                    Ok::<(), Infallible>(())
+                };
+                let client = ClusterClientBuilder::new(nodes.clone())
+                    .use_protocol(redis::ProtocolVersion::RESP3)
+                    .push_sender(push)
+                    .response_timeout(RESPONSE_TIMEOUT)
+                    .overall_response_timeout(Some(CLUSTER_OVERALL_TIMEOUT))
+                    .connection_timeout(CONNECTION_TIMEOUT)
+                    .retries(4)
+                    .build()?;
+                Ok(Self::Cluster(client.get_async_connection().await?))
+            }
+        }
+    }
+
+    /// Subscribes to `channel`; `false` if it is not subscribed now (polling finds changes).
+    async fn subscribe(&mut self, channel: &str) -> bool {
+        match self {
+            Self::Standalone(own) => own.confirm(Change::Subscribe, channel).await == Ok(true),
+            Self::Cluster(conn) => match conn.ssubscribe(channel).await {
+                Ok(()) => true,
+                Err(err) => {
+                    tracing::debug!(%channel, error = %err, "cannot subscribe; polling instead");
+                    false
+                }
+            },
+        }
+    }
+
+    async fn unsubscribe(&mut self, channel: &str) {
+        match self {
+            Self::Standalone(own) => {
+                let _ = own.confirm(Change::Unsubscribe, channel).await;
+            }
+            Self::Cluster(conn) => {
+                if let Err(err) = conn.sunsubscribe(channel).await {
+                    tracing::debug!(%channel, error = %err, "cannot unsubscribe");
+                }
+            }
+        }
+    }
+
+    /// Waits until the connection is lost or, when `wanted`, due to be made again.
+    async fn event(&mut self, wanted: bool) -> LinkEvent {
+        match self {
+            Self::Standalone(own) => own.event(wanted).await,
+            // The cluster connection reconnects and resubscribes by itself.
+            Self::Cluster(_) => std::future::pending().await,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Change {
+    Subscribe,
+    Unsubscribe,
+}
+
+/// The pub/sub connection to one server, kept by the subscription task.
+struct Own {
+    client: redis::Client,
+    registry: Arc<Registry>,
+    conn: Option<MultiplexedConnection>,
+    /// Counts connections, so that the loss of an old one is not taken for the current one's.
+    generation: u64,
+    /// The generations of the connections that went down.
+    lost: (mpsc::UnboundedSender<u64>, mpsc::UnboundedReceiver<u64>),
+    retry_at: Instant,
+    pause: Duration,
+}
+
+impl Own {
+    async fn connect(&mut self) -> redis::RedisResult<()> {
+        self.generation += 1;
+        let generation = self.generation;
+        let registry = Arc::clone(&self.registry);
+        let lost = self.lost.0.clone();
+        let push = move |push: PushInfo| {
+            if push.kind == PushKind::Disconnection {
+                let _ = lost.send(generation);
+            } else {
+                registry.dispatch(&push);
+            }
+            Ok::<(), Infallible>(())
+        };
+        let config = AsyncConnectionConfig::new()
+            .set_push_sender(push)
+            .set_connection_timeout(Some(CONNECTION_TIMEOUT))
+            .set_response_timeout(Some(RESPONSE_TIMEOUT));
+        self.conn = Some(
+            self.client
+                .get_multiplexed_async_connection_with_config(&config)
+                .await?,
+        );
+        Ok(())
+    }
+
+    /// Drops the connection (its subscriptions go with it) and schedules the next one, backing off.
+    fn disconnect(&mut self) {
+        self.conn = None;
+        self.retry_at = Instant::now() + self.pause;
+        self.pause = (self.pause * 2).clamp(Duration::from_millis(100), MAX_RECONNECT_PAUSE);
+    }
+
+    /// Subscribes or unsubscribes one channel. `Ok(true)`: confirmed; `Ok(false)`: the server
+    /// refused; `Err`: the connection failed, timed out or answered with anything but this
+    /// channel's confirmation, and is dropped.
+    async fn confirm(&mut self, change: Change, channel: &str) -> Result<bool, ()> {
+        let Some(conn) = &mut self.conn else {
+            return Err(());
+        };
+        let (command, expected) = match change {
+            Change::Subscribe => ("SUBSCRIBE", PushKind::Subscribe),
+            Change::Unsubscribe => ("UNSUBSCRIBE", PushKind::Unsubscribe),
+        };
+        match redis::cmd(command).arg(channel).query_async::<Value>(conn).await {
+            Ok(Value::Push { kind, data })
+                if kind == expected
+                    && matches!(data.first(), Some(Value::BulkString(name)) if name == channel.as_bytes()) =>
+            {
+                Ok(true)
+            }
+            Ok(other) => {
+                tracing::warn!(%channel, reply = ?other, "the pub/sub connection answered {command} out of step; reconnecting");
+                self.disconnect();
+                Err(())
+            }
+            Err(err) if matches!(err.kind(), redis::ErrorKind::Server(_) | redis::ErrorKind::Extension) => {
+                tracing::debug!(%channel, error = %err, "{command} refused");
+                Ok(false)
+            }
+            Err(err) => {
+                tracing::debug!(%channel, error = %err, "{command} failed; reconnecting");
+                self.disconnect();
+                Err(())
+            }
+        }
+    }
+
+    async fn event(&mut self, wanted: bool) -> LinkEvent {
+        loop {
+            if self.conn.is_some() {
+                let current = self.generation;
+                // Never `None`: `self.lost.0` is a sender.
+                if self.lost.1.recv().await == Some(current) {
+                    self.disconnect();
+                    return LinkEvent::Lost;
+                }
+            } else if wanted {
+                tokio::time::sleep_until(self.retry_at).await;
+                return LinkEvent::Due;
+            } else {
+                // Nobody waits: connect again when somebody does.
+                return std::future::pending().await;
+            }
+        }
+    }
+
+    /// Connects again and subscribes to every watched channel; wakes every waiter once done.
+    async fn resubscribe(&mut self, watched: &mut HashMap<String, Watched>) {
+        if let Err(err) = self.connect().await {
+            tracing::debug!(error = %err, "cannot reconnect the pub/sub connection");
+            self.disconnect();
+            return;
+        }
+        for (channel, entry) in watched.iter_mut() {
+            match self.confirm(Change::Subscribe, channel).await {
+                Ok(subscribed) => entry.subscribed = subscribed,
+                // Dropped again; the next attempt starts over.
+                Err(()) => return,
+            }
+        }
+        self.pause = Duration::ZERO;
+        tracing::debug!(channels = watched.len(), "the pub/sub connection is back");
+        // Whatever was published while the connection was down is lost: every waiter looks again.
+        self.registry.wake_all();
+    }
+}
+
 struct Watched {
     waiters: usize,
     subscribed: bool,
 }
 
-async fn run(mut conn: Conn, registry: Arc<Registry>, mut inbox: mpsc::UnboundedReceiver<Request>) {
+async fn run(mut link: Link, registry: Arc<Registry>, mut inbox: mpsc::UnboundedReceiver<Request>) {
     let mut watched: HashMap<String, Watched> = HashMap::new();
-    while let Some(request) = inbox.recv().await {
-        match request {
-            Request::Watch { channel, subscribed } => {
-                let entry = watched.entry(channel.clone()).or_insert(Watched {
-                    waiters: 0,
-                    subscribed: false,
-                });
-                entry.waiters += 1;
-                // Registered before subscribing: a message that follows the confirmation at
-                // once finds its waiters.
-                let notify = Arc::clone(registry.channels().entry(channel.clone().into_bytes()).or_default());
-                if !entry.subscribed {
-                    // A failed subscription is retried by the channel's next waiter; until then
-                    // polling finds the change.
-                    match conn.subscribe(&channel).await {
-                        Ok(()) => entry.subscribed = true,
-                        Err(err) => tracing::debug!(%channel, error = %err, "cannot subscribe; polling instead"),
+    loop {
+        let wanted = !watched.is_empty();
+        tokio::select! {
+            request = inbox.recv() => match request {
+                Some(request) => handle(&mut link, &registry, &mut watched, request).await,
+                None => return,
+            },
+            event = link.event(wanted) => match (event, &mut link) {
+                (LinkEvent::Lost, _) => {
+                    for entry in watched.values_mut() {
+                        entry.subscribed = false;
                     }
                 }
-                let _ = subscribed.send(notify);
+                (LinkEvent::Due, Link::Standalone(own)) => own.resubscribe(&mut watched).await,
+                (LinkEvent::Due, Link::Cluster(_)) => {}
+            },
+        }
+    }
+}
+
+async fn handle(link: &mut Link, registry: &Registry, watched: &mut HashMap<String, Watched>, request: Request) {
+    match request {
+        Request::Watch { channel, subscribed } => {
+            let entry = watched.entry(channel.clone()).or_insert(Watched {
+                waiters: 0,
+                subscribed: false,
+            });
+            entry.waiters += 1;
+            // Registered before subscribing: a message that follows the confirmation at once
+            // finds its waiters.
+            let notify = Arc::clone(registry.channels().entry(channel.clone().into_bytes()).or_default());
+            if !entry.subscribed {
+                // A failed subscription is retried by the channel's next waiter, or when the
+                // connection is made again; until then polling finds the change.
+                entry.subscribed = link.subscribe(&channel).await;
             }
-            Request::Unwatch { channel } => {
-                let Some(entry) = watched.get_mut(&channel) else {
-                    continue;
-                };
-                entry.waiters -= 1;
-                if entry.waiters > 0 {
-                    continue;
-                }
-                let subscribed = entry.subscribed;
-                watched.remove(&channel);
-                registry.channels().remove(channel.as_bytes());
-                if subscribed && let Err(err) = conn.unsubscribe(&channel).await {
-                    tracing::debug!(%channel, error = %err, "cannot unsubscribe");
-                }
+            let _ = subscribed.send(notify);
+        }
+        Request::Unwatch { channel } => {
+            let Some(entry) = watched.get_mut(&channel) else {
+                return;
+            };
+            entry.waiters -= 1;
+            if entry.waiters > 0 {
+                return;
+            }
+            let subscribed = entry.subscribed;
+            watched.remove(&channel);
+            registry.channels().remove(channel.as_bytes());
+            if subscribed {
+                link.unsubscribe(&channel).await;
             }
         }
     }

@@ -1,8 +1,14 @@
-//! The Lua scripts: one per write operation, so every operation is one atomic round trip.
+//! The Lua scripts: one per operation, so every operation is one atomic round trip.
 //!
 //! Every script gets `KEYS[1]` = the record hash and `KEYS[2]` = the body string, which share a
-//! cluster hash tag; the wake-up channel (same tag, so `SPUBLISH` reaches the shard that runs the
-//! script) and the publish command (`PUBLISH` standalone, `SPUBLISH` on a cluster) come in ARGV.
+//! cluster hash tag, and `ARGV[1]` = a nonce, fresh for every call. The wake-up channel (same tag,
+//! so `SPUBLISH` reaches the shard that runs the script) and the publish command (`PUBLISH`
+//! standalone, `SPUBLISH` on a cluster) come in ARGV too.
+//!
+//! Every reply starts with the record's key and the call's nonce (`{rec, nonce, ...}`), and so
+//! does every error the scripts raise about a record: a reply that reaches another call than the
+//! one it answers (a connection whose replies are shifted by one) names another record or nonce,
+//! and is refused instead of being acted on.
 //!
 //! Times are the caller's Unix milliseconds, compared with the stored ones; native expiry is set
 //! *relative* to the caller's `now` (never `PEXPIREAT`), so callers with a fake clock still get
@@ -11,7 +17,7 @@
 //! complete that set it; `get` judges the record at the client's clock. A ttl that is not
 //! positive deletes the key instead.
 //!
-//! A corrupt record raises an error reply starting with [`CORRUPT`].
+//! A corrupt record raises an error reply `IDEMCORRUPT <nonce> <record> ...` (see [`CORRUPT`]).
 
 use std::sync::LazyLock;
 
@@ -22,12 +28,15 @@ pub(crate) const CORRUPT: &str = "IDEMCORRUPT";
 
 /// Helpers shared by the scripts. `now` must be set before `expire_at` is used.
 const PRELUDE: &str = r#"
-local rec, body = KEYS[1], KEYS[2]
+local rec, body, nonce = KEYS[1], KEYS[2], ARGV[1]
 local now
+local function answer(...)
+  return {rec, nonce, ...}
+end
 local function num(value, field)
   local n = tonumber(value)
   if n == nil then
-    error(redis.error_reply('IDEMCORRUPT ' .. rec .. ' has no valid ' .. field))
+    error(redis.error_reply('IDEMCORRUPT ' .. nonce .. ' ' .. rec .. ' has no valid ' .. field))
   end
   return n
 end
@@ -53,13 +62,15 @@ local function shift_expiry(key, old_at, new_at, fallback_now)
 end
 "#;
 
-/// `begin`. ARGV: now, lease_until, token, digest, fingerprint, purge_at of the claim, channel,
-/// publish command.
+/// `begin`. ARGV: nonce, now, lease_until, token, digest, fingerprint, purge_at of the claim,
+/// channel, publish command.
 ///
-/// Returns `{'acquired', recovered}` or `{'existing', HGETALL of the record, body or nil}`.
+/// Returns `{rec, nonce, 'acquired', recovered}` or
+/// `{rec, nonce, 'existing', HGETALL of the record, body or nil}`.
 const BEGIN: &str = r#"
-now = num(ARGV[1], 'now')
-local lease_until, token, digest, claim_purge_at = ARGV[2], ARGV[3], ARGV[4], ARGV[6]
+now = num(ARGV[2], 'now')
+local lease_until, token, digest, fingerprint = ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+local claim_purge_at, channel, publish = ARGV[7], ARGV[8], ARGV[9]
 local function claim(recovered)
   redis.call('HSET', rec, 'state', 'in-flight', 'token', token, 'lease_until', lease_until,
     'purge_at', claim_purge_at, 'recovered', recovered)
@@ -69,25 +80,25 @@ local cur = redis.call('HMGET', rec, 'state', 'digest', 'token', 'lease_until', 
 local state = cur[1]
 if state == 'in-flight' and cur[3] == token then
   -- This very claim was already made: a retry after the reply was lost.
-  return {'acquired', tonumber(cur[7]) or 0}
+  return answer('acquired', tonumber(cur[7]) or 0)
 end
 if state and num(cur[5], 'purge_at') <= now then
   -- Past purge_at the record is as good as absent; whoever waits on it must look again.
   redis.call('DEL', rec)
-  redis.call(ARGV[8], ARGV[7], 'replaced')
+  redis.call(publish, channel, 'replaced')
   state = false
 end
 if not state then
   redis.call('DEL', body)
-  redis.call('HSET', rec, 'fingerprint', ARGV[5], 'digest', digest, 'created_at', ARGV[1], 'replays', 0)
+  redis.call('HSET', rec, 'fingerprint', fingerprint, 'digest', digest, 'created_at', ARGV[2], 'replays', 0)
   claim(0)
-  return {'acquired', 0}
+  return answer('acquired', 0)
 end
 local same = cur[2] == digest
 if same and (state == 'unknown' or (state == 'in-flight' and num(cur[4], 'lease_until') <= now)) then
   claim(1)
-  redis.call(ARGV[8], ARGV[7], 'taken-over')
-  return {'acquired', 1}
+  redis.call(publish, channel, 'taken-over')
+  return answer('acquired', 1)
 end
 -- An answer past expires_at is not returned, even in the moment before its key expires.
 local response = false
@@ -97,77 +108,92 @@ if state == 'completed' and now < num(cur[6], 'expires_at') then
     redis.call('HINCRBY', rec, 'replays', 1)
   end
 end
-return {'existing', redis.call('HGETALL', rec), response}
+return answer('existing', redis.call('HGETALL', rec), response)
 "#;
 
-/// `complete`. ARGV: token, response, completed_at (the `now` of the expiries), expires_at,
-/// purge_at, channel, publish command. Returns 1, or 0 if the token is not the current claim.
+/// `complete`. ARGV: nonce, token, response, completed_at (the `now` of the expiries),
+/// expires_at, purge_at, channel, publish command. Returns `{rec, nonce, 1}`, or
+/// `{rec, nonce, 0}` if the token is not the current claim.
 const COMPLETE: &str = r#"
+local token, response, channel, publish = ARGV[2], ARGV[3], ARGV[7], ARGV[8]
 local cur = redis.call('HMGET', rec, 'state', 'token')
-if cur[1] ~= 'in-flight' or cur[2] ~= ARGV[1] then
-  return 0
+if cur[1] ~= 'in-flight' or cur[2] ~= token then
+  return answer(0)
 end
-now = num(ARGV[3], 'completed_at')
+now = num(ARGV[4], 'completed_at')
 redis.call('HDEL', rec, 'token', 'lease_until', 'recovered')
-redis.call('HSET', rec, 'state', 'completed', 'completed_at', ARGV[3], 'expires_at', ARGV[4], 'purge_at', ARGV[5])
-local body_ttl = num(ARGV[4], 'expires_at') - now
+redis.call('HSET', rec, 'state', 'completed', 'completed_at', ARGV[4], 'expires_at', ARGV[5], 'purge_at', ARGV[6])
+local body_ttl = num(ARGV[5], 'expires_at') - now
 if body_ttl > 0 then
-  redis.call('SET', body, ARGV[2], 'PX', string.format('%d', body_ttl))
+  redis.call('SET', body, response, 'PX', string.format('%d', body_ttl))
 else
   redis.call('DEL', body)
 end
-expire_at(rec, num(ARGV[5], 'purge_at'))
-redis.call(ARGV[7], ARGV[6], 'completed')
-return 1
+expire_at(rec, num(ARGV[6], 'purge_at'))
+redis.call(publish, channel, 'completed')
+return answer(1)
 "#;
 
-/// `release`. ARGV: token, `forget` or `unknown`, purge_at (for `unknown`), the client's clock
-/// (only if the record has no expiry), channel, publish command. Returns 1, or 0 if fenced.
+/// `release`. ARGV: nonce, token, `forget` or `unknown`, purge_at (for `unknown`), the client's
+/// clock (only if the record has no expiry), channel, publish command. Returns `{rec, nonce, 1}`,
+/// or `{rec, nonce, 0}` if fenced.
 const RELEASE: &str = r#"
+local token, mode, channel, publish = ARGV[2], ARGV[3], ARGV[6], ARGV[7]
 local cur = redis.call('HMGET', rec, 'state', 'token', 'purge_at')
-if cur[1] ~= 'in-flight' or cur[2] ~= ARGV[1] then
-  return 0
+if cur[1] ~= 'in-flight' or cur[2] ~= token then
+  return answer(0)
 end
-if ARGV[2] == 'forget' then
+if mode == 'forget' then
   redis.call('DEL', rec, body)
 else
-  local purge_at = num(ARGV[3], 'purge_at')
+  local purge_at = num(ARGV[4], 'purge_at')
   redis.call('HDEL', rec, 'token', 'lease_until', 'recovered')
-  redis.call('HSET', rec, 'state', 'unknown', 'purge_at', ARGV[3])
+  redis.call('HSET', rec, 'state', 'unknown', 'purge_at', ARGV[4])
   redis.call('DEL', body)
-  shift_expiry(rec, cur[3], purge_at, num(ARGV[4], 'now'))
+  shift_expiry(rec, cur[3], purge_at, num(ARGV[5], 'now'))
 end
-redis.call(ARGV[6], ARGV[5], 'released')
-return 1
+redis.call(publish, channel, 'released')
+return answer(1)
 "#;
 
-/// `renew`. ARGV: token, lease_until, purge_at of the claim, the client's clock (only if the
-/// record has no expiry). Returns 1, or 0 if fenced.
+/// `renew`. ARGV: nonce, token, lease_until, purge_at of the claim, the client's clock (only if
+/// the record has no expiry). Returns `{rec, nonce, 1}`, or `{rec, nonce, 0}` if fenced.
 const RENEW: &str = r#"
+local token = ARGV[2]
 local cur = redis.call('HMGET', rec, 'state', 'token', 'purge_at')
-if cur[1] ~= 'in-flight' or cur[2] ~= ARGV[1] then
-  return 0
+if cur[1] ~= 'in-flight' or cur[2] ~= token then
+  return answer(0)
 end
-local purge_at = num(ARGV[3], 'purge_at')
-redis.call('HSET', rec, 'lease_until', ARGV[2], 'purge_at', ARGV[3])
-shift_expiry(rec, cur[3], purge_at, num(ARGV[4], 'now'))
-return 1
+local purge_at = num(ARGV[4], 'purge_at')
+redis.call('HSET', rec, 'lease_until', ARGV[3], 'purge_at', ARGV[4])
+shift_expiry(rec, cur[3], purge_at, num(ARGV[5], 'now'))
+return answer(1)
 "#;
 
-/// `get`. ARGV: the client's clock. Returns `{HGETALL of the record, body or nil}`, read at one
-/// instant and judged at that clock: a record past purge_at is absent (an empty hash), an answer
-/// past expires_at is dropped, even in the moment before their keys expire.
+/// `get`. ARGV: nonce, the client's clock. Returns `{rec, nonce, HGETALL of the record, body or
+/// nil}`, read at one instant and judged at that clock: a record past purge_at is absent (an
+/// empty hash), an answer past expires_at is dropped, even in the moment before their keys expire.
 const GET: &str = r#"
-now = num(ARGV[1], 'now')
+now = num(ARGV[2], 'now')
 local cur = redis.call('HMGET', rec, 'state', 'purge_at', 'expires_at')
 if not cur[1] or num(cur[2], 'purge_at') <= now then
-  return {{}, false}
+  return answer({}, false)
 end
 local response = false
 if cur[1] == 'completed' and now < num(cur[3], 'expires_at') then
   response = redis.call('GET', body)
 end
-return {redis.call('HGETALL', rec), response}
+return answer(redis.call('HGETALL', rec), response)
+"#;
+
+/// Whether a claim is still current, for the polls of `wait`. ARGV: nonce, token. Returns
+/// `{rec, nonce, 1}` if the record is in flight under this token, `{rec, nonce, 0}` otherwise.
+const HOLDS: &str = r#"
+local cur = redis.call('HMGET', rec, 'state', 'token')
+if cur[1] == 'in-flight' and cur[2] == ARGV[2] then
+  return answer(1)
+end
+return answer(0)
 "#;
 
 fn script(body: &str) -> Script {
@@ -179,3 +205,4 @@ pub(crate) static COMPLETE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(CO
 pub(crate) static RELEASE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(RELEASE));
 pub(crate) static RENEW_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(RENEW));
 pub(crate) static GET_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(GET));
+pub(crate) static HOLDS_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(HOLDS));

@@ -6,18 +6,18 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idem_core::stored::{IN_FLIGHT, StoredRecord, wait_for_change};
+use idem_core::stored::{StoredRecord, wait_for_change};
 use idem_core::{
     Begin, BeginRequest, Completion, FencingToken, Purged, Record, RecordId, Release, Store, StoreError, UnixMillis,
     WaitOutcome,
 };
-use redis::{PushInfo, Script, Value};
+use redis::{Script, Value};
 use tokio::sync::Notify;
 
-use crate::conn::Conn;
-use crate::keys::RecordKeys;
-use crate::notify::{Registry, Subscriptions};
-use crate::scripts::{BEGIN_SCRIPT, COMPLETE_SCRIPT, CORRUPT, GET_SCRIPT, RELEASE_SCRIPT, RENEW_SCRIPT};
+use crate::conn::Commands;
+use crate::keys::{RecordKeys, hex};
+use crate::notify::Subscriptions;
+use crate::scripts::{BEGIN_SCRIPT, COMPLETE_SCRIPT, CORRUPT, GET_SCRIPT, HOLDS_SCRIPT, RELEASE_SCRIPT, RENEW_SCRIPT};
 use crate::{RedisError, url};
 
 /// How long an in-flight record whose holder vanished (its lease ended and nobody retried) is kept
@@ -32,15 +32,18 @@ const ABANDONED_CLAIM_RETENTION: Duration = Duration::from_secs(7 * 24 * 60 * 60
 /// Waiters are woken by pub/sub messages (sharded pub/sub on a cluster), with polling as a
 /// fallback for messages lost while a connection was down.
 ///
-/// The store holds one multiplexed connection, which reconnects by itself after an outage;
-/// operations fail with [`StoreError::Unavailable`] meanwhile. Cloning is cheap and shares it.
+/// The store holds two multiplexed connections (on a cluster, two per node): one runs commands,
+/// the other holds the wake-up subscriptions. Both reconnect by themselves after an outage;
+/// operations fail with [`StoreError::Unavailable`] meanwhile. Every reply names the record and
+/// the call it answers: one that does not is an error, never acted on, and the connection it came
+/// on is replaced. Cloning is cheap and shares both connections.
 #[derive(Clone)]
 pub struct RedisStore {
     inner: Arc<Inner>,
 }
 
 struct Inner {
-    conn: Conn,
+    commands: Arc<Commands>,
     prefix: String,
     poll_interval: Duration,
     /// The URL without its password.
@@ -61,6 +64,92 @@ impl fmt::Debug for RedisStore {
     }
 }
 
+/// A reply that answers another call than the one it reached: the connection's replies are
+/// shifted (a reply too many, or one missing, before it).
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "Redis answered {what} on {record} (call {nonce}) with the reply of another command: {got}; \
+     the connection is out of step and is being replaced"
+)]
+struct MisroutedReply {
+    what: &'static str,
+    record: String,
+    nonce: String,
+    /// The start of what came instead.
+    got: String,
+}
+
+/// One call to Redis: what it is, the record it is about and its nonce.
+struct Call<'a> {
+    what: &'static str,
+    record: &'a str,
+    nonce: String,
+}
+
+impl<'a> Call<'a> {
+    fn new(what: &'static str, record: &'a str) -> Self {
+        Self {
+            what,
+            record,
+            nonce: hex(FencingToken::random().as_bytes()),
+        }
+    }
+
+    fn misrouted(&self, got: &dyn fmt::Debug) -> StoreError {
+        let mut got = format!("{got:?}");
+        if got.len() > 200 {
+            let mut end = 200;
+            while !got.is_char_boundary(end) {
+                end -= 1;
+            }
+            got.truncate(end);
+            got.push('…');
+        }
+        StoreError::unavailable(MisroutedReply {
+            what: self.what,
+            record: self.record.to_owned(),
+            nonce: self.nonce.clone(),
+            got,
+        })
+    }
+
+    /// The payload of a script's reply, after the record and nonce it names, if they are this
+    /// call's; the whole reply otherwise.
+    fn open(&self, reply: Value) -> Result<std::vec::IntoIter<Value>, Value> {
+        let Value::Array(items) = reply else {
+            return Err(reply);
+        };
+        if !(names(items.first(), self.record) && names(items.get(1), &self.nonce)) {
+            return Err(Value::Array(items));
+        }
+        let mut items = items.into_iter();
+        items.nth(1);
+        Ok(items)
+    }
+
+    /// A Redis error: `Ok` with the store's error for this call (the scripts' complaint about a
+    /// record they cannot read, or the store being unavailable), `Err` if it is a complaint about
+    /// another record or call, which came here out of step.
+    fn error(&self, err: redis::RedisError) -> Result<StoreError, StoreError> {
+        if err.code() != Some(CORRUPT) {
+            return Ok(StoreError::unavailable(err));
+        }
+        let about = err
+            .detail()
+            .and_then(|detail| detail.strip_prefix(self.nonce.as_str()))
+            .and_then(|rest| rest.strip_prefix(' '))
+            .filter(|about| {
+                about
+                    .strip_prefix(self.record)
+                    .is_some_and(|rest| rest.starts_with(' '))
+            });
+        match about {
+            Some(about) => Ok(StoreError::Corrupt(about.to_owned())),
+            None => Err(self.misrouted(&err)),
+        }
+    }
+}
+
 impl RedisStore {
     /// Connects to the store named by `url`:
     ///
@@ -76,27 +165,18 @@ impl RedisStore {
     /// cannot be reached now; once connected, the store rides out outages.
     pub async fn connect(url: &str) -> Result<Self, RedisError> {
         let config = url::parse(url)?;
-        let registry = Arc::new(Registry::default());
-        let push = {
-            let registry = Arc::clone(&registry);
-            move |push: PushInfo| {
-                registry.dispatch(&push);
-                Ok(())
-            }
-        };
-        let conn = Conn::connect(&config, push)
-            .await
-            .map_err(|err| RedisError::connect(&config.display, err))?;
+        let connect_error = |err| RedisError::connect(&config.display, err);
+        let commands = Commands::connect(&config).await.map_err(connect_error)?;
         redis::cmd("PING")
-            .query_async::<Value>(&mut conn.clone())
+            .query_async::<Value>(&mut commands.get().0)
             .await
-            .map_err(|err| RedisError::connect(&config.display, err))?;
-        let publish = if conn.is_cluster() { "SPUBLISH" } else { "PUBLISH" };
-        let subscriptions = Subscriptions::start(conn.clone(), registry);
+            .map_err(connect_error)?;
+        let subscriptions = Subscriptions::connect(&config).await.map_err(connect_error)?;
+        let publish = if commands.is_cluster() { "SPUBLISH" } else { "PUBLISH" };
         tracing::debug!(url = %config.display, prefix = %config.prefix, "Redis store connected");
         Ok(Self {
             inner: Arc::new(Inner {
-                conn,
+                commands,
                 prefix: config.prefix,
                 poll_interval: config.poll_interval,
                 url: config.display,
@@ -113,7 +193,7 @@ impl RedisStore {
 
     /// Whether the store is a Redis Cluster.
     pub fn is_cluster(&self) -> bool {
-        self.inner.conn.is_cluster()
+        self.inner.commands.is_cluster()
     }
 
     /// The Redis keys and channel of a record, for looking at it with `redis-cli`.
@@ -121,58 +201,76 @@ impl RedisStore {
         RecordKeys::new(&self.inner.prefix, id)
     }
 
-    fn conn(&self) -> Conn {
-        self.inner.conn.clone()
-    }
-
-    /// Runs `script` on the record's two keys with `args`.
-    async fn run<T: redis::FromRedisValue>(
+    /// Runs `script` (the operation `what`) on the record's two keys with a fresh nonce and
+    /// `args`; returns the reply after the record and nonce it names. A reply that names another
+    /// record or call, or is not a script's reply at all, is an error, and the connection it came
+    /// on is replaced.
+    async fn run(
         &self,
+        what: &'static str,
         script: &Script,
         keys: &RecordKeys,
         args: impl FnOnce(&mut redis::ScriptInvocation<'_>),
-    ) -> Result<T, StoreError> {
+    ) -> Result<std::vec::IntoIter<Value>, StoreError> {
+        let call = Call::new(what, &keys.record);
         let mut invocation = script.prepare_invoke();
-        invocation.key(&keys.record).key(&keys.body);
+        invocation.key(&keys.record).key(&keys.body).arg(&call.nonce);
         args(&mut invocation);
-        invocation.invoke_async(&mut self.conn()).await.map_err(store_error)
+        let (mut conn, generation) = self.inner.commands.get();
+        let out_of_step = |err| {
+            tracing::warn!(error = %err, "a Redis reply reached the wrong command");
+            self.inner.commands.out_of_step(generation);
+            err
+        };
+        match invocation.invoke_async::<Value>(&mut conn).await {
+            Ok(reply) => call.open(reply).map_err(|other| out_of_step(call.misrouted(&other))),
+            Err(err) => Err(call.error(err).unwrap_or_else(out_of_step)),
+        }
+    }
+
+    /// Runs a script whose payload is one integer.
+    async fn run_flag(
+        &self,
+        what: &'static str,
+        script: &Script,
+        keys: &RecordKeys,
+        args: impl FnOnce(&mut redis::ScriptInvocation<'_>),
+    ) -> Result<i64, StoreError> {
+        match self.run(what, script, keys, args).await?.next() {
+            Some(Value::Int(flag)) => Ok(flag),
+            other => Err(StoreError::Corrupt(format!("unexpected reply of {what}: {other:?}"))),
+        }
     }
 
     /// Whether `token` is still the current claim on the record.
     async fn holds(&self, keys: &RecordKeys, token: FencingToken) -> Result<bool, StoreError> {
-        let (state, current): (Option<Vec<u8>>, Option<Vec<u8>>) = redis::cmd("HMGET")
-            .arg(&keys.record)
-            .arg("state")
-            .arg("token")
-            .query_async(&mut self.conn())
-            .await
-            .map_err(store_error)?;
-        Ok(state.as_deref() == Some(IN_FLIGHT.as_bytes()) && current.as_deref() == Some(&token.as_bytes()[..]))
+        let flag = self
+            .run_flag("wait", &HOLDS_SCRIPT, keys, |script| {
+                script.arg(&token.as_bytes()[..]);
+            })
+            .await?;
+        Ok(flag == 1)
     }
 
     /// Runs a compare-and-set script: 1 done, 0 fenced.
     async fn compare_and_set(
         &self,
+        what: &'static str,
         script: &Script,
         keys: &RecordKeys,
         args: impl FnOnce(&mut redis::ScriptInvocation<'_>),
     ) -> Result<(), StoreError> {
-        match self.run::<i64>(script, keys, args).await? {
+        match self.run_flag(what, script, keys, args).await? {
             1 => Ok(()),
             0 => Err(StoreError::Fenced),
-            other => Err(StoreError::Corrupt(format!("unexpected script reply {other}"))),
+            other => Err(StoreError::Corrupt(format!("unexpected reply of {what}: {other}"))),
         }
     }
 }
 
-/// Redis errors are the store being unavailable, except the scripts' own complaints about records
-/// they cannot read.
-fn store_error(err: redis::RedisError) -> StoreError {
-    if err.code() == Some(CORRUPT) {
-        StoreError::Corrupt(err.detail().unwrap_or("unreadable record").to_owned())
-    } else {
-        StoreError::unavailable(err)
-    }
+/// Whether a reply's item is the bulk string `expected`.
+fn names(item: Option<&Value>, expected: &str) -> bool {
+    matches!(item, Some(Value::BulkString(bytes)) if bytes.as_slice() == expected.as_bytes())
 }
 
 fn millis_arg(at: UnixMillis) -> i64 {
@@ -265,8 +363,7 @@ impl StoredHash {
     }
 }
 
-fn parse_begin(reply: Value, id: &RecordId) -> Result<Begin, StoreError> {
-    let mut items = array(reply, "the reply of begin")?.into_iter();
+fn parse_begin(mut items: std::vec::IntoIter<Value>, id: &RecordId) -> Result<Begin, StoreError> {
     let outcome = bulk(items.next().unwrap_or_default(), "the outcome of begin")?;
     match outcome.as_slice() {
         b"acquired" => {
@@ -295,8 +392,8 @@ impl Store for RedisStore {
     async fn begin(&self, request: BeginRequest<'_>) -> Result<Begin, StoreError> {
         let keys = self.record_keys(request.id);
         let claim_purge_at = request.lease_until.plus(ABANDONED_CLAIM_RETENTION);
-        let reply: Value = self
-            .run(&BEGIN_SCRIPT, &keys, |script| {
+        let reply = self
+            .run("begin", &BEGIN_SCRIPT, &keys, |script| {
                 script
                     .arg(millis_arg(request.now))
                     .arg(millis_arg(request.lease_until))
@@ -313,7 +410,7 @@ impl Store for RedisStore {
 
     async fn complete(&self, id: &RecordId, token: FencingToken, completion: Completion) -> Result<(), StoreError> {
         let keys = self.record_keys(id);
-        self.compare_and_set(&COMPLETE_SCRIPT, &keys, |script| {
+        self.compare_and_set("complete", &COMPLETE_SCRIPT, &keys, |script| {
             script
                 .arg(&token.as_bytes()[..])
                 .arg(&completion.response[..])
@@ -332,7 +429,7 @@ impl Store for RedisStore {
             Release::Forget => ("forget", UnixMillis(0)),
             Release::Unknown { purge_at } => ("unknown", purge_at),
         };
-        self.compare_and_set(&RELEASE_SCRIPT, &keys, |script| {
+        self.compare_and_set("release", &RELEASE_SCRIPT, &keys, |script| {
             script
                 .arg(&token.as_bytes()[..])
                 .arg(mode)
@@ -346,7 +443,7 @@ impl Store for RedisStore {
 
     async fn renew(&self, id: &RecordId, token: FencingToken, lease_until: UnixMillis) -> Result<(), StoreError> {
         let keys = self.record_keys(id);
-        self.compare_and_set(&RENEW_SCRIPT, &keys, |script| {
+        self.compare_and_set("renew", &RENEW_SCRIPT, &keys, |script| {
             script
                 .arg(&token.as_bytes()[..])
                 .arg(millis_arg(lease_until))
@@ -362,12 +459,11 @@ impl Store for RedisStore {
     /// may lag the clock).
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         let keys = self.record_keys(id);
-        let reply: Value = self
-            .run(&GET_SCRIPT, &keys, |script| {
+        let mut items = self
+            .run("get", &GET_SCRIPT, &keys, |script| {
                 script.arg(millis_arg(UnixMillis::now()));
             })
             .await?;
-        let mut items = array(reply, "the reply of get")?.into_iter();
         let fields = items.next().unwrap_or_default();
         let body = items.next().unwrap_or_default();
         StoredHash::parse(fields, body)?
@@ -403,12 +499,69 @@ impl Store for RedisStore {
         Ok(Purged::default())
     }
 
-    /// `PING`; on a cluster every node must answer.
+    /// `PING` with a nonce, which the server echoes; on a cluster every node must answer.
     async fn ping(&self) -> Result<(), StoreError> {
-        redis::cmd("PING")
-            .query_async::<Value>(&mut self.conn())
+        let call = Call::new("ping", "the server");
+        let (mut conn, generation) = self.inner.commands.get();
+        let reply: Value = redis::cmd("PING")
+            .arg(&call.nonce)
+            .query_async(&mut conn)
             .await
-            .map(drop)
-            .map_err(store_error)
+            .map_err(StoreError::unavailable)?;
+        match reply {
+            Value::BulkString(echo) if echo == call.nonce.as_bytes() => Ok(()),
+            other => {
+                self.inner.commands.out_of_step(generation);
+                Err(call.misrouted(&other))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use redis::PushKind;
+
+    use super::*;
+
+    fn reply(record: &str, nonce: &str, payload: Value) -> Value {
+        Value::Array(vec![
+            Value::BulkString(record.as_bytes().to_vec()),
+            Value::BulkString(nonce.as_bytes().to_vec()),
+            payload,
+        ])
+    }
+
+    #[test]
+    fn a_reply_is_taken_only_by_the_call_it_names() {
+        let call = Call::new("get", "p:{a}:rec");
+        let payload: Vec<Value> = call
+            .open(reply("p:{a}:rec", &call.nonce, Value::Int(1)))
+            .expect("its own reply")
+            .collect();
+        assert_eq!(payload, vec![Value::Int(1)]);
+
+        let other_call = Call::new("get", "p:{a}:rec");
+        assert_ne!(call.nonce, other_call.nonce, "every call has its own nonce");
+        for stray in [
+            reply("p:{b}:rec", &call.nonce, Value::Int(1)),
+            reply("p:{a}:rec", &other_call.nonce, Value::Int(1)),
+            Value::Okay,
+            Value::Array(vec![Value::Int(1)]),
+            Value::Push {
+                kind: PushKind::Subscribe,
+                data: vec![Value::BulkString(b"p:{a}:wake".to_vec()), Value::Int(2)],
+            },
+        ] {
+            assert!(call.open(stray.clone()).is_err(), "taken: {stray:?}");
+        }
+
+        let err = call.misrouted(&Value::Okay);
+        assert!(matches!(err, StoreError::Unavailable(_)), "{err:?}");
+        let message = err.to_string();
+        assert!(
+            message.contains(&call.nonce) && message.contains("p:{a}:rec"),
+            "{message}"
+        );
     }
 }

@@ -1,0 +1,412 @@
+//! Network faults between a store and Redis, injected for real by a TCP relay
+//! (`common::relay`): connections reset, replies held past the command timeout, a reply too many.
+//! Whatever the fault, a store operation returns its own answer or an error; it never acts on
+//! the reply of another command. Wake-ups keep working once the fault is over.
+//!
+//! Every store under test sets `poll_interval=60s` (the first poll after 15 s), so a waiter that
+//! returns within a few seconds was woken by a notification.
+
+mod common;
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::relay::Relay;
+use common::{Server, connect, delete_keys, fresh_prefix, with_options};
+use idem_core::testkit::{fingerprint, fresh_id};
+use idem_core::{
+    Begin, BeginRequest, Completion, FencingToken, Fingerprint, Record, RecordId, RecordState, Release, Store,
+    UnixMillis, WaitOutcome,
+};
+use idem_redis::RedisStore;
+use tokio::time::Instant;
+
+const LEASE: Duration = Duration::from_secs(60);
+const DAY: Duration = Duration::from_secs(24 * 3600);
+const SLOW_POLLING: &str = "poll_interval=60s";
+/// Records with a known answer, each read over and over by its own task.
+const KNOWN_RECORDS: usize = 8;
+
+/// Deletes the prefix's keys when the test ends, whatever happens.
+struct Cleanup(Server, String);
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        delete_keys(self.0, &self.1);
+    }
+}
+
+/// A completed record and what any read of it must return.
+struct Known {
+    id: RecordId,
+    fingerprint: Fingerprint,
+    answer: Bytes,
+}
+
+/// A store that reaches Redis through the relay, a store that reaches it directly (to set records
+/// up and to change them while the first one is in trouble), and records with known answers.
+struct Fixture {
+    relay: Relay,
+    store: Arc<RedisStore>,
+    direct: RedisStore,
+    known: Arc<Vec<Known>>,
+    _cleanup: Cleanup,
+}
+
+/// The address of the standalone test server, and its URL with `relay` in place of it.
+fn through(relay: SocketAddr) -> (SocketAddr, String) {
+    let base = Server::Standalone.base_url();
+    let (scheme, rest) = base.split_once("://").expect("a URL");
+    let end = rest.find(['/', '?']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(end);
+    let (userinfo, host) = match authority.rsplit_once('@') {
+        Some((userinfo, host)) => (format!("{userinfo}@"), host),
+        None => (String::new(), authority),
+    };
+    let server = host
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut addrs| addrs.next())
+        .unwrap_or_else(|| panic!("cannot resolve the test Redis at {host}"));
+    (server, format!("{scheme}://{userinfo}{relay}{tail}"))
+}
+
+async fn fixture() -> Fixture {
+    let prefix = fresh_prefix();
+    let cleanup = Cleanup(Server::Standalone, prefix.clone());
+    let direct = connect(Server::Standalone, &prefix, SLOW_POLLING).await;
+    let (server, _) = through(SocketAddr::from(([127, 0, 0, 1], 0)));
+    let relay = Relay::start(server).await;
+    let (_, url) = through(relay.addr());
+    let url = with_options(&with_options(&url, &format!("prefix={prefix}")), SLOW_POLLING);
+    let store = RedisStore::connect(&url).await.expect("connect through the relay");
+
+    let mut known = Vec::new();
+    for i in 0..KNOWN_RECORDS {
+        let (id, now) = (fresh_id(), UnixMillis::now());
+        let fingerprint = fingerprint(&format!("body {i}"));
+        let answer = Bytes::from(format!("answer {i}"));
+        let token = claim(&direct, &id, &fingerprint).await;
+        let completion = Completion {
+            response: answer.clone(),
+            completed_at: now,
+            expires_at: now.plus(DAY),
+            purge_at: now.plus(DAY * 7),
+        };
+        direct.complete(&id, token, completion).await.expect("complete");
+        known.push(Known {
+            id,
+            fingerprint,
+            answer,
+        });
+    }
+    Fixture {
+        relay,
+        store: Arc::new(store),
+        direct,
+        known: Arc::new(known),
+        _cleanup: cleanup,
+    }
+}
+
+async fn claim(store: &dyn Store, id: &RecordId, fingerprint: &Fingerprint) -> FencingToken {
+    let (token, now) = (FencingToken::random(), UnixMillis::now());
+    let request = BeginRequest {
+        id,
+        fingerprint,
+        now,
+        lease_until: now.plus(LEASE),
+        token,
+    };
+    match store.begin(request).await.expect("begin") {
+        Begin::Acquired { .. } => token,
+        other => panic!("expected a claim, got {other:?}"),
+    }
+}
+
+/// What the reads of the known records returned.
+#[derive(Debug, Default)]
+struct Tally {
+    right: usize,
+    errors: Vec<String>,
+    /// Answers that were not the record's own: acted on, they are wrong `422`s and re-runs.
+    wrong: Vec<String>,
+}
+
+impl Tally {
+    fn add(&mut self, other: Self) {
+        self.right += other.right;
+        self.errors.extend(other.errors);
+        self.wrong.extend(other.wrong);
+    }
+}
+
+/// Whether `record` is the known record with its own fingerprint and answer.
+fn is_own(known: &Known, record: &Record) -> bool {
+    record.fingerprint.digest() == known.fingerprint.digest()
+        && matches!(&record.state, RecordState::Completed { response: Some(body), .. } if *body == known.answer)
+}
+
+/// Reads every known record, each from its own task, with `begin` (a replay) and `get` in turn,
+/// until `until`.
+async fn read_known_records(store: Arc<RedisStore>, known: Arc<Vec<Known>>, until: Instant) -> Tally {
+    let tasks: Vec<_> = (0..known.len())
+        .map(|i| {
+            let (store, known) = (Arc::clone(&store), Arc::clone(&known));
+            tokio::spawn(async move {
+                let known = &known[i];
+                let mut tally = Tally::default();
+                let mut replay = true;
+                while Instant::now() < until {
+                    let outcome = if replay {
+                        let now = UnixMillis::now();
+                        let request = BeginRequest {
+                            id: &known.id,
+                            fingerprint: &known.fingerprint,
+                            now,
+                            lease_until: now.plus(LEASE),
+                            token: FencingToken::random(),
+                        };
+                        store.begin(request).await.map(|begin| match begin {
+                            Begin::Existing(record) => (is_own(known, &record), format!("begin: {record:?}")),
+                            acquired => (false, format!("begin claimed a completed record: {acquired:?}")),
+                        })
+                    } else {
+                        store.get(&known.id).await.map(|record| match record {
+                            Some(record) => (is_own(known, &record), format!("get: {record:?}")),
+                            None => (false, "get: no record".to_owned()),
+                        })
+                    };
+                    match outcome {
+                        Ok((true, _)) => tally.right += 1,
+                        Ok((false, what)) => tally.wrong.push(format!("record {i}: {what}")),
+                        Err(err) => tally.errors.push(err.to_string()),
+                    }
+                    replay = !replay;
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+                tally
+            })
+        })
+        .collect();
+    let mut tally = Tally::default();
+    for task in tasks {
+        tally.add(task.await.expect("reader task"));
+    }
+    tally
+}
+
+/// Waits until every known record reads right through the store again.
+async fn reads_right_again(fixture: &Fixture, within: Duration) {
+    let until = Instant::now() + within;
+    loop {
+        let tally = read_known_records(
+            Arc::clone(&fixture.store),
+            Arc::clone(&fixture.known),
+            Instant::now() + Duration::from_millis(50),
+        )
+        .await;
+        assert!(
+            tally.wrong.is_empty(),
+            "wrong answers after the fault: {:#?}",
+            tally.wrong
+        );
+        if tally.errors.is_empty() && tally.right > 0 {
+            return;
+        }
+        assert!(
+            Instant::now() < until,
+            "the store does not work again {within:?} after the fault: {:?}",
+            tally.errors.first()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn assert_nothing_wrong(tally: &Tally) {
+    assert!(
+        tally.wrong.is_empty(),
+        "{} of {} reads acted on a reply that was not theirs (first ones: {:#?}); errors: {}",
+        tally.wrong.len(),
+        tally.right + tally.wrong.len() + tally.errors.len(),
+        &tally.wrong[..tally.wrong.len().min(5)],
+        tally.errors.len(),
+    );
+}
+
+/// Issue 12, item 7: two waiters (two subscribed channels), one connection reset, and the
+/// replies of every connection that subscribes within 1 s of the reset held for 3 s, past the 2 s
+/// command timeout, while reads of known records go on. Every read returns its record's own answer or an
+/// error, the store works again afterwards, and a completion still wakes the waiters at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_with_the_resubscription_held_past_the_timeout_never_misroutes_a_reply() {
+    let fixture = fixture().await;
+    let held: Vec<_> = (0..2).map(|_| (fresh_id(), fingerprint("held"))).collect();
+    let mut waits = Vec::new();
+    for (id, fingerprint) in &held {
+        let token = claim(&fixture.direct, id, fingerprint).await;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let (store, id) = (Arc::clone(&fixture.store), id.clone());
+        waits.push((
+            token,
+            tokio::spawn(async move { store.wait(&id, token, deadline).await }),
+        ));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(waits.iter().all(|(_, wait)| !wait.is_finished()), "the waiters wait");
+
+    let reads = tokio::spawn(read_known_records(
+        Arc::clone(&fixture.store),
+        Arc::clone(&fixture.known),
+        Instant::now() + Duration::from_secs(8),
+    ));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    fixture
+        .relay
+        .hold_replies_after(b"SUBSCRIBE", Duration::from_secs(3), Duration::from_secs(1));
+    fixture.relay.reset_all();
+    let tally = reads.await.expect("reads");
+    eprintln!(
+        "{} right, {} errors, {} wrong; {} connections, {} held",
+        tally.right,
+        tally.errors.len(),
+        tally.wrong.len(),
+        fixture.relay.accepted(),
+        fixture.relay.holds()
+    );
+    assert!(
+        fixture.relay.holds() > 0,
+        "the replies of a SUBSCRIBE were held after the reset"
+    );
+    assert_nothing_wrong(&tally);
+    reads_right_again(&fixture, Duration::from_secs(10)).await;
+
+    // Nothing the waiters wait for has changed; a completion now wakes them by a message.
+    assert!(
+        waits.iter().all(|(_, wait)| !wait.is_finished()),
+        "the waiters still wait"
+    );
+    for ((id, _), (token, _)) in held.iter().zip(&waits) {
+        let now = UnixMillis::now();
+        let completion = Completion {
+            response: Bytes::from_static(b"done"),
+            completed_at: now,
+            expires_at: now.plus(DAY),
+            purge_at: now.plus(DAY * 7),
+        };
+        fixture.direct.complete(id, *token, completion).await.expect("complete");
+    }
+    for (_, wait) in waits {
+        let outcome = tokio::time::timeout(Duration::from_secs(5), wait)
+            .await
+            .expect("a waiter was not woken within 5 s of the completion after the fault")
+            .expect("wait task")
+            .expect("wait");
+        assert_eq!(outcome, WaitOutcome::Changed);
+    }
+}
+
+/// A reply the store never asked for (one reply too many on its command connection, as a
+/// resubscription answered N times for one request leaves) shifts every later reply by one: each
+/// script's reply names its record and nonce, so the shift is an error, never an answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_too_many_is_detected_and_never_acted_on() {
+    let fixture = fixture().await;
+    let reads = tokio::spawn(read_known_records(
+        Arc::clone(&fixture.store),
+        Arc::clone(&fixture.known),
+        Instant::now() + Duration::from_secs(4),
+    ));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    fixture.relay.inject_reply_after(b"EVALSHA", b"+OK\r\n");
+    let tally = reads.await.expect("reads");
+    eprintln!(
+        "{} right, {} errors, {} wrong; first error: {:?}",
+        tally.right,
+        tally.errors.len(),
+        tally.wrong.len(),
+        tally.errors.first()
+    );
+    assert_eq!(fixture.relay.injections(), 1, "a reply too many was sent");
+    assert_nothing_wrong(&tally);
+    assert!(!tally.errors.is_empty(), "the shifted replies were reported as errors");
+    reads_right_again(&fixture, Duration::from_secs(10)).await;
+    // Commands, subscriptions, and the connection that replaced the one out of step.
+    assert!(
+        fixture.relay.accepted() >= 3,
+        "the connection out of step was replaced: {} connections",
+        fixture.relay.accepted()
+    );
+}
+
+/// Subscriptions live on their own connection: while a waiter waits and commands run on the
+/// record it waits on, no connection that holds a subscription has just run one of the store's
+/// commands (its scripts, or the `HMGET` that polls used to be).
+async fn subscriptions_live_on_their_own_connection(server: Server) {
+    let prefix = fresh_prefix();
+    let _cleanup = Cleanup(server, prefix.clone());
+    let store = Arc::new(connect(server, &prefix, SLOW_POLLING).await);
+    let (id, fp) = (fresh_id(), fingerprint("a"));
+    let token = claim(&*store, &id, &fp).await;
+    let wait = {
+        let (store, id) = (Arc::clone(&store), id.clone());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        tokio::spawn(async move { store.wait(&id, token, deadline).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    store.ping().await.expect("ping");
+    for _ in 0..20 {
+        // Same record, same slot: on a cluster, the node that holds the subscription.
+        store.get(&id).await.expect("get");
+        store
+            .renew(&id, token, UnixMillis::now().plus(LEASE))
+            .await
+            .expect("renew");
+    }
+    let mut subscribed = 0;
+    for node in server.node_urls() {
+        let client = redis::Client::open(node.as_str()).expect("client");
+        let mut conn = client.get_connection().expect("connection");
+        let list: String = redis::cmd("CLIENT").arg("LIST").query(&mut conn).expect("CLIENT LIST");
+        for line in list.lines() {
+            let field = |name: &str| {
+                line.split(' ')
+                    .find_map(|pair| pair.strip_prefix(name)?.strip_prefix('='))
+                    .unwrap_or("")
+            };
+            let subscriptions: i64 = ["sub", "psub", "ssub"]
+                .iter()
+                .map(|name| field(name).parse::<i64>().unwrap_or(0))
+                .sum();
+            if subscriptions == 0 {
+                continue;
+            }
+            subscribed += 1;
+            let last = field("cmd");
+            assert!(
+                !["evalsha", "eval", "script|load", "hmget"].contains(&last),
+                "a connection with subscriptions ran {last}: {line}"
+            );
+        }
+    }
+    assert!(subscribed > 0, "the waiter's subscription was found");
+    store.release(&id, token, Release::Forget).await.expect("release");
+    let outcome = tokio::time::timeout(Duration::from_secs(5), wait)
+        .await
+        .expect("woken")
+        .expect("task")
+        .expect("wait");
+    assert_eq!(outcome, WaitOutcome::Changed);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standalone_subscriptions_live_on_their_own_connection() {
+    subscriptions_live_on_their_own_connection(Server::Standalone).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_subscriptions_live_on_their_own_connection() {
+    subscriptions_live_on_their_own_connection(Server::Cluster).await;
+}
