@@ -33,6 +33,7 @@ mod response;
 mod run;
 mod scope;
 mod store;
+mod store_clock;
 pub mod stored;
 mod time;
 
@@ -55,4 +56,5 @@ pub use store::{
     Begin, BeginRequest, Completion, FencingToken, Purged, Record, RecordId, RecordState, Release, Store, StoreError,
     WaitOutcome,
 };
+pub use store_clock::{RESYNC_EVERY, StoreClock};
 pub use time::{Clock, ManualClock, SystemClock, UnixMillis};

@@ -23,7 +23,8 @@ use crate::scope::{Scope, ScopeSource, hex};
 use crate::store::{
     Begin, BeginRequest, FencingToken, Purged, Record, RecordId, RecordState, Release, Store, StoreError,
 };
-use crate::time::{Clock, SystemClock, UnixMillis};
+use crate::store_clock::StoreClock;
+use crate::time::{Clock, UnixMillis};
 
 /// What happened to a keyed request, as logged and counted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -243,9 +244,10 @@ impl fmt::Debug for Protocol {
 }
 
 impl Protocol {
-    /// The protocol over `store` with `policy`, on the system clock.
+    /// The protocol over `store` with `policy`, on the store's clock ([`StoreClock`]).
     pub fn new(store: Arc<dyn Store>, policy: Policy) -> Self {
-        Self::with_clock(store, policy, Arc::new(SystemClock))
+        let clock = StoreClock::new(store.clone());
+        Self::with_clock(store, policy, clock)
     }
 
     /// The protocol with an injected clock (tests of leases and retention).

@@ -238,6 +238,11 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
 
     /// Checks that the store answers (for readiness probes).
     async fn ping(&self) -> Result<(), StoreError>;
+
+    /// The store's own time: leases, expiry and tombstones are judged on it, so instances whose
+    /// clocks are skewed still agree ([`StoreClock`](crate::StoreClock) follows it). The server's
+    /// clock for PostgreSQL and Redis; the machine's for SQLite, whose file is local.
+    async fn clock(&self) -> Result<UnixMillis, StoreError>;
 }
 
 #[async_trait]
@@ -270,5 +275,8 @@ impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
     }
     async fn ping(&self) -> Result<(), StoreError> {
         (**self).ping().await
+    }
+    async fn clock(&self) -> Result<UnixMillis, StoreError> {
+        (**self).clock().await
     }
 }

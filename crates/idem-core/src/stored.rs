@@ -12,6 +12,16 @@ use tokio::time::Instant;
 
 use crate::{FencingToken, Fingerprint, Record, RecordId, RecordState, StoreError, UnixMillis, WaitOutcome};
 
+/// How long an in-flight record whose holder vanished (its lease ended and nobody retried) is
+/// kept before the store deletes it; until then a retry takes it over, marked recovered. One
+/// rule for every store.
+pub const ABANDONED_CLAIM_RETENTION: Duration = Duration::from_secs(7 * 24 * 60 * 60);
+
+/// When the claim of a holder whose lease ends at `lease_until` is deleted if nobody took it over.
+pub fn abandoned_purge_at(lease_until: UnixMillis) -> UnixMillis {
+    lease_until.plus(ABANDONED_CLAIM_RETENTION)
+}
+
 /// The stored word of [`RecordState::InFlight`].
 pub const IN_FLIGHT: &str = "in-flight";
 /// The stored word of [`RecordState::Completed`].

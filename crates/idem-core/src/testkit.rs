@@ -601,6 +601,24 @@ pub async fn records_survive_reopen(h: &impl Harness) {
     store.ping().await.expect("ping");
 }
 
+/// The store tells its time, and a [`StoreClock`](crate::StoreClock) over it reads that time: the
+/// tests' servers run on this machine, so both are this machine's time, give or take a second.
+pub async fn tells_its_time(h: &impl Harness) {
+    let store = h.open().await;
+    let before = UnixMillis::now();
+    let told = store.clock().await.expect("clock");
+    let after = UnixMillis::now();
+    assert!(
+        told.0 + 1_000 >= before.0 && told.0 <= after.0 + 1_000,
+        "the store's clock ({told}) is this machine's ({before}..{after})"
+    );
+    let clock = crate::StoreClock::new(store);
+    let offset = clock.sync().await.expect("sync");
+    assert!(offset.abs() < 1_000, "offset {offset} ms");
+    let read = crate::Clock::now(&*clock);
+    assert!(read.0.abs_diff(UnixMillis::now().0) < 1_000);
+}
+
 /// Generates one `#[tokio::test]` per conformance case, each calling `$harness` for its store:
 /// a store crate's test file holds its [`Harness`] and the line
 /// `idem_core::conformance_tests!(MyHarness::new());`.
@@ -612,7 +630,7 @@ macro_rules! conformance_tests {
             takeover_needs_the_same_fingerprint, renewal_keeps_the_claim, wait_wakes_on_completion,
             wait_wakes_on_release, wait_checks_before_sleeping, release_forgets_or_remembers,
             expiry_leaves_a_tombstone, purge_time_frees_the_key_without_purge, purge_in_batches,
-            scopes_are_isolated, large_bodies, records_survive_reopen);
+            scopes_are_isolated, large_bodies, records_survive_reopen, tells_its_time);
     };
     (@cases $harness:expr; $($case:ident),* $(,)?) => {
         $(
@@ -628,7 +646,7 @@ macro_rules! conformance_tests {
 #[derive(Debug)]
 pub struct CountingStore<S> {
     inner: S,
-    counts: [std::sync::atomic::AtomicU64; 8],
+    counts: [std::sync::atomic::AtomicU64; 9],
 }
 
 /// The operations [`CountingStore`] counts.
@@ -650,6 +668,9 @@ pub enum Operation {
     Purge,
     /// [`Store::ping`].
     Ping,
+    /// [`Store::clock`]: measured per instance in the background, never per request, so not in
+    /// [`CountingStore::total`].
+    Clock,
 }
 
 impl<S> CountingStore<S> {
@@ -670,11 +691,13 @@ impl<S> CountingStore<S> {
         self.counts[op as usize].load(std::sync::atomic::Ordering::SeqCst)
     }
 
-    /// How many operations ran in all.
+    /// How many operations ran in all, the clock's measurements aside.
     pub fn total(&self) -> u64 {
         self.counts
             .iter()
-            .map(|c| c.load(std::sync::atomic::Ordering::SeqCst))
+            .enumerate()
+            .filter(|(op, _)| *op != Operation::Clock as usize)
+            .map(|(_, c)| c.load(std::sync::atomic::Ordering::SeqCst))
             .sum()
     }
 
@@ -724,5 +747,9 @@ impl<S: Store> Store for CountingStore<S> {
     async fn ping(&self) -> Result<(), StoreError> {
         self.bump(Operation::Ping);
         self.inner.ping().await
+    }
+    async fn clock(&self) -> Result<UnixMillis, StoreError> {
+        self.bump(Operation::Clock);
+        self.inner.clock().await
     }
 }

@@ -22,10 +22,6 @@ use crate::listener::{Listener, payload};
 use crate::url::Settings;
 use crate::{PostgresError, schema};
 
-/// How long an in-flight record whose holder vanished (its lease ended and nobody retried) is kept
-/// before purging deletes it. Until then a retry takes it over and is marked recovered.
-const ABANDONED_CLAIM_RETENTION: Duration = Duration::from_secs(7 * 24 * 60 * 60);
-
 /// How many times `begin` tries again when the record it conflicted with is gone before it could
 /// be read (deleted by a release or a purge in between). Each try is a new statement with a new
 /// snapshot; running out means the key is being claimed and released in a tight loop.
@@ -295,7 +291,7 @@ impl PostgresStore {
 }
 
 fn abandoned_purge_at(lease_until: UnixMillis) -> i64 {
-    lease_until.plus(ABANDONED_CLAIM_RETENTION).as_i64()
+    idem_core::stored::abandoned_purge_at(lease_until).as_i64()
 }
 
 /// A compare-and-set that changed nothing lost its claim.
@@ -561,6 +557,19 @@ impl Store for PostgresStore {
         let client = self.client("ping").await?;
         let stmt = client.prepare_cached("SELECT 1").await.map_err(db)?;
         client.query_one(&stmt, &[]).await.map(drop).map_err(db)
+    }
+
+    async fn clock(&self) -> Result<UnixMillis, StoreError> {
+        let db = self.db("clock");
+        let client = self.client("clock").await?;
+        let stmt = client
+            .prepare_cached("SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint")
+            .await
+            .map_err(db)?;
+        let millis: i64 = client.query_one(&stmt, &[]).await.map_err(db)?.get(0);
+        u64::try_from(millis)
+            .map(UnixMillis)
+            .map_err(|_| StoreError::Corrupt(format!("the server's clock reads {millis} ms since 1970")))
     }
 }
 

@@ -3,10 +3,11 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idem_core::stored::{StoredRecord, wait_for_change};
+use idem_core::stored::{StoredRecord, abandoned_purge_at, wait_for_change};
 use idem_core::{
     Begin, BeginRequest, Completion, FencingToken, Purged, Record, RecordId, Release, Store, StoreError, UnixMillis,
     WaitOutcome,
@@ -19,10 +20,6 @@ use crate::keys::{RecordKeys, hex};
 use crate::notify::Subscriptions;
 use crate::scripts::{BEGIN_SCRIPT, COMPLETE_SCRIPT, CORRUPT, GET_SCRIPT, HOLDS_SCRIPT, RELEASE_SCRIPT, RENEW_SCRIPT};
 use crate::{RedisError, url};
-
-/// How long an in-flight record whose holder vanished (its lease ended and nobody retried) is kept
-/// before Redis expires it. Until then a retry takes it over and is marked recovered.
-const ABANDONED_CLAIM_RETENTION: Duration = Duration::from_secs(7 * 24 * 60 * 60);
 
 /// An idempotency store in Redis: one server (`redis://`) or a Redis Cluster
 /// (`redis+cluster://`).
@@ -51,6 +48,10 @@ struct Inner {
     /// `PUBLISH` on one server, `SPUBLISH` on a cluster (the channel lives on the record's shard).
     publish: &'static str,
     subscriptions: Subscriptions,
+    /// The server's clock minus this machine's, in milliseconds, as last measured by
+    /// [`Store::clock`]: the store's own judgements (`get`, the fallbacks of `release` and
+    /// `renew`) use the server's time, as the protocol does.
+    clock_offset_ms: AtomicI64,
 }
 
 impl fmt::Debug for RedisStore {
@@ -182,8 +183,16 @@ impl RedisStore {
                 url: config.display,
                 publish,
                 subscriptions,
+                clock_offset_ms: AtomicI64::new(0),
             }),
         })
+    }
+
+    /// The server's time as last measured, read on this machine's clock.
+    fn now(&self) -> UnixMillis {
+        let local = i64::try_from(UnixMillis::now().0).unwrap_or(i64::MAX);
+        let offset = self.inner.clock_offset_ms.load(Ordering::Acquire);
+        UnixMillis(u64::try_from(local.saturating_add(offset)).unwrap_or(0))
     }
 
     /// The prefix of every key of this store.
@@ -391,7 +400,7 @@ fn parse_begin(mut items: std::vec::IntoIter<Value>, id: &RecordId) -> Result<Be
 impl Store for RedisStore {
     async fn begin(&self, request: BeginRequest<'_>) -> Result<Begin, StoreError> {
         let keys = self.record_keys(request.id);
-        let claim_purge_at = request.lease_until.plus(ABANDONED_CLAIM_RETENTION);
+        let claim_purge_at = abandoned_purge_at(request.lease_until);
         let reply = self
             .run("begin", &BEGIN_SCRIPT, &keys, |script| {
                 script
@@ -434,7 +443,7 @@ impl Store for RedisStore {
                 .arg(&token.as_bytes()[..])
                 .arg(mode)
                 .arg(millis_arg(purge_at))
-                .arg(millis_arg(UnixMillis::now()))
+                .arg(millis_arg(self.now()))
                 .arg(&keys.channel)
                 .arg(self.inner.publish);
         })
@@ -447,13 +456,13 @@ impl Store for RedisStore {
             script
                 .arg(&token.as_bytes()[..])
                 .arg(millis_arg(lease_until))
-                .arg(millis_arg(lease_until.plus(ABANDONED_CLAIM_RETENTION)))
-                .arg(millis_arg(UnixMillis::now()));
+                .arg(millis_arg(abandoned_purge_at(lease_until)))
+                .arg(millis_arg(self.now()));
         })
         .await
     }
 
-    /// Reads the record as of this process's clock: a record past its `purge_at` reads as absent
+    /// Reads the record as of the server's clock (as last measured): a record past its `purge_at` reads as absent
     /// and an answer past its `expires_at` as dropped (a tombstone), also in the moments before
     /// Redis expires their keys (native expiry runs relative to the `now` of the write, which
     /// may lag the clock).
@@ -461,7 +470,7 @@ impl Store for RedisStore {
         let keys = self.record_keys(id);
         let mut items = self
             .run("get", &GET_SCRIPT, &keys, |script| {
-                script.arg(millis_arg(UnixMillis::now()));
+                script.arg(millis_arg(self.now()));
             })
             .await?;
         let fields = items.next().unwrap_or_default();
@@ -513,6 +522,42 @@ impl Store for RedisStore {
             other => {
                 self.inner.commands.out_of_step(generation);
                 Err(call.misrouted(&other))
+            }
+        }
+    }
+
+    async fn clock(&self) -> Result<UnixMillis, StoreError> {
+        let call = Call::new("clock", "the server");
+        let (mut conn, generation) = self.inner.commands.get();
+        let local = UnixMillis::now();
+        let started = std::time::Instant::now();
+        let reply: Value = redis::cmd("TIME")
+            .query_async(&mut conn)
+            .await
+            .map_err(StoreError::unavailable)?;
+        let midway = local.plus(started.elapsed() / 2);
+        // TIME answers [seconds, microseconds]; anything else is another command's reply.
+        let number = |value: &Value| match value {
+            Value::BulkString(digits) => std::str::from_utf8(digits).ok()?.parse::<u64>().ok(),
+            _ => None,
+        };
+        match &reply {
+            Value::Array(parts) if parts.len() == 2 => match (number(&parts[0]), number(&parts[1])) {
+                (Some(secs), Some(micros)) if micros < 1_000_000 => {
+                    let server = UnixMillis(secs * 1000 + micros / 1000);
+                    let offset =
+                        i64::try_from(server.0).unwrap_or(i64::MAX) - i64::try_from(midway.0).unwrap_or(i64::MAX);
+                    self.inner.clock_offset_ms.store(offset, Ordering::Release);
+                    Ok(server)
+                }
+                _ => {
+                    self.inner.commands.out_of_step(generation);
+                    Err(call.misrouted(&reply))
+                }
+            },
+            _ => {
+                self.inner.commands.out_of_step(generation);
+                Err(call.misrouted(&reply))
             }
         }
     }

@@ -24,10 +24,6 @@ use crate::{SqliteError, schema};
 /// How long a statement waits for another connection's write lock before it fails.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// How long an in-flight record whose holder vanished (its lease ended and nobody retried) is kept
-/// before purging deletes it. Until then a retry takes it over and is marked recovered.
-const ABANDONED_CLAIM_RETENTION: Duration = Duration::from_secs(7 * 24 * 60 * 60);
-
 /// Polling for changes made by other processes, which cannot wake this one.
 const POLL_FIRST: Duration = Duration::from_millis(5);
 const POLL_MAX: Duration = Duration::from_millis(100);
@@ -269,7 +265,7 @@ fn fenced(changed: usize) -> Result<(), StoreError> {
 }
 
 fn abandoned_purge_at(lease_until: UnixMillis) -> i64 {
-    lease_until.plus(ABANDONED_CLAIM_RETENTION).as_i64()
+    idem_core::stored::abandoned_purge_at(lease_until).as_i64()
 }
 
 const COLUMNS: &str =
@@ -576,6 +572,12 @@ impl Store for SqliteStore {
                 .map_err(db_error)
         })
         .await
+    }
+
+    async fn clock(&self) -> Result<UnixMillis, StoreError> {
+        // The file is on a local file system (WAL needs shared memory), so every process using
+        // it shares this machine's clock.
+        Ok(UnixMillis::now())
     }
 }
 

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_core::{Clock, HeaderAllowList, MissingKeyPolicy, Policy, Protocol, ScopeSource, Store, SystemClock};
+use idem_core::{Clock, HeaderAllowList, MissingKeyPolicy, Policy, Protocol, ScopeSource, Store, StoreClock};
 use tokio_util::task::TaskTracker;
 use tower_layer::Layer;
 
@@ -30,9 +30,9 @@ impl IdempotencyLayer {
     /// A layer over a store that is already shared.
     pub fn from_shared(store: Arc<dyn Store>) -> Self {
         Self {
+            clock: StoreClock::new(store.clone()),
             store,
             policy: Policy::default(),
-            clock: Arc::new(SystemClock),
             response_timeout: None,
             tasks: TaskTracker::new(),
         }
@@ -137,7 +137,8 @@ impl IdempotencyLayer {
         self
     }
 
-    /// The clock (tests of leases and retention).
+    /// The clock leases, expiry and tombstones are judged on (default: the store's, a
+    /// [`StoreClock`]; another for tests of leases and retention).
     pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
         self.clock = clock;
         self

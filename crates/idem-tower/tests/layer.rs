@@ -284,6 +284,9 @@ impl Store for Unreachable {
     async fn ping(&self) -> Result<(), StoreError> {
         Err(down())
     }
+    async fn clock(&self) -> Result<UnixMillis, StoreError> {
+        Err(down())
+    }
 }
 
 #[tokio::test]
@@ -383,6 +386,9 @@ impl Store for Panicking {
     async fn ping(&self) -> Result<(), StoreError> {
         self.0.ping().await
     }
+    async fn clock(&self) -> Result<UnixMillis, StoreError> {
+        self.0.clock().await
+    }
 }
 
 #[tokio::test]
@@ -452,6 +458,9 @@ impl Store for Held {
     }
     async fn ping(&self) -> Result<(), StoreError> {
         self.store.ping().await
+    }
+    async fn clock(&self) -> Result<UnixMillis, StoreError> {
+        self.store.clock().await
     }
 }
 

@@ -88,4 +88,7 @@ impl<O: Observer> Store for Instrumented<O> {
     async fn ping(&self) -> Result<(), StoreError> {
         self.measure("ping", self.store.ping()).await
     }
+    async fn clock(&self) -> Result<UnixMillis, StoreError> {
+        self.measure("clock", self.store.clock()).await
+    }
 }

@@ -41,6 +41,21 @@ async fn redis_cluster_crashed_holder_is_taken_over() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_skewed_clock_never_takes_over_a_healthy_run() {
+    scenarios::a_skewed_clock_never_takes_over_a_healthy_run(&servers::postgres_url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_a_skewed_clock_never_takes_over_a_healthy_run() {
+    scenarios::a_skewed_clock_never_takes_over_a_healthy_run(&servers::redis_url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_a_skewed_clock_never_takes_over_a_healthy_run() {
+    scenarios::a_skewed_clock_never_takes_over_a_healthy_run(&servers::redis_cluster_url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_operator_commands_work() {
     scenarios::operator_commands_work(&servers::postgres_url()).await;
 }

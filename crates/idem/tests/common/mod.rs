@@ -370,10 +370,39 @@ impl Gateway {
         Self::spawn(upstream, store.to_owned(), dir, args).await
     }
 
+    /// Starts `idem serve` on an existing store URL with its wall clock skewed by `offset`
+    /// (libfaketime's syntax: `+45s`, `-2m`); its monotonic clock, which timers use, is left alone.
+    pub(crate) async fn start_skewed(upstream: &str, store: &str, offset: &str, args: &[&str]) -> Self {
+        let found = std::process::Command::new("sh")
+            .args(["-c", "command -v faketime"])
+            .output()
+            .is_ok_and(|out| out.status.success());
+        assert!(
+            found,
+            "this test runs a gateway on a skewed clock with faketime, which is not installed: \
+             run `bash .ci/services` (or `apt-get install faketime`)"
+        );
+        let dir = tempfile::tempdir().expect("a temp dir");
+        let mut command = Command::new("faketime");
+        command
+            .args(["-f", offset, IDEM])
+            .env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
+        Self::spawn_command(command, upstream, store.to_owned(), dir, args).await
+    }
+
     async fn spawn(upstream: &str, store: String, dir: tempfile::TempDir, args: &[&str]) -> Self {
+        Self::spawn_command(Command::new(IDEM), upstream, store, dir, args).await
+    }
+
+    async fn spawn_command(
+        mut command: Command,
+        upstream: &str,
+        store: String,
+        dir: tempfile::TempDir,
+        args: &[&str],
+    ) -> Self {
         let stderr_path = dir.path().join("stderr.log");
         let stderr = std::fs::File::create(&stderr_path).expect("create the stderr log");
-        let mut command = Command::new(IDEM);
         command
             .arg("serve")
             .args(["--upstream", upstream])

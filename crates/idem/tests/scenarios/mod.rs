@@ -86,6 +86,33 @@ pub(crate) async fn crashed_holder_is_taken_over(store: &str) {
     );
 }
 
+/// Two gateways on one store, the second with its clock 45 s ahead: a retry on the second while
+/// the first still runs the request within its lease must wait for it and replay its answer. On
+/// the second gateway's own clock that lease ran out long ago; on the store's it has not.
+pub(crate) async fn a_skewed_clock_never_takes_over_a_healthy_run(store: &str) {
+    let upstream = Upstream::start().await;
+    let args = ["--lease", "20s", "--wait", "15s"];
+    let a = Gateway::start_on_store(&upstream.url(), store, &args).await;
+    let ahead = Gateway::start_skewed(&upstream.url(), store, "+45s", &args).await;
+    let key = new_key();
+    let request = |gw: &Gateway| {
+        gw.post("/pay?delay=4000", r#"{"amount":9}"#)
+            .header("content-type", "application/json")
+            .header("idempotency-key", key.as_str())
+    };
+    let first = tokio::spawn(send(request(&a)));
+    wait_for_count(&upstream.state.pay, 1, Duration::from_secs(10)).await;
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let retry = send(request(&ahead)).await;
+    let first = first.await.expect("task");
+    assert_eq!(first.status, 201, "{first}");
+    assert_eq!(retry.status, 201, "{retry}");
+    assert!(retry.replayed(), "the retry waited for the run in flight: {retry}");
+    assert_eq!(retry.body, first.body);
+    assert_eq!(count(&upstream.state.pay), 1, "the upstream ran once");
+    assert_eq!(upstream.state.seen("pay")[0].recovered, None);
+}
+
 /// The store dies in the middle of traffic and comes back. Every keyed request is answered either
 /// by the upstream (`201`) or with `503 store-unavailable` + `Retry-After`; the upstream is never
 /// called without a claim (its calls equal the `201`s); once the store is back, traffic recovers
