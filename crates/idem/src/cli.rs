@@ -1,6 +1,7 @@
 //! The command line: every flag also reads `IDEM_<FLAG>` from the environment.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
@@ -137,6 +138,20 @@ pub(crate) struct ServeArgs {
     /// the gateway closes what is left and exits.
     #[arg(long, env = "IDEM_SHUTDOWN_GRACE", default_value = "30s", value_parser = parse_duration)]
     pub(crate) shutdown_grace: Duration,
+    /// A PEM bundle of CA certificates trusted for an https:// upstream, besides the system's.
+    #[arg(long, env = "IDEM_UPSTREAM_CA", value_name = "FILE")]
+    pub(crate) upstream_ca: Option<PathBuf>,
+    /// Speak HTTP/2 by prior knowledge (h2c) to an http:// upstream. Over https:// HTTP/2 is
+    /// negotiated by ALPN without asking.
+    #[arg(long, env = "IDEM_UPSTREAM_HTTP2")]
+    pub(crate) upstream_http2: bool,
+    /// Serve clients over TLS with this PEM certificate chain (the server's first); needs
+    /// --tls-key. ALPN offers h2 and http/1.1.
+    #[arg(long, env = "IDEM_TLS_CERT", value_name = "FILE")]
+    pub(crate) tls_cert: Option<PathBuf>,
+    /// The PEM private key of --tls-cert.
+    #[arg(long, env = "IDEM_TLS_KEY", value_name = "FILE")]
+    pub(crate) tls_key: Option<PathBuf>,
 }
 
 /// A setting that parses but cannot work: `idem` exits 2 (as for a usage error) naming the flag.

@@ -1,9 +1,12 @@
 //! The gateway's inner service: forwards a request to the upstream and streams the answer back.
 //! It tells the idempotency layer, through [`NoAnswer`], when its response is not the upstream's.
+//! An upstream is `http://` (HTTP/1.1, or h2c by prior knowledge when asked) or `https://`
+//! (HTTP/2 or HTTP/1.1, as ALPN decides).
 
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -12,44 +15,121 @@ use axum::extract::ConnectInfo;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{PathAndQuery, Scheme};
 use http::{Request, Response, Uri};
+use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use idem_core::{HOP_BY_HOP, Problem, ProblemKind};
 use idem_tower::{Body, IdempotencyInfo, NoAnswer};
 
+use crate::cli::Misconfigured;
 use crate::serve::ClientBodyFailed;
+use crate::serve::tls::{self, OverTls};
 
 const RECOVERED: HeaderName = HeaderName::from_static("idempotency-recovered");
+
+/// How the gateway speaks to its upstream, beyond its URL.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct UpstreamOptions {
+    /// A PEM bundle of CAs trusted besides the system's (`--upstream-ca`; `https://` only).
+    pub(crate) ca: Option<PathBuf>,
+    /// HTTP/2 by prior knowledge (h2c) to an `http://` upstream (`--upstream-http2`).
+    pub(crate) http2: bool,
+}
 
 /// Forwards requests to one upstream over a pooled connection.
 #[derive(Clone, Debug)]
 pub(crate) struct Proxy {
-    client: Client<HttpConnector, Body>,
+    client: Client<HttpsConnector<HttpConnector>, Body>,
     upstream: Uri,
     timeout: Duration,
 }
 
 impl Proxy {
-    /// A proxy to `upstream` (`http://host:port[/prefix]`). `timeout` bounds requests that are not
-    /// keyed; keyed ones are bounded by the idempotency layer, which keeps waiting in the background.
-    pub(crate) fn new(upstream: Uri, timeout: Duration) -> anyhow::Result<Self> {
-        if upstream.scheme() != Some(&Scheme::HTTP) || upstream.authority().is_none() {
-            anyhow::bail!("--upstream must be an absolute http:// URL such as http://127.0.0.1:3000, not {upstream}");
+    /// A proxy to `upstream` (`http://host:port[/prefix]`, or `https://…` checked against the
+    /// system's roots) with the default options. `timeout` bounds requests that are not keyed;
+    /// keyed ones are bounded by the idempotency layer, which keeps waiting in the background.
+    pub(crate) fn new(upstream: Uri, timeout: Duration) -> Result<Self, Misconfigured> {
+        Self::with_options(upstream, timeout, &UpstreamOptions::default())
+    }
+
+    /// A proxy to `upstream`, `http://` or `https://`, as `options` say.
+    pub(crate) fn with_options(
+        upstream: Uri,
+        timeout: Duration,
+        options: &UpstreamOptions,
+    ) -> Result<Self, Misconfigured> {
+        let refuse = |flag, reason: &str| Misconfigured {
+            flag,
+            reason: reason.to_owned(),
+        };
+        let https = match upstream.scheme() {
+            Some(scheme) if *scheme == Scheme::HTTPS => true,
+            Some(scheme) if *scheme == Scheme::HTTP => false,
+            _ => {
+                return Err(Misconfigured {
+                    flag: "upstream",
+                    reason: format!(
+                        "must be an absolute http:// or https:// URL such as http://127.0.0.1:3000, not {upstream}"
+                    ),
+                });
+            }
+        };
+        if upstream.authority().is_none() {
+            return Err(Misconfigured {
+                flag: "upstream",
+                reason: format!("must name a host, such as http://127.0.0.1:3000, not {upstream}"),
+            });
         }
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(Duration::from_secs(5)));
+        if !https && options.ca.is_some() {
+            return Err(refuse(
+                "upstream-ca",
+                "the upstream is http://, so there is no certificate to check: use an https:// upstream or drop --upstream-ca",
+            ));
+        }
+        if https && options.http2 {
+            return Err(refuse(
+                "upstream-http2",
+                "asks for h2c, HTTP/2 by prior knowledge over plain http://; over https:// HTTP/2 is negotiated by ALPN and used whenever the upstream offers it, so drop --upstream-http2",
+            ));
+        }
+        let mut http = HttpConnector::new();
+        http.set_nodelay(true);
+        http.set_connect_timeout(Some(Duration::from_secs(5)));
+        // The TLS connector below hands it https:// addresses too.
+        http.enforce_http(false);
+        let connector = if https {
+            HttpsConnectorBuilder::new()
+                .with_tls_config(tls::upstream(options.ca.as_deref())?)
+                .https_only()
+                // ALPN offers h2 and http/1.1; the pool speaks whichever the upstream picks.
+                .enable_all_versions()
+                .wrap_connector(http)
+        } else {
+            // Plain TCP: the TLS side is never used (this client only ever sees the upstream's
+            // http:// URL), so it needs no roots. HTTP/2 here is `http2_only`, below.
+            HttpsConnectorBuilder::new()
+                .with_tls_config(tls::unused())
+                .https_or_http()
+                .enable_http1()
+                .wrap_connector(http)
+        };
         let client = Client::builder(TokioExecutor::new())
             // Below the usual upstream keep-alive, so the pool does not reuse connections the
             // upstream has already closed.
             .pool_idle_timeout(Duration::from_secs(4))
+            .http2_only(options.http2)
             .build(connector);
         Ok(Self {
             client,
             upstream,
             timeout,
         })
+    }
+
+    /// How long a client waits for the upstream's answer (`--upstream-timeout`).
+    pub(crate) fn timeout(&self) -> Duration {
+        self.timeout
     }
 
     fn target(&self, uri: &Uri) -> Uri {
@@ -64,7 +144,14 @@ impl Proxy {
         let (mut parts, body) = request.into_parts();
         let keyed = parts.extensions.get::<IdempotencyInfo>().cloned();
         let client_addr = parts.extensions.get::<ConnectInfo<SocketAddr>>().map(|c| c.0);
-        let original_host = parts.headers.get(header::HOST).cloned();
+        let over_tls = parts.extensions.get::<OverTls>().is_some();
+        // An HTTP/2 request names its host in the `:authority` pseudo-header, not in `Host`.
+        let original_host = parts.headers.get(header::HOST).cloned().or_else(|| {
+            parts
+                .uri
+                .authority()
+                .and_then(|authority| HeaderValue::from_str(authority.as_str()).ok())
+        });
         strip_hop_by_hop(&mut parts.headers);
         parts.headers.remove(header::HOST);
         parts.headers.remove(RECOVERED);
@@ -83,10 +170,13 @@ impl Proxy {
         if let Some(host) = original_host {
             parts.headers.insert("x-forwarded-host", host);
         }
-        parts
-            .headers
-            .insert("x-forwarded-proto", HeaderValue::from_static("http"));
+        parts.headers.insert(
+            "x-forwarded-proto",
+            HeaderValue::from_static(if over_tls { "https" } else { "http" }),
+        );
         parts.uri = self.target(&parts.uri);
+        // Not the client's version: the connection to the upstream decides (HTTP/1.1, or HTTP/2 by
+        // ALPN or by prior knowledge), and the client refuses an HTTP/2 request on HTTP/1.1.
         parts.version = http::Version::HTTP_11;
         let sent = self.client.request(Request::from_parts(parts, body));
 
@@ -104,7 +194,8 @@ impl Proxy {
                 Response::from_parts(head, Body::new(body))
             }
             Ok(Err(err)) if err.is_connect() => {
-                tracing::warn!(upstream = %self.upstream, error = %err, "upstream unreachable");
+                // The causes say why (refused, a certificate not trusted, …): for the operator.
+                tracing::warn!(upstream = %self.upstream, error = %causes(&err), "upstream unreachable");
                 let detail =
                     format!("the upstream could not be reached ({err}); nothing was sent, retry with the same key");
                 no_answer(
@@ -126,7 +217,7 @@ impl Proxy {
                     )
                 }
                 None => {
-                    tracing::warn!(upstream = %self.upstream, error = %err, "connection to the upstream lost after sending");
+                    tracing::warn!(upstream = %self.upstream, error = %causes(&err), "connection to the upstream lost after sending");
                     let detail = "the connection to the upstream was lost after the request was sent, so whether it took effect is unknown; retry with the same key (the upstream is told the retry is a recovery)";
                     no_answer(
                         Problem::new(ProblemKind::UpstreamFailed, detail),
@@ -150,6 +241,14 @@ impl Proxy {
 /// waiting too long for it, or it broke off.
 fn client_body_failed<'a>(err: &'a (dyn std::error::Error + 'static)) -> Option<&'a ClientBodyFailed> {
     std::iter::successors(Some(err), |err| err.source()).find_map(|err| err.downcast_ref::<ClientBodyFailed>())
+}
+
+/// An error and its causes, `: `-separated.
+fn causes(err: &(dyn std::error::Error + 'static)) -> String {
+    std::iter::successors(Some(err), |err| err.source())
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(": ")
 }
 
 fn no_answer(problem: Problem, why: NoAnswer) -> Response<Body> {
@@ -208,8 +307,25 @@ mod tests {
 
     #[test]
     fn refuses_upstreams_it_cannot_reach() {
-        assert!(Proxy::new("https://example.invalid".parse().unwrap(), Duration::from_secs(1)).is_err());
-        assert!(Proxy::new("/relative".parse().unwrap(), Duration::from_secs(1)).is_err());
+        let second = Duration::from_secs(1);
+        assert_eq!(
+            Proxy::new("/relative".parse().unwrap(), second).unwrap_err().flag,
+            "upstream"
+        );
+        assert_eq!(
+            Proxy::new("ftp://host".parse().unwrap(), second).unwrap_err().flag,
+            "upstream"
+        );
+        let ca = UpstreamOptions {
+            ca: Some("ca.pem".into()),
+            http2: false,
+        };
+        let err = Proxy::with_options("http://127.0.0.1:3000".parse().unwrap(), second, &ca).unwrap_err();
+        assert_eq!(err.flag, "upstream-ca");
+        let h2c = UpstreamOptions { ca: None, http2: true };
+        let err = Proxy::with_options("https://127.0.0.1:3000".parse().unwrap(), second, &h2c).unwrap_err();
+        assert_eq!(err.flag, "upstream-http2");
+        assert!(Proxy::with_options("http://127.0.0.1:3000".parse().unwrap(), second, &h2c).is_ok());
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! `idem serve`: the idempotency layer around the proxy, the admin listener, the background
 //! purger and a graceful shutdown that lets running requests finish and store their answers
-//! within `--shutdown-grace`. How connections are held is in [`connections`].
+//! within `--shutdown-grace`. How connections are held is in [`connections`], TLS in [`tls`].
 //! [`Instance`] runs the same gateway inside this process, on a runtime of its own, so that
 //! `idem demo` can start, stop and crash instances as if they were processes.
 
@@ -11,19 +11,21 @@ use std::time::Duration;
 use anyhow::Context as _;
 use std::sync::Arc;
 
-use idem_core::{Policy, Protocol, ScopeSource, Store};
+use idem_core::{Policy, Protocol, ScopeSource, Store, StoreClock};
 use idem_tower::IdempotencyLayer;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
+use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::cli::{Misconfigured, ServeArgs};
 use crate::instrumented::{Instrumented, Prometheus};
-use crate::proxy::Proxy;
+use crate::proxy::{Proxy, UpstreamOptions};
 use crate::{admin, stores};
 
 mod connections;
+pub(crate) mod tls;
 
 pub(crate) use connections::ClientBodyFailed;
 use connections::Limits;
@@ -121,8 +123,22 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .context("cannot install the metrics recorder")?;
     let policy = policy(&args)?;
     let limits = limits(&args)?;
+    let upstream = UpstreamOptions {
+        ca: args.upstream_ca.clone(),
+        http2: args.upstream_http2,
+    };
+    let proxy = Proxy::with_options(args.upstream.clone(), args.upstream_timeout, &upstream)?;
+    let tls = tls::listener(args.tls_cert.as_deref(), args.tls_key.as_deref())?;
     let store: Arc<dyn Store> = Arc::new(Instrumented::new(stores::open(&args.store.store).await?, Prometheus));
-    let gateway = Gateway::protected(store.clone(), policy, args.upstream.clone(), args.upstream_timeout)?;
+    // Leases and expiry are judged on the store's clock: measure it before the first request.
+    let clock = StoreClock::new(store.clone());
+    match clock.sync().await {
+        Ok(offset_ms) => tracing::info!(offset_ms, "measured the store's clock against this machine's"),
+        Err(err) => {
+            tracing::warn!(error = %err, "could not read the store's clock; using this machine's until it answers")
+        }
+    }
+    let gateway = Gateway::protected(store.clone(), clock, policy, proxy);
 
     let listener = TcpListener::bind(args.listen)
         .await
@@ -131,7 +147,8 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("cannot listen on {}", args.admin_listen))?;
     let (addr, admin_addr) = (listener.local_addr()?, admin_listener.local_addr()?);
-    println!("idem listening on http://{addr} admin http://{admin_addr}");
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    println!("idem listening on {scheme}://{addr} admin http://{admin_addr}");
     tracing::info!(%addr, %admin_addr, upstream = %args.upstream, store = %args.store.store, "idem serve started");
 
     let shutdown = CancellationToken::new();
@@ -146,6 +163,7 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
             connections::serve(
                 "admin",
                 admin_listener,
+                None,
                 router,
                 &limits,
                 &TaskTracker::new(),
@@ -157,7 +175,7 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
     // Returns at most the grace after the signal, the keyed handlers whose clients already left
     // (or timed out) included.
     gateway
-        .serve(listener, &limits, {
+        .serve(listener, tls, &limits, {
             let shutdown = shutdown.clone();
             let grace = limits.shutdown_grace;
             async move {
@@ -187,30 +205,24 @@ pub(crate) struct Gateway {
 }
 
 impl Gateway {
-    /// The idempotency layer over `store` around a proxy to `upstream`: what `idem serve` runs.
-    pub(crate) fn protected(
-        store: Arc<dyn Store>,
-        policy: Policy,
-        upstream: http::Uri,
-        upstream_timeout: Duration,
-    ) -> anyhow::Result<Self> {
+    /// The idempotency layer over `store` around `proxy`: what `idem serve` runs.
+    pub(crate) fn protected(store: Arc<dyn Store>, clock: Arc<StoreClock>, policy: Policy, proxy: Proxy) -> Self {
         let layer = IdempotencyLayer::from_shared(store)
+            .with_clock(clock)
             .with_policy(policy)
-            .with_response_timeout(upstream_timeout);
+            .with_response_timeout(proxy.timeout());
         let (tasks, protocol) = (layer.tasks(), layer.protocol());
-        let proxy = Proxy::new(upstream, upstream_timeout)?;
         let app = axum::Router::new().fallback_service(tower::ServiceBuilder::new().layer(layer).service(proxy));
-        Ok(Self {
+        Self {
             app,
             tasks,
             protocol: Some(protocol),
-        })
+        }
     }
 
-    /// A proxy to `upstream` with no idempotency at all (`idem demo`'s first set-up).
-    pub(crate) fn unprotected(upstream: http::Uri, upstream_timeout: Duration) -> anyhow::Result<Self> {
-        let proxy = Proxy::new(upstream, upstream_timeout)?;
-        Ok(Self {
+    /// `proxy` with no idempotency at all (`idem demo`'s first set-up).
+    pub(crate) fn unprotected(proxy: Proxy) -> Self {
+        Self {
             app: axum::Router::new().fallback_service(
                 tower::ServiceBuilder::new()
                     .map_request(|request: http::Request<axum::body::Body>| request.map(idem_tower::Body::new))
@@ -218,14 +230,20 @@ impl Gateway {
             ),
             tasks: TaskTracker::new(),
             protocol: None,
-        })
+        }
     }
 
-    /// Serves on `listener` within `limits` until `shutdown` resolves; then stops accepting and
-    /// returns once the open connections and the keyed handlers still running (their clients may
-    /// have left) are done, or the shutdown grace has passed.
-    pub(crate) async fn serve(&self, listener: TcpListener, limits: &Limits, shutdown: impl Future<Output = ()>) {
-        connections::serve("proxy", listener, self.app.clone(), limits, &self.tasks, shutdown).await;
+    /// Serves on `listener` (over TLS with `tls`) within `limits` until `shutdown` resolves; then
+    /// stops accepting and returns once the open connections and the keyed handlers still running
+    /// (their clients may have left) are done, or the shutdown grace has passed.
+    pub(crate) async fn serve(
+        &self,
+        listener: TcpListener,
+        tls: Option<TlsAcceptor>,
+        limits: &Limits,
+        shutdown: impl Future<Output = ()>,
+    ) {
+        connections::serve("proxy", listener, tls, self.app.clone(), limits, &self.tasks, shutdown).await;
     }
 }
 
@@ -333,14 +351,19 @@ async fn run_instance(
     let started = async {
         let (gateway, grace) = match config.protection {
             Protection::None => (
-                Gateway::unprotected(config.upstream, config.upstream_timeout)?,
+                Gateway::unprotected(Proxy::new(config.upstream, config.upstream_timeout)?),
                 config.upstream_timeout,
             ),
             Protection::Store { url, policy } => {
                 let grace = policy.lease;
                 let store = stores::open(&url).await?;
                 (
-                    Gateway::protected(store, *policy, config.upstream, config.upstream_timeout)?,
+                    Gateway::protected(
+                        store.clone(),
+                        StoreClock::new(store),
+                        *policy,
+                        Proxy::new(config.upstream, config.upstream_timeout)?,
+                    ),
                     grace,
                 )
             }
@@ -366,7 +389,7 @@ async fn run_instance(
         shutdown_grace: grace,
         ..Limits::default()
     };
-    let serving = gateway.serve(listener, &limits, shutdown.clone().cancelled_owned());
+    let serving = gateway.serve(listener, None, &limits, shutdown.clone().cancelled_owned());
     tokio::pin!(serving);
     tokio::select! {
         () = &mut serving => {}

@@ -1,7 +1,8 @@
 //! How a listener holds its clients: at most `--max-connections` open (the others wait in the
 //! kernel's listen queue); a client that takes longer than `--read-timeout` to send a request's
 //! head is disconnected, one that keeps the gateway waiting longer for a body has it cut off; a
-//! shutdown closes whatever is left when the grace is over.
+//! shutdown closes whatever is left when the grace is over. It speaks HTTP/1.1 and HTTP/2 (h2c by
+//! prior knowledge on plain TCP; over TLS, whichever ALPN settled), and TLS when given a certificate.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -18,12 +19,16 @@ use http::Request;
 use hyper::body::{Body as HttpBody, Frame, Incoming, SizeHint};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, Sleep};
+use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tower::ServiceExt as _;
+
+use super::tls::OverTls;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -57,13 +62,14 @@ pub(crate) const MOST_CONNECTIONS: usize = Semaphore::MAX_PERMITS;
 /// How often at most a listener says that it is full.
 const FULL_WARNING_EVERY: Duration = Duration::from_secs(60);
 
-/// Serves `app` on `listener` within `limits` until `shutdown` resolves; then stops accepting,
-/// lets the open connections finish their requests and `background` its work, and returns once
-/// all of that is done or `limits.shutdown_grace` has passed, having closed what was left.
-/// `name` labels the `idem_connections_open` gauge.
+/// Serves `app` on `listener` (over TLS with `tls`) within `limits` until `shutdown` resolves;
+/// then stops accepting, lets the open connections finish their requests and `background` its
+/// work, and returns once all of that is done or `limits.shutdown_grace` has passed, having closed
+/// what was left. `name` labels the `idem_connections_open` gauge.
 pub(crate) async fn serve(
     name: &'static str,
     listener: TcpListener,
+    tls: Option<TlsAcceptor>,
     app: axum::Router,
     limits: &Limits,
     background: &TaskTracker,
@@ -117,6 +123,7 @@ pub(crate) async fn serve(
         gauge.increment(1.0);
         let connection = Connection {
             builder: builder.clone(),
+            tls: tls.clone(),
             app: app.clone(),
             read_timeout: limits.read_timeout,
             graceful: graceful.clone(),
@@ -171,6 +178,8 @@ async fn accept_failed(name: &'static str, err: std::io::Error) {
 /// One accepted connection and what it needs to be served.
 struct Connection {
     builder: auto::Builder<TokioExecutor>,
+    /// The TLS handshake to make first, if any.
+    tls: Option<TlsAcceptor>,
     app: axum::Router,
     read_timeout: Duration,
     /// Asks the connection to finish its requests and close.
@@ -182,9 +191,38 @@ struct Connection {
 }
 
 impl Connection {
-    /// Serves HTTP/1.1 or HTTP/2 (prior knowledge) on `stream` until the client closes it, it stays
-    /// without a request for the read timeout, or the listener shuts down.
-    async fn serve(self, stream: TcpStream, remote: SocketAddr) {
+    /// Makes the TLS handshake, if the listener has TLS, then serves the connection. A client
+    /// gets the read timeout to finish the handshake, as it does to send its first head.
+    async fn serve(mut self, stream: TcpStream, remote: SocketAddr) {
+        let Some(acceptor) = self.tls.take() else {
+            return self.serve_http(stream, remote, false).await;
+        };
+        let handshake = tokio::time::timeout(self.read_timeout, acceptor.accept(stream));
+        let stream = tokio::select! {
+            done = handshake => match done {
+                Ok(Ok(stream)) => stream,
+                Ok(Err(err)) => {
+                    tracing::debug!(%remote, error = %err, "TLS handshake failed");
+                    return;
+                }
+                Err(_) => {
+                    tracing::debug!(%remote, read_timeout = ?self.read_timeout, "closing a connection that did not finish its TLS handshake in time");
+                    return;
+                }
+            },
+            // No request has come yet: nothing to finish.
+            () = self.graceful.cancelled() => return,
+            () = self.cut.cancelled() => return,
+        };
+        self.serve_http(stream, remote, true).await;
+    }
+
+    /// Serves HTTP/1.1 or HTTP/2 on `stream` until the client closes it, it stays without a
+    /// request for the read timeout, or the listener shuts down. `over_tls` marks its requests.
+    async fn serve_http<S>(self, stream: S, remote: SocketAddr, over_tls: bool)
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
         let activity = Arc::new(Activity::new());
         let service = {
             let (app, activity, read_timeout) = (self.app, activity.clone(), self.read_timeout);
@@ -192,6 +230,9 @@ impl Connection {
                 let in_flight = InFlight::start(&activity);
                 let mut request = request.map(|body| ReadTimeout::new(body, read_timeout));
                 request.extensions_mut().insert(ConnectInfo(remote));
+                if over_tls {
+                    request.extensions_mut().insert(OverTls);
+                }
                 let call = app.clone().oneshot(request);
                 async move {
                     let response = call.await?;
