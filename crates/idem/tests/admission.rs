@@ -7,7 +7,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{Gateway, Reply, Upstream, count, new_key, run_idem, send};
+use common::{Gateway, Reply, Upstream, count, new_key, send};
 use reqwest::header::HeaderValue;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -205,40 +205,20 @@ async fn ulid_times_expire_keys_only_when_asked() {
 // Settings that cannot work
 // ---------------------------------------------------------------------------------------------
 
-/// Runs `idem serve` with `args`; asserts that it refuses to start (exit 2) naming `flag`.
-async fn refused(args: &[&str], flag: &str) {
-    let mut all = vec![
-        "serve",
-        "--upstream",
-        "http://127.0.0.1:9",
-        "--listen",
-        "127.0.0.1:0",
-        "--admin-listen",
-        "127.0.0.1:0",
-    ];
-    let dir = tempfile::tempdir().unwrap();
-    let store = common::store_url_in(dir.path());
-    all.extend(["--store", &store]);
-    all.extend(args);
-    let output = run_idem(&all, Duration::from_secs(30)).await;
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(2), "{args:?}: {}", common::describe(&output));
-    assert!(stderr.contains(flag), "{args:?}: stderr names {flag}: {stderr}");
-    assert!(
-        !dir.path().join("idem.db").exists(),
-        "{args:?}: refused before the store is touched"
-    );
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn settings_that_cannot_work_never_start() {
-    refused(&["--lease", "0s"], "--lease").await;
-    refused(&["--lease", "500ms"], "--lease").await;
-    refused(&["--ttl", "0s"], "--ttl").await;
-    refused(&["--scope", "extension"], "--scope").await;
-    refused(&["--scope", "none", "--anonymous", "reject"], "--anonymous").await;
-    refused(&["--anonymous", "maybe"], "--anonymous").await;
-    refused(&["--expire-by-key-time", "uuid4"], "--expire-by-key-time").await;
+    for (args, flag) in [
+        (&["--lease", "0s"][..], "--lease"),
+        (&["--lease", "500ms"], "--lease"),
+        (&["--ttl", "0s"], "--ttl"),
+        (&["--run-timeout", "0s"], "--run-timeout"),
+        (&["--scope", "extension"], "--scope"),
+        (&["--scope", "none", "--anonymous", "reject"], "--anonymous"),
+        (&["--anonymous", "maybe"], "--anonymous"),
+        (&["--expire-by-key-time", "uuid4"], "--expire-by-key-time"),
+    ] {
+        common::assert_serve_refuses(args, flag).await;
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

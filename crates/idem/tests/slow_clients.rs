@@ -10,7 +10,7 @@ use std::io::ErrorKind;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use common::{Gateway, Reply, Upstream, count, describe, new_key, run_idem, send, wait_for_count};
+use common::{Gateway, Reply, Upstream, count, new_key, send, wait_for_count};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -345,32 +345,7 @@ async fn zero_limits_are_refused_at_start_naming_the_flag() {
         ("--max-connections", "0"),
         ("--shutdown-grace", "0s"),
     ] {
-        let dir = tempfile::tempdir().unwrap();
-        let store = common::store_url_in(dir.path());
-        let output = run_idem(
-            &[
-                "serve",
-                "--upstream",
-                "http://127.0.0.1:9",
-                "--listen",
-                "127.0.0.1:0",
-                "--admin-listen",
-                "127.0.0.1:0",
-                "--store",
-                &store,
-                flag,
-                zero,
-            ],
-            Duration::from_secs(30),
-        )
-        .await;
-        assert_eq!(output.status.code(), Some(2), "{flag} {zero}:\n{}", describe(&output));
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        assert!(
-            stderr.contains(&format!("{flag}: ")),
-            "the message names {flag}:\n{}",
-            describe(&output)
-        );
+        common::assert_serve_refuses(&[flag, zero], &format!("{flag}: ")).await;
     }
 }
 

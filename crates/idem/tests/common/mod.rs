@@ -552,6 +552,34 @@ pub(crate) async fn run_idem(args: &[&str], limit: Duration) -> Output {
     }
 }
 
+/// Runs `idem serve ARGS` (upstream `http://127.0.0.1:9`, ephemeral ports, a fresh SQLite store)
+/// and asserts that it refuses to start as for a usage error: exit 2, stderr naming `flag`, the
+/// store not even created.
+pub(crate) async fn assert_serve_refuses(args: &[&str], flag: &str) {
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let store = store_url_in(dir.path());
+    let mut all = vec![
+        "serve",
+        "--upstream",
+        "http://127.0.0.1:9",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
+        "--store",
+        &store,
+    ];
+    all.extend(args);
+    let output = run_idem(&all, Duration::from_secs(30)).await;
+    assert_eq!(output.status.code(), Some(2), "{args:?}: {}", describe(&output));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains(flag), "{args:?}: stderr names {flag}: {stderr}");
+    assert!(
+        !dir.path().join("idem.db").exists(),
+        "{args:?}: refused before the store is touched"
+    );
+}
+
 /// Formats an output for an assertion message.
 pub(crate) fn describe(output: &Output) -> String {
     format!(
