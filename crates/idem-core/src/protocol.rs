@@ -18,7 +18,7 @@ use crate::key::{IdempotencyKey, KeyError};
 use crate::policy::{AnonymousPolicy, MissingKeyPolicy, Policy};
 use crate::problem::{Problem, ProblemKind};
 use crate::response::StoredResponse;
-use crate::run::{Pending, StoreTimedOut};
+use crate::run::{Gauged, Pending, StoreTimedOut};
 use crate::scope::{Scope, ScopeSource, hex};
 use crate::store::{
     Begin, BeginRequest, FencingToken, Purged, Record, RecordId, RecordState, Release, Store, StoreError,
@@ -439,6 +439,7 @@ impl Protocol {
             let until = deadline.min(tokio::time::Instant::now() + lease_until.since(now) + Duration::from_millis(5));
             waited = true;
             let limit = policy.store_timeout;
+            let _waiting = Gauged::new("idem_waiters");
             let waiting = tokio::time::timeout_at(until + limit, self.inner.store.wait(&id, holder, until));
             if let Err(err) = waiting
                 .await

@@ -96,11 +96,28 @@ impl Drop for Held {
     }
 }
 
+/// One unit of a gauge for as long as it lives (a run in flight, a copy waiting).
+pub(crate) struct Gauged(&'static str);
+
+impl Gauged {
+    pub(crate) fn new(name: &'static str) -> Self {
+        metrics::gauge!(name).increment(1.0);
+        Self(name)
+    }
+}
+
+impl Drop for Gauged {
+    fn drop(&mut self) {
+        metrics::gauge!(self.0).decrement(1.0);
+    }
+}
+
 impl Protocol {
     /// Drives `work` (the handler, then reading its answer) under `claim`: the lease is renewed
     /// beside it, so a slow handler never loses its record and a slow renewal never pauses the
     /// handler; after the policy's `run_timeout` (counted from the claim) the work is dropped.
     pub async fn drive<F: Future>(&self, claim: &Claim, work: F) -> Result<F::Output, RunTimedOut> {
+        let _running = Gauged::new("idem_runs_in_flight");
         let deadline = claim.run_deadline();
         self.renewing(claim, async move { tokio::time::timeout_at(deadline, work).await })
             .await

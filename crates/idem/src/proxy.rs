@@ -180,11 +180,20 @@ impl Proxy {
         parts.version = http::Version::HTTP_11;
         let sent = self.client.request(Request::from_parts(parts, body));
 
+        let started = std::time::Instant::now();
         let result = if keyed.is_some() {
             Ok(sent.await)
         } else {
             tokio::time::timeout(self.timeout, sent).await
         };
+        let result_label = match &result {
+            Ok(Ok(_)) => "answered",
+            Ok(Err(err)) if err.is_connect() => "unreachable",
+            Ok(Err(_)) => "failed",
+            Err(_) => "timeout",
+        };
+        // Until the answer's head: its body streams on, so a slow body does not count.
+        metrics::histogram!("idem_upstream_seconds", "result" => result_label).record(started.elapsed().as_secs_f64());
         match result {
             Ok(Ok(response)) => {
                 let (mut head, body) = response.into_parts();

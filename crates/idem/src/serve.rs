@@ -110,6 +110,12 @@ fn limits(args: &ServeArgs) -> Result<Limits, Misconfigured> {
     })
 }
 
+/// The buckets of every latency histogram, in seconds: from a local store's half millisecond to
+/// an upstream's minute.
+const LATENCY_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+
 /// The shortest lease the gateway accepts.
 const MIN_LEASE: Duration = Duration::from_secs(1);
 
@@ -119,6 +125,9 @@ const PURGE_BATCH: usize = 1000;
 
 pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
+        // Histograms, never summaries: buckets add up across instances, quantiles do not.
+        .set_buckets(LATENCY_BUCKETS)
+        .context("the metrics' buckets")?
         .install_recorder()
         .context("cannot install the metrics recorder")?;
     let policy = policy(&args)?;
