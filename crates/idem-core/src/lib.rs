@@ -21,40 +21,67 @@
 //! ```
 #![forbid(unsafe_code)]
 
-mod canonical_json;
-mod codec;
-mod coding;
-mod fingerprint;
+// What a client needs too: keys, header names, problem kinds, time.
+mod headers;
 mod key;
-mod policy;
 mod problem;
-mod protocol;
-mod response;
-mod run;
-mod scope;
-mod store;
-mod store_clock;
-pub mod stored;
 mod time;
+
+// The server half (feature `server`, on by default): the protocol, fingerprints, stored answers
+// and the store interface. A client (`idem-client`) builds without it.
+#[cfg(feature = "server")]
+mod canonical_json;
+#[cfg(feature = "server")]
+mod codec;
+#[cfg(feature = "server")]
+mod coding;
+#[cfg(feature = "server")]
+mod fingerprint;
+#[cfg(feature = "server")]
+mod policy;
+#[cfg(feature = "server")]
+mod protocol;
+#[cfg(feature = "server")]
+mod response;
+#[cfg(feature = "server")]
+mod run;
+#[cfg(feature = "server")]
+mod scope;
+#[cfg(feature = "server")]
+mod store;
+#[cfg(feature = "server")]
+mod store_clock;
+#[cfg(feature = "server")]
+pub mod stored;
 
 #[cfg(feature = "testkit")]
 pub mod testkit;
 
-pub use coding::AcceptEncoding;
-pub use fingerprint::{Differences, Fingerprint, FingerprintDecodeError};
+pub use headers::{IDEMPOTENCY_KEY, REPLAY, REPLAYED};
 pub use key::{IdempotencyKey, KeyError, KeyTimeFormats, KeyTimeFormatsError, MAX_KEY_LEN};
-pub use policy::{
-    AnonymousPolicy, AnonymousPolicyError, IDEMPOTENCY_KEY, MissingKeyPolicy, MissingKeyPolicyError, Policy,
-    PolicyError,
-};
 pub use problem::{Problem, ProblemKind};
+pub use time::{Clock, ManualClock, SystemClock, UnixMillis};
+
+#[cfg(feature = "server")]
+pub use coding::AcceptEncoding;
+#[cfg(feature = "server")]
+pub use fingerprint::{Differences, Fingerprint, FingerprintDecodeError};
+#[cfg(feature = "server")]
+pub use policy::{
+    AnonymousPolicy, AnonymousPolicyError, MissingKeyPolicy, MissingKeyPolicyError, Policy, PolicyError,
+};
+#[cfg(feature = "server")]
 pub use protocol::{Admission, Claim, Decision, Disposition, Keyed, Outcome, Protocol};
-pub use response::{HOP_BY_HOP, HeaderAllowList, REPLAY, REPLAYED, ResponseDecodeError, StoredResponse};
+#[cfg(feature = "server")]
+pub use response::{HOP_BY_HOP, HeaderAllowList, ResponseDecodeError, StoredResponse};
+#[cfg(feature = "server")]
 pub use run::{MAX_PENDING_BYTES, PendingAnswer, RunTimedOut, Unstored};
+#[cfg(feature = "server")]
 pub use scope::{Scope, ScopeError, ScopeSource, ScopeSourceError};
+#[cfg(feature = "server")]
 pub use store::{
     Begin, BeginRequest, Completion, FencingToken, Purged, Record, RecordId, RecordState, Release, Store, StoreError,
     WaitOutcome,
 };
+#[cfg(feature = "server")]
 pub use store_clock::{RESYNC_EVERY, StoreClock};
-pub use time::{Clock, ManualClock, SystemClock, UnixMillis};

@@ -11,8 +11,7 @@ use crate::response::HeaderAllowList;
 use crate::scope::ScopeSource;
 use crate::time::UnixMillis;
 
-/// The default key header.
-pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+use crate::headers::IDEMPOTENCY_KEY;
 
 /// What happens to a request that should carry a key and does not (`--missing-key`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -6,14 +6,8 @@ use http::header::{self, HeaderName, HeaderValue};
 use http::{HeaderMap, Response, StatusCode};
 
 use crate::codec::{Reader, put_bytes};
+use crate::headers::{REPLAY, REPLAYED};
 use crate::coding::{self, AcceptEncoding, MAX_DECODED};
-
-/// The header that marks a replayed answer.
-pub const REPLAYED: HeaderName = HeaderName::from_static("idempotency-replayed");
-
-/// The header that marks a replay whose body was not kept (`Idempotency-Replay: omitted`): the
-/// answer was over `max-stored-body`, so an empty replay body does not mean an empty answer.
-pub const REPLAY: HeaderName = HeaderName::from_static("idempotency-replay");
 
 /// The headers a stored response keeps. `Set-Cookie` and hop-by-hop headers are never kept, even
 /// when configured: a replay must not hand one caller's session to a retry.
