@@ -67,9 +67,7 @@ pub use coding::AcceptEncoding;
 #[cfg(feature = "server")]
 pub use fingerprint::{Differences, Fingerprint, FingerprintDecodeError};
 #[cfg(feature = "server")]
-pub use policy::{
-    AnonymousPolicy, AnonymousPolicyError, MissingKeyPolicy, MissingKeyPolicyError, Policy, PolicyError,
-};
+pub use policy::{AnonymousPolicy, AnonymousPolicyError, MissingKeyPolicy, MissingKeyPolicyError, Policy, PolicyError};
 #[cfg(feature = "server")]
 pub use protocol::{Admission, Claim, Decision, Disposition, Keyed, Outcome, Protocol};
 #[cfg(feature = "server")]
