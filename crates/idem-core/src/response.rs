@@ -6,8 +6,8 @@ use http::header::{self, HeaderName, HeaderValue};
 use http::{HeaderMap, Response, StatusCode};
 
 use crate::codec::{Reader, put_bytes};
-use crate::headers::{REPLAY, REPLAYED};
 use crate::coding::{self, AcceptEncoding, MAX_DECODED};
+use crate::headers::{REPLAY, REPLAYED};
 
 /// The headers a stored response keeps. `Set-Cookie` and hop-by-hop headers are never kept, even
 /// when configured: a replay must not hand one caller's session to a retry.

@@ -1,5 +1,5 @@
 //! The `Store` trait: the atomic primitives every backend provides. Stores decide nothing about the
-//! protocol; they claim, complete, release and renew records atomically and report what they hold.
+//! protocol; they claim, complete, release, renew and delete records atomically and report what they hold.
 
 use std::error::Error as StdError;
 use std::fmt;
@@ -222,6 +222,13 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// Reads a record without changing it.
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError>;
 
+    /// Deletes the record whatever its state, atomically, and returns it as it was (as
+    /// [`Store::get`] would have read it the moment before); `None` if there was none. An operator's
+    /// tool: a holder of the deleted claim is fenced from then on, its waiters are woken to look
+    /// again, and the key is free for a new claim. A record the store cannot read is deleted all
+    /// the same (an operator must be able to clear it) and reported as [`StoreError::Corrupt`].
+    async fn delete(&self, id: &RecordId) -> Result<Option<Record>, StoreError>;
+
     /// Waits until the claim `token` on the record is no longer current, or until `deadline`.
     /// Subscribes to changes before it checks, so that a change in between is not lost.
     async fn wait(
@@ -261,6 +268,9 @@ impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
     }
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         (**self).get(id).await
+    }
+    async fn delete(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+        (**self).delete(id).await
     }
     async fn wait(
         &self,

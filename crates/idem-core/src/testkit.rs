@@ -364,6 +364,18 @@ pub async fn wait_wakes_on_release(h: &impl Harness) {
     .await;
 }
 
+/// Waiters on another handle are woken when an operator deletes the record they wait on.
+pub async fn wait_wakes_on_delete(h: &impl Harness) {
+    woken_by(h, "delete", async |store, id, _token| {
+        store
+            .delete(id)
+            .await
+            .expect("delete")
+            .expect("the in-flight record was there");
+    })
+    .await;
+}
+
 /// A wait on a claim that is already gone returns at once; one on a held claim times out.
 pub async fn wait_checks_before_sleeping(h: &impl Harness) {
     let store = h.open().await;
@@ -412,6 +424,176 @@ pub async fn release_forgets_or_remembers(h: &impl Harness) {
         begin(&*store, &id, &fp, now).await.0,
         Begin::Acquired { recovered: true }
     ));
+}
+
+/// Deleting an in-flight record returns it and fences its holder: the old token can no longer
+/// complete, release or renew, and the key is free for a new claim.
+pub async fn delete_fences_the_holder(h: &impl Harness) {
+    let store = h.open().await;
+    let (id, fp, now) = (fresh_id(), fingerprint("a"), UnixMillis::now());
+    let token = acquire(&*store, &id, &fp, now).await;
+    let deleted = store
+        .delete(&id)
+        .await
+        .expect("delete")
+        .expect("delete returns the in-flight record");
+    assert_eq!(deleted.id, id);
+    assert_eq!(deleted.fingerprint, fp, "the deleted record keeps its fingerprint");
+    assert_eq!(in_flight_token(&deleted), token, "the claim that was deleted");
+    assert!(store.get(&id).await.expect("get").is_none(), "a deleted record is gone");
+    assert!(
+        matches!(
+            store.complete(&id, token, completion(b"x", now, DAY, 7 * DAY)).await,
+            Err(StoreError::Fenced)
+        ),
+        "the holder of a deleted claim cannot complete it"
+    );
+    assert!(matches!(
+        store.release(&id, token, Release::Forget).await,
+        Err(StoreError::Fenced)
+    ));
+    assert!(matches!(
+        store
+            .release(
+                &id,
+                token,
+                Release::Unknown {
+                    purge_at: now.plus(DAY)
+                }
+            )
+            .await,
+        Err(StoreError::Fenced)
+    ));
+    assert!(matches!(
+        store.renew(&id, token, now.plus(LEASE)).await,
+        Err(StoreError::Fenced)
+    ));
+    assert!(
+        store.get(&id).await.expect("get").is_none(),
+        "nothing the fenced holder tried brought the record back"
+    );
+    let (claimed, new_token) = begin(&*store, &id, &fingerprint("other request"), now).await;
+    assert!(
+        matches!(claimed, Begin::Acquired { recovered: false }),
+        "the key is free for any request, as new: {claimed:?}"
+    );
+    assert!(
+        matches!(
+            store.complete(&id, token, completion(b"x", now, DAY, 7 * DAY)).await,
+            Err(StoreError::Fenced)
+        ),
+        "the old holder is not the new claim's holder"
+    );
+    let record = store.get(&id).await.expect("get").expect("the new claim");
+    assert_eq!(in_flight_token(&record), new_token);
+}
+
+/// Deleting a completed record, a tombstone or an unknown outcome returns it as it was and frees
+/// the key: the same request then runs again as new (neither replayed, nor `key-expired`, nor
+/// recovered).
+pub async fn delete_frees_the_key_in_every_state(h: &impl Harness) {
+    let store = h.open().await;
+    let (fp, now) = (fingerprint("a"), UnixMillis::now());
+
+    let completed = fresh_id();
+    let token = acquire(&*store, &completed, &fp, now).await;
+    store
+        .complete(&completed, token, completion(b"stored answer", now, DAY, 7 * DAY))
+        .await
+        .expect("complete");
+    existing(begin(&*store, &completed, &fp, now).await.0);
+    let deleted = store
+        .delete(&completed)
+        .await
+        .expect("delete")
+        .expect("delete returns the completed record");
+    assert_eq!(deleted.id, completed);
+    assert_eq!(deleted.fingerprint, fp);
+    assert_eq!(deleted.replays, 1, "the deleted record's replays");
+    assert_eq!(stored_response(&deleted).as_deref(), Some(b"stored answer".as_slice()));
+
+    // A tombstone: the answer expired (a second ago) and was dropped, the record stays.
+    let tombstone = fresh_id();
+    let token = acquire(&*store, &tombstone, &fp, now).await;
+    let written = UnixMillis::now();
+    let expired = Completion {
+        response: Bytes::from_static(b"old answer"),
+        completed_at: written.minus(Duration::from_secs(2)),
+        expires_at: written.minus(Duration::from_secs(1)),
+        purge_at: written.plus(DAY),
+    };
+    store.complete(&tombstone, token, expired).await.expect("complete");
+    // Other cases' records may be due too, and another purger may hold the work for a moment:
+    // purge until this one's answer is dropped.
+    for attempt in 0.. {
+        let record = store.get(&tombstone).await.expect("get").expect("the record");
+        if stored_response(&record).is_none() {
+            break;
+        }
+        assert!(attempt < 100, "purge never dropped the expired answer");
+        store.purge(UnixMillis::now(), 1000).await.expect("purge");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let deleted = store
+        .delete(&tombstone)
+        .await
+        .expect("delete")
+        .expect("delete returns the tombstone");
+    assert_eq!(stored_response(&deleted), None, "a tombstone, as it was");
+    assert_eq!(deleted.fingerprint, fp);
+
+    let unknown = fresh_id();
+    let token = acquire(&*store, &unknown, &fp, now).await;
+    store
+        .release(
+            &unknown,
+            token,
+            Release::Unknown {
+                purge_at: now.plus(DAY),
+            },
+        )
+        .await
+        .expect("release");
+    let deleted = store
+        .delete(&unknown)
+        .await
+        .expect("delete")
+        .expect("delete returns the unknown outcome");
+    assert!(matches!(deleted.state, RecordState::Unknown { .. }), "{deleted:?}");
+
+    for id in [&completed, &tombstone, &unknown] {
+        assert!(store.get(id).await.expect("get").is_none(), "a deleted record is gone");
+        let (claimed, _) = begin(&*store, id, &fp, UnixMillis::now()).await;
+        assert!(
+            matches!(claimed, Begin::Acquired { recovered: false }),
+            "the same request runs again as new: {claimed:?}"
+        );
+    }
+}
+
+/// Deleting a key that has no record returns `None`, and deleting twice finds nothing the second
+/// time; neither touches a record of the same key in another scope.
+pub async fn delete_of_a_missing_key_is_none(h: &impl Harness) {
+    let store = h.open().await;
+    let (id, fp, now) = (fresh_id(), fingerprint("a"), UnixMillis::now());
+    assert!(store.delete(&id).await.expect("delete").is_none());
+    let other_scope = RecordId {
+        scope: Scope::application(uuid::Uuid::new_v4().to_string()),
+        key: id.key.clone(),
+    };
+    let token = acquire(&*store, &other_scope, &fp, now).await;
+    acquire(&*store, &id, &fp, now).await;
+    assert!(store.delete(&id).await.expect("delete").is_some());
+    assert!(
+        store.delete(&id).await.expect("delete").is_none(),
+        "a second delete finds nothing"
+    );
+    let kept = store
+        .get(&other_scope)
+        .await
+        .expect("get")
+        .expect("the same key in another scope is untouched");
+    assert_eq!(in_flight_token(&kept), token);
 }
 
 /// Past `expires_at` the answer is reported as expired; once that time has really passed, purge
@@ -628,7 +810,9 @@ macro_rules! conformance_tests {
         $crate::conformance_tests!(@cases $harness;
             claims_a_new_key, one_claim_under_concurrency, completes_and_replays, fencing,
             takeover_needs_the_same_fingerprint, renewal_keeps_the_claim, wait_wakes_on_completion,
-            wait_wakes_on_release, wait_checks_before_sleeping, release_forgets_or_remembers,
+            wait_wakes_on_release, wait_wakes_on_delete, wait_checks_before_sleeping,
+            release_forgets_or_remembers, delete_fences_the_holder, delete_frees_the_key_in_every_state,
+            delete_of_a_missing_key_is_none,
             expiry_leaves_a_tombstone, purge_time_frees_the_key_without_purge, purge_in_batches,
             scopes_are_isolated, large_bodies, records_survive_reopen, tells_its_time);
     };
@@ -646,7 +830,7 @@ macro_rules! conformance_tests {
 #[derive(Debug)]
 pub struct CountingStore<S> {
     inner: S,
-    counts: [std::sync::atomic::AtomicU64; 9],
+    counts: [std::sync::atomic::AtomicU64; 10],
 }
 
 /// The operations [`CountingStore`] counts.
@@ -668,6 +852,8 @@ pub enum Operation {
     Purge,
     /// [`Store::ping`].
     Ping,
+    /// [`Store::delete`].
+    Delete,
     /// [`Store::clock`]: measured per instance in the background, never per request, so not in
     /// [`CountingStore::total`].
     Clock,
@@ -739,6 +925,10 @@ impl<S: Store> Store for CountingStore<S> {
     ) -> Result<WaitOutcome, StoreError> {
         self.bump(Operation::Wait);
         self.inner.wait(id, token, deadline).await
+    }
+    async fn delete(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+        self.bump(Operation::Delete);
+        self.inner.delete(id).await
     }
     async fn purge(&self, now: UnixMillis, batch: usize) -> Result<crate::Purged, StoreError> {
         self.bump(Operation::Purge);

@@ -103,6 +103,16 @@ WITH released AS (
 )
 SELECT pg_notify('idem_records', $5) FROM released";
 
+/// Deletes whatever the record holds and returns it; waiters on it are woken to look again.
+const DELETE: &str = "
+WITH deleted AS (
+    DELETE FROM idem_records WHERE scope = $1 AND key = $2
+    RETURNING state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays
+)
+SELECT state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays,
+    pg_notify('idem_records', $3)
+FROM deleted";
+
 const RENEW: &str = "
 UPDATE idem_records SET lease_until = $4, purge_at = $5
 WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in-flight'";
@@ -506,6 +516,20 @@ impl Store for PostgresStore {
             .transpose()
     }
 
+    /// One statement: the row is gone when it is read, so a row that cannot be read is deleted
+    /// all the same.
+    async fn delete(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+        let db = self.db("delete");
+        let client = self.client("delete").await?;
+        let stmt = client.prepare_cached(DELETE).await.map_err(db)?;
+        let row = client
+            .query_opt(&stmt, &[&id.scope.as_str(), &id.key.as_str(), &payload(id)])
+            .await
+            .map_err(db)?;
+        row.map(|row| StoredRow::from_row(&row, id)?.into_record(id.clone()))
+            .transpose()
+    }
+
     async fn wait(
         &self,
         id: &RecordId,
@@ -580,7 +604,7 @@ mod tests {
 
     #[test]
     fn every_notification_goes_to_the_listened_channel() {
-        for sql in [REPLACE, TAKE_OVER, COMPLETE, FORGET, RELEASE_UNKNOWN] {
+        for sql in [REPLACE, TAKE_OVER, COMPLETE, FORGET, RELEASE_UNKNOWN, DELETE] {
             assert!(sql.contains(&format!("pg_notify('{CHANNEL}', $")), "{sql}");
         }
     }
@@ -654,5 +678,9 @@ mod tests {
         const COLUMNS: &str = "state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays";
         assert!(SELECT.contains(COLUMNS));
         assert!(SELECT_FOR_UPDATE.contains(COLUMNS));
+        assert!(
+            DELETE.contains(&format!("RETURNING {COLUMNS}")) && DELETE.contains(&format!("SELECT {COLUMNS},")),
+            "{DELETE}"
+        );
     }
 }

@@ -186,6 +186,30 @@ end
 return answer(redis.call('HGETALL', rec), response)
 "#;
 
+/// `delete`. ARGV: nonce, the client's clock, channel, publish command. Deletes the record and
+/// its body whatever they hold and returns `{rec, nonce, HGETALL of the record, body or nil}` as
+/// they were, judged at that clock as `get` judges them (a record past purge_at was already
+/// absent). A record whose fields cannot be read is deleted all the same and returned whole, for
+/// the caller to report. Wakes whoever waits on the record.
+const DELETE: &str = r#"
+now = num(ARGV[2], 'now')
+local channel, publish = ARGV[3], ARGV[4]
+local fields, response = {}, false
+if redis.call('EXISTS', rec) == 1 then
+  local cur = redis.call('HMGET', rec, 'state', 'purge_at', 'expires_at')
+  local purge_at, expires_at = tonumber(cur[2]), tonumber(cur[3])
+  if not cur[1] or purge_at == nil or now < purge_at then
+    fields = redis.call('HGETALL', rec)
+    if cur[1] == 'completed' and (expires_at == nil or now < expires_at) then
+      response = redis.call('GET', body)
+    end
+  end
+  redis.call(publish, channel, 'deleted')
+end
+redis.call('DEL', rec, body)
+return answer(fields, response)
+"#;
+
 /// Whether a claim is still current, for the polls of `wait`. ARGV: nonce, token. Returns
 /// `{rec, nonce, 1}` if the record is in flight under this token, `{rec, nonce, 0}` otherwise.
 const HOLDS: &str = r#"
@@ -205,4 +229,5 @@ pub(crate) static COMPLETE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(CO
 pub(crate) static RELEASE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(RELEASE));
 pub(crate) static RENEW_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(RENEW));
 pub(crate) static GET_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(GET));
+pub(crate) static DELETE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(DELETE));
 pub(crate) static HOLDS_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(HOLDS));

@@ -18,7 +18,9 @@ use tokio::sync::Notify;
 use crate::conn::Commands;
 use crate::keys::{RecordKeys, hex};
 use crate::notify::Subscriptions;
-use crate::scripts::{BEGIN_SCRIPT, COMPLETE_SCRIPT, CORRUPT, GET_SCRIPT, HOLDS_SCRIPT, RELEASE_SCRIPT, RENEW_SCRIPT};
+use crate::scripts::{
+    BEGIN_SCRIPT, COMPLETE_SCRIPT, CORRUPT, DELETE_SCRIPT, GET_SCRIPT, HOLDS_SCRIPT, RELEASE_SCRIPT, RENEW_SCRIPT,
+};
 use crate::{RedisError, url};
 
 /// An idempotency store in Redis: one server (`redis://`) or a Redis Cluster
@@ -471,6 +473,26 @@ impl Store for RedisStore {
         let mut items = self
             .run("get", &GET_SCRIPT, &keys, |script| {
                 script.arg(millis_arg(self.now()));
+            })
+            .await?;
+        let fields = items.next().unwrap_or_default();
+        let body = items.next().unwrap_or_default();
+        StoredHash::parse(fields, body)?
+            .map(|stored| stored.into_record(id.clone()))
+            .transpose()
+    }
+
+    /// Deletes the record and its answer in one script, which also publishes on the record's
+    /// channel so that its waiters look again; returns the record as [`Store::get`] would have
+    /// read it.
+    async fn delete(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+        let keys = self.record_keys(id);
+        let mut items = self
+            .run("delete", &DELETE_SCRIPT, &keys, |script| {
+                script
+                    .arg(millis_arg(self.now()))
+                    .arg(&keys.channel)
+                    .arg(self.inner.publish);
             })
             .await?;
         let fields = items.next().unwrap_or_default();

@@ -555,4 +555,10 @@ async fn corrupt_records_are_reported_as_corrupt() {
     );
     let err = store.get(&id).await.expect_err("no fingerprint");
     assert!(matches!(err, StoreError::Corrupt(_)), "{err:?}");
+
+    let err = store.delete(&id).await.expect_err("still unreadable");
+    assert!(matches!(err, StoreError::Corrupt(_)), "{err:?}");
+    let present: i64 = query(server, redis::cmd("EXISTS").arg(&keys.record));
+    assert_eq!(present, 0, "an operator can clear a record the store cannot read");
+    assert!(store.get(&id).await.expect("get").is_none());
 }

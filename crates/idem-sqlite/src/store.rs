@@ -525,6 +525,31 @@ impl Store for SqliteStore {
             .await
     }
 
+    async fn delete(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+        let owned = id.clone();
+        let deleted = self
+            .write(move |tx| {
+                // A row that cannot be read is deleted all the same (the inner error): only a
+                // failure of the statement itself rolls back.
+                tx.prepare_cached(&format!(
+                    "DELETE FROM idem_records WHERE scope = ?1 AND key = ?2 RETURNING {COLUMNS}"
+                ))
+                .and_then(|mut stmt| {
+                    stmt.query_row(params![owned.scope.as_str(), owned.key.as_str()], |row| {
+                        Ok(StoredRow::from_row(row))
+                    })
+                    .optional()
+                })
+                .map_err(db_error)
+            })
+            .await?;
+        let Some(row) = deleted else {
+            return Ok(None);
+        };
+        self.wake(id);
+        row.map_err(db_error)?.into_record(id.clone()).map(Some)
+    }
+
     async fn wait(
         &self,
         id: &RecordId,
@@ -671,6 +696,29 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(1), notified)
             .await
             .expect("complete woke the subscriber, no polling involved");
+    }
+
+    #[tokio::test]
+    async fn a_corrupt_record_is_deleted_all_the_same() {
+        let store = SqliteStore::open(":memory:").await.unwrap();
+        let id = RecordId {
+            scope: idem_core::Scope::shared(),
+            key: idem_core::IdempotencyKey::new("corrupt").unwrap(),
+        };
+        lock(&store.inner.writer)
+            .execute(
+                "INSERT INTO idem_records (scope, key, state, fingerprint, digest, created_at, purge_at)
+                 VALUES (?1, ?2, 'completed', x'00', x'00', 0, 9999999999999)",
+                params![id.scope.as_str(), id.key.as_str()],
+            )
+            .unwrap();
+        assert!(matches!(store.get(&id).await, Err(StoreError::Corrupt(_))));
+        let deleted = store.delete(&id).await;
+        assert!(matches!(deleted, Err(StoreError::Corrupt(_))), "{deleted:?}");
+        assert!(
+            store.get(&id).await.unwrap().is_none(),
+            "an operator can clear a record the store cannot read"
+        );
     }
 
     #[tokio::test]

@@ -275,6 +275,9 @@ impl Store for Unreachable {
     async fn get(&self, _: &RecordId) -> Result<Option<Record>, StoreError> {
         Err(down())
     }
+    async fn delete(&self, _: &RecordId) -> Result<Option<Record>, StoreError> {
+        Err(down())
+    }
     async fn wait(&self, _: &RecordId, _: FencingToken, _: tokio::time::Instant) -> Result<WaitOutcome, StoreError> {
         Err(down())
     }
@@ -372,6 +375,9 @@ impl Store for Panicking {
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         self.0.get(id).await
     }
+    async fn delete(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+        self.0.delete(id).await
+    }
     async fn wait(
         &self,
         id: &RecordId,
@@ -444,6 +450,9 @@ impl Store for Held {
     }
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         self.store.get(id).await
+    }
+    async fn delete(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+        self.store.delete(id).await
     }
     async fn wait(
         &self,

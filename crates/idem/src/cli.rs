@@ -22,7 +22,11 @@ pub(crate) enum Command {
     /// Run the gateway: a reverse proxy that applies the idempotency protocol in front of any HTTP upstream.
     Serve(Box<ServeArgs>),
     /// Show one record: when, which method and path, its state, its stored status, its replays.
+    /// A key without a record exits 1, with a message on stderr (with --json too).
     Inspect(InspectArgs),
+    /// Forget one record, whatever its state, and show what was deleted; the key is free for a new
+    /// request. A key without a record exits 1, with a message on stderr.
+    Delete(RecordArgs),
     /// Delete expired answers and records now (the gateway also does this in the background).
     Purge(StoreArgs),
     /// Create or upgrade the store's schema.
@@ -40,13 +44,23 @@ pub(crate) enum Command {
 
 #[derive(Debug, Args)]
 pub(crate) struct StoreArgs {
-    /// The store: sqlite://PATH.
+    /// The store: sqlite://PATH, postgres://…, redis://HOST:PORT or redis+cluster://H1:P1,H2:P2,….
     #[arg(long, env = "IDEM_STORE", default_value = "sqlite://idem.db")]
     pub(crate) store: String,
 }
 
 #[derive(Debug, Args)]
 pub(crate) struct InspectArgs {
+    #[command(flatten)]
+    pub(crate) record: RecordArgs,
+    /// Print the record as one JSON object on one line, for scripts (times in RFC 3339, UTC).
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+/// Which record an operator's command is about.
+#[derive(Debug, Args)]
+pub(crate) struct RecordArgs {
     #[command(flatten)]
     pub(crate) store: StoreArgs,
     /// The record's scope as stored: `anonymous`, `shared` (`--scope none`), `header:VALUE`,

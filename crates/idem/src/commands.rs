@@ -1,33 +1,99 @@
-//! The operator's commands: `inspect`, `purge` and `migrate`.
+//! The operator's commands: `inspect`, `delete`, `purge` and `migrate`.
 
 use std::fmt::Write as _;
+use std::sync::Arc;
 
 use anyhow::Context as _;
-use idem_core::{IdempotencyKey, Policy, Protocol, Record, RecordId, RecordState, Scope, StoredResponse};
+use idem_core::stored::{COMPLETED, IN_FLIGHT, UNKNOWN};
+use idem_core::{
+    IdempotencyKey, Policy, Protocol, Record, RecordId, RecordState, Scope, Store, StoreError, StoredResponse,
+};
+use serde::Serialize;
 
-use crate::cli::{InspectArgs, StoreArgs};
+use crate::cli::{InspectArgs, RecordArgs, StoreArgs};
 use crate::stores;
 
 /// The batch size of `idem purge`.
 const PURGE_BATCH: usize = 1000;
 
-/// `idem inspect`: prints one record; fails when there is none.
-pub(crate) async fn inspect(args: InspectArgs) -> anyhow::Result<()> {
-    let store = stores::open(&args.store.store).await?;
+/// Opens the store and names the record the arguments point at.
+async fn open_record(args: &RecordArgs) -> anyhow::Result<(Arc<dyn Store>, RecordId)> {
     let key = IdempotencyKey::new(&args.key).with_context(|| format!("{:?} is not a valid key", args.key))?;
     let scope = match &args.authorization {
         Some(credential) => Scope::credential(credential.as_bytes()),
         None => Scope::from_stored(args.scope.as_str()),
     };
-    let id = RecordId { scope, key };
-    let record = store.get(&id).await.context("cannot read the record")?;
-    match record {
-        Some(record) => {
-            print!("{}", describe(&record));
-            Ok(())
-        }
-        None => anyhow::bail!("no record for key {:?} in scope {:?}", args.key, id.scope.as_str()),
+    let store = stores::open(&args.store.store).await?;
+    Ok((store, RecordId { scope, key }))
+}
+
+fn no_record(id: &RecordId) -> anyhow::Error {
+    anyhow::anyhow!(
+        "no record for key {:?} in scope {:?}",
+        id.key.as_str(),
+        id.scope.as_str()
+    )
+}
+
+/// `idem inspect`: prints one record, as text or as one JSON object; fails (exit 1, a message on
+/// stderr, nothing on stdout) when there is none.
+pub(crate) async fn inspect(args: InspectArgs) -> anyhow::Result<()> {
+    let (store, id) = open_record(&args.record).await?;
+    let record = store
+        .get(&id)
+        .await
+        .context("cannot read the record")?
+        .ok_or_else(|| no_record(&id))?;
+    if args.json {
+        println!("{}", serde_json::to_string(&RecordJson::of(&record))?);
+    } else {
+        print!("{}", describe(&record));
     }
+    Ok(())
+}
+
+/// `idem delete`: deletes one record whatever its state and prints what it was; fails (exit 1, a
+/// message on stderr) when there is none.
+pub(crate) async fn delete(args: RecordArgs) -> anyhow::Result<()> {
+    let (store, id) = open_record(&args).await?;
+    let deleted = match store.delete(&id).await {
+        Ok(deleted) => deleted.ok_or_else(|| no_record(&id))?,
+        // The store deletes a record it cannot read all the same: make sure, then say so.
+        Err(err @ StoreError::Corrupt(_)) => {
+            let gone = store.get(&id).await.is_ok_and(|record| record.is_none());
+            if !gone {
+                return Err(anyhow::Error::new(err).context("cannot delete the record"));
+            }
+            println!(
+                "deleted the record of key {:?} in scope {:?}, which the store could not read ({err})",
+                id.key.as_str(),
+                id.scope.as_str()
+            );
+            return Ok(());
+        }
+        Err(err) => return Err(anyhow::Error::new(err).context("cannot delete the record")),
+    };
+    let state = match &deleted.state {
+        RecordState::InFlight { .. } => "in-flight",
+        RecordState::Completed { response: None, .. } => "tombstone",
+        RecordState::Completed { .. } => "completed",
+        RecordState::Unknown { .. } => "outcome-unknown",
+    };
+    let fp = &deleted.fingerprint;
+    let mut out = format!(
+        "deleted:  the {state} record of {} {}; the key is free for a new request\n",
+        fp.method(),
+        fp.path()
+    );
+    out.push_str(&describe(&deleted));
+    if matches!(deleted.state, RecordState::InFlight { .. }) {
+        out.push_str(
+            "note:     it was in flight: if that run is still going its answer will not be stored, and a \
+             retry runs the request again\n",
+        );
+    }
+    print!("{out}");
+    Ok(())
 }
 
 fn describe(record: &Record) -> String {
@@ -79,6 +145,84 @@ fn describe(record: &Record) -> String {
     out
 }
 
+/// The JSON form of a record (`idem inspect --json`): the facts `inspect` prints, each in its
+/// own field; fields that do not apply to the record's state are `null`.
+#[derive(Debug, Serialize)]
+struct RecordJson<'a> {
+    scope: &'a str,
+    key: &'a str,
+    method: &'a str,
+    path: &'a str,
+    created_at: String,
+    /// `in-flight`, `completed` or `unknown` (outcome unknown: the next run is marked recovered).
+    state: &'static str,
+    /// In flight: when the holder's lease ends unless renewed.
+    lease_until: Option<String>,
+    completed_at: Option<String>,
+    /// Completed: until when the answer is replayable.
+    expires_at: Option<String>,
+    /// Completed or unknown: when the record is deleted.
+    purge_at: Option<String>,
+    /// Completed: what is kept of the answer: `whole`, `status` (the body was too large to keep:
+    /// compact), `expired` (a tombstone) or `unreadable`.
+    answer: Option<&'static str>,
+    /// The stored answer's status, when it is kept.
+    status: Option<u16>,
+    /// The stored answer's body length, when the body is kept.
+    body_bytes: Option<usize>,
+    replays: u64,
+}
+
+impl<'a> RecordJson<'a> {
+    fn of(record: &'a Record) -> Self {
+        let fp = &record.fingerprint;
+        let mut json = Self {
+            scope: record.id.scope.as_str(),
+            key: record.id.key.as_str(),
+            method: fp.method(),
+            path: fp.path(),
+            created_at: record.created_at.to_string(),
+            state: IN_FLIGHT,
+            lease_until: None,
+            completed_at: None,
+            expires_at: None,
+            purge_at: None,
+            answer: None,
+            status: None,
+            body_bytes: None,
+            replays: record.replays,
+        };
+        match &record.state {
+            RecordState::InFlight { lease_until, .. } => json.lease_until = Some(lease_until.to_string()),
+            RecordState::Completed {
+                response,
+                completed_at,
+                expires_at,
+                purge_at,
+            } => {
+                json.state = COMPLETED;
+                json.completed_at = Some(completed_at.to_string());
+                json.expires_at = Some(expires_at.to_string());
+                json.purge_at = Some(purge_at.to_string());
+                json.answer = Some(match response.as_deref().map(StoredResponse::decode) {
+                    Some(Ok(stored)) => {
+                        json.status = Some(stored.status.as_u16());
+                        json.body_bytes = stored.body.as_ref().map(|body| body.len());
+                        if stored.body.is_some() { "whole" } else { "status" }
+                    }
+                    Some(Err(_)) => "unreadable",
+                    None => "expired",
+                });
+            }
+            RecordState::Unknown { purge_at } => {
+                json.state = UNKNOWN;
+                json.purge_at = Some(purge_at.to_string());
+            }
+        }
+        json
+    }
+}
+
 /// `idem purge`: runs every due batch of retention work now.
 pub(crate) async fn purge(args: StoreArgs) -> anyhow::Result<()> {
     let store = stores::open(&args.store).await?;
@@ -103,4 +247,110 @@ pub(crate) async fn migrate(args: StoreArgs) -> anyhow::Result<()> {
     stores::open(&args.store).await?;
     println!("schema of {} is up to date", args.store);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+    use http::{HeaderMap, Method, StatusCode};
+    use idem_core::{FencingToken, Fingerprint, HeaderAllowList, UnixMillis};
+    use serde_json::{Value, json};
+
+    use super::*;
+
+    fn record(state: RecordState) -> Record {
+        Record {
+            id: RecordId {
+                scope: Scope::anonymous(),
+                key: IdempotencyKey::new("k").unwrap(),
+            },
+            fingerprint: Fingerprint::of(&Method::PATCH, &"/orders/7".parse().unwrap(), &HeaderMap::new(), b"{}"),
+            created_at: UnixMillis(1_000),
+            replays: 3,
+            state,
+        }
+    }
+
+    fn to_json(state: RecordState) -> Value {
+        serde_json::to_value(RecordJson::of(&record(state))).unwrap()
+    }
+
+    fn completed(response: Option<Bytes>) -> RecordState {
+        RecordState::Completed {
+            response,
+            completed_at: UnixMillis(2_000),
+            expires_at: UnixMillis(3_000),
+            purge_at: UnixMillis(4_000),
+        }
+    }
+
+    fn answer(body: Option<&'static [u8]>) -> Option<Bytes> {
+        let stored = StoredResponse::capture(
+            StatusCode::ACCEPTED,
+            &HeaderMap::new(),
+            &HeaderAllowList::default(),
+            body.map(Bytes::from_static),
+        );
+        Some(Bytes::from(stored.encode()))
+    }
+
+    #[test]
+    fn the_json_form_names_every_fact_and_nulls_what_the_state_lacks() {
+        let whole = to_json(completed(answer(Some(b"12345"))));
+        assert_eq!(
+            whole,
+            json!({
+                "scope": "anonymous", "key": "k", "method": "PATCH", "path": "/orders/7",
+                "created_at": "1970-01-01T00:00:01.000Z", "state": "completed", "lease_until": null,
+                "completed_at": "1970-01-01T00:00:02.000Z", "expires_at": "1970-01-01T00:00:03.000Z",
+                "purge_at": "1970-01-01T00:00:04.000Z", "answer": "whole", "status": 202, "body_bytes": 5,
+                "replays": 3
+            })
+        );
+
+        let compact = to_json(completed(answer(None)));
+        assert_eq!(
+            (&compact["answer"], &compact["status"]),
+            (&json!("status"), &json!(202))
+        );
+        assert_eq!(compact["body_bytes"], Value::Null);
+
+        let tombstone = to_json(completed(None));
+        assert_eq!(tombstone["answer"], "expired");
+        assert_eq!(
+            (&tombstone["status"], &tombstone["body_bytes"]),
+            (&Value::Null, &Value::Null)
+        );
+
+        let unreadable = to_json(completed(Some(Bytes::from_static(b"not an answer"))));
+        assert_eq!(unreadable["answer"], "unreadable");
+
+        let in_flight = to_json(RecordState::InFlight {
+            token: FencingToken::random(),
+            lease_until: UnixMillis(5_000),
+        });
+        assert_eq!(in_flight["state"], "in-flight");
+        assert_eq!(in_flight["lease_until"], "1970-01-01T00:00:05.000Z");
+        for absent in [
+            "completed_at",
+            "expires_at",
+            "purge_at",
+            "answer",
+            "status",
+            "body_bytes",
+        ] {
+            assert_eq!(in_flight[absent], Value::Null, "{absent}");
+        }
+        assert!(
+            !in_flight.to_string().contains("token"),
+            "the fencing token stays private"
+        );
+
+        let unknown = to_json(RecordState::Unknown {
+            purge_at: UnixMillis(6_000),
+        });
+        assert_eq!(unknown["state"], "unknown");
+        assert_eq!(unknown["purge_at"], "1970-01-01T00:00:06.000Z");
+        assert_eq!(unknown["answer"], Value::Null);
+    }
 }

@@ -72,6 +72,9 @@ impl<O: Observer> Store for Instrumented<O> {
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         self.measure("get", self.store.get(id)).await
     }
+    async fn delete(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+        self.measure("delete", self.store.delete(id)).await
+    }
     async fn wait(
         &self,
         id: &RecordId,

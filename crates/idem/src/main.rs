@@ -42,6 +42,7 @@ async fn main() -> ExitCode {
     let result = match cli.command {
         Command::Serve(args) => serve::run(*args).await,
         Command::Inspect(args) => commands::inspect(args).await,
+        Command::Delete(args) => commands::delete(args).await,
         Command::Purge(args) => commands::purge(args).await,
         Command::Migrate(args) => commands::migrate(args).await,
         Command::Bench(args) => bench::run(args).await,

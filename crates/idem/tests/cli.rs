@@ -1,5 +1,5 @@
 //! The command line and the process's life: admin endpoints, shutdown, a store that cannot be
-//! opened, `inspect`, `purge`, `migrate`.
+//! opened, `inspect`, `delete`, `purge`, `migrate`.
 
 mod common;
 
@@ -169,4 +169,70 @@ async fn inspect_of_an_unknown_key_fails() {
         "no record, non-zero exit:\n{}",
         describe(&inspect)
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inspect_and_delete_find_a_credentials_record_by_its_authorization() {
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&upstream.url(), &[]).await;
+    let key = new_key();
+    let pay = || {
+        gw.post("/pay", r#"{"amount":1}"#)
+            .header("content-type", "application/json")
+            .header("authorization", "Bearer alice")
+            .header("idempotency-key", key.as_str())
+    };
+    let first = send(pay()).await;
+    assert_eq!(first.status, 201, "{first}");
+
+    let anonymous = run_idem(&["delete", "--store", &gw.store, &key], COMMAND_LIMIT).await;
+    assert_eq!(
+        anonymous.status.code(),
+        Some(1),
+        "the anonymous scope has no such record:\n{}",
+        describe(&anonymous)
+    );
+    let both = run_idem(
+        &[
+            "delete",
+            "--store",
+            &gw.store,
+            "--scope",
+            "anonymous",
+            "--authorization",
+            "Bearer alice",
+            &key,
+        ],
+        COMMAND_LIMIT,
+    )
+    .await;
+    assert_eq!(
+        both.status.code(),
+        Some(2),
+        "one scope or the other:\n{}",
+        describe(&both)
+    );
+
+    let by_credential = [
+        "--store",
+        gw.store.as_str(),
+        "--authorization",
+        "Bearer alice",
+        key.as_str(),
+    ];
+    let inspect = run_idem(&[&["inspect", "--json"][..], &by_credential].concat(), COMMAND_LIMIT).await;
+    assert!(inspect.status.success(), "{}", describe(&inspect));
+    let json: serde_json::Value = serde_json::from_slice(&inspect.stdout).expect("JSON");
+    let scope = json["scope"].as_str().expect("a scope");
+    assert!(scope.starts_with("cred:"), "a credential scope: {json}");
+    assert_eq!(json["state"], "completed", "{json}");
+
+    let delete = run_idem(&[&["delete"][..], &by_credential].concat(), COMMAND_LIMIT).await;
+    assert!(delete.status.success(), "{}", describe(&delete));
+    let text = String::from_utf8_lossy(&delete.stdout);
+    assert!(text.contains(scope), "delete names the scope:\n{text}");
+    let again = send(pay()).await;
+    assert_eq!(again.status, 201, "{again}");
+    assert!(!again.replayed(), "the request runs again: {again}");
+    assert_eq!(count(&upstream.state.pay), 2);
 }

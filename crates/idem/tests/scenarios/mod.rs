@@ -200,8 +200,10 @@ fn pay(gateway: &Gateway, key: &str) -> reqwest::RequestBuilder {
 }
 
 /// The operator's view of a shared store: `/readyz` answers, `idem inspect` shows a completed
-/// record with its request, status and replays, `idem purge` and `idem migrate` succeed, and
-/// `inspect` of an unknown key fails.
+/// record with its request, status and replays (as text and as JSON), `idem delete` forgets a
+/// completed record (the same request then runs again as new) and an in-flight one (its run's
+/// answer is not stored; a retry runs again), `idem purge` and `idem migrate` succeed, and
+/// `inspect` and `delete` of an unknown key fail with a message.
 pub(crate) async fn operator_commands_work(store: &str) {
     let upstream = Upstream::start().await;
     let gateway = Gateway::start_on_store(&upstream.url(), store, &[]).await;
@@ -210,9 +212,9 @@ pub(crate) async fn operator_commands_work(store: &str) {
         .expect("admin answers");
     assert_eq!(ready.status(), 200, "ready when the store answers");
     let key = new_key();
-    for _ in 0..2 {
-        assert_eq!(send(pay(&gateway, &key)).await.status, 201);
-    }
+    let first = send(pay(&gateway, &key)).await;
+    assert_eq!(first.status, 201, "{first}");
+    assert!(send(pay(&gateway, &key)).await.replayed());
 
     let limit = Duration::from_secs(60);
     let inspect = run_idem(&["inspect", "--store", store, &key], limit).await;
@@ -225,14 +227,109 @@ pub(crate) async fn operator_commands_work(store: &str) {
     for expected in ["POST /pay", "completed", "201", "replays:  1"] {
         assert!(text.contains(expected), "inspect shows {expected:?}:\n{text}");
     }
-    let unknown = run_idem(&["inspect", "--store", store, &new_key()], limit).await;
-    assert!(
-        !unknown.status.success(),
-        "inspect of an unknown key fails:\n{}",
-        describe(&unknown)
+
+    let json = inspect_json(store, &key).await;
+    for (field, expected) in [
+        ("scope", serde_json::json!("anonymous")),
+        ("key", serde_json::json!(key)),
+        ("method", serde_json::json!("POST")),
+        ("path", serde_json::json!("/pay")),
+        ("state", serde_json::json!("completed")),
+        ("answer", serde_json::json!("whole")),
+        ("status", serde_json::json!(201)),
+        ("body_bytes", serde_json::json!(first.body.len())),
+        ("replays", serde_json::json!(1)),
+        ("lease_until", serde_json::Value::Null),
+    ] {
+        assert_eq!(json[field], expected, "inspect --json: {field}:\n{json}");
+    }
+    for time in ["created_at", "completed_at", "expires_at", "purge_at"] {
+        let value = json[time]
+            .as_str()
+            .unwrap_or_else(|| panic!("{time} is a string:\n{json}"));
+        humantime::parse_rfc3339(value).unwrap_or_else(|err| panic!("{time} is RFC 3339 ({err}):\n{json}"));
+    }
+
+    let unknown = new_key();
+    for command in [&["inspect"][..], &["inspect", "--json"], &["delete"]] {
+        let args = [command, &["--store", store, unknown.as_str()]].concat();
+        let output = run_idem(&args, limit).await;
+        assert_eq!(
+            output.status.code(),
+            Some(1),
+            "idem {} of an unknown key fails:\n{}",
+            command.join(" "),
+            describe(&output)
+        );
+        assert!(output.stdout.is_empty(), "nothing on stdout:\n{}", describe(&output));
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            stderr.contains(&format!("no record for key \"{unknown}\" in scope \"anonymous\"")),
+            "stderr says which record is missing:\n{}",
+            describe(&output)
+        );
+    }
+
+    let delete = run_idem(&["delete", "--store", store, &key], limit).await;
+    assert!(delete.status.success(), "delete:\n{}", describe(&delete));
+    let text = String::from_utf8_lossy(&delete.stdout);
+    for expected in ["deleted", &key, "POST /pay", "completed", "201", "created:"] {
+        assert!(text.contains(expected), "delete shows {expected:?}:\n{text}");
+    }
+    let gone = run_idem(&["inspect", "--store", store, &key], limit).await;
+    assert_eq!(gone.status.code(), Some(1), "deleted:\n{}", describe(&gone));
+    let again = send(pay(&gateway, &key)).await;
+    assert_eq!(again.status, 201, "{again}");
+    assert!(!again.replayed(), "the same request runs again as new: {again}");
+    assert_ne!(again.body, first.body, "a new charge: {again}");
+    assert_eq!(
+        count(&upstream.state.pay),
+        2,
+        "the upstream ran the deleted request again"
     );
+    let twice = run_idem(&["delete", "--store", store, &key], limit).await;
+    assert!(
+        twice.status.success(),
+        "the new record is deleted too:\n{}",
+        describe(&twice)
+    );
+
+    // An in-flight record: its run's answer is not stored, and a retry runs again.
+    let running = new_key();
+    let slow = |gateway: &Gateway| {
+        gateway
+            .post("/pay?delay=1500", r#"{"amount":2}"#)
+            .header("content-type", "application/json")
+            .header("idempotency-key", running.as_str())
+    };
+    let in_flight = tokio::spawn(send(slow(&gateway)));
+    wait_for_count(&upstream.state.pay, 3, Duration::from_secs(10)).await;
+    let json = inspect_json(store, &running).await;
+    assert_eq!(json["state"], "in-flight", "{json}");
+    assert!(json["lease_until"].is_string(), "{json}");
+    assert!(json["status"].is_null() && json["answer"].is_null(), "{json}");
+    let delete = run_idem(&["delete", "--store", store, &running], limit).await;
+    assert!(delete.status.success(), "delete:\n{}", describe(&delete));
+    let text = String::from_utf8_lossy(&delete.stdout);
+    assert!(text.contains("in-flight"), "delete shows the state:\n{text}");
+    let lost = in_flight.await.expect("task");
+    assert_eq!(lost.status, 201, "the run still answers its client: {lost}");
+    let retry = send(slow(&gateway)).await;
+    assert_eq!(retry.status, 201, "{retry}");
+    assert!(!retry.replayed(), "the deleted run's answer was not stored: {retry}");
+    assert_eq!(count(&upstream.state.pay), 4);
+
     for command in ["purge", "migrate"] {
         let output = run_idem(&[command, "--store", store], limit).await;
         assert!(output.status.success(), "idem {command}:\n{}", describe(&output));
     }
+}
+
+/// `idem inspect --json KEY`, which must succeed with one JSON object on one line.
+async fn inspect_json(store: &str, key: &str) -> serde_json::Value {
+    let output = run_idem(&["inspect", "--json", "--store", store, key], Duration::from_secs(60)).await;
+    assert!(output.status.success(), "inspect --json:\n{}", describe(&output));
+    let text = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(text.lines().count(), 1, "one line:\n{text}");
+    serde_json::from_str(&text).unwrap_or_else(|err| panic!("inspect --json prints JSON ({err}):\n{text}"))
 }
