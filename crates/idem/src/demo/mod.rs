@@ -4,6 +4,7 @@
 //! partway and restarted. The same traffic runs in three set-ups, counted in one table.
 
 mod clients;
+mod instance;
 mod network;
 mod payments;
 mod report;
@@ -17,7 +18,7 @@ use anyhow::Context as _;
 use idem_core::Policy;
 
 use crate::cli::DemoArgs;
-use crate::serve::{Instance, InstanceConfig, Protection};
+use instance::{Instance, InstanceConfig, Protection};
 use network::{Balancer, Faults};
 use payments::Payments;
 use report::{Report, Row};
