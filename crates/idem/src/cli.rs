@@ -88,6 +88,46 @@ pub(crate) struct ServeArgs {
     pub(crate) admin_listen: SocketAddr,
     #[command(flatten)]
     pub(crate) store: StoreArgs,
+    #[command(flatten)]
+    pub(crate) policy: PolicyArgs,
+    /// How long a client waits for the upstream before 504; the gateway keeps waiting and stores
+    /// the answer for the retry.
+    #[arg(long, env = "IDEM_UPSTREAM_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub(crate) upstream_timeout: Duration,
+    /// How long a client may take to send a request's head (counted from when its connection
+    /// opened or went idle, so an idle connection is closed after it too), and how long in all it
+    /// may keep the gateway waiting for the body (a keyed body cut off by it is 400
+    /// body-incomplete, nothing claimed).
+    #[arg(long, env = "IDEM_READ_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub(crate) read_timeout: Duration,
+    /// The most client connections open at once; further connections wait in the listen queue
+    /// until one closes.
+    #[arg(long, env = "IDEM_MAX_CONNECTIONS", default_value = "10000")]
+    pub(crate) max_connections: usize,
+    /// On SIGTERM: how long running requests may take to finish and store their answers before
+    /// the gateway closes what is left and exits.
+    #[arg(long, env = "IDEM_SHUTDOWN_GRACE", default_value = "30s", value_parser = parse_duration)]
+    pub(crate) shutdown_grace: Duration,
+    /// A PEM bundle of CA certificates trusted for an https:// upstream, besides the system's.
+    #[arg(long, env = "IDEM_UPSTREAM_CA", value_name = "FILE")]
+    pub(crate) upstream_ca: Option<PathBuf>,
+    /// Speak HTTP/2 by prior knowledge (h2c) to an http:// upstream. Over https:// HTTP/2 is
+    /// negotiated by ALPN without asking.
+    #[arg(long, env = "IDEM_UPSTREAM_HTTP2")]
+    pub(crate) upstream_http2: bool,
+    /// Serve clients over TLS with this PEM certificate chain (the server's first); needs
+    /// --tls-key. ALPN offers h2 and http/1.1.
+    #[arg(long, env = "IDEM_TLS_CERT", value_name = "FILE")]
+    pub(crate) tls_cert: Option<PathBuf>,
+    /// The PEM private key of --tls-cert.
+    #[arg(long, env = "IDEM_TLS_KEY", value_name = "FILE")]
+    pub(crate) tls_key: Option<PathBuf>,
+}
+
+/// The protocol's settings of `idem serve`, turned into an `idem_core::Policy` in one place
+/// (`serve::policy`).
+#[derive(Debug, Args)]
+pub(crate) struct PolicyArgs {
     /// How long an answer is replayable.
     #[arg(long, env = "IDEM_TTL", default_value = "24h", value_parser = parse_duration)]
     pub(crate) ttl: Duration,
@@ -134,38 +174,6 @@ pub(crate) struct ServeArgs {
     /// Forward requests unprotected when the store is down, instead of 503.
     #[arg(long, env = "IDEM_FAIL_OPEN")]
     pub(crate) fail_open: bool,
-    /// How long a client waits for the upstream before 504; the gateway keeps waiting and stores
-    /// the answer for the retry.
-    #[arg(long, env = "IDEM_UPSTREAM_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
-    pub(crate) upstream_timeout: Duration,
-    /// How long a client may take to send a request's head (counted from when its connection
-    /// opened or went idle, so an idle connection is closed after it too), and how long in all it
-    /// may keep the gateway waiting for the body (a keyed body cut off by it is 400
-    /// body-incomplete, nothing claimed).
-    #[arg(long, env = "IDEM_READ_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
-    pub(crate) read_timeout: Duration,
-    /// The most client connections open at once; further connections wait in the listen queue
-    /// until one closes.
-    #[arg(long, env = "IDEM_MAX_CONNECTIONS", default_value = "10000")]
-    pub(crate) max_connections: usize,
-    /// On SIGTERM: how long running requests may take to finish and store their answers before
-    /// the gateway closes what is left and exits.
-    #[arg(long, env = "IDEM_SHUTDOWN_GRACE", default_value = "30s", value_parser = parse_duration)]
-    pub(crate) shutdown_grace: Duration,
-    /// A PEM bundle of CA certificates trusted for an https:// upstream, besides the system's.
-    #[arg(long, env = "IDEM_UPSTREAM_CA", value_name = "FILE")]
-    pub(crate) upstream_ca: Option<PathBuf>,
-    /// Speak HTTP/2 by prior knowledge (h2c) to an http:// upstream. Over https:// HTTP/2 is
-    /// negotiated by ALPN without asking.
-    #[arg(long, env = "IDEM_UPSTREAM_HTTP2")]
-    pub(crate) upstream_http2: bool,
-    /// Serve clients over TLS with this PEM certificate chain (the server's first); needs
-    /// --tls-key. ALPN offers h2 and http/1.1.
-    #[arg(long, env = "IDEM_TLS_CERT", value_name = "FILE")]
-    pub(crate) tls_cert: Option<PathBuf>,
-    /// The PEM private key of --tls-cert.
-    #[arg(long, env = "IDEM_TLS_KEY", value_name = "FILE")]
-    pub(crate) tls_key: Option<PathBuf>,
 }
 
 /// A setting that parses but cannot work: `idem` exits 2 (as for a usage error) naming the flag.

@@ -16,7 +16,7 @@ use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::cli::{Misconfigured, ServeArgs};
+use crate::cli::{Misconfigured, PolicyArgs, ServeArgs};
 use crate::instrumented::{Instrumented, Prometheus};
 use crate::proxy::{Proxy, UpstreamOptions};
 use crate::{admin, stores};
@@ -28,7 +28,7 @@ pub(crate) use connections::ClientBodyFailed;
 pub(crate) use connections::Limits;
 
 /// The gateway's policy from its flags, refused with the flag and the reason if it cannot work.
-fn policy(args: &ServeArgs) -> Result<Policy, Misconfigured> {
+fn policy(args: &PolicyArgs) -> Result<Policy, Misconfigured> {
     let refuse = |flag, reason: &str| {
         Err(Misconfigured {
             flag,
@@ -127,7 +127,7 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .context("the metrics' buckets")?
         .install_recorder()
         .context("cannot install the metrics recorder")?;
-    let policy = policy(&args)?;
+    let policy = policy(&args.policy)?;
     let limits = limits(&args)?;
     let upstream = UpstreamOptions {
         ca: args.upstream_ca.clone(),
