@@ -1,5 +1,5 @@
 //! Network faults between a store and Redis, injected for real by a TCP relay
-//! (`common::relay`): connections reset, replies held past the command timeout, a reply too many.
+//! (`idem_test_support::relay`): connections reset, replies held past the command timeout, a reply too many.
 //! Whatever the fault, a store operation returns its own answer or an error; it never acts on
 //! the reply of another command. Wake-ups keep working once the fault is over.
 //!
@@ -13,7 +13,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::relay::Relay;
 use common::{Server, connect, delete_keys, fresh_prefix, with_options};
 use idem_core::testkit::{fingerprint, fresh_id};
 use idem_core::{
@@ -21,6 +20,7 @@ use idem_core::{
     UnixMillis, WaitOutcome,
 };
 use idem_redis::RedisStore;
+use idem_test_support::relay::Relay;
 use tokio::time::Instant;
 
 const LEASE: Duration = Duration::from_secs(60);

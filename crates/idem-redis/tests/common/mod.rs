@@ -5,8 +5,6 @@
 //! a cluster. Every harness works under a fresh random key prefix and deletes its keys when dropped.
 #![allow(dead_code, unreachable_pub)]
 
-pub mod relay;
-
 use std::sync::Arc;
 use std::time::Duration;
 

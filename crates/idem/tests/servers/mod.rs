@@ -1,5 +1,6 @@
 //! The store servers the shared-store tests run against: the machine's PostgreSQL and Redis
-//! (and the three-node Redis Cluster that `.ci/run` starts), each test isolated in a schema or key
+//! (and the three-node Redis Cluster that `bash .ci/services` starts; found through
+//! `idem_test_support::servers`), each test isolated in a schema or key
 //! prefix of its own; and private PostgreSQL and Redis instances that an outage test starts, kills
 //! and restarts itself.
 
@@ -12,58 +13,26 @@ use std::time::{Duration, Instant};
 
 /// A name no other test uses.
 fn unique(prefix: &str) -> String {
-    format!("{prefix}_{}", uuid_like())
+    idem_test_support::servers::unique_name(prefix)
 }
 
-fn uuid_like() -> String {
-    use std::hash::{BuildHasher, RandomState};
-    format!("{:016x}", RandomState::new().hash_one(Instant::now()))
-}
-
-/// The machine's PostgreSQL, in a schema of this test's own.
+/// The machine's PostgreSQL, in a schema of this test's own. A server that does not answer fails
+/// the test, saying how to start it (`bash .ci/services`).
 pub(crate) fn postgres_url() -> String {
-    let base = std::env::var("IDEM_TEST_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
-    require_reachable(
-        &base,
-        "PostgreSQL",
-        "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start",
-    );
+    let base = idem_test_support::servers::postgres_url();
     format!("{base}?schema={}", unique("e2e"))
 }
 
 /// The machine's Redis, under a key prefix of this test's own.
 pub(crate) fn redis_url() -> String {
-    let base = std::env::var("IDEM_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned());
-    require_reachable(
-        &base,
-        "Redis",
-        "redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save \"\" --appendonly no",
-    );
+    let base = idem_test_support::servers::redis_url();
     format!("{base}/?prefix={}", unique("e2e"))
 }
 
 /// The three-node Redis Cluster, under a key prefix of this test's own.
 pub(crate) fn redis_cluster_url() -> String {
-    let base = std::env::var("IDEM_TEST_REDIS_CLUSTER_URL")
-        .unwrap_or_else(|_| "redis+cluster://127.0.0.1:7001,127.0.0.1:7002,127.0.0.1:7003".to_owned());
-    require_reachable(&base, "the Redis Cluster", "crates/idem-redis/scripts/start-cluster.sh");
+    let base = idem_test_support::servers::redis_cluster_url();
     format!("{base}/?prefix={}", unique("e2e"))
-}
-
-/// Panics with a message saying how to start the server if its first address does not answer.
-fn require_reachable(url: &str, what: &str, how: &str) {
-    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
-    let authority = rest.split(['/', '?', ',']).next().unwrap_or(rest);
-    let host_port = authority.rsplit_once('@').map_or(authority, |(_, hp)| hp);
-    let reachable = host_port
-        .parse::<std::net::SocketAddr>()
-        .ok()
-        .is_some_and(|addr| std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)).is_ok());
-    assert!(
-        reachable,
-        "{what} is not reachable at {host_port} ({url}); start it with: {how}"
-    );
 }
 
 fn free_port() -> u16 {

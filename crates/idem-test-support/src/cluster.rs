@@ -1,0 +1,179 @@
+//! A private three-node Redis Cluster whose every node sits behind a fault relay.
+//!
+//! A cluster cannot simply be put behind one relay: its nodes tell clients where each slot lives,
+//! and clients then connect there. Here each node *announces* its relay's address
+//! (`cluster-announce-port`), so clients reach every node, after every redirection, through the
+//! relays, while the nodes talk to each other directly on their bus ports. Being private, the
+//! cluster can be hurt without disturbing the tests that share the machine's cluster.
+
+use std::net::{SocketAddr, TcpListener};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::relay::Relay;
+use crate::servers::{HOW_TO_START, free_port};
+
+/// The bus port of a node is its port plus this (Redis' rule), so node ports stay below 55536.
+const BUS_OFFSET: u16 = 10_000;
+/// How long the cluster may take to agree (`cluster_state:ok` on every node).
+const FORMATION: Duration = Duration::from_secs(30);
+
+/// The three nodes and their relays; the nodes are killed when this is dropped.
+#[derive(Debug)]
+pub struct RelayedCluster {
+    relays: Vec<Relay>,
+    ports: Vec<u16>,
+    nodes: Vec<Child>,
+    _dir: tempfile::TempDir,
+}
+
+impl RelayedCluster {
+    /// Starts three `redis-server --cluster-enabled yes` on free ports, each announcing its
+    /// relay, assigns the slots and waits until the cluster is up.
+    ///
+    /// # Panics
+    /// If `redis-server` is not installed, or the cluster does not form within 30 s.
+    pub async fn start() -> Self {
+        let ports: Vec<u16> = (0..3).map(|_| node_port()).collect();
+        let mut relays = Vec::with_capacity(ports.len());
+        for &port in &ports {
+            relays.push(Relay::start(SocketAddr::from(([127, 0, 0, 1], port))).await);
+        }
+        let announced: Vec<u16> = relays.iter().map(|relay| relay.addr().port()).collect();
+        let dir = tempfile::tempdir().expect("a temp dir for the cluster's node files");
+        let (ports, nodes, dir) = tokio::task::spawn_blocking(move || {
+            let nodes = ports
+                .iter()
+                .zip(&announced)
+                .map(|(&port, &relay)| start_node(port, relay, dir.path()))
+                .collect::<Vec<_>>();
+            form(&ports, &announced);
+            (ports, nodes, dir)
+        })
+        .await
+        .expect("start the cluster");
+        Self {
+            relays,
+            ports,
+            nodes,
+            _dir: dir,
+        }
+    }
+
+    /// The cluster's URL through the relays: `redis+cluster://127.0.0.1:R1,…`.
+    pub fn url(&self) -> String {
+        let hosts: Vec<String> = self.relays.iter().map(|relay| relay.addr().to_string()).collect();
+        format!("redis+cluster://{}", hosts.join(","))
+    }
+
+    /// The relays, one per node.
+    pub fn relays(&self) -> Vec<&Relay> {
+        self.relays.iter().collect()
+    }
+
+    /// The nodes' own addresses, for direct connections that no fault touches.
+    pub fn node_urls(&self) -> Vec<String> {
+        self.ports
+            .iter()
+            .map(|port| format!("redis://127.0.0.1:{port}"))
+            .collect()
+    }
+}
+
+impl Drop for RelayedCluster {
+    fn drop(&mut self) {
+        for node in &mut self.nodes {
+            let _ = node.kill();
+            let _ = node.wait();
+        }
+    }
+}
+
+/// A free port whose bus port (port + 10 000) is free too.
+fn node_port() -> u16 {
+    for _ in 0..100 {
+        let port = free_port();
+        if port < u16::MAX - BUS_OFFSET && TcpListener::bind(("127.0.0.1", port + BUS_OFFSET)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port pair (port, port + 10000) for a Redis Cluster node");
+}
+
+fn start_node(port: u16, relay: u16, dir: &std::path::Path) -> Child {
+    let child = Command::new("redis-server")
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+        .args(["--cluster-enabled", "yes"])
+        .arg("--cluster-config-file")
+        .arg(dir.join(format!("nodes-{port}.conf")))
+        .arg("--dir")
+        .arg(dir)
+        .args(["--save", "", "--appendonly", "no"])
+        .args(["--cluster-announce-ip", "127.0.0.1"])
+        .args(["--cluster-announce-port", &relay.to_string()])
+        .args(["--cluster-announce-bus-port", &(port + BUS_OFFSET).to_string()])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|err| panic!("cannot run redis-server ({err}); {HOW_TO_START}"));
+    let deadline = Instant::now() + FORMATION;
+    while connect(port).is_err() {
+        assert!(Instant::now() < deadline, "redis-server on port {port} did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child
+}
+
+fn connect(port: u16) -> redis::RedisResult<redis::Connection> {
+    let client = redis::Client::open(format!("redis://127.0.0.1:{port}"))?;
+    let mut conn = client.get_connection_with_timeout(Duration::from_secs(1))?;
+    redis::cmd("PING").query::<String>(&mut conn)?;
+    Ok(conn)
+}
+
+/// Assigns a third of the slots to each node, introduces them, and waits until all agree.
+fn form(ports: &[u16], announced: &[u16]) {
+    let mut conns: Vec<redis::Connection> = ports
+        .iter()
+        .map(|&port| connect(port).expect("connect to a new cluster node"))
+        .collect();
+    let n = u32::try_from(ports.len()).expect("a few nodes");
+    for (i, conn) in (0u32..).zip(conns.iter_mut()) {
+        let (first, last) = (16384 * i / n, 16384 * (i + 1) / n - 1);
+        redis::cmd("CLUSTER")
+            .arg("ADDSLOTSRANGE")
+            .arg(first)
+            .arg(last)
+            .query::<()>(conn)
+            .expect("CLUSTER ADDSLOTSRANGE");
+    }
+    for (&port, &relay) in ports.iter().zip(announced).skip(1) {
+        redis::cmd("CLUSTER")
+            .arg("MEET")
+            .arg("127.0.0.1")
+            .arg(relay)
+            .arg(port + BUS_OFFSET)
+            .query::<()>(&mut conns[0])
+            .expect("CLUSTER MEET");
+    }
+    let deadline = Instant::now() + FORMATION;
+    loop {
+        let agreed = conns.iter_mut().all(|conn| {
+            let info: String = redis::cmd("CLUSTER").arg("INFO").query(conn).unwrap_or_default();
+            let nodes: String = redis::cmd("CLUSTER").arg("NODES").query(conn).unwrap_or_default();
+            info.lines().any(|line| line.trim() == "cluster_state:ok")
+                && announced
+                    .iter()
+                    .all(|relay| nodes.contains(&format!("127.0.0.1:{relay}@")))
+        });
+        if agreed {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the private Redis Cluster on ports {ports:?} did not reach cluster_state:ok within {FORMATION:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
