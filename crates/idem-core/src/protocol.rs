@@ -567,15 +567,20 @@ impl Protocol {
         });
         let limit = self.inner.policy.store_timeout;
         match tokio::time::timeout(limit, &mut begin).await {
+            // The store may have made the claim and lost only its reply (a connection reset after
+            // the command ran): nothing will run under it, so it is given up rather than left to
+            // answer 409 until its lease ends and then run marked recovered.
+            Ok(Ok((Err(err @ StoreError::Unavailable(_)), id, store))) => {
+                tokio::spawn(give_up_claim(store, id, token, limit));
+                Err(err)
+            }
             Ok(Ok((begun, _, _))) => begun,
             Ok(Err(join)) if join.is_panic() => std::panic::resume_unwind(join.into_panic()),
             Ok(Err(join)) => Err(StoreError::unavailable(join)),
             Err(_) => {
                 tokio::spawn(async move {
-                    if let Ok((Ok(Begin::Acquired { .. }), id, store)) = begin.await
-                        && let Err(err) = store.release(&id, token, Release::Forget).await
-                    {
-                        tracing::error!(scope = %id.scope, key = %id.key, error = %err, "could not release a claim made after its request gave up on the store");
+                    if let Ok((Ok(Begin::Acquired { .. }) | Err(StoreError::Unavailable(_)), id, store)) = begin.await {
+                        give_up_claim(store, id, token, limit).await;
                     }
                 });
                 Err(StoreError::unavailable(StoreTimedOut(limit)))
@@ -622,6 +627,29 @@ impl Protocol {
             }
         }
     }
+}
+
+/// Releases the claim `token` may hold on `id`, made by a `begin` whose request was answered
+/// `503` (its reply was lost, or came too late): a few tries, each bounded by `limit`, stopping as
+/// soon as the store says the claim is gone or was never made (`Fenced`).
+async fn give_up_claim(store: Arc<dyn Store>, id: RecordId, token: FencingToken, limit: Duration) {
+    for pause in [
+        Duration::ZERO,
+        Duration::from_millis(200),
+        Duration::from_secs(1),
+        Duration::from_secs(5),
+    ] {
+        tokio::time::sleep(pause).await;
+        match tokio::time::timeout(limit, store.release(&id, token, Release::Forget)).await {
+            Ok(Ok(())) => {
+                tracing::info!(scope = %id.scope, key = %id.key, "released a claim whose begin was answered 503");
+                return;
+            }
+            Ok(Err(StoreError::Fenced)) => return,
+            Ok(Err(_)) | Err(_) => {}
+        }
+    }
+    tracing::warn!(scope = %id.scope, key = %id.key, "could not release a claim whose begin was answered 503; it is taken over when its lease ends");
 }
 
 enum Judgement {

@@ -349,6 +349,10 @@ async fn run<S, ResBody>(
     if let Some(pending) = pending {
         match pending.store().await {
             Ok(()) => {}
+            // Not necessarily lost: an attempt whose reply the store lost may have stored it.
+            Err(idem_core::StoreError::Fenced) => {
+                tracing::warn!(scope = %id.scope, key = %id.key, "the held answer's record is no longer this run's: an earlier attempt stored it (its reply was lost), or another run took the record over after the lease")
+            }
             Err(err) => {
                 tracing::error!(scope = %id.scope, key = %id.key, error = %err, "the held answer could not be stored; a retry runs again, marked recovered")
             }
