@@ -554,7 +554,9 @@ impl Protocol {
         let store = self.inner.store.clone();
         let (owned_id, owned_fingerprint) = (id.clone(), fingerprint.clone());
         let lease_until = now.plus(self.inner.policy.lease);
-        let mut begin = tokio::spawn(async move {
+        // Owned, so that it can be left to finish in the background if the store is too slow;
+        // polled here otherwise, without a task of its own.
+        let mut begin = Box::pin(async move {
             let request = BeginRequest {
                 id: &owned_id,
                 fingerprint: &owned_fingerprint,
@@ -566,20 +568,18 @@ impl Protocol {
             (begun, owned_id, store)
         });
         let limit = self.inner.policy.store_timeout;
-        match tokio::time::timeout(limit, &mut begin).await {
+        match tokio::time::timeout(limit, begin.as_mut()).await {
             // The store may have made the claim and lost only its reply (a connection reset after
             // the command ran): nothing will run under it, so it is given up rather than left to
             // answer 409 until its lease ends and then run marked recovered.
-            Ok(Ok((Err(err @ StoreError::Unavailable(_)), id, store))) => {
+            Ok((Err(err @ StoreError::Unavailable(_)), id, store)) => {
                 tokio::spawn(give_up_claim(store, id, token, limit));
                 Err(err)
             }
-            Ok(Ok((begun, _, _))) => begun,
-            Ok(Err(join)) if join.is_panic() => std::panic::resume_unwind(join.into_panic()),
-            Ok(Err(join)) => Err(StoreError::unavailable(join)),
+            Ok((begun, _, _)) => begun,
             Err(_) => {
                 tokio::spawn(async move {
-                    if let Ok((Ok(Begin::Acquired { .. }) | Err(StoreError::Unavailable(_)), id, store)) = begin.await {
+                    if let (Ok(Begin::Acquired { .. }) | Err(StoreError::Unavailable(_)), id, store) = begin.await {
                         give_up_claim(store, id, token, limit).await;
                     }
                 });
