@@ -14,8 +14,8 @@
 //! *relative* to the caller's `now` (never `PEXPIREAT`), so callers with a fake clock still get
 //! coherent expiries. Operations without a `now` (release, renew) shift the record's existing
 //! expiry by the change of its `purge_at`, which keeps it relative to the `now` of the begin or
-//! complete that set it; `get` judges the record at the client's clock. A ttl that is not
-//! positive deletes the key instead.
+//! complete that set it; `get` and `delete` judge the record at the server's clock (`TIME`). A
+//! ttl that is not positive deletes the key instead.
 //!
 //! A corrupt record raises an error reply `IDEMCORRUPT <nonce> <record> ...` (see [`CORRUPT`]).
 
@@ -46,6 +46,11 @@ local function set_ttl(key, ttl)
   else
     redis.call('DEL', key)
   end
+end
+-- The server's own clock, by which the operations without a caller's `now` judge a record.
+local function server_now()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 local function expire_at(key, at)
   set_ttl(key, at - now)
@@ -134,11 +139,11 @@ redis.call(publish, channel, 'completed')
 return answer(1)
 "#;
 
-/// `release`. ARGV: nonce, token, `forget` or `unknown`, purge_at (for `unknown`), the client's
-/// clock (only if the record has no expiry), channel, publish command. Returns `{rec, nonce, 1}`,
+/// `release`. ARGV: nonce, token, `forget` or `unknown`, purge_at (for `unknown`), channel,
+/// publish command. Returns `{rec, nonce, 1}`,
 /// or `{rec, nonce, 0}` if fenced.
 const RELEASE: &str = r#"
-local token, mode, channel, publish = ARGV[2], ARGV[3], ARGV[6], ARGV[7]
+local token, mode, channel, publish = ARGV[2], ARGV[3], ARGV[5], ARGV[6]
 local cur = redis.call('HMGET', rec, 'state', 'token', 'purge_at')
 if cur[1] ~= 'in-flight' or cur[2] ~= token then
   return answer(0)
@@ -150,14 +155,13 @@ else
   redis.call('HDEL', rec, 'token', 'lease_until', 'recovered')
   redis.call('HSET', rec, 'state', 'unknown', 'purge_at', ARGV[4])
   redis.call('DEL', body)
-  shift_expiry(rec, cur[3], purge_at, num(ARGV[5], 'now'))
+  shift_expiry(rec, cur[3], purge_at, server_now())
 end
 redis.call(publish, channel, 'released')
 return answer(1)
 "#;
 
-/// `renew`. ARGV: nonce, token, lease_until, purge_at of the claim, the client's clock (only if
-/// the record has no expiry). Returns `{rec, nonce, 1}`, or `{rec, nonce, 0}` if fenced.
+/// `renew`. ARGV: nonce, token, lease_until, purge_at of the claim. Returns `{rec, nonce, 1}`, or `{rec, nonce, 0}` if fenced.
 const RENEW: &str = r#"
 local token = ARGV[2]
 local cur = redis.call('HMGET', rec, 'state', 'token', 'purge_at')
@@ -166,15 +170,15 @@ if cur[1] ~= 'in-flight' or cur[2] ~= token then
 end
 local purge_at = num(ARGV[4], 'purge_at')
 redis.call('HSET', rec, 'lease_until', ARGV[3], 'purge_at', ARGV[4])
-shift_expiry(rec, cur[3], purge_at, num(ARGV[5], 'now'))
+shift_expiry(rec, cur[3], purge_at, server_now())
 return answer(1)
 "#;
 
-/// `get`. ARGV: nonce, the client's clock. Returns `{rec, nonce, HGETALL of the record, body or
-/// nil}`, read at one instant and judged at that clock: a record past purge_at is absent (an
+/// `get`. ARGV: nonce. Returns `{rec, nonce, HGETALL of the record, body or nil}`, read at one
+/// instant and judged at the server's clock: a record past purge_at is absent (an
 /// empty hash), an answer past expires_at is dropped, even in the moment before their keys expire.
 const GET: &str = r#"
-now = num(ARGV[2], 'now')
+now = server_now()
 local cur = redis.call('HMGET', rec, 'state', 'purge_at', 'expires_at')
 if not cur[1] or num(cur[2], 'purge_at') <= now then
   return answer({}, false)
@@ -186,14 +190,14 @@ end
 return answer(redis.call('HGETALL', rec), response)
 "#;
 
-/// `delete`. ARGV: nonce, the client's clock, channel, publish command. Deletes the record and
+/// `delete`. ARGV: nonce, channel, publish command. Deletes the record and
 /// its body whatever they hold and returns `{rec, nonce, HGETALL of the record, body or nil}` as
 /// they were, judged at that clock as `get` judges them (a record past purge_at was already
 /// absent). A record whose fields cannot be read is deleted all the same and returned whole, for
 /// the caller to report. Wakes whoever waits on the record.
 const DELETE: &str = r#"
-now = num(ARGV[2], 'now')
-local channel, publish = ARGV[3], ARGV[4]
+now = server_now()
+local channel, publish = ARGV[2], ARGV[3]
 local fields, response = {}, false
 if redis.call('EXISTS', rec) == 1 then
   local cur = redis.call('HMGET', rec, 'state', 'purge_at', 'expires_at')

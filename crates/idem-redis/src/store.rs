@@ -3,7 +3,6 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -50,10 +49,6 @@ struct Inner {
     /// `PUBLISH` on one server, `SPUBLISH` on a cluster (the channel lives on the record's shard).
     publish: &'static str,
     subscriptions: Subscriptions,
-    /// The server's clock minus this machine's, in milliseconds, as last measured by
-    /// [`Store::clock`]: the store's own judgements (`get`, the fallbacks of `release` and
-    /// `renew`) use the server's time, as the protocol does.
-    clock_offset_ms: AtomicI64,
 }
 
 impl fmt::Debug for RedisStore {
@@ -185,16 +180,8 @@ impl RedisStore {
                 url: config.display,
                 publish,
                 subscriptions,
-                clock_offset_ms: AtomicI64::new(0),
             }),
         })
-    }
-
-    /// The server's time as last measured, read on this machine's clock.
-    fn now(&self) -> UnixMillis {
-        let local = i64::try_from(UnixMillis::now().0).unwrap_or(i64::MAX);
-        let offset = self.inner.clock_offset_ms.load(Ordering::Acquire);
-        UnixMillis(u64::try_from(local.saturating_add(offset)).unwrap_or(0))
     }
 
     /// The prefix of every key of this store.
@@ -445,7 +432,6 @@ impl Store for RedisStore {
                 .arg(&token.as_bytes()[..])
                 .arg(mode)
                 .arg(millis_arg(purge_at))
-                .arg(millis_arg(self.now()))
                 .arg(&keys.channel)
                 .arg(self.inner.publish);
         })
@@ -458,23 +444,19 @@ impl Store for RedisStore {
             script
                 .arg(&token.as_bytes()[..])
                 .arg(millis_arg(lease_until))
-                .arg(millis_arg(abandoned_purge_at(lease_until)))
-                .arg(millis_arg(self.now()));
+                .arg(millis_arg(abandoned_purge_at(lease_until)));
         })
         .await
     }
 
-    /// Reads the record as of the server's clock (as last measured): a record past its `purge_at` reads as absent
+    /// Reads the record as of the server's clock (`TIME` in the script): a record past its
+    /// `purge_at` reads as absent
     /// and an answer past its `expires_at` as dropped (a tombstone), also in the moments before
     /// Redis expires their keys (native expiry runs relative to the `now` of the write, which
     /// may lag the clock).
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         let keys = self.record_keys(id);
-        let mut items = self
-            .run("get", &GET_SCRIPT, &keys, |script| {
-                script.arg(millis_arg(self.now()));
-            })
-            .await?;
+        let mut items = self.run("get", &GET_SCRIPT, &keys, |_| {}).await?;
         let fields = items.next().unwrap_or_default();
         let body = items.next().unwrap_or_default();
         StoredHash::parse(fields, body)?
@@ -489,10 +471,7 @@ impl Store for RedisStore {
         let keys = self.record_keys(id);
         let mut items = self
             .run("delete", &DELETE_SCRIPT, &keys, |script| {
-                script
-                    .arg(millis_arg(self.now()))
-                    .arg(&keys.channel)
-                    .arg(self.inner.publish);
+                script.arg(&keys.channel).arg(self.inner.publish);
             })
             .await?;
         let fields = items.next().unwrap_or_default();
@@ -551,32 +530,21 @@ impl Store for RedisStore {
     async fn clock(&self) -> Result<UnixMillis, StoreError> {
         let call = Call::new("clock", "the server");
         let (mut conn, generation) = self.inner.commands.get();
-        let local = UnixMillis::now();
-        let started = std::time::Instant::now();
         let reply: Value = redis::cmd("TIME")
             .query_async(&mut conn)
             .await
             .map_err(StoreError::unavailable)?;
-        let midway = local.plus(started.elapsed() / 2);
         // TIME answers [seconds, microseconds]; anything else is another command's reply.
         let number = |value: &Value| match value {
             Value::BulkString(digits) => std::str::from_utf8(digits).ok()?.parse::<u64>().ok(),
             _ => None,
         };
-        match &reply {
-            Value::Array(parts) if parts.len() == 2 => match (number(&parts[0]), number(&parts[1])) {
-                (Some(secs), Some(micros)) if micros < 1_000_000 => {
-                    let server = UnixMillis(secs * 1000 + micros / 1000);
-                    let offset =
-                        i64::try_from(server.0).unwrap_or(i64::MAX) - i64::try_from(midway.0).unwrap_or(i64::MAX);
-                    self.inner.clock_offset_ms.store(offset, Ordering::Release);
-                    Ok(server)
-                }
-                _ => {
-                    self.inner.commands.out_of_step(generation);
-                    Err(call.misrouted(&reply))
-                }
-            },
+        let time = match &reply {
+            Value::Array(parts) if parts.len() == 2 => number(&parts[0]).zip(number(&parts[1])),
+            _ => None,
+        };
+        match time {
+            Some((secs, micros)) if micros < 1_000_000 => Ok(UnixMillis(secs * 1000 + micros / 1000)),
             _ => {
                 self.inner.commands.out_of_step(generation);
                 Err(call.misrouted(&reply))
