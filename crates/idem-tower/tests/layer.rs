@@ -354,53 +354,12 @@ async fn a_panicking_handler_is_a_problem_and_its_retry_runs_marked_recovered() 
     drop(dir);
 }
 
-/// A store that panics (a bug) when asked to claim a record.
-#[derive(Debug)]
-struct Panicking(SqliteStore);
-
-#[async_trait]
-impl Store for Panicking {
-    async fn begin(&self, _: BeginRequest<'_>) -> Result<Begin, StoreError> {
-        panic!("a bug in the store")
-    }
-    async fn complete(&self, id: &RecordId, token: FencingToken, done: Completion) -> Result<(), StoreError> {
-        self.0.complete(id, token, done).await
-    }
-    async fn release(&self, id: &RecordId, token: FencingToken, how: Release) -> Result<(), StoreError> {
-        self.0.release(id, token, how).await
-    }
-    async fn renew(&self, id: &RecordId, token: FencingToken, until: UnixMillis) -> Result<(), StoreError> {
-        self.0.renew(id, token, until).await
-    }
-    async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
-        self.0.get(id).await
-    }
-    async fn delete(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
-        self.0.delete(id).await
-    }
-    async fn wait(
-        &self,
-        id: &RecordId,
-        token: FencingToken,
-        until: tokio::time::Instant,
-    ) -> Result<WaitOutcome, StoreError> {
-        self.0.wait(id, token, until).await
-    }
-    async fn purge(&self, now: UnixMillis, batch: usize) -> Result<Purged, StoreError> {
-        self.0.purge(now, batch).await
-    }
-    async fn ping(&self) -> Result<(), StoreError> {
-        self.0.ping().await
-    }
-    async fn clock(&self) -> Result<UnixMillis, StoreError> {
-        self.0.clock().await
-    }
-}
-
 #[tokio::test]
 async fn a_panic_in_the_layer_is_a_problem_not_a_dead_connection() {
     let (store, dir) = sqlite().await;
-    let app = app(IdempotencyLayer::new(Panicking(store)), dir);
+    let (mut held, _, _) = Held::new(store);
+    held.begin_panics = true;
+    let app = app(IdempotencyLayer::new(held), dir);
     let (status, _, body) = send(&app.router, pay("k", "")).await;
     assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{body}");
     assert_eq!(
@@ -412,18 +371,30 @@ async fn a_panic_in_the_layer_is_a_problem_not_a_dead_connection() {
 }
 
 /// A real SQLite store whose `begin` or `renew` can be held shut, as a held lock or a half-open
-/// connection would hold them.
+/// connection would hold them, or whose `begin` panics, as a bug would.
 #[derive(Debug)]
 struct Held {
     store: SqliteStore,
     begin: tokio::sync::watch::Receiver<bool>,
     renew: tokio::sync::watch::Receiver<bool>,
     renewals_started: AtomicUsize,
+    begin_panics: bool,
 }
 
-/// Gates that start shut; `send(true)` opens one.
-fn gates() -> (tokio::sync::watch::Sender<bool>, tokio::sync::watch::Receiver<bool>) {
-    tokio::sync::watch::channel(false)
+impl Held {
+    /// Over `store`, with `begin` and `renew` shut until their senders send `true`.
+    fn new(store: SqliteStore) -> (Self, tokio::sync::watch::Sender<bool>, tokio::sync::watch::Sender<bool>) {
+        let (open_begin, begin) = tokio::sync::watch::channel(false);
+        let (open_renew, renew) = tokio::sync::watch::channel(false);
+        let held = Self {
+            store,
+            begin,
+            renew,
+            renewals_started: AtomicUsize::new(0),
+            begin_panics: false,
+        };
+        (held, open_begin, open_renew)
+    }
 }
 
 async fn opened(gate: &tokio::sync::watch::Receiver<bool>) {
@@ -434,6 +405,7 @@ async fn opened(gate: &tokio::sync::watch::Receiver<bool>) {
 #[async_trait]
 impl Store for Held {
     async fn begin(&self, request: BeginRequest<'_>) -> Result<Begin, StoreError> {
+        assert!(!self.begin_panics, "a bug in the store");
         opened(&self.begin).await;
         self.store.begin(request).await
     }
@@ -476,15 +448,9 @@ impl Store for Held {
 #[tokio::test]
 async fn a_hanging_renewal_never_pauses_the_handler() {
     let (store, _dir) = sqlite().await;
-    let (open_begin, begin) = gates();
-    let (open_renew, renew) = gates();
+    let (held, open_begin, open_renew) = Held::new(store);
     open_begin.send_replace(true);
-    let store = Arc::new(Held {
-        store,
-        begin,
-        renew,
-        renewals_started: AtomicUsize::new(0),
-    });
+    let store = Arc::new(held);
     let watched = store.clone();
     // The handler goes on only once a renewal is under way (and hanging): if the renewal were
     // awaited in place of the handler, the handler would never be polled again and never answer.
@@ -514,15 +480,8 @@ async fn a_hanging_renewal_never_pauses_the_handler() {
 #[tokio::test]
 async fn a_store_that_hangs_is_a_503_and_a_claim_it_makes_late_is_released() {
     let (store, dir) = sqlite().await;
-    let (open_begin, begin) = gates();
-    let (open_renew, renew) = gates();
+    let (held, open_begin, open_renew) = Held::new(store);
     open_renew.send_replace(true);
-    let held = Held {
-        store,
-        begin,
-        renew,
-        renewals_started: AtomicUsize::new(0),
-    };
     let app = app(
         IdempotencyLayer::new(held).with_store_timeout(Duration::from_millis(200)),
         dir,

@@ -7,7 +7,6 @@ mod common;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -509,34 +508,8 @@ async fn h2c_to_a_plain_upstream_only_when_asked() {
 /// Runs `idem serve` with `args` and `env`, expecting it to refuse to start: exit 2 and a message
 /// that names `flag` (and everything in `mentions`).
 async fn refused(args: &[&str], env: &[(&str, &str)], flag: &str, mentions: &[&str]) {
-    let dir = tempfile::tempdir().unwrap();
-    let store = format!("sqlite://{}", dir.path().join("idem.db").display());
-    let mut command = tokio::process::Command::new(common::IDEM);
-    command
-        .arg("serve")
-        .args([
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--store",
-            &store,
-        ])
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true);
-    for (name, value) in env {
-        command.env(name, value);
-    }
-    let child = command.spawn().expect("spawn idem serve");
-    let output = tokio::time::timeout(Duration::from_secs(20), child.wait_with_output())
-        .await
-        .unwrap_or_else(|_| panic!("idem serve {args:?} {env:?} did not refuse to start"))
-        .unwrap();
+    let output = common::serve_refusing(args, env).await;
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(2), "{args:?} {env:?}: {}", describe(&output));
     assert!(
         stderr.contains(&format!("idem: --{flag}:")),
         "{args:?} {env:?} names --{flag}: {}",

@@ -552,32 +552,41 @@ pub(crate) async fn run_idem(args: &[&str], limit: Duration) -> Output {
     }
 }
 
-/// Runs `idem serve ARGS` (upstream `http://127.0.0.1:9`, ephemeral ports, a fresh SQLite store)
-/// and asserts that it refuses to start as for a usage error: exit 2, stderr naming `flag`, the
-/// store not even created.
-pub(crate) async fn assert_serve_refuses(args: &[&str], flag: &str) {
+/// Runs `idem serve` (ephemeral ports, a fresh SQLite store, then `args`, with `env` set) and
+/// asserts that it refuses to start as for a usage error: exit 2, the store not even created.
+/// Returns what it printed.
+pub(crate) async fn serve_refusing(args: &[&str], env: &[(&str, &str)]) -> Output {
     let dir = tempfile::tempdir().expect("a temp dir");
     let store = store_url_in(dir.path());
-    let mut all = vec![
-        "serve",
-        "--upstream",
-        "http://127.0.0.1:9",
-        "--listen",
-        "127.0.0.1:0",
-        "--admin-listen",
-        "127.0.0.1:0",
-        "--store",
-        &store,
-    ];
-    all.extend(args);
-    let output = run_idem(&all, Duration::from_secs(30)).await;
-    assert_eq!(output.status.code(), Some(2), "{args:?}: {}", describe(&output));
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(stderr.contains(flag), "{args:?}: stderr names {flag}: {stderr}");
+    let mut command = Command::new(IDEM);
+    command
+        .args(["serve", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+        .args(["--store", &store])
+        .args(args)
+        .envs(env.iter().copied())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    let child = command.spawn().expect("spawn idem serve");
+    let output = tokio::time::timeout(Duration::from_secs(30), child.wait_with_output())
+        .await
+        .unwrap_or_else(|_| panic!("idem serve {args:?} {env:?} did not refuse to start"))
+        .expect("wait for idem serve");
+    assert_eq!(output.status.code(), Some(2), "{args:?} {env:?}: {}", describe(&output));
     assert!(
         !dir.path().join("idem.db").exists(),
-        "{args:?}: refused before the store is touched"
+        "{args:?} {env:?}: refused before the store is touched"
     );
+    output
+}
+
+/// [`serve_refusing`] with a plain upstream and `args`; asserts that stderr names `flag`.
+pub(crate) async fn assert_serve_refuses(args: &[&str], flag: &str) {
+    let args = [&["--upstream", "http://127.0.0.1:9"][..], args].concat();
+    let output = serve_refusing(&args, &[]).await;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains(flag), "{args:?}: stderr names {flag}: {stderr}");
 }
 
 /// Formats an output for an assertion message.
