@@ -44,6 +44,8 @@ mod protocol;
 #[cfg(feature = "server")]
 mod response;
 #[cfg(feature = "server")]
+mod route;
+#[cfg(feature = "server")]
 mod run;
 #[cfg(feature = "server")]
 mod scope;
@@ -72,6 +74,8 @@ pub use policy::{AnonymousPolicy, AnonymousPolicyError, MissingKeyPolicy, Missin
 pub use protocol::{Admission, Claim, Decision, Disposition, Keyed, Outcome, Protocol};
 #[cfg(feature = "server")]
 pub use response::{HOP_BY_HOP, HeaderAllowList, ResponseDecodeError, StoredResponse};
+#[cfg(feature = "server")]
+pub use route::{Route, RouteError, RoutePattern, RoutePatternError, RouteRule, Routes};
 #[cfg(feature = "server")]
 pub use run::{MAX_PENDING_BYTES, PendingAnswer, RunTimedOut, Unstored};
 #[cfg(feature = "server")]

@@ -1,6 +1,7 @@
 //! The knobs of the protocol: which requests are keyed, what happens to keyless ones, how long
 //! answers live, and which answers are stored.
 
+use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -79,6 +80,21 @@ impl FromStr for MissingKeyPolicy {
     }
 }
 
+impl fmt::Display for MissingKeyPolicy {
+    /// The form [`FromStr`] reads back.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Allow => f.write_str("allow"),
+            Self::Require => f.write_str("require"),
+            Self::Grace { until } => {
+                let at = std::time::UNIX_EPOCH + Duration::from_millis(until.0);
+                write!(f, "grace:{}", humantime::format_rfc3339(at))
+            }
+            Self::Fingerprint { window } => write!(f, "fingerprint:{}", humantime::format_duration(*window)),
+        }
+    }
+}
+
 /// What happens to a keyed request from a caller without an identity (`--anonymous`): no
 /// credential, no scope header, no application scope.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -105,6 +121,15 @@ impl FromStr for AnonymousPolicy {
             "reject" => Ok(Self::Reject),
             _ => Err(AnonymousPolicyError(s.to_owned())),
         }
+    }
+}
+
+impl fmt::Display for AnonymousPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Allow => "allow",
+            Self::Reject => "reject",
+        })
     }
 }
 
@@ -265,6 +290,20 @@ mod tests {
             panic!()
         };
         assert_eq!(until, same);
+        for policy in [
+            "allow",
+            "require",
+            "grace:2027-01-01T00:00:00Z",
+            "fingerprint:5s",
+            "fingerprint:1m 30s",
+        ] {
+            let parsed: MissingKeyPolicy = policy.parse().unwrap();
+            assert_eq!(
+                parsed.to_string().parse::<MissingKeyPolicy>().unwrap(),
+                parsed,
+                "{policy}"
+            );
+        }
         for bad in [
             "",
             "deny",

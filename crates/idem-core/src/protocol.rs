@@ -262,6 +262,18 @@ impl Protocol {
         }
     }
 
+    /// The same protocol (store, clock and held answers) under another policy: a route's.
+    pub fn with_policy(&self, policy: Policy) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                store: self.inner.store.clone(),
+                policy,
+                clock: self.inner.clock.clone(),
+                pending: self.inner.pending.clone(),
+            }),
+        }
+    }
+
     /// The policy.
     pub fn policy(&self) -> &Policy {
         &self.inner.policy

@@ -131,6 +131,18 @@ fn header_scope(parts: &Parts, name: &HeaderName, scope: fn(&[u8]) -> Scope) -> 
 #[error("unknown scope source {0:?}: use credential, none or header:NAME")]
 pub struct ScopeSourceError(String);
 
+impl fmt::Display for ScopeSource {
+    /// The form [`FromStr`] reads back.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Credential => f.write_str("credential"),
+            Self::None => f.write_str("none"),
+            Self::Extension => f.write_str("extension"),
+            Self::Header(name) => write!(f, "header:{name}"),
+        }
+    }
+}
+
 impl FromStr for ScopeSource {
     type Err = ScopeSourceError;
 

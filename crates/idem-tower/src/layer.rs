@@ -3,19 +3,22 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_core::{Clock, HeaderAllowList, MissingKeyPolicy, Policy, Protocol, ScopeSource, Store, StoreClock};
+use idem_core::{Clock, HeaderAllowList, MissingKeyPolicy, Policy, Protocol, Routes, ScopeSource, Store, StoreClock};
 use tokio_util::task::TaskTracker;
 use tower_layer::Layer;
 
+use crate::routing::Routing;
 use crate::service::IdempotencyService;
 
 /// Applies the idempotency protocol to a service.
 ///
 /// Built from a store, then configured with `with_*` methods, each consuming and returning the layer.
+/// Each setting's default is the one of [`Policy::default`], documented on its field.
 #[derive(Clone, Debug)]
 pub struct IdempotencyLayer {
     store: Arc<dyn Store>,
     policy: Policy,
+    routes: Routes,
     clock: Arc<dyn Clock>,
     response_timeout: Option<Duration>,
     tasks: TaskTracker,
@@ -33,6 +36,7 @@ impl IdempotencyLayer {
             clock: StoreClock::new(store.clone()),
             store,
             policy: Policy::default(),
+            routes: Routes::new(),
             response_timeout: None,
             tasks: TaskTracker::new(),
         }
@@ -44,69 +48,96 @@ impl IdempotencyLayer {
         self
     }
 
-    /// How long an answer is replayable (default 24 h).
+    /// Rules by path: the first route matching a request's path gives its policy or lets it pass
+    /// untouched; paths no route matches get this layer's policy. The gateway's `[[route]]`
+    /// tables are the same [`Routes`].
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    /// use idem_core::{MissingKeyPolicy, Policy, RouteRule, Routes};
+    /// use idem_sqlite::SqliteStore;
+    /// use idem_tower::IdempotencyLayer;
+    ///
+    /// # async fn example() -> Result<(), Box<dyn std::error::Error>> {
+    /// let policy = Policy::default();
+    /// let routes = Routes::new()
+    ///     .with("/webhooks/*", RouteRule::PassThrough)?
+    ///     .with("/payments", RouteRule::Protect(Policy { missing_key: MissingKeyPolicy::Require, ..policy.clone() }))?
+    ///     .with("/exports/{id}", RouteRule::Protect(Policy { ttl: Duration::from_secs(600), ..policy.clone() }))?;
+    /// let layer = IdempotencyLayer::new(SqliteStore::open("idem.db").await?)
+    ///     .with_policy(policy)
+    ///     .with_routes(routes);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn with_routes(mut self, routes: Routes) -> Self {
+        self.routes = routes;
+        self
+    }
+
+    /// How long an answer is replayable.
     pub fn with_ttl(mut self, ttl: Duration) -> Self {
         self.policy.ttl = ttl;
         self
     }
 
-    /// How long an expired key answers `key-expired` (default 7 d).
+    /// How long an expired key answers `key-expired`.
     pub fn with_tombstone_ttl(mut self, ttl: Duration) -> Self {
         self.policy.tombstone_ttl = ttl;
         self
     }
 
-    /// Where the caller's scope comes from (default: a hash of the `Authorization` header).
+    /// Where the caller's scope comes from.
     pub fn with_scope(mut self, scope: ScopeSource) -> Self {
         self.policy.scope = scope;
         self
     }
 
-    /// What happens to requests without a key (default: allow).
+    /// What happens to requests without a key.
     pub fn with_missing_key(mut self, policy: MissingKeyPolicy) -> Self {
         self.policy.missing_key = policy;
         self
     }
 
-    /// The lease of a running request, renewed while it runs (default 60 s).
+    /// The lease of a running request, renewed while it runs.
     pub fn with_lease(mut self, lease: Duration) -> Self {
         self.policy.lease = lease;
         self
     }
 
     /// How long a request may run before it is given up and its key released as unknown, so a
-    /// hung handler never wedges its key (default 5 min).
+    /// hung handler never wedges its key.
     pub fn with_run_timeout(mut self, limit: Duration) -> Self {
         self.policy.run_timeout = limit;
         self
     }
 
-    /// How long one store operation may take before it counts as failed (default 5 s).
+    /// How long one store operation may take before it counts as failed.
     pub fn with_store_timeout(mut self, limit: Duration) -> Self {
         self.policy.store_timeout = limit;
         self
     }
 
-    /// How long a copy waits for the first request before `409 key-in-flight` (default 10 s).
+    /// How long a copy waits for the first request before `409 key-in-flight`.
     pub fn with_wait(mut self, wait: Duration) -> Self {
         self.policy.wait = wait;
         self
     }
 
-    /// The largest keyed request body; larger ones get `413` (default 1 MiB).
+    /// The largest keyed request body; larger ones get `413`.
     pub fn with_max_body(mut self, bytes: usize) -> Self {
         self.policy.max_body = bytes;
         self
     }
 
     /// The largest answer stored whole; larger ones stream through and are stored compact
-    /// (default 256 KiB).
+    ///.
     pub fn with_max_stored_body(mut self, bytes: usize) -> Self {
         self.policy.max_stored_body = bytes;
         self
     }
 
-    /// The methods the protocol applies to (default `POST`, `PATCH`).
+    /// The methods the protocol applies to.
     pub fn with_methods(mut self, methods: Vec<http::Method>) -> Self {
         self.policy.methods = methods;
         self
@@ -150,7 +181,7 @@ impl IdempotencyLayer {
         self.tasks.clone()
     }
 
-    /// The protocol this layer applies.
+    /// The protocol this layer applies to paths no route matches.
     pub fn protocol(&self) -> Protocol {
         Protocol::with_clock(self.store.clone(), self.policy.clone(), self.clock.clone())
     }
@@ -160,6 +191,7 @@ impl<S> Layer<S> for IdempotencyLayer {
     type Service = IdempotencyService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        IdempotencyService::new(inner, self.protocol(), self.response_timeout, self.tasks.clone())
+        let routing = Arc::new(Routing::new(self.protocol(), self.routes.clone()));
+        IdempotencyService::new(inner, routing, self.response_timeout, self.tasks.clone())
     }
 }

@@ -25,6 +25,7 @@
 
 mod body;
 mod layer;
+mod routing;
 mod service;
 
 pub use body::{Body, BoxError};

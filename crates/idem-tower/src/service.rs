@@ -5,6 +5,7 @@
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -17,11 +18,13 @@ use idem_core::{
     Admission, Claim, Decision, Disposition, Fingerprint, IdempotencyKey, Outcome, PendingAnswer, Problem, ProblemKind,
     Protocol, RecordId, RunTimedOut, Scope, Unstored,
 };
+use metrics::SharedString;
 use tokio::sync::oneshot;
 use tokio_util::task::TaskTracker;
 use tower_service::Service;
 
 use crate::body::{Body, BoxError, Collected, boxed, collect_up_to, full};
+use crate::routing::Routing;
 
 /// What the layer tells the handler about the keyed request it runs, in the request extensions.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -50,16 +53,16 @@ pub enum NoAnswer {
 #[derive(Clone, Debug)]
 pub struct IdempotencyService<S> {
     inner: S,
-    protocol: Protocol,
+    routing: Arc<Routing>,
     response_timeout: Option<Duration>,
     tasks: TaskTracker,
 }
 
 impl<S> IdempotencyService<S> {
-    pub(crate) fn new(inner: S, protocol: Protocol, response_timeout: Option<Duration>, tasks: TaskTracker) -> Self {
+    pub(crate) fn new(inner: S, routing: Arc<Routing>, response_timeout: Option<Duration>, tasks: TaskTracker) -> Self {
         Self {
             inner,
-            protocol,
+            routing,
             response_timeout,
             tasks,
         }
@@ -89,10 +92,18 @@ where
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
         // The clone that was driven to readiness is the one that serves this request.
         let clone = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, clone);
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let pick = self.routing.pick(request.uri().path());
+        let Some(protocol) = pick.protocol.clone() else {
+            // A route that passes through untouched: no key is read, nothing is stored.
+            let call = inner.call(request.map(boxed));
+            return Box::pin(async move { Ok(call.await?.map(boxed)) });
+        };
+        let route = pick.route.clone();
         let handling = Handling {
             inner,
-            protocol: self.protocol.clone(),
+            protocol,
+            route: route.clone(),
             response_timeout: self.response_timeout,
             tasks: self.tasks.clone(),
         };
@@ -101,10 +112,10 @@ where
         Box::pin(
             AssertUnwindSafe(handling.handle(request))
                 .catch_unwind()
-                .map(|handled| {
+                .map(move |handled| {
                     handled.unwrap_or_else(|panic| {
                         tracing::error!(panic = panic_message(&*panic), "the idempotency layer panicked");
-                        record_outcome(None, Outcome::Internal, http::StatusCode::INTERNAL_SERVER_ERROR);
+                        record_outcome(&route, None, Outcome::Internal, http::StatusCode::INTERNAL_SERVER_ERROR);
                         Ok(internal_error())
                     })
                 }),
@@ -115,6 +126,8 @@ where
 struct Handling<S> {
     inner: S,
     protocol: Protocol,
+    /// The metrics label of the request's route.
+    route: SharedString,
     response_timeout: Option<Duration>,
     tasks: TaskTracker,
 }
@@ -139,7 +152,7 @@ where
                 return Ok(with_headers(response.map(boxed), headers));
             }
             Admission::Refuse(problem, outcome) => {
-                record_outcome(None, outcome, problem.kind.status());
+                record_outcome(&self.route, None, outcome, problem.kind.status());
                 return Ok(problem.to_response().map(full));
             }
             Admission::Keyed(keyed) => keyed,
@@ -153,8 +166,9 @@ where
                 } else {
                     Outcome::BodyIncomplete
                 };
-                tracing::info!(scope = %keyed.scope(), key = keyed.key().map(|k| k.as_str()), outcome = %outcome, "idempotency");
-                record_outcome(None, outcome, problem.kind.status());
+                tracing::info!(scope = %keyed.scope(), key = keyed.key().map(|k| k.as_str()), outcome = %outcome, status = problem.kind.status().as_u16(), route = %self.route, "idempotency");
+                metrics::counter!("idem_requests_total", "outcome" => outcome.as_str(), "route" => self.route.clone())
+                    .increment(1);
                 return Ok(problem.to_response().map(full));
             }
         };
@@ -165,6 +179,7 @@ where
         let (decided, decision) = oneshot::channel();
         let protocol = self.protocol.clone();
         let inner = self.inner;
+        let route = self.route.clone();
         self.tasks.spawn(async move {
             let claim = match protocol.begin(keyed, &fingerprint).await {
                 Decision::Run(claim) => claim,
@@ -194,20 +209,25 @@ where
                 key: claim.id().key.clone(),
                 recovered: claim.recovered(),
             });
-            run(protocol, claim, inner, Request::from_parts(parts, full(bytes)), answer).await;
+            run(protocol, route, claim, inner, Request::from_parts(parts, full(bytes)), answer).await;
         });
         let answered = match decision.await {
             Ok(Decided::Respond { response, outcome, id }) => {
                 if matches!(outcome, Outcome::Waited | Outcome::InFlight) {
                     metrics::histogram!("idem_wait_seconds").record(started.elapsed().as_secs_f64());
                 }
-                record_outcome(Some(&id), outcome, response.status());
+                record_outcome(&self.route, Some(&id), outcome, response.status());
                 return Ok(response.map(full));
             }
             Ok(Decided::Running(answered)) => answered,
             // The task panicked before it decided (logged by the runtime).
             Err(_) => {
-                record_outcome(None, Outcome::Internal, http::StatusCode::INTERNAL_SERVER_ERROR);
+                record_outcome(
+                    &self.route,
+                    None,
+                    Outcome::Internal,
+                    http::StatusCode::INTERNAL_SERVER_ERROR,
+                );
                 return Ok(internal_error());
             }
         };
@@ -264,6 +284,7 @@ where
 /// the store refuses is sent all the same, then stored again until the store takes it.
 async fn run<S, ResBody>(
     protocol: Protocol,
+    route: SharedString,
     claim: Claim,
     mut inner: S,
     request: Request<Body>,
@@ -285,7 +306,12 @@ async fn run<S, ResBody>(
         Ok(Ok(Ok(response))) => response,
         Ok(Ok(Err(err))) => {
             settle(protocol.abandon(&claim, true).await, &id, "release");
-            record_outcome(Some(&id), claim.outcome(), http::StatusCode::INTERNAL_SERVER_ERROR);
+            record_outcome(
+                &route,
+                Some(&id),
+                claim.outcome(),
+                http::StatusCode::INTERNAL_SERVER_ERROR,
+            );
             let _ = answer.send(Err(err));
             return;
         }
@@ -293,12 +319,17 @@ async fn run<S, ResBody>(
             // The handler may have acted before it panicked: the retry runs, marked recovered.
             tracing::error!(scope = %id.scope, key = %id.key, panic = panic_message(&*panic), "the handler panicked");
             settle(protocol.abandon(&claim, true).await, &id, "release");
-            record_outcome(Some(&id), Outcome::Internal, http::StatusCode::INTERNAL_SERVER_ERROR);
+            record_outcome(
+                &route,
+                Some(&id),
+                Outcome::Internal,
+                http::StatusCode::INTERNAL_SERVER_ERROR,
+            );
             let _ = answer.send(Ok(internal_error()));
             return;
         }
         Err(RunTimedOut) => {
-            let _ = answer.send(Ok(run_timed_out(&protocol, &claim, &id).await));
+            let _ = answer.send(Ok(run_timed_out(&protocol, &route, &claim, &id).await));
             return;
         }
     };
@@ -310,7 +341,7 @@ async fn run<S, ResBody>(
         Some(_) => Disposition::Release,
         None => protocol.disposition(status, body.size_hint().exact().and_then(|n| usize::try_from(n).ok())),
     };
-    record_outcome(Some(&id), claim.outcome(), status);
+    record_outcome(&route, Some(&id), claim.outcome(), status);
     let (response, pending) = match disposition {
         Disposition::Release => {
             let unknown = release == Some(NoAnswer::OutcomeUnknown);
@@ -341,7 +372,7 @@ async fn run<S, ResBody>(
                     let problem = Problem::new(ProblemKind::UpstreamFailed, detail);
                     (problem.to_response().map(full), None)
                 }
-                Err(RunTimedOut) => (run_timed_out(&protocol, &claim, &id).await, None),
+                Err(RunTimedOut) => (run_timed_out(&protocol, &route, &claim, &id).await, None),
             }
         }
     };
@@ -362,11 +393,11 @@ async fn run<S, ResBody>(
 
 /// Gives up a run that passed the run timeout: whether it took effect is unknown, so the key is
 /// released as unknown and the retry runs, marked recovered.
-async fn run_timed_out(protocol: &Protocol, claim: &Claim, id: &RecordId) -> Response<Body> {
+async fn run_timed_out(protocol: &Protocol, route: &SharedString, claim: &Claim, id: &RecordId) -> Response<Body> {
     let limit = protocol.policy().run_timeout;
     tracing::warn!(scope = %id.scope, key = %id.key, limit = ?limit, "the request ran past the run timeout and was given up");
     settle(protocol.abandon(claim, true).await, id, "release");
-    record_outcome(Some(id), Outcome::RunTimedOut, http::StatusCode::GATEWAY_TIMEOUT);
+    record_outcome(route, Some(id), Outcome::RunTimedOut, http::StatusCode::GATEWAY_TIMEOUT);
     let detail = format!(
         "the request ran longer than {} and was given up; whether it took effect is unknown: retry with the same key (the retry is marked recovered)",
         humantime_secs(limit)
@@ -447,14 +478,15 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
         .unwrap_or("a panic without a message")
 }
 
-fn record_outcome(id: Option<&RecordId>, outcome: Outcome, status: http::StatusCode) {
+/// The request's one log line and its count, by outcome and route.
+fn record_outcome(route: &SharedString, id: Option<&RecordId>, outcome: Outcome, status: http::StatusCode) {
     match id {
         Some(id) => {
-            tracing::info!(scope = %id.scope, key = %id.key, outcome = %outcome, status = status.as_u16(), "idempotency")
+            tracing::info!(scope = %id.scope, key = %id.key, outcome = %outcome, status = status.as_u16(), route = %route, "idempotency")
         }
-        None => tracing::info!(outcome = %outcome, status = status.as_u16(), "idempotency"),
+        None => tracing::info!(outcome = %outcome, status = status.as_u16(), route = %route, "idempotency"),
     }
-    metrics::counter!("idem_requests_total", "outcome" => outcome.as_str()).increment(1);
+    metrics::counter!("idem_requests_total", "outcome" => outcome.as_str(), "route" => route.clone()).increment(1);
 }
 
 fn humantime_secs(duration: Duration) -> String {

@@ -1,5 +1,5 @@
 //! The layer around an axum app, on a real SQLite store: store round trips, lease renewal,
-//! hang-ups, scopes from the application, and retention on an injected clock.
+//! hang-ups, scopes from the application, routes, and retention on an injected clock.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -13,8 +13,8 @@ use axum::routing::post;
 use http_body_util::BodyExt;
 use idem_core::testkit::{CountingStore, Operation};
 use idem_core::{
-    Begin, BeginRequest, Completion, FencingToken, ManualClock, MissingKeyPolicy, Purged, Record, RecordId, Release,
-    Scope, ScopeSource, Store, StoreError, UnixMillis, WaitOutcome,
+    Begin, BeginRequest, Completion, FencingToken, ManualClock, MissingKeyPolicy, Policy, Purged, Record, RecordId,
+    Release, RouteRule, Routes, Scope, ScopeSource, Store, StoreError, UnixMillis, WaitOutcome,
 };
 use idem_sqlite::SqliteStore;
 use idem_tower::IdempotencyLayer;
@@ -540,4 +540,74 @@ async fn a_handler_past_the_run_timeout_is_given_up_and_its_retry_runs_recovered
     let retry = send(&router, pay("k", "")).await;
     assert_eq!(retry, (StatusCode::CREATED, false, "recovered=true".into()));
     assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test]
+async fn routes_give_paths_their_own_policy_or_let_them_pass_untouched() {
+    let (store, _dir) = sqlite().await;
+    let store = Arc::new(CountingStore::new(store));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let runs = runs.clone();
+        post(move || {
+            let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
+            async move { (StatusCode::CREATED, format!("run {run}")) }
+        })
+    };
+    let defaults = Policy::default();
+    let routes = Routes::new()
+        .with("/webhooks/*", RouteRule::PassThrough)
+        .unwrap()
+        .with(
+            "/exports/{id}",
+            RouteRule::Protect(Policy {
+                missing_key: MissingKeyPolicy::Require,
+                ..defaults.clone()
+            }),
+        )
+        .unwrap();
+    let router = Router::new()
+        .route("/pay", handler.clone())
+        .route("/webhooks/github", handler.clone())
+        .route("/exports/{id}", handler)
+        .layer(IdempotencyLayer::from_shared(store.clone()).with_routes(routes));
+    let keyed = |path: &str| {
+        Request::post(path)
+            .header("idempotency-key", "\"route-key\"")
+            .body(AxumBody::from("{}"))
+            .expect("request")
+    };
+    let keyless = |path: &str| Request::post(path).body(AxumBody::empty()).expect("request");
+
+    // A pass-through route: the same key twice runs twice, and the store is never asked.
+    assert_eq!(
+        send(&router, keyed("/webhooks/github")).await,
+        (StatusCode::CREATED, false, "run 1".into())
+    );
+    assert_eq!(
+        send(&router, keyed("/webhooks/github")).await,
+        (StatusCode::CREATED, false, "run 2".into())
+    );
+    assert_eq!(store.total(), 0, "a pass-through route never touches the store");
+
+    // The route's own policy: keys are required there, and only there.
+    let (status, _, body) = send(&router, keyless("/exports/7")).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert_eq!(
+        problem_type(&body).as_deref(),
+        Some("urn:idem:problem:key-missing"),
+        "{body}"
+    );
+    assert_eq!(send(&router, keyless("/pay")).await.0, StatusCode::CREATED);
+
+    // Protected paths still replay, under their route's policy or the default.
+    assert_eq!(
+        send(&router, keyed("/exports/7")).await,
+        (StatusCode::CREATED, false, "run 4".into())
+    );
+    assert_eq!(
+        send(&router, keyed("/exports/7")).await,
+        (StatusCode::CREATED, true, "run 4".into())
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 4);
 }

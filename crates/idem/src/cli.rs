@@ -1,13 +1,17 @@
-//! The command line: every flag also reads `IDEM_<FLAG>` from the environment.
+//! The command line: every flag also reads `IDEM_<FLAG>` from the environment, and `idem serve`'s
+//! also from its config file.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand};
+use clap::builder::BoolishValueParser;
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use idem_core::{AnonymousPolicy, KeyTimeFormats, MissingKeyPolicy, ScopeSource};
+use serde::Deserialize;
 
-use crate::units::{parse_duration, parse_size};
+use crate::config::de;
+use crate::units::{parse_duration, parse_method, parse_size};
 
 /// idem: make HTTP requests safe to retry.
 #[derive(Debug, Parser)]
@@ -15,6 +19,27 @@ use crate::units::{parse_duration, parse_size};
 pub(crate) struct Cli {
     #[command(subcommand)]
     pub(crate) command: Command,
+}
+
+/// The command line, parsed; `--help` shows each setting's default from where it is kept.
+pub(crate) fn parse() -> Cli {
+    let matches = command().get_matches();
+    Cli::from_arg_matches(&matches).unwrap_or_else(|err| err.exit())
+}
+
+/// The command, with `idem serve`'s defaults in its help (its flags have none of their own, so
+/// that the config file can come between them and the defaults).
+fn command() -> clap::Command {
+    Cli::command().mut_subcommand("serve", |serve| {
+        crate::config::Defaults::shown()
+            .into_iter()
+            .fold(serve, |serve, (id, default)| {
+                serve.mut_arg(id, |arg| {
+                    let help = arg.get_help().map(ToString::to_string).unwrap_or_default();
+                    arg.help(format!("{help} [default: {default}]"))
+                })
+            })
+    })
 }
 
 #[derive(Debug, Subcommand)]
@@ -45,7 +70,7 @@ pub(crate) enum Command {
 #[derive(Debug, Args)]
 pub(crate) struct StoreArgs {
     /// The store: sqlite://PATH, postgres://…, redis://HOST:PORT or redis+cluster://H1:P1,H2:P2,….
-    #[arg(long, env = "IDEM_STORE", default_value = "sqlite://idem.db")]
+    #[arg(long, env = "IDEM_STORE", default_value = crate::stores::DEFAULT_STORE)]
     pub(crate) store: String,
 }
 
@@ -75,46 +100,125 @@ pub(crate) struct RecordArgs {
     pub(crate) key: String,
 }
 
+/// `idem serve`'s arguments: the settings, and the file that may give the ones the flags and the
+/// environment leave out.
 #[derive(Debug, Args)]
 pub(crate) struct ServeArgs {
-    /// The upstream every request is forwarded to, such as http://127.0.0.1:3000.
+    /// A TOML file of settings by their flag names (`ttl = "24h"`) and `[[route]]` rules by path.
+    /// Flags beat the environment, which beats the file, which beats the defaults.
+    #[arg(long, env = "IDEM_CONFIG", value_name = "FILE")]
+    pub(crate) config: Option<PathBuf>,
+    #[command(flatten)]
+    pub(crate) settings: ServeSettings,
+}
+
+/// Every setting of `idem serve`, as a flag (also read from `IDEM_<FLAG>`) and as a key of the
+/// config file by the same name. `None`: this source leaves the setting to the next one; the
+/// defaults are in one place (`config::Defaults`, and `Policy::default` for the protocol's).
+#[derive(Debug, Default, Args, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+pub(crate) struct ServeSettings {
+    /// The upstream every request is forwarded to, such as http://127.0.0.1:3000 (required).
     #[arg(long, env = "IDEM_UPSTREAM")]
-    pub(crate) upstream: http::Uri,
+    #[serde(deserialize_with = "de::parsed")]
+    pub(crate) upstream: Option<http::Uri>,
     /// Where the gateway listens.
-    #[arg(long, env = "IDEM_LISTEN", default_value = "127.0.0.1:8080")]
-    pub(crate) listen: SocketAddr,
-    /// Where /healthz and /readyz are served.
-    #[arg(long, env = "IDEM_ADMIN_LISTEN", default_value = "127.0.0.1:9090")]
-    pub(crate) admin_listen: SocketAddr,
-    #[command(flatten)]
-    pub(crate) store: StoreArgs,
-    #[command(flatten)]
-    pub(crate) policy: PolicyArgs,
+    #[arg(long, env = "IDEM_LISTEN")]
+    #[serde(deserialize_with = "de::parsed")]
+    pub(crate) listen: Option<SocketAddr>,
+    /// Where /metrics, /healthz and /readyz are served.
+    #[arg(long, env = "IDEM_ADMIN_LISTEN")]
+    #[serde(deserialize_with = "de::parsed")]
+    pub(crate) admin_listen: Option<SocketAddr>,
+    /// The store: sqlite://PATH, postgres://…, redis://HOST:PORT or redis+cluster://H1:P1,H2:P2,….
+    #[arg(long, env = "IDEM_STORE")]
+    pub(crate) store: Option<String>,
+    /// How long an answer is replayable.
+    #[arg(long, env = "IDEM_TTL", value_parser = parse_duration)]
+    #[serde(deserialize_with = "de::duration")]
+    pub(crate) ttl: Option<Duration>,
+    /// How long an expired key still answers key-expired.
+    #[arg(long, env = "IDEM_TOMBSTONE_TTL", value_parser = parse_duration)]
+    #[serde(deserialize_with = "de::duration")]
+    pub(crate) tombstone_ttl: Option<Duration>,
+    /// The lease of a running request; renewed while it runs.
+    #[arg(long, env = "IDEM_LEASE", value_parser = parse_duration)]
+    #[serde(deserialize_with = "de::duration")]
+    pub(crate) lease: Option<Duration>,
+    /// How long a request may run before it is given up and its key released as unknown (the
+    /// retry runs, marked Idempotency-Recovered), so a hung upstream never wedges its key.
+    #[arg(long, env = "IDEM_RUN_TIMEOUT", value_parser = parse_duration)]
+    #[serde(deserialize_with = "de::duration")]
+    pub(crate) run_timeout: Option<Duration>,
+    /// How long a copy waits for the first request before 409 key-in-flight.
+    #[arg(long, env = "IDEM_WAIT", value_parser = parse_duration)]
+    #[serde(deserialize_with = "de::duration")]
+    pub(crate) wait: Option<Duration>,
+    /// Who the caller is: credential, none or header:NAME.
+    #[arg(long, env = "IDEM_SCOPE")]
+    #[serde(deserialize_with = "de::parsed")]
+    pub(crate) scope: Option<ScopeSource>,
+    /// Keyed requests from callers without a credential (or scope header): allow (they share the
+    /// anonymous scope) or reject (401 credential-missing).
+    #[arg(long, env = "IDEM_ANONYMOUS")]
+    #[serde(deserialize_with = "de::parsed")]
+    pub(crate) anonymous: Option<AnonymousPolicy>,
+    /// Key formats whose embedded time expires a key older than --ttl on first sight: uuid7,
+    /// ulid (comma-separated) or off. ULIDs have no version marker, so any 26-character Crockford
+    /// string reads as one: add ulid only if your clients send ULIDs.
+    #[arg(long, env = "IDEM_EXPIRE_BY_KEY_TIME")]
+    #[serde(deserialize_with = "de::parsed")]
+    pub(crate) expire_by_key_time: Option<KeyTimeFormats>,
+    /// Keyless requests: allow, require, grace:<RFC 3339 date> or fingerprint:<duration>.
+    #[arg(long, env = "IDEM_MISSING_KEY")]
+    #[serde(deserialize_with = "de::parsed")]
+    pub(crate) missing_key: Option<MissingKeyPolicy>,
+    /// The methods the protocol applies to, comma-separated.
+    #[arg(long, env = "IDEM_METHODS", value_delimiter = ',', value_parser = parse_method)]
+    #[serde(deserialize_with = "de::methods")]
+    pub(crate) methods: Option<Vec<http::Method>>,
+    /// The largest keyed request body (larger: 413).
+    #[arg(long, env = "IDEM_MAX_BODY", value_parser = parse_size)]
+    #[serde(deserialize_with = "de::size")]
+    pub(crate) max_body: Option<usize>,
+    /// The largest answer stored whole; larger answers stream through and are stored compact.
+    #[arg(long, env = "IDEM_MAX_STORED_BODY", value_parser = parse_size)]
+    #[serde(deserialize_with = "de::size")]
+    pub(crate) max_stored_body: Option<usize>,
+    /// Store 5xx answers instead of letting a retry run again.
+    #[arg(long, env = "IDEM_STORE_5XX", num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = BoolishValueParser::new())]
+    pub(crate) store_5xx: Option<bool>,
+    /// Forward requests unprotected when the store is down, instead of 503.
+    #[arg(long, env = "IDEM_FAIL_OPEN", num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = BoolishValueParser::new())]
+    pub(crate) fail_open: Option<bool>,
     /// How long a client waits for the upstream before 504; the gateway keeps waiting and stores
     /// the answer for the retry.
-    #[arg(long, env = "IDEM_UPSTREAM_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
-    pub(crate) upstream_timeout: Duration,
+    #[arg(long, env = "IDEM_UPSTREAM_TIMEOUT", value_parser = parse_duration)]
+    #[serde(deserialize_with = "de::duration")]
+    pub(crate) upstream_timeout: Option<Duration>,
     /// How long a client may take to send a request's head (counted from when its connection
     /// opened or went idle, so an idle connection is closed after it too), and how long in all it
     /// may keep the gateway waiting for the body (a keyed body cut off by it is 400
     /// body-incomplete, nothing claimed).
-    #[arg(long, env = "IDEM_READ_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
-    pub(crate) read_timeout: Duration,
+    #[arg(long, env = "IDEM_READ_TIMEOUT", value_parser = parse_duration)]
+    #[serde(deserialize_with = "de::duration")]
+    pub(crate) read_timeout: Option<Duration>,
     /// The most client connections open at once; further connections wait in the listen queue
     /// until one closes.
-    #[arg(long, env = "IDEM_MAX_CONNECTIONS", default_value = "10000")]
-    pub(crate) max_connections: usize,
+    #[arg(long, env = "IDEM_MAX_CONNECTIONS")]
+    pub(crate) max_connections: Option<usize>,
     /// On SIGTERM: how long running requests may take to finish and store their answers before
     /// the gateway closes what is left and exits.
-    #[arg(long, env = "IDEM_SHUTDOWN_GRACE", default_value = "30s", value_parser = parse_duration)]
-    pub(crate) shutdown_grace: Duration,
+    #[arg(long, env = "IDEM_SHUTDOWN_GRACE", value_parser = parse_duration)]
+    #[serde(deserialize_with = "de::duration")]
+    pub(crate) shutdown_grace: Option<Duration>,
     /// A PEM bundle of CA certificates trusted for an https:// upstream, besides the system's.
     #[arg(long, env = "IDEM_UPSTREAM_CA", value_name = "FILE")]
     pub(crate) upstream_ca: Option<PathBuf>,
     /// Speak HTTP/2 by prior knowledge (h2c) to an http:// upstream. Over https:// HTTP/2 is
     /// negotiated by ALPN without asking.
-    #[arg(long, env = "IDEM_UPSTREAM_HTTP2")]
-    pub(crate) upstream_http2: bool,
+    #[arg(long, env = "IDEM_UPSTREAM_HTTP2", num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = BoolishValueParser::new())]
+    pub(crate) upstream_http2: Option<bool>,
     /// Serve clients over TLS with this PEM certificate chain (the server's first); needs
     /// --tls-key. ALPN offers h2 and http/1.1.
     #[arg(long, env = "IDEM_TLS_CERT", value_name = "FILE")]
@@ -122,58 +226,39 @@ pub(crate) struct ServeArgs {
     /// The PEM private key of --tls-cert.
     #[arg(long, env = "IDEM_TLS_KEY", value_name = "FILE")]
     pub(crate) tls_key: Option<PathBuf>,
+    /// Rules by path, in the config file only: `[[route]]` tables.
+    #[arg(skip)]
+    pub(crate) route: Vec<RouteSettings>,
 }
 
-/// The protocol's settings of `idem serve`, turned into an `idem_core::Policy` in one place
-/// (`serve::policy`).
-#[derive(Debug, Args)]
-pub(crate) struct PolicyArgs {
-    /// How long an answer is replayable.
-    #[arg(long, env = "IDEM_TTL", default_value = "24h", value_parser = parse_duration)]
-    pub(crate) ttl: Duration,
-    /// How long an expired key still answers key-expired.
-    #[arg(long, env = "IDEM_TOMBSTONE_TTL", default_value = "7d", value_parser = parse_duration)]
-    pub(crate) tombstone_ttl: Duration,
-    /// The lease of a running request; renewed while it runs.
-    #[arg(long, env = "IDEM_LEASE", default_value = "60s", value_parser = parse_duration)]
-    pub(crate) lease: Duration,
-    /// How long a request may run before it is given up and its key released as unknown (the
-    /// retry runs, marked Idempotency-Recovered), so a hung upstream never wedges its key.
-    #[arg(long, env = "IDEM_RUN_TIMEOUT", default_value = "5m", value_parser = parse_duration)]
-    pub(crate) run_timeout: Duration,
-    /// How long a copy waits for the first request before 409 key-in-flight.
-    #[arg(long, env = "IDEM_WAIT", default_value = "10s", value_parser = parse_duration)]
-    pub(crate) wait: Duration,
-    /// Who the caller is: credential, none or header:NAME.
-    #[arg(long, env = "IDEM_SCOPE", default_value = "credential")]
-    pub(crate) scope: ScopeSource,
-    /// Keyed requests from callers without a credential (or scope header): allow (they share the
-    /// anonymous scope) or reject (401 credential-missing).
-    #[arg(long, env = "IDEM_ANONYMOUS", default_value = "allow")]
-    pub(crate) anonymous: AnonymousPolicy,
-    /// Key formats whose embedded time expires a key older than --ttl on first sight: uuid7,
-    /// ulid (comma-separated) or off. ULIDs have no version marker, so any 26-character Crockford
-    /// string reads as one: add ulid only if your clients send ULIDs.
-    #[arg(long, env = "IDEM_EXPIRE_BY_KEY_TIME", default_value = "uuid7")]
-    pub(crate) expire_by_key_time: KeyTimeFormats,
-    /// Keyless requests: allow, require, grace:<RFC 3339 date> or fingerprint:<duration>.
-    #[arg(long, env = "IDEM_MISSING_KEY", default_value = "allow")]
-    pub(crate) missing_key: MissingKeyPolicy,
-    /// The methods the protocol applies to, comma-separated.
-    #[arg(long, env = "IDEM_METHODS", default_value = "POST,PATCH", value_delimiter = ',')]
-    pub(crate) methods: Vec<http::Method>,
-    /// The largest keyed request body (larger: 413).
-    #[arg(long, env = "IDEM_MAX_BODY", default_value = "1MiB", value_parser = parse_size)]
-    pub(crate) max_body: usize,
-    /// The largest answer stored whole; larger answers stream through and are stored compact.
-    #[arg(long, env = "IDEM_MAX_STORED_BODY", default_value = "256KiB", value_parser = parse_size)]
-    pub(crate) max_stored_body: usize,
-    /// Store 5xx answers instead of letting a retry run again.
-    #[arg(long, env = "IDEM_STORE_5XX")]
-    pub(crate) store_5xx: bool,
-    /// Forward requests unprotected when the store is down, instead of 503.
-    #[arg(long, env = "IDEM_FAIL_OPEN")]
-    pub(crate) fail_open: bool,
+/// One `[[route]]` table of the config file: which paths, and the settings that differ there
+/// from the gateway's (any setting left out is the gateway's).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub(crate) struct RouteSettings {
+    /// `/exact`, `/with/{param}` segments, or a `/prefix/*`.
+    pub(crate) path: toml::Spanned<String>,
+    /// `false`: pass the route's requests through untouched.
+    #[serde(default)]
+    pub(crate) enabled: Option<bool>,
+    #[serde(default, deserialize_with = "de::methods")]
+    pub(crate) methods: Option<Vec<http::Method>>,
+    #[serde(default, deserialize_with = "de::duration")]
+    pub(crate) ttl: Option<Duration>,
+    #[serde(default, deserialize_with = "de::duration")]
+    pub(crate) tombstone_ttl: Option<Duration>,
+    #[serde(default, deserialize_with = "de::parsed")]
+    pub(crate) missing_key: Option<MissingKeyPolicy>,
+    #[serde(default, deserialize_with = "de::parsed")]
+    pub(crate) scope: Option<ScopeSource>,
+    #[serde(default, deserialize_with = "de::size")]
+    pub(crate) max_body: Option<usize>,
+    #[serde(default, deserialize_with = "de::size")]
+    pub(crate) max_stored_body: Option<usize>,
+    #[serde(default)]
+    pub(crate) store_5xx: Option<bool>,
+    #[serde(default, deserialize_with = "de::duration")]
+    pub(crate) run_timeout: Option<Duration>,
 }
 
 /// A setting that parses but cannot work: `idem` exits 2 (as for a usage error) naming the flag.
@@ -237,5 +322,14 @@ fn parse_rate(text: &str) -> Result<f64, String> {
     match text.trim().parse::<f64>() {
         Ok(rate) if (0.0..=1.0).contains(&rate) => Ok(rate),
         _ => Err(format!("{text:?} is not a rate between 0 and 1, such as 0.1")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_command_line_is_well_formed() {
+        // Also checks that every default shown names a flag of `idem serve`.
+        super::command().debug_assert();
     }
 }

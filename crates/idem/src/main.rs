@@ -4,6 +4,7 @@ mod admin;
 mod bench;
 mod cli;
 mod commands;
+mod config;
 mod demo;
 mod instrumented;
 mod proxy;
@@ -15,14 +16,13 @@ mod units;
 use std::io::IsTerminal;
 use std::process::ExitCode;
 
-use clap::Parser;
 use tracing_subscriber::EnvFilter;
 
-use crate::cli::{Cli, Command};
+use crate::cli::Command;
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = cli::parse();
     // The demo's gateways would log every request: its output is the table.
     let default_filter = if matches!(cli.command, Command::Demo(_)) {
         "error"
@@ -55,7 +55,7 @@ async fn main() -> ExitCode {
         Err(err) => {
             eprintln!("idem: {err:#}");
             // Settings that cannot work are a usage error, like those clap finds.
-            if err.is::<cli::Misconfigured>() {
+            if err.is::<cli::Misconfigured>() || err.is::<config::ConfigError>() {
                 ExitCode::from(2)
             } else {
                 ExitCode::FAILURE

@@ -9,112 +9,30 @@ use std::time::Duration;
 use anyhow::Context as _;
 use std::sync::Arc;
 
-use idem_core::{Policy, Protocol, ScopeSource, Store, StoreClock};
+use idem_core::{Policy, Protocol, Routes, Store, StoreClock};
 use idem_tower::IdempotencyLayer;
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::cli::{Misconfigured, PolicyArgs, ServeArgs};
+use crate::cli::ServeArgs;
+use crate::config::ServeConfig;
 use crate::instrumented::{Instrumented, Prometheus};
-use crate::proxy::{Proxy, UpstreamOptions};
+use crate::proxy::Proxy;
 use crate::{admin, stores};
 
 mod connections;
 pub(crate) mod tls;
 
 pub(crate) use connections::ClientBodyFailed;
-pub(crate) use connections::Limits;
-
-/// The gateway's policy from its flags, refused with the flag and the reason if it cannot work.
-fn policy(args: &PolicyArgs) -> Result<Policy, Misconfigured> {
-    let refuse = |flag, reason: &str| {
-        Err(Misconfigured {
-            flag,
-            reason: reason.to_owned(),
-        })
-    };
-    if args.scope == ScopeSource::Extension {
-        return refuse(
-            "scope",
-            "extension is set by an application's own middleware, which the gateway does not have: every caller would be anonymous; use credential, header:NAME or none",
-        );
-    }
-    if args.lease < MIN_LEASE {
-        return refuse(
-            "lease",
-            "must be at least 1s: the lease is renewed over the network every third of it, and a shorter one expires under a running request",
-        );
-    }
-    let policy = Policy {
-        methods: args.methods.clone(),
-        scope: args.scope.clone(),
-        anonymous: args.anonymous,
-        missing_key: args.missing_key,
-        expire_by_key_time: args.expire_by_key_time,
-        ttl: args.ttl,
-        tombstone_ttl: args.tombstone_ttl,
-        lease: args.lease,
-        run_timeout: args.run_timeout,
-        wait: args.wait,
-        max_body: args.max_body,
-        max_stored_body: args.max_stored_body,
-        store_5xx: args.store_5xx,
-        fail_open: args.fail_open,
-        ..Policy::default()
-    };
-    policy.validate().map_err(|err| Misconfigured {
-        flag: err.setting,
-        reason: err.reason,
-    })?;
-    Ok(policy)
-}
-
-/// What the gateway's listeners allow their clients, refused with the flag if it cannot work.
-fn limits(args: &ServeArgs) -> Result<Limits, Misconfigured> {
-    let refuse = |flag, reason: &str| {
-        Err(Misconfigured {
-            flag,
-            reason: reason.to_owned(),
-        })
-    };
-    if args.read_timeout.is_zero() {
-        return refuse(
-            "read-timeout",
-            "must be longer than zero, or no client could ever send a request",
-        );
-    }
-    if args.max_connections == 0 {
-        return refuse("max-connections", "must be at least 1, or no client could ever connect");
-    }
-    if args.max_connections > connections::MOST_CONNECTIONS {
-        return Err(Misconfigured {
-            flag: "max-connections",
-            reason: format!("must be at most {}", connections::MOST_CONNECTIONS),
-        });
-    }
-    if args.shutdown_grace.is_zero() {
-        return refuse(
-            "shutdown-grace",
-            "must be longer than zero, or a shutdown would cut every running request and lose its answer",
-        );
-    }
-    Ok(Limits {
-        read_timeout: args.read_timeout,
-        max_connections: args.max_connections,
-        shutdown_grace: args.shutdown_grace,
-    })
-}
+pub(crate) use connections::{Limits, MOST_CONNECTIONS};
 
 /// The buckets of every latency histogram, in seconds: from a local store's half millisecond to
 /// an upstream's minute.
 const LATENCY_BUCKETS: &[f64] = &[
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 ];
-
-/// The shortest lease the gateway accepts.
-const MIN_LEASE: Duration = Duration::from_secs(1);
 
 /// How often the background purger runs, and how many records one batch touches.
 const PURGE_EVERY: Duration = Duration::from_secs(60);
@@ -127,15 +45,16 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .context("the metrics' buckets")?
         .install_recorder()
         .context("cannot install the metrics recorder")?;
-    let policy = policy(&args.policy)?;
-    let limits = limits(&args)?;
-    let upstream = UpstreamOptions {
-        ca: args.upstream_ca.clone(),
-        http2: args.upstream_http2,
-    };
-    let proxy = Proxy::with_options(args.upstream.clone(), args.upstream_timeout, &upstream)?;
-    let tls = tls::listener(args.tls_cert.as_deref(), args.tls_key.as_deref())?;
-    let store: Arc<dyn Store> = Arc::new(Instrumented::new(stores::open(&args.store.store).await?, Prometheus));
+    let config = ServeConfig::load(args)?;
+    let proxy = Proxy::with_options(
+        config.upstream.clone(),
+        config.upstream_timeout,
+        &config.upstream_options,
+    )
+    .map_err(|err| config.place(err))?;
+    let tls = tls::listener(config.tls_cert.as_deref(), config.tls_key.as_deref()).map_err(|err| config.place(err))?;
+    let limits = config.limits.clone();
+    let store: Arc<dyn Store> = Arc::new(Instrumented::new(stores::open(&config.store).await?, Prometheus));
     // Leases and expiry are judged on the store's clock: measure it before the first request.
     let clock = StoreClock::new(store.clone());
     match clock.sync().await {
@@ -144,18 +63,25 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
             tracing::warn!(error = %err, "could not read the store's clock; using this machine's until it answers")
         }
     }
-    let gateway = Gateway::protected(store.clone(), clock, policy, proxy);
+    let gateway = Gateway::protected(
+        store.clone(),
+        clock,
+        config.policy.clone(),
+        config.routes.clone(),
+        proxy,
+    );
 
-    let listener = TcpListener::bind(args.listen)
+    let listener = TcpListener::bind(config.listen)
         .await
-        .with_context(|| format!("cannot listen on {}", args.listen))?;
-    let admin_listener = TcpListener::bind(args.admin_listen)
+        .with_context(|| format!("cannot listen on {}", config.listen))?;
+    let admin_listener = TcpListener::bind(config.admin_listen)
         .await
-        .with_context(|| format!("cannot listen on {}", args.admin_listen))?;
+        .with_context(|| format!("cannot listen on {}", config.admin_listen))?;
     let (addr, admin_addr) = (listener.local_addr()?, admin_listener.local_addr()?);
     let scheme = if tls.is_some() { "https" } else { "http" };
     println!("idem listening on {scheme}://{addr} admin http://{admin_addr}");
-    tracing::info!(%addr, %admin_addr, upstream = %args.upstream, store = %args.store.store, "idem serve started");
+    let routes: Vec<&str> = config.routes.iter().map(|route| route.pattern.as_str()).collect();
+    tracing::info!(%addr, %admin_addr, upstream = %config.upstream, store = %config.store, ?routes, "idem serve started");
 
     let shutdown = CancellationToken::new();
     let purger = gateway
@@ -212,10 +138,17 @@ pub(crate) struct Gateway {
 
 impl Gateway {
     /// The idempotency layer over `store` around `proxy`: what `idem serve` runs.
-    pub(crate) fn protected(store: Arc<dyn Store>, clock: Arc<StoreClock>, policy: Policy, proxy: Proxy) -> Self {
+    pub(crate) fn protected(
+        store: Arc<dyn Store>,
+        clock: Arc<StoreClock>,
+        policy: Policy,
+        routes: Routes,
+        proxy: Proxy,
+    ) -> Self {
         let layer = IdempotencyLayer::from_shared(store)
             .with_clock(clock)
             .with_policy(policy)
+            .with_routes(routes)
             .with_response_timeout(proxy.timeout());
         let (tasks, protocol) = (layer.tasks(), layer.protocol());
         let app = axum::Router::new().fallback_service(tower::ServiceBuilder::new().layer(layer).service(proxy));

@@ -8,6 +8,9 @@ use idem_postgres::PostgresStore;
 use idem_redis::RedisStore;
 use idem_sqlite::SqliteStore;
 
+/// The store of every command that is given none: a SQLite file in the working directory.
+pub(crate) const DEFAULT_STORE: &str = "sqlite://idem.db";
+
 /// Opens (and migrates) the store at `url`: `sqlite://`, `postgres://`, `redis://` or `redis+cluster://`.
 pub(crate) async fn open(url: &str) -> anyhow::Result<Arc<dyn Store>> {
     let scheme = url.split_once(':').map_or(url, |(scheme, _)| scheme);

@@ -1,6 +1,7 @@
 //! What `/metrics` of a running `idem serve` offers an operator: histograms (which add up across
 //! instances, unlike summaries) for store, upstream and wait latencies, counters ending in
-//! `_total`, gauges for what is in progress, and label values that stay few whatever the traffic.
+//! `_total`, gauges for what is in progress, requests counted by route pattern, and label values
+//! that stay few whatever the traffic.
 
 mod common;
 
@@ -43,7 +44,15 @@ fn series(scrape: &str, family: &str, kind: &str) -> BTreeSet<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_are_aggregatable_and_their_labels_stay_bounded() {
     let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &["--wait", "10s"]).await;
+    // Requests are counted by route: its pattern, never the raw path.
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let config = dir.path().join("idem.toml");
+    std::fs::write(&config, "[[route]]\npath = \"/orders/{id}/pay\"\n").expect("write the config");
+    let gw = Gateway::start(
+        &upstream.url(),
+        &["--wait", "10s", "--config", config.to_str().unwrap()],
+    )
+    .await;
 
     // A copy that waits for the first, so the wait histogram has a sample.
     let key = new_key();
@@ -103,8 +112,20 @@ async fn metrics_are_aggregatable_and_their_labels_stay_bounded() {
             sets.len()
         );
         assert!(
-            sets.iter().all(|labels| !labels.contains("/orders/")),
+            sets.iter()
+                .all(|labels| !labels.contains("/orders/") || labels.contains("/orders/{id}/pay")),
             "{family} carries a raw path as a label: {sets:?}"
+        );
+    }
+    let requests = series(&scrape, "idem_requests_total", "counter");
+    for expected in [
+        r#"outcome="new",route="/orders/{id}/pay"}"#,
+        r#"outcome="new",route="default"}"#,
+        r#"outcome="waited",route="default"}"#,
+    ] {
+        assert!(
+            requests.contains(expected),
+            "idem_requests_total{{{expected} is counted: {requests:?}"
         );
     }
     assert!(

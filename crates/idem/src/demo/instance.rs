@@ -129,6 +129,7 @@ async fn run_instance(
                         store.clone(),
                         StoreClock::new(store),
                         *policy,
+                        idem_core::Routes::new(),
                         Proxy::new(config.upstream, config.upstream_timeout)?,
                     ),
                     grace,

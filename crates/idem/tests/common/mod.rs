@@ -364,6 +364,15 @@ impl Gateway {
         Self::spawn(upstream, store, dir, args).await
     }
 
+    /// Starts `idem serve` with a fresh temporary store, `args` added and `env` set.
+    pub(crate) async fn start_with_env(upstream: &str, args: &[&str], env: &[(&str, &str)]) -> Self {
+        let dir = tempfile::tempdir().expect("a temp dir");
+        let store = store_url_in(dir.path());
+        let mut command = Command::new(IDEM);
+        command.envs(env.iter().copied());
+        Self::spawn_command(command, upstream, store, dir, args).await
+    }
+
     /// Starts `idem serve` on an existing store URL (to share a store between instances).
     pub(crate) async fn start_on_store(upstream: &str, store: &str, args: &[&str]) -> Self {
         let dir = tempfile::tempdir().expect("a temp dir");

@@ -1,0 +1,58 @@
+//! Which protocol a request runs under, picked by its path from the layer's [`Routes`].
+
+use idem_core::{Protocol, RouteRule, Routes};
+use metrics::SharedString;
+
+/// The metrics label of requests no route matches.
+pub(crate) const DEFAULT_ROUTE: &str = "default";
+
+/// The layer's default protocol and one per route, each with its metrics label.
+#[derive(Debug)]
+pub(crate) struct Routing {
+    routes: Routes,
+    /// Per route, in the routes' order.
+    picks: Vec<Pick>,
+    default: Pick,
+}
+
+/// What a request's path picked.
+#[derive(Debug, Clone)]
+pub(crate) struct Pick {
+    /// The protocol to apply (`None`: pass the request through untouched).
+    pub(crate) protocol: Option<Protocol>,
+    /// The route's pattern, or [`DEFAULT_ROUTE`]: a label of bounded values, never the raw path.
+    pub(crate) route: SharedString,
+}
+
+impl Routing {
+    /// `default` for paths no route matches; each protecting route shares its store, clock and
+    /// held answers under its own policy.
+    pub(crate) fn new(default: Protocol, routes: Routes) -> Self {
+        let picks = routes
+            .iter()
+            .map(|route| Pick {
+                protocol: match &route.rule {
+                    RouteRule::Protect(policy) => Some(default.with_policy(policy.clone())),
+                    RouteRule::PassThrough => None,
+                },
+                route: SharedString::from(route.pattern.label()),
+            })
+            .collect();
+        Self {
+            routes,
+            picks,
+            default: Pick {
+                protocol: Some(default),
+                route: SharedString::const_str(DEFAULT_ROUTE),
+            },
+        }
+    }
+
+    /// The pick for a request's path.
+    pub(crate) fn pick(&self, path: &str) -> &Pick {
+        match self.routes.position(path) {
+            Some(at) => &self.picks[at],
+            None => &self.default,
+        }
+    }
+}
