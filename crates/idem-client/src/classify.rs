@@ -63,6 +63,7 @@ pub trait RetryClassifier: Send + Sync + 'static {
 /// |---|---|---|
 /// | no answer: connect error, reset, timeout, an answer cut off | yes | nothing or an unknown part was done; the key makes a repeat safe |
 /// | 500, 502, 503, 504 | yes | the server or a gateway failed; idem does not store 5xx, so the retry runs again |
+/// | 500 `answer-unreadable` | no | the request was processed and its stored answer cannot be read: every repeat gets this |
 /// | 408, 429 | yes | the server asked for the request again (later) |
 /// | 409 `key-in-flight` | yes | the first copy is still running; the retry waits for it or gets its stored answer |
 /// | other 409, 400, 401, 403, 404, 422, other 4xx | no | the request itself is wrong: a repeat gets the same answer |
@@ -74,6 +75,7 @@ pub struct DefaultClassifier;
 impl RetryClassifier for DefaultClassifier {
     fn classify_response(&self, response: &ResponseInfo<'_>) -> Retryable {
         match response.status.as_u16() {
+            500 if response.problem_name() == Some(ProblemKind::AnswerUnreadable.name()) => Retryable::Fatal,
             408 | 429 | 500 | 502 | 503 | 504 => Retryable::Transient,
             409 if response.problem_name() == Some(ProblemKind::KeyInFlight.name()) => Retryable::Transient,
             _ => Retryable::Fatal,
@@ -127,6 +129,15 @@ mod tests {
             Retryable::Transient
         );
         assert_eq!(classify(409, Some("urn:idem:problem:key-mismatch")), Retryable::Fatal);
+        // A processed request whose stored answer cannot be read: every repeat gets the same.
+        assert_eq!(
+            classify(500, Some("urn:idem:problem:answer-unreadable")),
+            Retryable::Fatal
+        );
+        assert_eq!(
+            classify(500, Some("urn:idem:problem:internal-error")),
+            Retryable::Transient
+        );
         assert_eq!(classify(409, Some("about:blank")), Retryable::Fatal);
         assert_eq!(classify(422, Some("urn:idem:problem:key-in-flight")), Retryable::Fatal);
     }

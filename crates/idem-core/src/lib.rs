@@ -50,6 +50,8 @@ mod run;
 #[cfg(feature = "server")]
 mod scope;
 #[cfg(feature = "server")]
+pub mod seal;
+#[cfg(feature = "server")]
 mod store;
 #[cfg(feature = "server")]
 mod store_clock;
@@ -81,9 +83,11 @@ pub use run::{MAX_PENDING_BYTES, PendingAnswer, RunTimedOut, Unstored};
 #[cfg(feature = "server")]
 pub use scope::{Scope, ScopeError, ScopeSource, ScopeSourceError};
 #[cfg(feature = "server")]
+pub use seal::{Keyring, KeyringError, Unreadable};
+#[cfg(feature = "server")]
 pub use store::{
-    Begin, BeginRequest, Completion, FencingToken, Purged, Record, RecordId, RecordState, Release, Store, StoreError,
-    WaitOutcome,
+    Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, Record, RecordId, RecordState, Release, Store,
+    StoreError, WaitOutcome,
 };
 #[cfg(feature = "server")]
 pub use store_clock::{RESYNC_EVERY, StoreClock};

@@ -40,6 +40,9 @@ pub enum ProblemKind {
     UpstreamFailed,
     /// The upstream did not answer in time; it is still being waited for.
     UpstreamTimeout,
+    /// The key's stored answer cannot be read (sealed under a key not configured, or damaged);
+    /// the request is not run again.
+    AnswerUnreadable,
 }
 
 impl ProblemKind {
@@ -60,6 +63,7 @@ impl ProblemKind {
             Self::UpstreamUnavailable => "upstream-unavailable",
             Self::UpstreamFailed => "upstream-failed",
             Self::UpstreamTimeout => "upstream-timeout",
+            Self::AnswerUnreadable => "answer-unreadable",
         }
     }
 
@@ -68,7 +72,7 @@ impl ProblemKind {
         match self {
             Self::KeyInvalid | Self::KeyMissing | Self::ScopeInvalid | Self::BodyIncomplete => StatusCode::BAD_REQUEST,
             Self::CredentialMissing => StatusCode::UNAUTHORIZED,
-            Self::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::Internal | Self::AnswerUnreadable => StatusCode::INTERNAL_SERVER_ERROR,
             Self::KeyMismatch | Self::KeyExpired => StatusCode::UNPROCESSABLE_ENTITY,
             Self::KeyInFlight => StatusCode::CONFLICT,
             Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
@@ -95,6 +99,7 @@ impl ProblemKind {
             Self::UpstreamUnavailable => "Upstream unavailable",
             Self::UpstreamFailed => "Upstream connection lost",
             Self::UpstreamTimeout => "Upstream timed out",
+            Self::AnswerUnreadable => "Stored answer unreadable",
         }
     }
 

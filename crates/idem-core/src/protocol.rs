@@ -20,8 +20,9 @@ use crate::problem::{Problem, ProblemKind};
 use crate::response::StoredResponse;
 use crate::run::{Gauged, Pending, StoreTimedOut};
 use crate::scope::{Scope, ScopeSource, hex};
+use crate::seal::Keyring;
 use crate::store::{
-    Begin, BeginRequest, FencingToken, Purged, Record, RecordId, RecordState, Release, Store, StoreError,
+    Begin, BeginRequest, Checkpoint, FencingToken, Purged, Record, RecordId, RecordState, Release, Store, StoreError,
 };
 use crate::store_clock::StoreClock;
 use crate::time::{Clock, UnixMillis};
@@ -61,6 +62,8 @@ pub enum Outcome {
     Internal,
     /// The run passed the run timeout and was given up.
     RunTimedOut,
+    /// The stored answer could not be read (sealed under a key not configured, or damaged).
+    Unreadable,
 }
 
 impl Outcome {
@@ -83,6 +86,7 @@ impl Outcome {
             Self::CredentialMissing => "credential-missing",
             Self::Internal => "internal-error",
             Self::RunTimedOut => "run-timeout",
+            Self::Unreadable => "answer-unreadable",
         }
     }
 }
@@ -229,6 +233,9 @@ pub(crate) struct Inner {
     store: Arc<dyn Store>,
     policy: Policy,
     clock: Arc<dyn Clock>,
+    /// Seals stored answers, and opens sealed ones (`None`: answers are stored as they are, and
+    /// a sealed one cannot be read).
+    keyring: Option<Arc<Keyring>>,
     /// Answers held while the store refuses them.
     pub(crate) pending: Arc<Pending>,
 }
@@ -257,6 +264,7 @@ impl Protocol {
                 store,
                 policy,
                 clock,
+                keyring: None,
                 pending: Arc::default(),
             }),
         }
@@ -269,6 +277,21 @@ impl Protocol {
                 store: self.inner.store.clone(),
                 policy,
                 clock: self.inner.clock.clone(),
+                keyring: self.inner.keyring.clone(),
+                pending: self.inner.pending.clone(),
+            }),
+        }
+    }
+
+    /// The same protocol, sealing the answers it stores with `keyring`'s first key and opening
+    /// sealed ones with any of its keys.
+    pub fn with_keyring(&self, keyring: Option<Arc<Keyring>>) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                store: self.inner.store.clone(),
+                policy: self.inner.policy.clone(),
+                clock: self.inner.clock.clone(),
+                keyring,
                 pending: self.inner.pending.clone(),
             }),
         }
@@ -497,18 +520,16 @@ impl Protocol {
         match &record.state {
             RecordState::Completed {
                 response: Some(bytes), ..
-            } => match StoredResponse::decode(bytes) {
+            } => match self.stored_answer(&record.id, bytes) {
                 Ok(stored) => {
                     let outcome = if waited { Outcome::Waited } else { Outcome::Replayed };
                     Judgement::Answer(stored.to_replay(accept), outcome)
                 }
                 Err(err) => {
-                    tracing::error!(scope = %record.id.scope, key = %record.id.key, error = %err, "stored answer cannot be read");
-                    let detail = "the stored answer for this key cannot be read; the request was not processed again";
-                    Judgement::problem(
-                        Problem::new(ProblemKind::StoreUnavailable, detail).retry_after(self.inner.policy.retry_after),
-                        Outcome::StoreError,
-                    )
+                    // Never run again: the request took effect, only its answer is lost to us.
+                    tracing::error!(scope = %record.id.scope, key = %record.id.key, error = %err, "the stored answer cannot be read");
+                    let detail = "this key's request was processed, but its stored answer cannot be read (an operator can tell why from the logs); it will not be processed again";
+                    Judgement::problem(Problem::new(ProblemKind::AnswerUnreadable, detail), Outcome::Unreadable)
                 }
             },
             RecordState::InFlight { token, lease_until } => Judgement::Wait {
@@ -548,9 +569,19 @@ impl Protocol {
     }
 
     /// The stored form of an answer (`body: None`: compact).
-    pub(crate) fn capture(&self, head: &http::response::Parts, body: Option<Bytes>) -> Bytes {
+    pub(crate) fn capture(&self, id: &RecordId, head: &http::response::Parts, body: Option<Bytes>) -> Bytes {
         let stored = StoredResponse::capture(head.status, &head.headers, &self.inner.policy.stored_headers, body);
-        stored.encode().into()
+        let encoded = stored.encode();
+        match &self.inner.keyring {
+            Some(keyring) => keyring.seal(id, &encoded),
+            None => encoded.into(),
+        }
+    }
+
+    /// The answer stored in `record`, opened if it was sealed.
+    fn stored_answer(&self, id: &RecordId, bytes: &Bytes) -> Result<StoredResponse, String> {
+        let opened = crate::seal::open(self.inner.keyring.as_deref(), id, bytes).map_err(|err| err.to_string())?;
+        StoredResponse::decode(&opened).map_err(|err| err.to_string())
     }
 
     /// One `begin` in the store, run to its end whatever becomes of this request: if it does not
@@ -619,6 +650,22 @@ impl Protocol {
         let lease_until = self.now().plus(self.inner.policy.lease);
         self.bounded(self.inner.store.renew(&claim.id, claim.token, lease_until))
             .await
+    }
+
+    /// Records a step of the run under `claim`, so that a run taking the record over can resume
+    /// after it. [`StoreError::Fenced`] if the claim was lost: the run must stop.
+    pub async fn checkpoint(&self, claim: &Claim, checkpoint: Checkpoint) -> Result<(), StoreError> {
+        self.bounded(self.inner.store.checkpoint(&claim.id, claim.token, checkpoint))
+            .await
+    }
+
+    /// The steps recorded by the runs of this record before `claim`: none for a new claim (no
+    /// store operation), those of the crashed or given-up run for a recovered one.
+    pub async fn checkpoints(&self, claim: &Claim) -> Result<Vec<Checkpoint>, StoreError> {
+        if !claim.recovered {
+            return Ok(Vec::new());
+        }
+        self.bounded(self.inner.store.checkpoints(&claim.id)).await
     }
 
     /// How often a running claim renews its lease: a third of it, so two renewals can fail first.

@@ -161,7 +161,7 @@ impl Protocol {
         head: &http::response::Parts,
         body: Option<Bytes>,
     ) -> Result<(), Unstored> {
-        let response = self.capture(head, body);
+        let response = self.capture(claim.id(), head, body);
         match self.complete(claim, response.clone()).await {
             Ok(()) => Ok(()),
             Err(err @ (StoreError::Fenced | StoreError::Corrupt(_))) => Err(Unstored::Lost(err)),

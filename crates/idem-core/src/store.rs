@@ -137,6 +137,16 @@ pub struct Completion {
     pub purge_at: UnixMillis,
 }
 
+/// A step a handler recorded under its claim (`charge_created` with the provider's charge id), so
+/// that a run taking the record over can resume after it instead of repeating it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Checkpoint {
+    /// The step's name.
+    pub name: String,
+    /// What the step produced, serialised by the handler.
+    pub value: Bytes,
+}
+
 /// How [`Store::release`] leaves a record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Release {
@@ -222,6 +232,20 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// Reads a record without changing it.
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError>;
 
+    /// Records `checkpoint` in the record if `token` is its current claim (in flight under that
+    /// token), replacing an earlier checkpoint of the same name; [`StoreError::Fenced`] otherwise,
+    /// so a holder that lost its claim cannot write one.
+    ///
+    /// Checkpoints outlive their run when the record is taken over or released as unknown (the
+    /// next run resumes from them), and go with the run's end otherwise: when the record completes,
+    /// is forgotten or deleted, or passes its `purge_at`. A new claim never sees an earlier
+    /// record's checkpoints.
+    async fn checkpoint(&self, id: &RecordId, token: FencingToken, checkpoint: Checkpoint) -> Result<(), StoreError>;
+
+    /// The checkpoints of the record (in flight or unknown), in the order they were first written;
+    /// none for a record without any, or no record.
+    async fn checkpoints(&self, id: &RecordId) -> Result<Vec<Checkpoint>, StoreError>;
+
     /// Deletes the record whatever its state, atomically, and returns it as it was (as
     /// [`Store::get`] would have read it the moment before); `None` if there was none. An operator's
     /// tool: a holder of the deleted claim is fenced from then on, its waiters are woken to look
@@ -268,6 +292,12 @@ impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
     }
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         (**self).get(id).await
+    }
+    async fn checkpoint(&self, id: &RecordId, token: FencingToken, checkpoint: Checkpoint) -> Result<(), StoreError> {
+        (**self).checkpoint(id, token, checkpoint).await
+    }
+    async fn checkpoints(&self, id: &RecordId) -> Result<Vec<Checkpoint>, StoreError> {
+        (**self).checkpoints(id).await
     }
     async fn delete(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         (**self).delete(id).await

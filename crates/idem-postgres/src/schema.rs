@@ -13,9 +13,15 @@ use crate::PostgresError;
 const MIGRATION_LOCK: i64 = 0x6964_656d_0000_0001;
 
 /// The migrations, in order. A released migration never changes: a change is a new one.
-const MIGRATIONS: &[(i32, &str)] = &[(
-    1,
-    "
+///
+/// 1. `idem_records`, with its indexes on the two retention deadlines.
+/// 2. The checkpoints of each record's current run, as two arrays that line up position by
+///    position (`checkpoint_names[i]` names `checkpoint_values[i]`), in the order each name was
+///    first written. A row always has both, empty when there are none.
+const MIGRATIONS: &[(i32, &str)] = &[
+    (
+        1,
+        "
 CREATE TABLE idem_records (
     scope        TEXT   NOT NULL,
     key          TEXT   NOT NULL,
@@ -37,7 +43,21 @@ ALTER TABLE idem_records ALTER COLUMN response SET STORAGE EXTERNAL;
 CREATE INDEX idem_records_purge_at ON idem_records (purge_at);
 CREATE INDEX idem_records_expires_at ON idem_records (expires_at) WHERE response IS NOT NULL;
 ",
-)];
+    ),
+    (
+        2,
+        // Constant defaults: the table is not rewritten (PostgreSQL 11 and later keep the default in
+        // the catalog for the rows that exist), so its lock is only held for a moment. No CHECK that
+        // the arrays line up: it would be evaluated (and the values read) on every update of a row,
+        // renewals included; one statement writes both at the same position, and a reader reports
+        // arrays that do not line up as a corrupt record.
+        "
+ALTER TABLE idem_records
+    ADD COLUMN checkpoint_names  TEXT[]  NOT NULL DEFAULT '{}',
+    ADD COLUMN checkpoint_values BYTEA[] NOT NULL DEFAULT '{}';
+",
+    ),
+];
 
 /// The newest schema version this crate knows.
 pub(crate) const VERSION: i32 = MIGRATIONS[MIGRATIONS.len() - 1].0;

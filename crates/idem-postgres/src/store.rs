@@ -3,6 +3,11 @@
 //! (`SELECT ... FOR UPDATE`). Complete, release and renew are single compare-and-set statements on
 //! the fencing token. Changes that end a claim `NOTIFY` in the same statement, so that waiters
 //! everywhere are woken on commit.
+//!
+//! Checkpoints live in the record's row, in two arrays that line up (`checkpoint_names`,
+//! `checkpoint_values`): writing one is a compare-and-set like the others, a takeover or a release
+//! as unknown leaves them, and the statements that end the run or start a new one empty them
+//! (deleting the row takes them with it).
 
 use std::fmt;
 use std::sync::Arc;
@@ -12,8 +17,8 @@ use async_trait::async_trait;
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
 use idem_core::stored::{Existing, StoredRecord, wait_for_change};
 use idem_core::{
-    Begin, BeginRequest, Completion, FencingToken, Purged, Record, RecordId, Release, Store, StoreError, UnixMillis,
-    WaitOutcome,
+    Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, Record, RecordId, Release, Store, StoreError,
+    UnixMillis, WaitOutcome,
 };
 use tokio_postgres::{NoTls, Row};
 
@@ -52,18 +57,20 @@ SELECT state, fingerprint, digest, token, lease_until, response, created_at, com
 FROM idem_records WHERE scope = $1 AND key = $2
 FOR UPDATE";
 
-/// A record past its `purge_at` is claimed anew, as if it were absent.
+/// A record past its `purge_at` is claimed anew, as if it were absent: nothing of it is kept,
+/// its checkpoints included.
 const REPLACE: &str = "
 WITH replaced AS (
     UPDATE idem_records
     SET state = 'in-flight', fingerprint = $3, digest = $4, token = $5, lease_until = $6,
         response = NULL, created_at = $7, completed_at = NULL, expires_at = NULL,
-        purge_at = $8, replays = 0
+        purge_at = $8, replays = 0, checkpoint_names = '{}', checkpoint_values = '{}'
     WHERE scope = $1 AND key = $2
     RETURNING 1
 )
 SELECT pg_notify('idem_records', $9) FROM replaced";
 
+/// The checkpoints stay: the new run resumes from them.
 const TAKE_OVER: &str = "
 WITH taken AS (
     UPDATE idem_records
@@ -75,11 +82,13 @@ SELECT pg_notify('idem_records', $6) FROM taken";
 
 const REPLAYED: &str = "UPDATE idem_records SET replays = replays + 1 WHERE scope = $1 AND key = $2";
 
+/// The run is over, and so are its checkpoints.
 const COMPLETE: &str = "
 WITH completed AS (
     UPDATE idem_records
     SET state = 'completed', token = NULL, lease_until = NULL, response = $4,
-        completed_at = $5, expires_at = $6, purge_at = $7
+        completed_at = $5, expires_at = $6, purge_at = $7,
+        checkpoint_names = '{}', checkpoint_values = '{}'
     WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in-flight'
     RETURNING 1
 )
@@ -93,7 +102,8 @@ WITH forgotten AS (
 )
 SELECT pg_notify('idem_records', $4) FROM forgotten";
 
-/// The fingerprint stays: only the same request may take the record over.
+/// The fingerprint stays: only the same request may take the record over. So do the
+/// checkpoints, for the run that takes it over.
 const RELEASE_UNKNOWN: &str = "
 WITH released AS (
     UPDATE idem_records
@@ -116,6 +126,21 @@ FROM deleted";
 const RENEW: &str = "
 UPDATE idem_records SET lease_until = $4, purge_at = $5
 WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in-flight'";
+
+/// Records a checkpoint under the claim, as a compare-and-set on the token. A name already written
+/// keeps its position and takes the new value; a new name goes after the others. Both arrays are
+/// assigned at the same position, computed (twice, alike) from the row as it was before the
+/// statement; assigning one past the end appends.
+const CHECKPOINT: &str = "
+UPDATE idem_records
+SET checkpoint_names[COALESCE(array_position(checkpoint_names, $4::text), cardinality(checkpoint_names) + 1)] = $4::text,
+    checkpoint_values[COALESCE(array_position(checkpoint_names, $4::text), cardinality(checkpoint_names) + 1)] = $5::bytea
+WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in-flight'";
+
+/// A completed record has none (completing empties them); the state is checked all the same.
+const CHECKPOINTS: &str = "
+SELECT checkpoint_names, checkpoint_values
+FROM idem_records WHERE scope = $1 AND key = $2 AND state IN ('in-flight', 'unknown')";
 
 const HOLDS: &str = "
 SELECT EXISTS (
@@ -343,6 +368,34 @@ impl StoredRow {
     }
 }
 
+/// Reads the columns of [`CHECKPOINTS`]; values of the wrong type (or `NULL`s) and arrays that do
+/// not line up are a corrupt record.
+fn checkpoints_from_row(row: &Row, id: &RecordId) -> Result<Vec<Checkpoint>, StoreError> {
+    let corrupt = |detail: String| StoreError::Corrupt(format!("record {} {}: {detail}", id.scope, id.key));
+    let names: Vec<String> = row.try_get(0).map_err(|err| corrupt(describe(&err)))?;
+    let values: Vec<Vec<u8>> = row.try_get(1).map_err(|err| corrupt(describe(&err)))?;
+    pair_checkpoints(names, values).map_err(corrupt)
+}
+
+/// Pairs each name with the value at its position.
+fn pair_checkpoints(names: Vec<String>, values: Vec<Vec<u8>>) -> Result<Vec<Checkpoint>, String> {
+    if names.len() != values.len() {
+        return Err(format!(
+            "{} checkpoint names but {} checkpoint values",
+            names.len(),
+            values.len()
+        ));
+    }
+    Ok(names
+        .into_iter()
+        .zip(values)
+        .map(|(name, value)| Checkpoint {
+            name,
+            value: value.into(),
+        })
+        .collect())
+}
+
 #[async_trait]
 impl Store for PostgresStore {
     async fn begin(&self, request: BeginRequest<'_>) -> Result<Begin, StoreError> {
@@ -504,6 +557,39 @@ impl Store for PostgresStore {
         fenced(usize::try_from(changed).unwrap_or(usize::MAX))
     }
 
+    /// One compare-and-set statement: a holder that lost its claim changes nothing.
+    async fn checkpoint(&self, id: &RecordId, token: FencingToken, checkpoint: Checkpoint) -> Result<(), StoreError> {
+        let db = self.db("checkpoint");
+        let client = self.client("checkpoint").await?;
+        let stmt = client.prepare_cached(CHECKPOINT).await.map_err(db)?;
+        let value: &[u8] = &checkpoint.value;
+        let changed = client
+            .execute(
+                &stmt,
+                &[
+                    &id.scope.as_str(),
+                    &id.key.as_str(),
+                    &&token.as_bytes()[..],
+                    &checkpoint.name.as_str(),
+                    &value,
+                ],
+            )
+            .await
+            .map_err(db)?;
+        fenced(usize::try_from(changed).unwrap_or(usize::MAX))
+    }
+
+    async fn checkpoints(&self, id: &RecordId) -> Result<Vec<Checkpoint>, StoreError> {
+        let db = self.db("checkpoints");
+        let client = self.client("checkpoints").await?;
+        let stmt = client.prepare_cached(CHECKPOINTS).await.map_err(db)?;
+        let row = client
+            .query_opt(&stmt, &[&id.scope.as_str(), &id.key.as_str()])
+            .await
+            .map_err(db)?;
+        row.map_or_else(|| Ok(Vec::new()), |row| checkpoints_from_row(&row, id))
+    }
+
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         let db = self.db("get");
         let client = self.client("get").await?;
@@ -661,16 +747,71 @@ mod tests {
         let deleting = plan(PURGE_DELETE, vec![Box::new(2_000_100_i64), Box::new(1000_i64)]).await;
         assert!(deleting.contains("Tid Scan"), "{deleting}");
         assert!(deleting.contains("idem_records_purge_at"), "{deleting}");
+        let checkpoint = plan(
+            CHECKPOINT,
+            vec![
+                Box::new("scope-7"),
+                Box::new("key-7"),
+                Box::new(vec![0_u8; 16]),
+                Box::new("charged"),
+                Box::new(b"ch_1".to_vec()),
+            ],
+        )
+        .await;
+        assert!(checkpoint.contains("idem_records_pkey"), "{checkpoint}");
+        let checkpoints = plan(CHECKPOINTS, vec![Box::new("scope-7"), Box::new("key-7")]).await;
+        assert!(
+            checkpoints.contains("Index Scan using idem_records_pkey"),
+            "{checkpoints}"
+        );
         let tombstoning = plan(PURGE_TOMBSTONE, vec![Box::new(1_000_100_i64), Box::new(1000_i64)]).await;
         assert!(tombstoning.contains("Tid Scan"), "{tombstoning}");
         assert!(tombstoning.contains("idem_records_expires_at"), "{tombstoning}");
-        for plan in [&lookup, &locking, &deleting, &tombstoning] {
+        for plan in [&lookup, &locking, &checkpoint, &checkpoints, &deleting, &tombstoning] {
             assert!(!plan.contains("Seq Scan"), "{plan}");
         }
         client
             .batch_execute(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
             .await
             .unwrap();
+    }
+
+    #[test]
+    fn ending_a_run_or_starting_a_new_one_empties_the_checkpoints() {
+        for sql in [REPLACE, COMPLETE] {
+            assert!(
+                sql.contains("checkpoint_names = '{}', checkpoint_values = '{}'"),
+                "{sql}"
+            );
+        }
+        for sql in [TAKE_OVER, RELEASE_UNKNOWN, RENEW] {
+            assert!(!sql.contains("checkpoint"), "{sql}");
+        }
+    }
+
+    #[test]
+    fn checkpoints_pair_names_and_values_by_position() {
+        let pairs = pair_checkpoints(
+            vec!["reserved".to_owned(), "charged".to_owned()],
+            vec![b"order 8".to_vec(), vec![0, 0xff]],
+        )
+        .unwrap();
+        assert_eq!(
+            pairs,
+            vec![
+                Checkpoint {
+                    name: "reserved".to_owned(),
+                    value: bytes::Bytes::from_static(b"order 8"),
+                },
+                Checkpoint {
+                    name: "charged".to_owned(),
+                    value: bytes::Bytes::from_static(&[0, 0xff]),
+                },
+            ]
+        );
+        assert!(pair_checkpoints(Vec::new(), Vec::new()).unwrap().is_empty());
+        let err = pair_checkpoints(vec!["charged".to_owned()], Vec::new()).unwrap_err();
+        assert_eq!(err, "1 checkpoint names but 0 checkpoint values");
     }
 
     #[test]

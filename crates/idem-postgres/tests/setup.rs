@@ -1,11 +1,65 @@
-//! Connecting and migrating: instances starting together on a new schema, a schema from a newer
-//! version of idem, and the errors of a server that cannot be reached.
+//! Connecting and migrating: instances starting together on a new schema, instances upgrading
+//! an older schema together, a schema from a newer version of idem, and the errors of a server
+//! that cannot be reached.
 
 mod common;
 
-use common::{TestSchema, acquire, base_url, fingerprint, fresh_id};
-use idem_core::{Store, UnixMillis};
+use bytes::Bytes;
+use common::{DAY, LEASE, TestSchema, acquire, base_url, begin, completion, fingerprint, fresh_id};
+use idem_core::{Begin, Checkpoint, FencingToken, RecordId, Store, StoreError, UnixMillis};
 use idem_postgres::{PostgresError, PostgresStore};
+
+/// The versions every migration of this crate records, in order.
+const VERSIONS: [i32; 2] = [1, 2];
+
+/// Version 1 of the schema, as the first release created it (`idem_schema_migrations`, then
+/// migration 1), to check that a database made by it is upgraded in place.
+const SCHEMA_V1: &str = "
+CREATE TABLE idem_schema_migrations (
+    version    INTEGER     PRIMARY KEY,
+    applied_at TIMESTAMPTZ NOT NULL DEFAULT now()
+);
+INSERT INTO idem_schema_migrations (version) VALUES (1);
+CREATE TABLE idem_records (
+    scope        TEXT   NOT NULL,
+    key          TEXT   NOT NULL,
+    state        TEXT   NOT NULL CHECK (state IN ('in-flight', 'completed', 'unknown')),
+    fingerprint  BYTEA  NOT NULL,
+    digest       BYTEA  NOT NULL,
+    token        BYTEA,
+    lease_until  BIGINT,
+    response     BYTEA,
+    created_at   BIGINT NOT NULL,
+    completed_at BIGINT,
+    expires_at   BIGINT,
+    purge_at     BIGINT NOT NULL,
+    replays      BIGINT NOT NULL DEFAULT 0,
+    PRIMARY KEY (scope, key)
+);
+ALTER TABLE idem_records ALTER COLUMN response SET STORAGE EXTERNAL;
+CREATE INDEX idem_records_purge_at ON idem_records (purge_at);
+CREATE INDEX idem_records_expires_at ON idem_records (expires_at) WHERE response IS NOT NULL;
+";
+
+/// The versions recorded in the test schema.
+async fn versions(schema: &TestSchema) -> Vec<i32> {
+    schema
+        .client()
+        .await
+        .query("SELECT version FROM idem_schema_migrations ORDER BY version", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect()
+}
+
+fn step(name: &str, value: &[u8]) -> Checkpoint {
+    Checkpoint {
+        name: name.to_owned(),
+        value: Bytes::copy_from_slice(value),
+    }
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn instances_starting_together_migrate_once() {
@@ -24,15 +78,8 @@ async fn instances_starting_together_migrate_once() {
             Err(err) => panic!("a concurrent start failed: {}", common::chain(&err)),
         }
     }
+    assert_eq!(versions(&schema).await, VERSIONS, "each migration is applied once");
     let client = schema.client().await;
-    let versions: Vec<i32> = client
-        .query("SELECT version FROM idem_schema_migrations ORDER BY version", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|row| row.get(0))
-        .collect();
-    assert_eq!(versions, [1], "each migration is applied once");
     let tables: i64 = client
         .query_one(
             "SELECT count(*) FROM pg_tables WHERE schemaname = $1 AND tablename LIKE 'idem\\_%'",
@@ -48,6 +95,111 @@ async fn instances_starting_together_migrate_once() {
         acquire(store, &fresh_id(), &fingerprint("a"), UnixMillis::now()).await;
         store.migrate().await.expect("migrating again");
     }
+}
+
+/// A database made by version 1, holding a record in flight and one released as unknown, is
+/// upgraded in place by instances starting together; both records then take checkpoints.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_starting_together_upgrade_an_old_schema() {
+    let schema = TestSchema::new();
+    let client = schema.client().await;
+    client
+        .batch_execute(&format!("CREATE SCHEMA \"{}\"", schema.name))
+        .await
+        .unwrap();
+    client.batch_execute(SCHEMA_V1).await.unwrap();
+    let (fp, now) = (fingerprint("a"), UnixMillis::now());
+    let (running, holder) = (fresh_id(), FencingToken::random());
+    let released = fresh_id();
+    let insert_v1 = |id: &RecordId, state: &'static str, token: Option<FencingToken>| {
+        let (client, fp) = (&client, &fp);
+        let (scope, key) = (id.scope.as_str().to_owned(), id.key.as_str().to_owned());
+        async move {
+            let token = token.map(|token| token.as_bytes().to_vec());
+            let lease_until = token.as_ref().map(|_| now.plus(LEASE).as_i64());
+            client
+                .execute(
+                    "INSERT INTO idem_records
+                         (scope, key, state, fingerprint, digest, token, lease_until, created_at, purge_at)
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+                    &[
+                        &scope,
+                        &key,
+                        &state,
+                        &fp.encode(),
+                        &&fp.digest()[..],
+                        &token,
+                        &lease_until,
+                        &now.as_i64(),
+                        &now.plus(DAY).as_i64(),
+                    ],
+                )
+                .await
+                .unwrap();
+        }
+    };
+    insert_v1(&running, "in-flight", Some(holder)).await;
+    insert_v1(&released, "unknown", None).await;
+
+    let url = schema.url("pool_size=2");
+    let starts: Vec<_> = (0..4)
+        .map(|_| {
+            let url = url.clone();
+            tokio::spawn(async move { PostgresStore::connect(&url).await })
+        })
+        .collect();
+    let mut stores = Vec::new();
+    for start in starts {
+        match start.await.expect("task") {
+            Ok(store) => stores.push(store),
+            Err(err) => panic!("a concurrent upgrade failed: {}", common::chain(&err)),
+        }
+    }
+    assert_eq!(versions(&schema).await, VERSIONS, "each migration is applied once");
+    let store = &stores[0];
+
+    // The record that was in flight before the upgrade: its holder records checkpoints, nobody else.
+    assert!(store.checkpoints(&running).await.expect("checkpoints").is_empty());
+    store
+        .checkpoint(&running, holder, step("charged", b"ch_1"))
+        .await
+        .expect("checkpoint");
+    store
+        .checkpoint(&running, holder, step("receipt", &[0, 0xff]))
+        .await
+        .expect("checkpoint");
+    assert!(matches!(
+        stores[1]
+            .checkpoint(&running, FencingToken::random(), step("late", b"x"))
+            .await,
+        Err(StoreError::Fenced)
+    ));
+    assert_eq!(
+        stores[1].checkpoints(&running).await.expect("checkpoints"),
+        [step("charged", b"ch_1"), step("receipt", &[0, 0xff])]
+    );
+    store
+        .complete(&running, holder, completion(b"ok", now, DAY, DAY))
+        .await
+        .expect("complete");
+    assert!(store.checkpoints(&running).await.expect("checkpoints").is_empty());
+
+    // The record released as unknown before the upgrade: taken over, then checkpointed.
+    let (taken, token) = begin(store, &released, &fp, now).await;
+    assert!(matches!(taken, Begin::Acquired { recovered: true }), "{taken:?}");
+    store
+        .checkpoint(&released, token, step("charged", b"ch_2"))
+        .await
+        .expect("checkpoint");
+    assert_eq!(
+        store.checkpoints(&released).await.expect("checkpoints"),
+        [step("charged", b"ch_2")]
+    );
+
+    // And keys new since the upgrade work as before.
+    acquire(store, &fresh_id(), &fp, now).await;
+    store.migrate().await.expect("migrating again");
+    assert_eq!(versions(&schema).await, VERSIONS);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -67,7 +219,7 @@ async fn a_newer_schema_is_refused() {
             err,
             PostgresError::NewerSchema {
                 found: 999,
-                supported: 1,
+                supported: 2,
                 ..
             }
         ),

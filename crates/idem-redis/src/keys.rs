@@ -1,12 +1,13 @@
-//! Where a record lives: its two keys and its wake-up channel, all with the same cluster hash tag.
+//! Where a record lives: its three keys and its wake-up channel, all with the same cluster hash tag.
 
 use idem_core::RecordId;
 use sha2::{Digest, Sha256};
 
-/// The Redis names of one record: `PREFIX:{TAG}:rec`, `PREFIX:{TAG}:body` and `PREFIX:{TAG}:wake`.
+/// The Redis names of one record: `PREFIX:{TAG}:rec`, `PREFIX:{TAG}:body`,
+/// `PREFIX:{TAG}:checkpoints` and `PREFIX:{TAG}:wake`.
 ///
 /// `TAG` is the hex SHA-256 of the length-prefixed scope and key, so any character in either is
-/// safe and the three names hash to one cluster slot (Redis hashes only what is between the first
+/// safe and the four names hash to one cluster slot (Redis hashes only what is between the first
 /// `{` and the next `}`). Useful for looking at a record with `redis-cli`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RecordKeys {
@@ -14,6 +15,9 @@ pub struct RecordKeys {
     pub record: String,
     /// The string holding the stored answer, present while it is replayable.
     pub body: String,
+    /// The hash holding the checkpoints of the record's run, present while it has any (its fields
+    /// are described under [Keys](crate#keys)); it never outlives the record.
+    pub checkpoints: String,
     /// The pub/sub channel (sharded on a cluster) that announces a change of holder.
     pub channel: String,
 }
@@ -29,6 +33,7 @@ impl RecordKeys {
         Self {
             record: format!("{prefix}:{{{tag}}}:rec"),
             body: format!("{prefix}:{{{tag}}}:body"),
+            checkpoints: format!("{prefix}:{{{tag}}}:checkpoints"),
             channel: format!("{prefix}:{{{tag}}}:wake"),
         }
     }
@@ -68,6 +73,7 @@ mod tests {
         assert_eq!(tag.len(), 64);
         assert!(tag.bytes().all(|b| b.is_ascii_hexdigit()));
         assert_eq!(keys.body, format!("idem:{{{tag}}}:body"));
+        assert_eq!(keys.checkpoints, format!("idem:{{{tag}}}:checkpoints"));
         assert_eq!(keys.channel, format!("idem:{{{tag}}}:wake"));
     }
 

@@ -1,7 +1,7 @@
 //! The Redis store of idem: records shared by every instance of a service, on one Redis server
 //! (`redis://`) or a Redis Cluster (`redis+cluster://`).
 //!
-//! Every write (`begin`, `complete`, `release`, `renew`) is one Lua script, so it is atomic and
+//! Every write (`begin`, `complete`, `release`, `renew`, `checkpoint`) is one Lua script, so it is atomic and
 //! costs one round trip; a replay is answered by `begin` itself. Retention is native: keys expire
 //! by themselves, relative to the caller's clock. Waiters are woken by pub/sub (sharded pub/sub
 //! on a cluster) and poll as a fallback.
@@ -27,7 +27,7 @@
 //!
 //! # Keys
 //!
-//! A record is two keys and a channel that share one cluster hash tag, the hex SHA-256 of the
+//! A record is three keys and a channel that share one cluster hash tag, the hex SHA-256 of the
 //! length-prefixed scope and key (see [`RecordKeys`]):
 //!
 //! * `PREFIX:{TAG}:rec`, a hash: `state` (`in-flight`, `completed` or `unknown`), `fingerprint`,
@@ -37,6 +37,12 @@
 //!   back). It expires at `purge_at` (an in-flight record 7 days after its lease ends);
 //! * `PREFIX:{TAG}:body`, the stored answer, which expires at `expires_at`: a completed record
 //!   then remains as a tombstone (its fingerprint, no answer) until `purge_at`;
+//! * `PREFIX:{TAG}:checkpoints`, a hash of the run's checkpoints, present once one is written:
+//!   `count` (how many names), `name:<i>` (the i-th name first written, from 1) and
+//!   `value:<name>` (its latest value). It outlives a takeover and a release as unknown, and
+//!   goes when the record completes, is forgotten or deleted, or is claimed anew; it always has
+//!   the record's own expiry (`PEXPIREAT` to the record's `PEXPIRETIME`, whenever that is set or
+//!   moved), so it never outlives the record;
 //! * `PREFIX:{TAG}:wake`, the channel that `complete`, `release` and a takeover publish on
 //!   (`SPUBLISH` on a cluster, from inside the script: the channel lives on the record's shard).
 //!

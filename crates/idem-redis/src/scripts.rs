@@ -1,9 +1,9 @@
 //! The Lua scripts: one per operation, so every operation is one atomic round trip.
 //!
-//! Every script gets `KEYS[1]` = the record hash and `KEYS[2]` = the body string, which share a
-//! cluster hash tag, and `ARGV[1]` = a nonce, fresh for every call. The wake-up channel (same tag,
-//! so `SPUBLISH` reaches the shard that runs the script) and the publish command (`PUBLISH`
-//! standalone, `SPUBLISH` on a cluster) come in ARGV too.
+//! Every script gets `KEYS[1]` = the record hash, `KEYS[2]` = the body string and `KEYS[3]` = the
+//! checkpoints hash, which share a cluster hash tag, and `ARGV[1]` = a nonce, fresh for every
+//! call. The wake-up channel (same tag, so `SPUBLISH` reaches the shard that runs the script) and
+//! the publish command (`PUBLISH` standalone, `SPUBLISH` on a cluster) come in ARGV too.
 //!
 //! Every reply starts with the record's key and the call's nonce (`{rec, nonce, ...}`), and so
 //! does every error the scripts raise about a record: a reply that reaches another call than the
@@ -14,8 +14,16 @@
 //! *relative* to the caller's `now` (never `PEXPIREAT`), so callers with a fake clock still get
 //! coherent expiries. Operations without a `now` (release, renew) shift the record's existing
 //! expiry by the change of its `purge_at`, which keeps it relative to the `now` of the begin or
-//! complete that set it; `get` and `delete` judge the record at the server's clock (`TIME`). A
-//! ttl that is not positive deletes the key instead.
+//! complete that set it; `get`, `delete` and `checkpoints` judge the record at the server's clock
+//! (`TIME`). A ttl that is not positive deletes the key instead.
+//!
+//! The checkpoints hash holds `count` (how many names), `name:<i>` (the i-th name first written,
+//! from 1) and `value:<name>` (its latest value). It belongs to the run: it outlives a takeover
+//! and a release as unknown, and is deleted by `complete`, a forgetting `release`, `delete` and
+//! a new claim. Whenever the record's expiry is set or moved while the hash may exist, the hash
+//! is given the very same expiry (`PEXPIRETIME` of the record, `PEXPIREAT` of the hash: the one
+//! absolute expiry in the scripts, copied from a relative one, never computed), so it never
+//! outlives the record.
 //!
 //! A corrupt record raises an error reply `IDEMCORRUPT <nonce> <record> ...` (see [`CORRUPT`]).
 
@@ -28,15 +36,18 @@ pub(crate) const CORRUPT: &str = "IDEMCORRUPT";
 
 /// Helpers shared by the scripts. `now` must be set before `expire_at` is used.
 const PRELUDE: &str = r#"
-local rec, body, nonce = KEYS[1], KEYS[2], ARGV[1]
+local rec, body, steps, nonce = KEYS[1], KEYS[2], KEYS[3], ARGV[1]
 local now
 local function answer(...)
   return {rec, nonce, ...}
 end
+local function corrupt(what)
+  error(redis.error_reply('IDEMCORRUPT ' .. nonce .. ' ' .. rec .. ' ' .. what))
+end
 local function num(value, field)
   local n = tonumber(value)
   if n == nil then
-    error(redis.error_reply('IDEMCORRUPT ' .. nonce .. ' ' .. rec .. ' has no valid ' .. field))
+    corrupt('has no valid ' .. field)
   end
   return n
 end
@@ -65,10 +76,22 @@ local function shift_expiry(key, old_at, new_at, fallback_now)
     set_ttl(key, new_at - fallback_now)
   end
 end
+-- Gives the checkpoints hash the record's expiry, to the millisecond (deletes it with the record).
+local function expire_steps_with_record()
+  local at = redis.call('PEXPIRETIME', rec)
+  if at > 0 then
+    redis.call('PEXPIREAT', steps, at)
+  elseif at == -1 then
+    redis.call('PERSIST', steps)
+  else
+    redis.call('DEL', steps)
+  end
+end
 "#;
 
 /// `begin`. ARGV: nonce, now, lease_until, token, digest, fingerprint, purge_at of the claim,
-/// channel, publish command.
+/// channel, publish command. A new claim deletes whatever checkpoints an earlier record left; a
+/// takeover keeps them, with the record's new expiry.
 ///
 /// Returns `{rec, nonce, 'acquired', recovered}` or
 /// `{rec, nonce, 'existing', HGETALL of the record, body or nil}`.
@@ -94,7 +117,7 @@ if state and num(cur[5], 'purge_at') <= now then
   state = false
 end
 if not state then
-  redis.call('DEL', body)
+  redis.call('DEL', body, steps)
   redis.call('HSET', rec, 'fingerprint', fingerprint, 'digest', digest, 'created_at', ARGV[2], 'replays', 0)
   claim(0)
   return answer('acquired', 0)
@@ -102,6 +125,7 @@ end
 local same = cur[2] == digest
 if same and (state == 'unknown' or (state == 'in-flight' and num(cur[4], 'lease_until') <= now)) then
   claim(1)
+  expire_steps_with_record()
   redis.call(publish, channel, 'taken-over')
   return answer('acquired', 1)
 end
@@ -117,8 +141,8 @@ return answer('existing', redis.call('HGETALL', rec), response)
 "#;
 
 /// `complete`. ARGV: nonce, token, response, completed_at (the `now` of the expiries),
-/// expires_at, purge_at, channel, publish command. Returns `{rec, nonce, 1}`, or
-/// `{rec, nonce, 0}` if the token is not the current claim.
+/// expires_at, purge_at, channel, publish command. Deletes the run's checkpoints. Returns
+/// `{rec, nonce, 1}`, or `{rec, nonce, 0}` if the token is not the current claim.
 const COMPLETE: &str = r#"
 local token, response, channel, publish = ARGV[2], ARGV[3], ARGV[7], ARGV[8]
 local cur = redis.call('HMGET', rec, 'state', 'token')
@@ -126,6 +150,7 @@ if cur[1] ~= 'in-flight' or cur[2] ~= token then
   return answer(0)
 end
 now = num(ARGV[4], 'completed_at')
+redis.call('DEL', steps)
 redis.call('HDEL', rec, 'token', 'lease_until', 'recovered')
 redis.call('HSET', rec, 'state', 'completed', 'completed_at', ARGV[4], 'expires_at', ARGV[5], 'purge_at', ARGV[6])
 local body_ttl = num(ARGV[5], 'expires_at') - now
@@ -140,8 +165,9 @@ return answer(1)
 "#;
 
 /// `release`. ARGV: nonce, token, `forget` or `unknown`, purge_at (for `unknown`), channel,
-/// publish command. Returns `{rec, nonce, 1}`,
-/// or `{rec, nonce, 0}` if fenced.
+/// publish command. `forget` deletes the checkpoints with the record; `unknown` keeps them for the
+/// next run, with the record's new expiry. Returns `{rec, nonce, 1}`, or `{rec, nonce, 0}` if
+/// fenced.
 const RELEASE: &str = r#"
 local token, mode, channel, publish = ARGV[2], ARGV[3], ARGV[5], ARGV[6]
 local cur = redis.call('HMGET', rec, 'state', 'token', 'purge_at')
@@ -149,19 +175,21 @@ if cur[1] ~= 'in-flight' or cur[2] ~= token then
   return answer(0)
 end
 if mode == 'forget' then
-  redis.call('DEL', rec, body)
+  redis.call('DEL', rec, body, steps)
 else
   local purge_at = num(ARGV[4], 'purge_at')
   redis.call('HDEL', rec, 'token', 'lease_until', 'recovered')
   redis.call('HSET', rec, 'state', 'unknown', 'purge_at', ARGV[4])
   redis.call('DEL', body)
   shift_expiry(rec, cur[3], purge_at, server_now())
+  expire_steps_with_record()
 end
 redis.call(publish, channel, 'released')
 return answer(1)
 "#;
 
-/// `renew`. ARGV: nonce, token, lease_until, purge_at of the claim. Returns `{rec, nonce, 1}`, or `{rec, nonce, 0}` if fenced.
+/// `renew`. ARGV: nonce, token, lease_until, purge_at of the claim. Moves the checkpoints' expiry
+/// with the record's. Returns `{rec, nonce, 1}`, or `{rec, nonce, 0}` if fenced.
 const RENEW: &str = r#"
 local token = ARGV[2]
 local cur = redis.call('HMGET', rec, 'state', 'token', 'purge_at')
@@ -171,6 +199,7 @@ end
 local purge_at = num(ARGV[4], 'purge_at')
 redis.call('HSET', rec, 'lease_until', ARGV[3], 'purge_at', ARGV[4])
 shift_expiry(rec, cur[3], purge_at, server_now())
+expire_steps_with_record()
 return answer(1)
 "#;
 
@@ -190,8 +219,8 @@ end
 return answer(redis.call('HGETALL', rec), response)
 "#;
 
-/// `delete`. ARGV: nonce, channel, publish command. Deletes the record and
-/// its body whatever they hold and returns `{rec, nonce, HGETALL of the record, body or nil}` as
+/// `delete`. ARGV: nonce, channel, publish command. Deletes the record, its body and its
+/// checkpoints whatever they hold and returns `{rec, nonce, HGETALL of the record, body or nil}` as
 /// they were, judged at that clock as `get` judges them (a record past purge_at was already
 /// absent). A record whose fields cannot be read is deleted all the same and returned whole, for
 /// the caller to report. Wakes whoever waits on the record.
@@ -210,7 +239,7 @@ if redis.call('EXISTS', rec) == 1 then
   end
   redis.call(publish, channel, 'deleted')
 end
-redis.call('DEL', rec, body)
+redis.call('DEL', rec, body, steps)
 return answer(fields, response)
 "#;
 
@@ -224,6 +253,48 @@ end
 return answer(0)
 "#;
 
+/// `checkpoint`. ARGV: nonce, token, name, value. Records the checkpoint if the record is in flight
+/// under this token: a new name goes after the others, a known one keeps its place and takes the
+/// new value; the hash then expires with the record. Returns `{rec, nonce, 1}`, or
+/// `{rec, nonce, 0}` if fenced (no record, another claim, or no claim in flight).
+const CHECKPOINT: &str = r#"
+local token, name, value = ARGV[2], ARGV[3], ARGV[4]
+local cur = redis.call('HMGET', rec, 'state', 'token')
+if cur[1] ~= 'in-flight' or cur[2] ~= token then
+  return answer(0)
+end
+if redis.call('HSET', steps, 'value:' .. name, value) == 1 then
+  local position = redis.call('HINCRBY', steps, 'count', 1)
+  redis.call('HSET', steps, 'name:' .. position, name)
+end
+expire_steps_with_record()
+return answer(1)
+"#;
+
+/// `checkpoints`. ARGV: nonce. Returns `{rec, nonce, {name1, value1, name2, value2, ...}}` in the
+/// order the names were first written, judged at the server's clock as `get` judges the record:
+/// none unless the record is in flight or unknown and not past its purge_at.
+const CHECKPOINTS: &str = r#"
+now = server_now()
+local cur = redis.call('HMGET', rec, 'state', 'purge_at')
+if (cur[1] ~= 'in-flight' and cur[1] ~= 'unknown') or num(cur[2], 'purge_at') <= now then
+  return answer({})
+end
+local count = redis.call('HGET', steps, 'count')
+count = count and num(count, 'checkpoint count') or 0
+local flat = {}
+for i = 1, count do
+  local name = redis.call('HGET', steps, 'name:' .. i)
+  local value = name and redis.call('HGET', steps, 'value:' .. name)
+  if not value then
+    corrupt('has lost checkpoint ' .. i .. ' of ' .. count)
+  end
+  flat[#flat + 1] = name
+  flat[#flat + 1] = value
+end
+return answer(flat)
+"#;
+
 fn script(body: &str) -> Script {
     Script::new(&format!("{PRELUDE}{body}"))
 }
@@ -235,3 +306,5 @@ pub(crate) static RENEW_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(RENEW
 pub(crate) static GET_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(GET));
 pub(crate) static DELETE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(DELETE));
 pub(crate) static HOLDS_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(HOLDS));
+pub(crate) static CHECKPOINT_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(CHECKPOINT));
+pub(crate) static CHECKPOINTS_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(CHECKPOINTS));

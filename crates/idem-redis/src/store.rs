@@ -8,8 +8,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use idem_core::stored::{StoredRecord, abandoned_purge_at, wait_for_change};
 use idem_core::{
-    Begin, BeginRequest, Completion, FencingToken, Purged, Record, RecordId, Release, Store, StoreError, UnixMillis,
-    WaitOutcome,
+    Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, Record, RecordId, Release, Store, StoreError,
+    UnixMillis, WaitOutcome,
 };
 use redis::{Script, Value};
 use tokio::sync::Notify;
@@ -18,7 +18,8 @@ use crate::conn::Commands;
 use crate::keys::{RecordKeys, hex};
 use crate::notify::Subscriptions;
 use crate::scripts::{
-    BEGIN_SCRIPT, COMPLETE_SCRIPT, CORRUPT, DELETE_SCRIPT, GET_SCRIPT, HOLDS_SCRIPT, RELEASE_SCRIPT, RENEW_SCRIPT,
+    BEGIN_SCRIPT, CHECKPOINT_SCRIPT, CHECKPOINTS_SCRIPT, COMPLETE_SCRIPT, CORRUPT, DELETE_SCRIPT, GET_SCRIPT,
+    HOLDS_SCRIPT, RELEASE_SCRIPT, RENEW_SCRIPT,
 };
 use crate::{RedisError, url};
 
@@ -199,7 +200,7 @@ impl RedisStore {
         RecordKeys::new(&self.inner.prefix, id)
     }
 
-    /// Runs `script` (the operation `what`) on the record's two keys with a fresh nonce and
+    /// Runs `script` (the operation `what`) on the record's three keys with a fresh nonce and
     /// `args`; returns the reply after the record and nonce it names. A reply that names another
     /// record or call, or is not a script's reply at all, is an error, and the connection it came
     /// on is replaced.
@@ -212,7 +213,11 @@ impl RedisStore {
     ) -> Result<std::vec::IntoIter<Value>, StoreError> {
         let call = Call::new(what, &keys.record);
         let mut invocation = script.prepare_invoke();
-        invocation.key(&keys.record).key(&keys.body).arg(&call.nonce);
+        invocation
+            .key(&keys.record)
+            .key(&keys.body)
+            .key(&keys.checkpoints)
+            .arg(&call.nonce);
         args(&mut invocation);
         let (mut conn, generation) = self.inner.commands.get();
         let out_of_step = |err| {
@@ -361,6 +366,31 @@ impl StoredHash {
     }
 }
 
+/// The checkpoints as the `checkpoints` script returns them: names and values, alternating, in
+/// the order the names were first written.
+fn parse_checkpoints(mut items: std::vec::IntoIter<Value>, id: &RecordId) -> Result<Vec<Checkpoint>, StoreError> {
+    let flat = array(items.next().unwrap_or_default(), "the checkpoints")?;
+    if flat.len() % 2 != 0 {
+        return Err(StoreError::Corrupt(format!(
+            "record {} {}: the checkpoints are not name and value pairs",
+            id.scope, id.key
+        )));
+    }
+    let mut checkpoints = Vec::with_capacity(flat.len() / 2);
+    let mut items = flat.into_iter();
+    while let (Some(name), Some(value)) = (items.next(), items.next()) {
+        let name = String::from_utf8(bulk(name, "a checkpoint's name")?).map_err(|_| {
+            StoreError::Corrupt(format!(
+                "record {} {}: a checkpoint's name is not UTF-8",
+                id.scope, id.key
+            ))
+        })?;
+        let value = bulk(value, "a checkpoint's value")?.into();
+        checkpoints.push(Checkpoint { name, value });
+    }
+    Ok(checkpoints)
+}
+
 fn parse_begin(mut items: std::vec::IntoIter<Value>, id: &RecordId) -> Result<Begin, StoreError> {
     let outcome = bulk(items.next().unwrap_or_default(), "the outcome of begin")?;
     match outcome.as_slice() {
@@ -447,6 +477,27 @@ impl Store for RedisStore {
                 .arg(millis_arg(abandoned_purge_at(lease_until)));
         })
         .await
+    }
+
+    /// Writes the checkpoint in one script that checks the token first: a fenced holder writes
+    /// nothing. The checkpoints hash expires with the record.
+    async fn checkpoint(&self, id: &RecordId, token: FencingToken, checkpoint: Checkpoint) -> Result<(), StoreError> {
+        let keys = self.record_keys(id);
+        self.compare_and_set("checkpoint", &CHECKPOINT_SCRIPT, &keys, |script| {
+            script
+                .arg(&token.as_bytes()[..])
+                .arg(checkpoint.name.as_bytes())
+                .arg(&checkpoint.value[..]);
+        })
+        .await
+    }
+
+    /// Reads the checkpoints as of the server's clock, as [`Store::get`] reads the record: none
+    /// unless the record is in flight or unknown and not past its `purge_at`.
+    async fn checkpoints(&self, id: &RecordId) -> Result<Vec<Checkpoint>, StoreError> {
+        let keys = self.record_keys(id);
+        let items = self.run("checkpoints", &CHECKPOINTS_SCRIPT, &keys, |_| {}).await?;
+        parse_checkpoints(items, id)
     }
 
     /// Reads the record as of the server's clock (`TIME` in the script): a record past its

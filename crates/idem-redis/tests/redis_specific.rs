@@ -1,6 +1,7 @@
 //! What the conformance suite cannot see: that waiters are woken by notifications rather than by
 //! polling, that a record's keys share one cluster slot, that expiry is native and relative to the
-//! caller's clock, that waiters share one subscription, and that a store rides out an outage.
+//! caller's clock, that checkpoints expire with their record, that waiters share one subscription,
+//! and that a store rides out an outage.
 //!
 //! The notification tests set `poll_interval=60s`: the first poll would come after 15 s, so a
 //! waiter that returns within 10 s was woken by a message.
@@ -16,9 +17,10 @@ use bytes::Bytes;
 use common::{RedisHarness, Server, connect, delete_keys, fresh_prefix};
 use idem_core::testkit::{fingerprint, fresh_id};
 use idem_core::{
-    Begin, BeginRequest, Completion, FencingToken, RecordId, Release, Store, StoreError, UnixMillis, WaitOutcome,
+    Begin, BeginRequest, Checkpoint, Completion, FencingToken, RecordId, Release, Store, StoreError, UnixMillis,
+    WaitOutcome,
 };
-use idem_redis::{RedisError, RedisStore};
+use idem_redis::{RecordKeys, RedisError, RedisStore};
 
 const LEASE: Duration = Duration::from_secs(60);
 const HOUR: Duration = Duration::from_secs(3600);
@@ -269,6 +271,117 @@ async fn standalone_expiry_is_native_and_relative_to_the_callers_clock() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_expiry_is_native_and_relative_to_the_callers_clock() {
     expiry_is_native_and_relative(Server::Cluster).await;
+}
+
+/// The `{hash tag}` of a key: what Redis Cluster hashes.
+fn hash_tag(key: &str) -> &str {
+    let open = key.find('{').expect("a hash tag");
+    let close = open + key[open..].find('}').expect("a closed hash tag");
+    &key[open + 1..close]
+}
+
+/// The checkpoints key exists and expires with the record: a positive PTTL, never after the
+/// record's expiry. Returns its PTTL.
+fn assert_checkpoints_expire_with_the_record(server: Server, keys: &RecordKeys) -> i64 {
+    let expire_time = |key: &str| -> i64 { query(server, redis::cmd("PEXPIRETIME").arg(key)) };
+    let record_pttl = pttl(server, &keys.record);
+    let checkpoints_pttl = pttl(server, &keys.checkpoints);
+    assert!(record_pttl > 0, "{}: PTTL {record_pttl}", keys.record);
+    assert!(
+        checkpoints_pttl > 0,
+        "{}: PTTL {checkpoints_pttl}, expected an expiry",
+        keys.checkpoints
+    );
+    assert!(
+        checkpoints_pttl <= record_pttl,
+        "the checkpoints (PTTL {checkpoints_pttl}) outlive the record (PTTL {record_pttl})"
+    );
+    let (record_at, checkpoints_at) = (expire_time(&keys.record), expire_time(&keys.checkpoints));
+    assert!(
+        checkpoints_at <= record_at,
+        "the checkpoints expire at {checkpoints_at}, after the record at {record_at}"
+    );
+    checkpoints_pttl
+}
+
+/// The checkpoints key carries the record's hash tag (one slot on a cluster) and expires with the
+/// record whenever the record's expiry is set or moved: written, renewed, taken over, released
+/// as unknown. Completing deletes it. The clock is a fake one, 40 days in the past.
+async fn checkpoints_expire_with_their_record(server: Server) {
+    let prefix = fresh_prefix();
+    let _cleanup = Cleanup(server, prefix.clone());
+    let store = connect(server, &prefix, "").await;
+    let base = UnixMillis::now().minus(DAY * 40);
+    let (id, fp) = (fresh_id(), fingerprint("a"));
+    let keys = store.record_keys(&id);
+    assert_eq!(hash_tag(&keys.checkpoints), hash_tag(&keys.record), "{keys:?}");
+    if server == Server::Cluster {
+        let slot = |key: &str| -> i64 { query(server, redis::cmd("CLUSTER").arg("KEYSLOT").arg(key)) };
+        assert_eq!(slot(&keys.checkpoints), slot(&keys.record), "{keys:?}");
+    }
+    let step = |name: &str| Checkpoint {
+        name: name.to_owned(),
+        value: Bytes::from_static(b"\x00\xffdone"),
+    };
+
+    let token = claim(&store, &id, base).await;
+    let absent: i64 = query(server, redis::cmd("EXISTS").arg(&keys.checkpoints));
+    assert_eq!(absent, 0, "no checkpoint, no key");
+    store
+        .checkpoint(&id, token, step("reserved"))
+        .await
+        .expect("checkpoint");
+    assert_checkpoints_expire_with_the_record(server, &keys);
+    assert_ttl_near(server, &keys.checkpoints, 7 * DAY + LEASE);
+
+    store.renew(&id, token, base.plus(LEASE * 2)).await.expect("renew");
+    assert_checkpoints_expire_with_the_record(server, &keys);
+    assert_ttl_near(server, &keys.checkpoints, 7 * DAY + LEASE * 2);
+
+    let later = base.plus(LEASE * 3);
+    let token = FencingToken::random();
+    let request = BeginRequest {
+        id: &id,
+        fingerprint: &fp,
+        now: later,
+        lease_until: later.plus(LEASE),
+        token,
+    };
+    let taken = store.begin(request).await.expect("begin");
+    assert!(matches!(taken, Begin::Acquired { recovered: true }), "{taken:?}");
+    assert_checkpoints_expire_with_the_record(server, &keys);
+    assert_ttl_near(server, &keys.checkpoints, 7 * DAY + LEASE);
+
+    // Released as unknown: the record's expiry moves a week closer, the checkpoints' with it.
+    store.checkpoint(&id, token, step("charged")).await.expect("checkpoint");
+    let unknown = Release::Unknown {
+        purge_at: later.plus(DAY),
+    };
+    store.release(&id, token, unknown).await.expect("release");
+    assert_checkpoints_expire_with_the_record(server, &keys);
+    assert_ttl_near(server, &keys.checkpoints, DAY);
+
+    // Taken over again (not read back: at the server's clock this record of 40 days ago is past
+    // its purge_at, and `checkpoints` judges it as `get` does), then completed.
+    let token = claim(&store, &id, later).await;
+    let present: i64 = query(server, redis::cmd("EXISTS").arg(&keys.checkpoints));
+    assert_eq!(present, 1, "a takeover keeps the checkpoints");
+    store
+        .complete(&id, token, completion(later, HOUR, 2 * HOUR))
+        .await
+        .expect("complete");
+    let present: i64 = query(server, redis::cmd("EXISTS").arg(&keys.checkpoints));
+    assert_eq!(present, 0, "completing deletes the checkpoints");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standalone_checkpoints_share_the_records_tag_and_expire_with_it() {
+    checkpoints_expire_with_their_record(Server::Standalone).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_checkpoints_share_the_records_tag_and_expire_with_it() {
+    checkpoints_expire_with_their_record(Server::Cluster).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

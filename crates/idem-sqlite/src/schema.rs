@@ -1,5 +1,9 @@
 //! The schema: one table of records, indexed on the two retention deadlines so that purging never
 //! scans. `PRAGMA user_version` holds the schema version.
+//!
+//! Versions: 1 is the table of records; 2 adds the `checkpoints` column (the checkpoints of the
+//! current run, see [`crate::checkpoints`]). A file made by version 1 is upgraded in place when it is
+//! opened.
 
 use std::path::Path;
 
@@ -9,11 +13,13 @@ use crate::SqliteError;
 use crate::store::retry_busy;
 
 /// The newest schema version this crate writes.
-pub(crate) const VERSION: i64 = 1;
+pub(crate) const VERSION: i64 = 2;
 
-/// Idempotent: every statement is `IF NOT EXISTS`. A rowid table (not `WITHOUT ROWID`) because
-/// rows carry response bodies of up to hundreds of KiB, and purging deletes by rowid.
-const SCHEMA_V1: &str = "
+/// The newest schema, for a new file. Idempotent: every statement is `IF NOT EXISTS`. A rowid
+/// table (not `WITHOUT ROWID`) because rows carry response bodies of up to hundreds of KiB, and
+/// purging deletes by rowid. `checkpoints` is the last column, where [`ADD_CHECKPOINTS`] puts it in
+/// an upgraded file, so that new and upgraded tables are alike.
+const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS idem_records (
     scope        TEXT    NOT NULL,
     key          TEXT    NOT NULL,
@@ -28,20 +34,28 @@ CREATE TABLE IF NOT EXISTS idem_records (
     expires_at   INTEGER,
     purge_at     INTEGER NOT NULL,
     replays      INTEGER NOT NULL DEFAULT 0,
+    checkpoints  BLOB,
     PRIMARY KEY (scope, key)
 ) STRICT;
 CREATE INDEX IF NOT EXISTS idem_records_purge_at ON idem_records (purge_at);
 CREATE INDEX IF NOT EXISTS idem_records_expires_at ON idem_records (expires_at) WHERE response IS NOT NULL;
 ";
 
-/// Creates the schema if it is absent, in one immediate transaction so that processes starting
-/// together on a new file do not trip over each other.
+/// Version 2, on a file made by version 1: the checkpoints of each record's current run.
+const ADD_CHECKPOINTS: &str = "ALTER TABLE idem_records ADD COLUMN checkpoints BLOB";
+
+/// Creates the schema if it is absent and upgrades an older one, in one immediate transaction so
+/// that processes starting together on a file do not trip over each other (the second one finds
+/// the work done).
 pub(crate) fn migrate(conn: &mut Connection, path: &Path) -> Result<(), SqliteError> {
     let found = retry_busy(|| {
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
         let found: i64 = tx.pragma_query_value(None, "user_version", |row| row.get(0))?;
         if found <= VERSION {
-            tx.execute_batch(SCHEMA_V1)?;
+            tx.execute_batch(SCHEMA)?;
+            if !has_column(&tx, "idem_records", "checkpoints")? {
+                tx.execute_batch(ADD_CHECKPOINTS)?;
+            }
             if found < VERSION {
                 tx.pragma_update(None, "user_version", VERSION)?;
             }
@@ -58,4 +72,15 @@ pub(crate) fn migrate(conn: &mut Connection, path: &Path) -> Result<(), SqliteEr
         });
     }
     Ok(())
+}
+
+/// Whether `table` has a column named `column`. Each `ADD COLUMN` is guarded by it rather than by
+/// the version, so that an upgrade is a no-op on a table that already has the column, whatever
+/// version the file says it is.
+fn has_column(conn: &Connection, table: &str, column: &str) -> rusqlite::Result<bool> {
+    conn.query_row(
+        "SELECT EXISTS (SELECT 1 FROM pragma_table_info(?1) WHERE name = ?2)",
+        [table, column],
+        |row| row.get(0),
+    )
 }

@@ -13,13 +13,13 @@ use std::time::Duration;
 use async_trait::async_trait;
 use idem_core::stored::{Existing, StoredRecord, wait_for_change};
 use idem_core::{
-    Begin, BeginRequest, Completion, FencingToken, Purged, Record, RecordId, Release, Store, StoreError, UnixMillis,
-    WaitOutcome,
+    Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, Record, RecordId, Release, Store, StoreError,
+    UnixMillis, WaitOutcome,
 };
 use rusqlite::{Connection, OptionalExtension, Row, Transaction, TransactionBehavior, params};
 
 use crate::waiters::{self, Subscription};
-use crate::{SqliteError, schema};
+use crate::{SqliteError, checkpoints, schema};
 
 /// How long a statement waits for another connection's write lock before it fails.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -362,7 +362,7 @@ fn begin_in(tx: &Transaction<'_>, id: RecordId, request: OwnedBegin) -> Result<(
             "UPDATE idem_records
              SET state = 'in-flight', fingerprint = ?3, digest = ?4, token = ?5, lease_until = ?6,
                  response = NULL, created_at = ?7, completed_at = NULL, expires_at = NULL,
-                 purge_at = ?8, replays = 0
+                 purge_at = ?8, replays = 0, checkpoints = NULL
              WHERE scope = ?1 AND key = ?2",
         )
         .and_then(|mut stmt| {
@@ -381,6 +381,7 @@ fn begin_in(tx: &Transaction<'_>, id: RecordId, request: OwnedBegin) -> Result<(
         return Ok((Begin::Acquired { recovered: false }, true));
     }
     if action == Existing::TakeOver {
+        // The checkpoints stay: the new run resumes from them.
         tx.prepare_cached(
             "UPDATE idem_records
              SET state = 'in-flight', token = ?3, lease_until = ?4, purge_at = ?5
@@ -421,6 +422,50 @@ struct OwnedBegin {
     token: FencingToken,
 }
 
+/// `checkpoint` inside its transaction: reads the list of the claim `token`, records `checkpoint`
+/// in it and writes it back; [`StoreError::Fenced`] if `token` is not the record's current claim.
+fn checkpoint_in(
+    tx: &Transaction<'_>,
+    id: &RecordId,
+    token: FencingToken,
+    checkpoint: &Checkpoint,
+) -> Result<(), StoreError> {
+    let (scope, key, token) = (id.scope.as_str(), id.key.as_str(), &token.as_bytes()[..]);
+    let held: Option<Option<Vec<u8>>> = tx
+        .prepare_cached(
+            "SELECT checkpoints FROM idem_records
+             WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in-flight'",
+        )
+        .and_then(|mut stmt| stmt.query_row(params![scope, key, token], |row| row.get(0)).optional())
+        .map_err(db_error)?;
+    let Some(list) = held else {
+        return Err(StoreError::Fenced);
+    };
+    let list = checkpoints::with(list.as_deref(), checkpoint)?;
+    // The write lock is held since BEGIN IMMEDIATE: the claim read above is still current.
+    let changed = tx
+        .prepare_cached("UPDATE idem_records SET checkpoints = ?3 WHERE scope = ?1 AND key = ?2")
+        .and_then(|mut stmt| stmt.execute(params![scope, key, list]))
+        .map_err(db_error)?;
+    fenced(changed)
+}
+
+/// The checkpoints of the record: none without a record, and none for a completed one (whose run is
+/// over; `complete` clears them, this only guards against a row written otherwise).
+fn checkpoints_of(conn: &Connection, id: &RecordId) -> Result<Vec<Checkpoint>, StoreError> {
+    let list: Option<Option<Vec<u8>>> = conn
+        .prepare_cached(
+            "SELECT checkpoints FROM idem_records
+             WHERE scope = ?1 AND key = ?2 AND state <> 'completed'",
+        )
+        .and_then(|mut stmt| {
+            stmt.query_row(params![id.scope.as_str(), id.key.as_str()], |row| row.get(0))
+                .optional()
+        })
+        .map_err(db_error)?;
+    checkpoints::decode(list.flatten().as_deref())
+}
+
 #[async_trait]
 impl Store for SqliteStore {
     async fn begin(&self, request: BeginRequest<'_>) -> Result<Begin, StoreError> {
@@ -446,7 +491,7 @@ impl Store for SqliteStore {
                 .prepare_cached(
                     "UPDATE idem_records
                      SET state = 'completed', token = NULL, lease_until = NULL, response = ?4,
-                         completed_at = ?5, expires_at = ?6, purge_at = ?7
+                         completed_at = ?5, expires_at = ?6, purge_at = ?7, checkpoints = NULL
                      WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in-flight'",
                 )
                 .and_then(|mut stmt| {
@@ -479,7 +524,8 @@ impl Store for SqliteStore {
                          WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in-flight'",
                     )
                     .and_then(|mut stmt| stmt.execute(params![scope, key, token])),
-                // The fingerprint stays: only the same request may take the record over.
+                // The fingerprint and the checkpoints stay: only the same request may take the
+                // record over, and it resumes where this run stopped.
                 Release::Unknown { purge_at } => tx
                     .prepare_cached(
                         "UPDATE idem_records
@@ -523,6 +569,17 @@ impl Store for SqliteStore {
         let id = id.clone();
         self.read(move |conn| StoredRow::find(conn, &id)?.map(|row| row.into_record(id)).transpose())
             .await
+    }
+
+    async fn checkpoint(&self, id: &RecordId, token: FencingToken, checkpoint: Checkpoint) -> Result<(), StoreError> {
+        // Nobody waits on checkpoints: the claim does not change hands, so nobody is woken.
+        let id = id.clone();
+        self.write(move |tx| checkpoint_in(tx, &id, token, &checkpoint)).await
+    }
+
+    async fn checkpoints(&self, id: &RecordId) -> Result<Vec<Checkpoint>, StoreError> {
+        let id = id.clone();
+        self.read(move |conn| checkpoints_of(conn, &id)).await
     }
 
     async fn delete(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use idem_core::{
-    Begin, BeginRequest, Completion, FencingToken, Fingerprint, IdempotencyKey, Purged, RecordId, RecordState, Release,
-    Scope, Store, StoreError, UnixMillis, WaitOutcome,
+    Begin, BeginRequest, Checkpoint, Completion, FencingToken, Fingerprint, IdempotencyKey, Purged, RecordId,
+    RecordState, Release, Scope, Store, StoreError, UnixMillis, WaitOutcome,
 };
 use idem_sqlite::{SqliteError, SqliteStore};
 use tokio::time::Instant;
@@ -363,6 +363,31 @@ async fn purge_drops_answers_then_records_in_batches() {
 }
 
 #[tokio::test]
+async fn purge_takes_the_checkpoints_with_the_record() {
+    let (_dir, store) = temp_store().await;
+    let (id, fp) = (id("purged-run"), fingerprint(b"body"));
+    let (_, token) = begin(&store, &id, &fp, T0).await;
+    let step = Checkpoint {
+        name: "charged".to_owned(),
+        value: Bytes::from_static(b"ch_1"),
+    };
+    store.checkpoint(&id, token, step.clone()).await.unwrap();
+    let purge_at = T0.plus(Duration::from_secs(60));
+    store.release(&id, token, Release::Unknown { purge_at }).await.unwrap();
+    assert_eq!(
+        store.checkpoints(&id).await.unwrap(),
+        vec![step],
+        "kept for the next run"
+    );
+
+    assert_eq!(store.purge(purge_at, 10).await.unwrap().deleted, 1);
+    assert!(store.checkpoints(&id).await.unwrap().is_empty(), "gone with the record");
+    let (begun, _) = begin(&store, &id, &fp, purge_at).await;
+    assert!(matches!(begun, Begin::Acquired { recovered: false }), "{begun:?}");
+    assert!(store.checkpoints(&id).await.unwrap().is_empty());
+}
+
+#[tokio::test]
 async fn records_survive_a_restart() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("idem.db");
@@ -383,6 +408,104 @@ async fn records_survive_a_restart() {
         .await
         .unwrap();
     assert!(store.get(&id).await.unwrap().is_some());
+}
+
+/// The schema of version 1, as the store created it before checkpoints existed.
+const SCHEMA_V1: &str = "
+CREATE TABLE idem_records (
+    scope        TEXT    NOT NULL,
+    key          TEXT    NOT NULL,
+    state        TEXT    NOT NULL CHECK (state IN ('in-flight', 'completed', 'unknown')),
+    fingerprint  BLOB    NOT NULL,
+    digest       BLOB    NOT NULL,
+    token        BLOB,
+    lease_until  INTEGER,
+    response     BLOB,
+    created_at   INTEGER NOT NULL,
+    completed_at INTEGER,
+    expires_at   INTEGER,
+    purge_at     INTEGER NOT NULL,
+    replays      INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (scope, key)
+) STRICT;
+CREATE INDEX idem_records_purge_at ON idem_records (purge_at);
+CREATE INDEX idem_records_expires_at ON idem_records (expires_at) WHERE response IS NOT NULL;
+PRAGMA user_version = 1;
+";
+
+/// The schema version of the file and the columns of its table, in order.
+fn schema_of(path: &std::path::Path) -> (i64, Vec<String>) {
+    let conn = rusqlite::Connection::open(path).unwrap();
+    let version = conn.pragma_query_value(None, "user_version", |row| row.get(0)).unwrap();
+    let mut stmt = conn
+        .prepare("SELECT name FROM pragma_table_info('idem_records')")
+        .unwrap();
+    let columns = stmt
+        .query_map([], |row| row.get(0))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    (version, columns)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_of_schema_version_1_is_upgraded_on_open_and_keeps_its_records() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("idem.db");
+    let (id, fp, token) = (id("upgrade"), fingerprint(b"body"), FencingToken::random());
+    {
+        // A file made before checkpoints, holding a claim in flight.
+        let conn = rusqlite::Connection::open(&path).unwrap();
+        conn.pragma_update(None, "journal_mode", "WAL").unwrap();
+        conn.execute_batch(SCHEMA_V1).unwrap();
+        conn.execute(
+            "INSERT INTO idem_records
+                 (scope, key, state, fingerprint, digest, token, lease_until, created_at, purge_at)
+             VALUES (?1, ?2, 'in-flight', ?3, ?4, ?5, ?6, ?7, ?8)",
+            rusqlite::params![
+                id.scope.as_str(),
+                id.key.as_str(),
+                fp.encode(),
+                &fp.digest()[..],
+                &token.as_bytes()[..],
+                T0.plus(LEASE).as_i64(),
+                T0.as_i64(),
+                T0.plus(Duration::from_secs(3600)).as_i64()
+            ],
+        )
+        .unwrap();
+    }
+    let (version, columns) = schema_of(&path);
+    assert_eq!(version, 1);
+    assert!(!columns.iter().any(|c| c == "checkpoints"), "{columns:?}");
+
+    // Two processes starting together on the old file: one upgrades it, the other finds it done.
+    let (store, other) = tokio::join!(SqliteStore::open(&path), SqliteStore::open(&path));
+    let (store, other) = (store.unwrap(), other.unwrap());
+    let (version, columns) = schema_of(&path);
+    assert_eq!(version, 2);
+    let fresh = dir.path().join("fresh.db");
+    drop(SqliteStore::open(&fresh).await.unwrap());
+    assert_eq!(columns, schema_of(&fresh).1, "an upgraded table is like a new one");
+
+    // The claim made before the upgrade is intact and records checkpoints.
+    let record = store.get(&id).await.unwrap().expect("the old record");
+    assert!(matches!(record.state, RecordState::InFlight { token: t, .. } if t == token));
+    assert!(store.checkpoints(&id).await.unwrap().is_empty(), "an old row has none");
+    let step = Checkpoint {
+        name: "charged".to_owned(),
+        value: Bytes::from_static(b"\0ch_1\xff"),
+    };
+    store.checkpoint(&id, token, step.clone()).await.unwrap();
+    assert_eq!(other.checkpoints(&id).await.unwrap(), vec![step.clone()]);
+
+    // Opening the upgraded file again changes nothing.
+    drop((store, other));
+    let store = SqliteStore::open(&path).await.unwrap();
+    assert_eq!(schema_of(&path), (2, columns));
+    assert_eq!(store.checkpoints(&id).await.unwrap(), vec![step]);
+    store.complete(&id, token, completion(T0, b"done")).await.unwrap();
+    assert!(store.checkpoints(&id).await.unwrap().is_empty(), "gone on completion");
 }
 
 #[tokio::test]

@@ -27,6 +27,7 @@
 #![forbid(unsafe_code)]
 
 pub mod cluster;
+pub mod raw;
 pub mod relay;
 pub mod seed;
 pub mod servers;

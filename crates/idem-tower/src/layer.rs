@@ -3,7 +3,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_core::{Clock, HeaderAllowList, MissingKeyPolicy, Policy, Protocol, Routes, ScopeSource, Store, StoreClock};
+use idem_core::{
+    Clock, HeaderAllowList, Keyring, MissingKeyPolicy, Policy, Protocol, Routes, ScopeSource, Store, StoreClock,
+};
 use tokio_util::task::TaskTracker;
 use tower_layer::Layer;
 
@@ -19,6 +21,7 @@ pub struct IdempotencyLayer {
     store: Arc<dyn Store>,
     policy: Policy,
     routes: Routes,
+    keyring: Option<Arc<Keyring>>,
     clock: Arc<dyn Clock>,
     response_timeout: Option<Duration>,
     tasks: TaskTracker,
@@ -37,6 +40,7 @@ impl IdempotencyLayer {
             store,
             policy: Policy::default(),
             routes: Routes::new(),
+            keyring: None,
             response_timeout: None,
             tasks: TaskTracker::new(),
         }
@@ -168,6 +172,22 @@ impl IdempotencyLayer {
         self
     }
 
+    /// Seals stored answers at rest with the keyring's first key, and opens those sealed by any
+    /// of its keys (a new key first and the old ones after it: records sealed before still
+    /// replay). An answer no key opens is `500 answer-unreadable`, never run again.
+    ///
+    /// ```
+    /// # fn example(store: impl idem_core::Store) -> Result<(), idem_core::KeyringError> {
+    /// let keys = "k2026:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=".parse()?;
+    /// let layer = idem_tower::IdempotencyLayer::new(store).with_encryption(keys);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn with_encryption(mut self, keyring: Keyring) -> Self {
+        self.keyring = Some(Arc::new(keyring));
+        self
+    }
+
     /// The clock leases, expiry and tombstones are judged on (default: the store's, a
     /// [`StoreClock`]; another for tests of leases and retention).
     pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
@@ -184,6 +204,7 @@ impl IdempotencyLayer {
     /// The protocol this layer applies to paths no route matches.
     pub fn protocol(&self) -> Protocol {
         Protocol::with_clock(self.store.clone(), self.policy.clone(), self.clock.clone())
+            .with_keyring(self.keyring.clone())
     }
 }
 

@@ -3,7 +3,8 @@
 //!
 //! The protocol itself lives in [`idem_core`]; this crate buffers bodies, runs keyed handlers in
 //! their own tasks (so a caller that hangs up does not cancel them) while renewing their lease,
-//! and stores or releases their answers.
+//! and stores or releases their answers. A handler can record the steps it has done
+//! ([`Checkpoints`]), so that a run taking over from a crashed one resumes after them.
 //!
 //! ```no_run
 //! use axum::{Router, routing::post};
@@ -24,10 +25,12 @@
 #![forbid(unsafe_code)]
 
 mod body;
+mod checkpoints;
 mod layer;
 mod routing;
 mod service;
 
 pub use body::{Body, BoxError};
+pub use checkpoints::{CheckpointError, Checkpoints, MAX_CHECKPOINT_BYTES, MAX_CHECKPOINT_NAME};
 pub use layer::IdempotencyLayer;
 pub use service::{IdempotencyInfo, IdempotencyService, NoAnswer};

@@ -24,6 +24,7 @@ use tokio_util::task::TaskTracker;
 use tower_service::Service;
 
 use crate::body::{Body, BoxError, Collected, boxed, collect_up_to, full};
+use crate::checkpoints::Checkpoints;
 use crate::routing::Routing;
 
 /// What the layer tells the handler about the keyed request it runs, in the request extensions.
@@ -209,6 +210,7 @@ where
                 key: claim.id().key.clone(),
                 recovered: claim.recovered(),
             });
+            parts.extensions.insert(Checkpoints::new(protocol.clone(), claim.clone()));
             run(protocol, route, claim, inner, Request::from_parts(parts, full(bytes)), answer).await;
         });
         let answered = match decision.await {

@@ -13,11 +13,11 @@ use axum::routing::post;
 use http_body_util::BodyExt;
 use idem_core::testkit::{CountingStore, Operation};
 use idem_core::{
-    Begin, BeginRequest, Completion, FencingToken, ManualClock, MissingKeyPolicy, Policy, Purged, Record, RecordId,
-    Release, RouteRule, Routes, Scope, ScopeSource, Store, StoreError, UnixMillis, WaitOutcome,
+    Begin, BeginRequest, Checkpoint, Completion, FencingToken, ManualClock, MissingKeyPolicy, Policy, Purged, Record,
+    RecordId, Release, RouteRule, Routes, Scope, ScopeSource, Store, StoreError, UnixMillis, WaitOutcome,
 };
 use idem_sqlite::SqliteStore;
-use idem_tower::IdempotencyLayer;
+use idem_tower::{CheckpointError, Checkpoints, IdempotencyLayer};
 use tower::ServiceExt;
 
 struct App {
@@ -278,6 +278,12 @@ impl Store for Unreachable {
     async fn delete(&self, _: &RecordId) -> Result<Option<Record>, StoreError> {
         Err(down())
     }
+    async fn checkpoint(&self, _: &RecordId, _: FencingToken, _: Checkpoint) -> Result<(), StoreError> {
+        Err(down())
+    }
+    async fn checkpoints(&self, _: &RecordId) -> Result<Vec<Checkpoint>, StoreError> {
+        Err(down())
+    }
     async fn wait(&self, _: &RecordId, _: FencingToken, _: tokio::time::Instant) -> Result<WaitOutcome, StoreError> {
         Err(down())
     }
@@ -425,6 +431,12 @@ impl Store for Held {
     }
     async fn delete(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         self.store.delete(id).await
+    }
+    async fn checkpoint(&self, id: &RecordId, token: FencingToken, checkpoint: Checkpoint) -> Result<(), StoreError> {
+        self.store.checkpoint(id, token, checkpoint).await
+    }
+    async fn checkpoints(&self, id: &RecordId) -> Result<Vec<Checkpoint>, StoreError> {
+        self.store.checkpoints(id).await
     }
     async fn wait(
         &self,
@@ -610,4 +622,123 @@ async fn routes_give_paths_their_own_policy_or_let_them_pass_untouched() {
         (StatusCode::CREATED, true, "run 4".into())
     );
     assert_eq!(runs.load(Ordering::SeqCst), 4);
+}
+
+/// `POST /steps`: charges (counted), records it as a step, then fails the first time (a panic, as
+/// an instance dying mid-request would leave the record: outcome unknown).
+fn stepped_app(layer: IdempotencyLayer, charges: Arc<AtomicUsize>, failures: Arc<AtomicUsize>) -> Router {
+    Router::new()
+        .route(
+            "/steps",
+            post(move |axum::Extension(steps): axum::Extension<Checkpoints>| {
+                let (charges, failures) = (charges.clone(), failures.clone());
+                async move {
+                    let charge: String = steps
+                        .step("charged", || async {
+                            let n = charges.fetch_add(1, Ordering::SeqCst) + 1;
+                            Ok::<_, CheckpointError>(format!("ch_{n}"))
+                        })
+                        .await
+                        .expect("the step is recorded");
+                    if failures.fetch_add(1, Ordering::SeqCst) == 0 {
+                        panic!("the instance dies after the charge");
+                    }
+                    (StatusCode::CREATED, format!("{charge} recovered={}", steps.recovered()))
+                }
+            }),
+        )
+        .layer(layer)
+}
+
+#[tokio::test]
+async fn a_recovered_run_resumes_after_the_steps_recorded_before_it() {
+    let (store, _dir) = sqlite().await;
+    let store = Arc::new(CountingStore::new(store));
+    let (charges, failures) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let router = stepped_app(IdempotencyLayer::from_shared(store.clone()), charges.clone(), failures);
+    let request = || {
+        Request::post("/steps")
+            .header("idempotency-key", "\"steps-1\"")
+            .body(AxumBody::from("{}"))
+            .expect("request")
+    };
+    let (status, _, _) = send(&router, request()).await;
+    assert_eq!(
+        status,
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "the first run died after its charge"
+    );
+    assert_eq!(charges.load(Ordering::SeqCst), 1);
+    assert_eq!(store.count(Operation::Checkpoint), 1);
+    assert_eq!(store.count(Operation::Checkpoints), 0, "a new run reads no checkpoints");
+
+    let (status, replayed, body) = send(&router, request()).await;
+    assert_eq!((status, replayed), (StatusCode::CREATED, false), "{body}");
+    assert_eq!(
+        body, "ch_1 recovered=true",
+        "the retry resumed after the recorded charge"
+    );
+    assert_eq!(charges.load(Ordering::SeqCst), 1, "charged once");
+    assert_eq!(
+        store.count(Operation::Checkpoints),
+        1,
+        "the recovered run read them once"
+    );
+    let (_, replayed, body) = send(&router, request()).await;
+    assert!(replayed, "{body}");
+}
+
+#[tokio::test]
+async fn a_run_whose_claim_was_lost_cannot_record_a_step() {
+    let (store, _dir) = sqlite().await;
+    let store: Arc<dyn Store> = Arc::new(store);
+    let (reached, reached_rx) = tokio::sync::oneshot::channel::<Checkpoints>();
+    let reached = Arc::new(std::sync::Mutex::new(Some(reached)));
+    let (go, go_rx) = tokio::sync::watch::channel(false);
+    let outcome = Arc::new(std::sync::Mutex::new(None));
+    let router = Router::new()
+        .route(
+            "/steps",
+            post({
+                let outcome = outcome.clone();
+                move |axum::Extension(steps): axum::Extension<Checkpoints>| {
+                    let (reached, outcome, mut go) = (reached.clone(), outcome.clone(), go_rx.clone());
+                    async move {
+                        steps.save("first", &1).await.expect("the first step is recorded");
+                        if let Some(reached) = reached.lock().unwrap().take() {
+                            let _ = reached.send(steps.clone());
+                        }
+                        let _ = go.wait_for(|go| *go).await;
+                        let second = steps.save("second", &2).await;
+                        *outcome.lock().unwrap() = Some(second.map_err(|err| err.to_string()));
+                        StatusCode::CREATED
+                    }
+                }
+            }),
+        )
+        .layer(IdempotencyLayer::from_shared(store.clone()));
+    let request = Request::post("/steps")
+        .header("idempotency-key", "\"lost-1\"")
+        .body(AxumBody::from("{}"))
+        .expect("request");
+    let running = tokio::spawn({
+        let router = router.clone();
+        async move { send(&router, request).await }
+    });
+    let _steps = reached_rx.await.expect("the handler ran its first step");
+    // An operator deletes the record: the run's claim is gone.
+    let id = RecordId {
+        scope: Scope::anonymous(),
+        key: idem_core::IdempotencyKey::new("lost-1").expect("a key"),
+    };
+    assert!(store.delete(&id).await.expect("delete").is_some());
+    go.send(true).expect("the handler waits");
+    running.await.expect("the request");
+    let second = outcome
+        .lock()
+        .unwrap()
+        .clone()
+        .expect("the handler tried its second step");
+    let err = second.expect_err("a fenced run cannot record a step");
+    assert!(err.contains("lost to another run"), "{err}");
 }

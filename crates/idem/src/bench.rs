@@ -52,12 +52,19 @@ pub(crate) async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let samples = Arc::new(Samples::default());
     let store = Instrumented::new(stores::open(&args.store.store).await?, samples.clone());
     let body = "x".repeat(args.body_size);
+    // Sealed at rest when IDEM_ENCRYPTION_KEYS is set, as `idem serve` would seal them.
+    let keyring = crate::config::keyring_from_env()?;
+    let sealing = keyring.as_ref().and_then(|ring| ring.ids().next().map(str::to_owned));
+    let mut layer = IdempotencyLayer::new(store);
+    if let Some(keyring) = keyring {
+        layer = layer.with_encryption(keyring);
+    }
     let app = Router::new()
         .route(
             "/pay",
             post(move || std::future::ready((StatusCode::CREATED, body.clone()))),
         )
-        .layer(IdempotencyLayer::new(store));
+        .layer(layer);
     let run_id = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap_or_default()
@@ -78,7 +85,10 @@ pub(crate) async fn run(args: BenchArgs) -> anyhow::Result<()> {
             operations: samples.take(),
         });
     }
-    print!("{}", report(&args.store.store, args.concurrency, &phases));
+    print!(
+        "{}",
+        report(&args.store.store, args.concurrency, sealing.as_deref(), &phases)
+    );
     Ok(())
 }
 
@@ -112,8 +122,12 @@ async fn drive(app: &Router, keys: Arc<Vec<String>>, concurrency: usize) -> anyh
     Ok(())
 }
 
-fn report(store: &str, concurrency: usize, phases: &[Phase]) -> String {
-    let mut out = format!("idem bench  store: {store}  concurrency: {concurrency}\n\n");
+fn report(store: &str, concurrency: usize, sealing: Option<&str>, phases: &[Phase]) -> String {
+    let sealed = match sealing {
+        Some(key) => format!("sealed by key {key}"),
+        None => "not sealed".to_owned(),
+    };
+    let mut out = format!("idem bench  store: {store}  concurrency: {concurrency}  answers: {sealed}\n\n");
     out.push_str("phase    requests  req/s    store ops/request  operation      p50       p99       max\n");
     for phase in phases {
         let total: usize = phase.operations.values().map(Vec::len).sum();

@@ -261,9 +261,10 @@ pub(crate) struct RouteSettings {
     pub(crate) run_timeout: Option<Duration>,
 }
 
-/// A setting that parses but cannot work: `idem` exits 2 (as for a usage error) naming the flag.
+/// A setting that parses but cannot work: `idem` exits 2 (as for a usage error) naming the flag
+/// (or the environment variable, for a setting that is read from the environment only).
 #[derive(Debug, thiserror::Error)]
-#[error("--{flag}: {reason}")]
+#[error("{}{flag}: {reason}", if flag.starts_with("IDEM_") { "" } else { "--" })]
 pub(crate) struct Misconfigured {
     pub(crate) flag: &'static str,
     pub(crate) reason: String,

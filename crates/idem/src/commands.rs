@@ -4,9 +4,10 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 
 use anyhow::Context as _;
+use bytes::Bytes;
 use idem_core::stored::{COMPLETED, IN_FLIGHT, UNKNOWN};
 use idem_core::{
-    IdempotencyKey, Policy, Protocol, Record, RecordId, RecordState, Scope, Store, StoreError, StoredResponse,
+    IdempotencyKey, Keyring, Policy, Protocol, Record, RecordId, RecordState, Scope, Store, StoreError, StoredResponse,
 };
 use serde::Serialize;
 
@@ -39,17 +40,35 @@ fn no_record(id: &RecordId) -> anyhow::Error {
 /// stderr, nothing on stdout) when there is none.
 pub(crate) async fn inspect(args: InspectArgs) -> anyhow::Result<()> {
     let (store, id) = open_record(&args.record).await?;
+    let keyring = crate::config::keyring_from_env()?;
     let record = store
         .get(&id)
         .await
         .context("cannot read the record")?
         .ok_or_else(|| no_record(&id))?;
     if args.json {
-        println!("{}", serde_json::to_string(&RecordJson::of(&record))?);
+        println!("{}", serde_json::to_string(&RecordJson::of(&record, keyring.as_ref()))?);
     } else {
-        print!("{}", describe(&record));
+        print!("{}", describe(&record, keyring.as_ref()));
     }
     Ok(())
+}
+
+/// A completed record's stored answer, as far as it can be read: which key sealed it (`None`:
+/// stored as it is), and the answer, opened with `keyring` if it is sealed.
+struct Answer {
+    sealed_by: Option<String>,
+    stored: Result<StoredResponse, String>,
+}
+
+impl Answer {
+    fn read(id: &RecordId, bytes: &Bytes, keyring: Option<&Keyring>) -> Self {
+        let sealed_by = idem_core::seal::sealed_by(bytes).ok().flatten().map(str::to_owned);
+        let stored = idem_core::seal::open(keyring, id, bytes)
+            .map_err(|err| err.to_string())
+            .and_then(|opened| StoredResponse::decode(&opened).map_err(|err| err.to_string()));
+        Self { sealed_by, stored }
+    }
 }
 
 /// `idem delete`: deletes one record whatever its state and prints what it was; fails (exit 1, a
@@ -85,7 +104,8 @@ pub(crate) async fn delete(args: RecordArgs) -> anyhow::Result<()> {
         fp.method(),
         fp.path()
     );
-    out.push_str(&describe(&deleted));
+    let keyring = crate::config::keyring_from_env()?;
+    out.push_str(&describe(&deleted, keyring.as_ref()));
     if matches!(deleted.state, RecordState::InFlight { .. }) {
         out.push_str(
             "note:     it was in flight: if that run is still going its answer will not be stored, and a \
@@ -96,7 +116,7 @@ pub(crate) async fn delete(args: RecordArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn describe(record: &Record) -> String {
+fn describe(record: &Record, keyring: Option<&Keyring>) -> String {
     let mut out = String::new();
     let fp = &record.fingerprint;
     let _ = writeln!(out, "scope:    {}", record.id.scope);
@@ -117,7 +137,11 @@ fn describe(record: &Record) -> String {
                 out,
                 "state:    completed at {completed_at}, replayable until {expires_at}"
             );
-            match response.as_deref().map(StoredResponse::decode) {
+            let answer = response.as_ref().map(|bytes| Answer::read(&record.id, bytes, keyring));
+            if let Some(key) = answer.as_ref().and_then(|answer| answer.sealed_by.as_deref()) {
+                let _ = writeln!(out, "sealed:   by key {key}");
+            }
+            match answer.map(|answer| answer.stored) {
                 Some(Ok(stored)) => {
                     let body = match &stored.body {
                         Some(body) => format!("{} bytes", body.len()),
@@ -170,11 +194,14 @@ struct RecordJson<'a> {
     status: Option<u16>,
     /// The stored answer's body length, when the body is kept.
     body_bytes: Option<usize>,
+    /// The id of the key that sealed the stored answer (`IDEM_ENCRYPTION_KEYS`); `null` when it
+    /// is stored as it is, or not kept.
+    sealed_by: Option<String>,
     replays: u64,
 }
 
 impl<'a> RecordJson<'a> {
-    fn of(record: &'a Record) -> Self {
+    fn of(record: &'a Record, keyring: Option<&Keyring>) -> Self {
         let fp = &record.fingerprint;
         let mut json = Self {
             scope: record.id.scope.as_str(),
@@ -190,6 +217,7 @@ impl<'a> RecordJson<'a> {
             answer: None,
             status: None,
             body_bytes: None,
+            sealed_by: None,
             replays: record.replays,
         };
         match &record.state {
@@ -204,7 +232,9 @@ impl<'a> RecordJson<'a> {
                 json.completed_at = Some(completed_at.to_string());
                 json.expires_at = Some(expires_at.to_string());
                 json.purge_at = Some(purge_at.to_string());
-                json.answer = Some(match response.as_deref().map(StoredResponse::decode) {
+                let answer = response.as_ref().map(|bytes| Answer::read(&record.id, bytes, keyring));
+                json.sealed_by = answer.as_ref().and_then(|answer| answer.sealed_by.clone());
+                json.answer = Some(match answer.map(|answer| answer.stored) {
                     Some(Ok(stored)) => {
                         json.status = Some(stored.status.as_u16());
                         json.body_bytes = stored.body.as_ref().map(|body| body.len());
@@ -272,7 +302,7 @@ mod tests {
     }
 
     fn to_json(state: RecordState) -> Value {
-        serde_json::to_value(RecordJson::of(&record(state))).unwrap()
+        serde_json::to_value(RecordJson::of(&record(state), None)).unwrap()
     }
 
     fn completed(response: Option<Bytes>) -> RecordState {
@@ -304,7 +334,7 @@ mod tests {
                 "created_at": "1970-01-01T00:00:01.000Z", "state": "completed", "lease_until": null,
                 "completed_at": "1970-01-01T00:00:02.000Z", "expires_at": "1970-01-01T00:00:03.000Z",
                 "purge_at": "1970-01-01T00:00:04.000Z", "answer": "whole", "status": 202, "body_bytes": 5,
-                "replays": 3
+                "sealed_by": null, "replays": 3
             })
         );
 

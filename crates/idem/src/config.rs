@@ -11,7 +11,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::time::Duration;
 
-use idem_core::{Policy, RouteError, RoutePattern, RouteRule, Routes, ScopeSource};
+use idem_core::{Keyring, Policy, RouteError, RoutePattern, RouteRule, Routes, ScopeSource};
 
 use crate::cli::{Misconfigured, RouteSettings, ServeArgs, ServeSettings};
 use crate::proxy::UpstreamOptions;
@@ -63,6 +63,29 @@ impl Defaults {
     }
 }
 
+/// The keys that seal stored answers, from `IDEM_ENCRYPTION_KEYS` (an environment variable only:
+/// a flag would show them in the process list); `None` when it is unset or empty.
+pub(crate) fn keyring_from_env() -> Result<Option<Keyring>, Misconfigured> {
+    match std::env::var(ENCRYPTION_KEYS) {
+        Ok(keys) if !keys.trim().is_empty() => {
+            keys.parse()
+                .map(Some)
+                .map_err(|err: idem_core::KeyringError| Misconfigured {
+                    flag: ENCRYPTION_KEYS,
+                    reason: err.to_string(),
+                })
+        }
+        Ok(_) | Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(_)) => Err(Misconfigured {
+            flag: ENCRYPTION_KEYS,
+            reason: "is not UTF-8".to_owned(),
+        }),
+    }
+}
+
+/// The environment variable of the sealing keys.
+pub(crate) const ENCRYPTION_KEYS: &str = "IDEM_ENCRYPTION_KEYS";
+
 /// The shortest lease the gateway accepts.
 const MIN_LEASE: Duration = Duration::from_secs(1);
 
@@ -81,6 +104,8 @@ pub(crate) struct ServeConfig {
     pub(crate) upstream_options: UpstreamOptions,
     pub(crate) tls_cert: Option<PathBuf>,
     pub(crate) tls_key: Option<PathBuf>,
+    /// Seals stored answers (`IDEM_ENCRYPTION_KEYS`).
+    pub(crate) keyring: Option<Keyring>,
     origins: Origins,
 }
 
@@ -117,6 +142,7 @@ impl ServeConfig {
             Some(file) => routes(file, &settings.route, &policy)?,
             None => Routes::new(),
         };
+        let keyring = keyring_from_env()?;
         Ok(Self {
             upstream,
             listen: settings.listen.unwrap_or(Defaults::LISTEN),
@@ -134,6 +160,7 @@ impl ServeConfig {
             },
             tls_cert: settings.tls_cert,
             tls_key: settings.tls_key,
+            keyring,
             origins,
         })
     }

@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use idem_core::{
-    Begin, BeginRequest, Completion, FencingToken, Purged, Record, RecordId, Release, Store, StoreError, UnixMillis,
-    WaitOutcome,
+    Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, Record, RecordId, Release, Store, StoreError,
+    UnixMillis, WaitOutcome,
 };
 
 /// Receives one measurement per store operation.
@@ -74,6 +74,13 @@ impl<O: Observer> Store for Instrumented<O> {
     }
     async fn delete(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         self.measure("delete", self.store.delete(id)).await
+    }
+    async fn checkpoint(&self, id: &RecordId, token: FencingToken, checkpoint: Checkpoint) -> Result<(), StoreError> {
+        self.measure("checkpoint", self.store.checkpoint(id, token, checkpoint))
+            .await
+    }
+    async fn checkpoints(&self, id: &RecordId) -> Result<Vec<Checkpoint>, StoreError> {
+        self.measure("checkpoints", self.store.checkpoints(id)).await
     }
     async fn wait(
         &self,

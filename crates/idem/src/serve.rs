@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use std::sync::Arc;
 
-use idem_core::{Policy, Protocol, Routes, Store, StoreClock};
+use idem_core::{Keyring, Policy, Protocol, Routes, Store, StoreClock};
 use idem_tower::IdempotencyLayer;
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
@@ -63,13 +63,16 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
             tracing::warn!(error = %err, "could not read the store's clock; using this machine's until it answers")
         }
     }
-    let gateway = Gateway::protected(
-        store.clone(),
-        clock,
-        config.policy.clone(),
-        config.routes.clone(),
-        proxy,
-    );
+    if let Some(keyring) = &config.keyring {
+        let keys: Vec<&str> = keyring.ids().collect();
+        tracing::info!(sealing_key = keys[0], ?keys, "stored answers are sealed at rest");
+    }
+    let protection = Protection {
+        policy: config.policy.clone(),
+        routes: config.routes.clone(),
+        keyring: config.keyring.clone(),
+    };
+    let gateway = Gateway::protected(store.clone(), clock, protection, proxy);
 
     let listener = TcpListener::bind(config.listen)
         .await
@@ -127,6 +130,14 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// How the gateway applies the protocol: its policy, its routes, and the keys that seal answers.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Protection {
+    pub(crate) policy: Policy,
+    pub(crate) routes: Routes,
+    pub(crate) keyring: Option<Keyring>,
+}
+
 /// The gateway's service: the idempotency layer around the proxy, or the bare proxy.
 pub(crate) struct Gateway {
     app: axum::Router,
@@ -141,15 +152,17 @@ impl Gateway {
     pub(crate) fn protected(
         store: Arc<dyn Store>,
         clock: Arc<StoreClock>,
-        policy: Policy,
-        routes: Routes,
+        protection: Protection,
         proxy: Proxy,
     ) -> Self {
-        let layer = IdempotencyLayer::from_shared(store)
+        let mut layer = IdempotencyLayer::from_shared(store)
             .with_clock(clock)
-            .with_policy(policy)
-            .with_routes(routes)
-            .with_response_timeout(proxy.timeout());
+            .with_policy(protection.policy)
+            .with_routes(protection.routes);
+        if let Some(keyring) = protection.keyring {
+            layer = layer.with_encryption(keyring);
+        }
+        let layer = layer.with_response_timeout(proxy.timeout());
         let (tasks, protocol) = (layer.tasks(), layer.protocol());
         let app = axum::Router::new().fallback_service(tower::ServiceBuilder::new().layer(layer).service(proxy));
         Self {

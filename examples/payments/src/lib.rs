@@ -3,7 +3,7 @@
 //!
 //! | route | does |
 //! |---|---|
-//! | `POST /pay` | charges `{"amount": cents, "currency": "EUR"}`; `200` with the charge |
+//! | `POST /pay` | charges `{"amount": cents, "currency": "EUR"}`, then sends a receipt; `200` with the charge |
 //! | `POST /orders` | creates `{"item": "book", "quantity": 1}`; `201` with `Location: /orders/{id}` |
 //! | `POST /orders/{id}/cancel` | cancels the order; `200` with the order |
 //! | `GET /orders/{id}` | the order as it is now |
@@ -12,6 +12,12 @@
 //! `Idempotency-Replayed: true`. That answer is what *that request* did, not the current state: a
 //! replayed create still says `"status": "open"` after the order was cancelled, and its `Location`
 //! leads to the order as it is now.
+//!
+//! `POST /pay` does two steps with effects outside it: it charges the provider, then sends the
+//! receipt. The charge is a [`Checkpoints::step`]: when the instance dies between the two, the run
+//! that takes the key over (marked recovered) finds the charge recorded and sends the receipt
+//! without charging again. The provider is the service's own books, or an HTTP service
+//! ([`Config::provider`]: `POST /charges`, `POST /receipts`).
 //!
 //! ```no_run
 //! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
@@ -25,42 +31,167 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
 
 use axum::extract::{Path, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
-use idem_tower::{IdempotencyInfo, IdempotencyLayer};
+use idem_tower::{CheckpointError, Checkpoints, IdempotencyLayer};
 use serde::{Deserialize, Serialize};
+
+/// How the service runs.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// The payment provider's base URL (`POST /charges`, `POST /receipts`); `None`: the
+    /// service's own books stand in for it.
+    pub provider: Option<String>,
+    /// The lease of a running request: how soon a request whose instance died can be taken over.
+    pub lease: Duration,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            provider: None,
+            lease: Duration::from_secs(60),
+        }
+    }
+}
 
 /// The service: its routes behind the idempotency layer over `store`.
 pub fn app(store: impl idem_core::Store) -> Router {
+    app_with(store, Config::default())
+}
+
+/// The service as `config` says.
+pub fn app_with(store: impl idem_core::Store, config: Config) -> Router {
+    let provider = match config.provider {
+        Some(base) => Provider::Http {
+            base,
+            client: reqwest::Client::builder()
+                .no_proxy()
+                .timeout(Duration::from_secs(30))
+                .build()
+                .expect("an HTTP client without TLS builds"),
+        },
+        None => Provider::Books,
+    };
     Router::new()
         .route("/pay", post(pay))
         .route("/orders", post(create_order))
         .route("/orders/{id}", get(order))
         .route("/orders/{id}/cancel", post(cancel_order))
-        .with_state(Shop::default())
-        .layer(IdempotencyLayer::new(store))
+        .with_state(Shop {
+            books: Arc::default(),
+            provider: Arc::new(provider),
+        })
+        .layer(IdempotencyLayer::new(store).with_lease(config.lease))
 }
 
-/// The service's own records.
-#[derive(Debug, Clone, Default)]
-struct Shop(Arc<Mutex<Books>>);
+/// The service's own records, and where it charges.
+#[derive(Debug, Clone)]
+struct Shop {
+    books: Arc<Mutex<Books>>,
+    provider: Arc<Provider>,
+}
 
 #[derive(Debug, Default)]
 struct Books {
     orders: HashMap<u64, Order>,
     charges: Vec<Charge>,
-    /// The charge made under each idempotency key, consulted when a run is marked recovered.
-    charged_keys: HashMap<String, usize>,
+    receipts: Vec<String>,
 }
 
 impl Shop {
     fn books(&self) -> MutexGuard<'_, Books> {
         // Every critical section leaves the books consistent.
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+        self.books.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Who moves the money.
+#[derive(Debug)]
+enum Provider {
+    /// The service's own books.
+    Books,
+    /// A payment provider over HTTP.
+    Http { base: String, client: reqwest::Client },
+}
+
+impl Shop {
+    async fn charge(&self, pay: &PayRequest) -> Result<Charge, PayError> {
+        match &*self.provider {
+            Provider::Books => {
+                let mut books = self.books();
+                let charge = Charge {
+                    charge: format!("ch_{}", books.charges.len() + 1),
+                    amount: pay.amount,
+                    currency: pay.currency.clone(),
+                };
+                books.charges.push(charge.clone());
+                Ok(charge)
+            }
+            Provider::Http { base, client } => {
+                let sent = client.post(format!("{base}/charges")).json(pay).send().await;
+                let answer = sent.and_then(reqwest::Response::error_for_status);
+                match answer {
+                    Ok(answer) => answer.json().await.map_err(PayError::provider),
+                    Err(err) => Err(PayError::provider(err)),
+                }
+            }
+        }
+    }
+
+    async fn send_receipt(&self, charge: &Charge) -> Result<(), PayError> {
+        match &*self.provider {
+            Provider::Books => {
+                self.books().receipts.push(charge.charge.clone());
+                Ok(())
+            }
+            Provider::Http { base, client } => {
+                let sent = client.post(format!("{base}/receipts")).json(charge).send().await;
+                sent.and_then(reqwest::Response::error_for_status)
+                    .map(drop)
+                    .map_err(PayError::provider)
+            }
+        }
+    }
+}
+
+/// Why a payment failed.
+#[derive(Debug)]
+enum PayError {
+    /// The provider did not answer, or refused.
+    Provider(String),
+    /// The step could not be recorded or read.
+    Checkpoint(CheckpointError),
+}
+
+impl PayError {
+    fn provider(err: reqwest::Error) -> Self {
+        Self::Provider(err.to_string())
+    }
+}
+
+impl From<CheckpointError> for PayError {
+    fn from(err: CheckpointError) -> Self {
+        Self::Checkpoint(err)
+    }
+}
+
+impl IntoResponse for PayError {
+    fn into_response(self) -> Response {
+        match self {
+            Self::Provider(err) => (StatusCode::BAD_GATEWAY, format!("the payment provider failed: {err}\n")),
+            // Another run holds the key now and answers the client; this one stops here.
+            Self::Checkpoint(CheckpointError::Fenced) => {
+                (StatusCode::CONFLICT, "taken over by another run\n".to_owned())
+            }
+            Self::Checkpoint(err) => (StatusCode::SERVICE_UNAVAILABLE, format!("{err}\n")),
+        }
+        .into_response()
     }
 }
 
@@ -72,14 +203,14 @@ struct Order {
     status: &'static str,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 struct Charge {
     charge: String,
     amount: u64,
     currency: String,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Serialize, Deserialize)]
 struct PayRequest {
     amount: u64,
     currency: String,
@@ -91,31 +222,20 @@ struct OrderRequest {
     quantity: u32,
 }
 
-/// `POST /pay`. A run marked `recovered` (an earlier run of its key may have charged, then
-/// crashed before its answer was stored) looks up its key first instead of charging again.
+/// `POST /pay`: charges, then sends the receipt. The charge is a checkpointed step: a run that
+/// takes over from one that died after charging gets the recorded charge and does not charge
+/// again. (A keyless payment has no checkpoints: it is simply charged.)
 async fn pay(
     State(shop): State<Shop>,
-    info: Option<Extension<IdempotencyInfo>>,
+    steps: Option<Extension<Checkpoints>>,
     Json(pay): Json<PayRequest>,
-) -> Response {
-    let mut books = shop.books();
-    let key = info.map(|Extension(info)| (info.key.as_str().to_owned(), info.recovered));
-    if let Some((key, true)) = &key
-        && let Some(&index) = books.charged_keys.get(key)
-    {
-        return Json(books.charges[index].clone()).into_response();
-    }
-    let charge = Charge {
-        charge: format!("ch_{}", books.charges.len() + 1),
-        amount: pay.amount,
-        currency: pay.currency,
+) -> Result<Json<Charge>, PayError> {
+    let charge = match steps {
+        Some(Extension(steps)) => steps.step("charge_created", || shop.charge(&pay)).await?,
+        None => shop.charge(&pay).await?,
     };
-    books.charges.push(charge.clone());
-    if let Some((key, _)) = key {
-        let index = books.charges.len() - 1;
-        books.charged_keys.insert(key, index);
-    }
-    Json(charge).into_response()
+    shop.send_receipt(&charge).await?;
+    Ok(Json(charge))
 }
 
 /// `POST /orders`: `201 Created` with `Location`, so that a replay leads to the current state.

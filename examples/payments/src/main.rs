@@ -1,5 +1,7 @@
 //! Runs the payments example on `PAYMENTS_LISTEN` (default `127.0.0.1:3000`), its idempotency
-//! records in the SQLite file `PAYMENTS_STORE` (default `payments-idem.db`).
+//! records in the SQLite file `PAYMENTS_STORE` (default `payments-idem.db`), charging the HTTP
+//! provider at `PAYMENTS_PROVIDER` if set (else its own books), with a lease of
+//! `PAYMENTS_LEASE_SECS` (default 60).
 
 use std::error::Error;
 
@@ -8,8 +10,18 @@ async fn main() -> Result<(), Box<dyn Error>> {
     let listen = std::env::var("PAYMENTS_LISTEN").unwrap_or_else(|_| "127.0.0.1:3000".to_owned());
     let path = std::env::var("PAYMENTS_STORE").unwrap_or_else(|_| "payments-idem.db".to_owned());
     let store = idem_sqlite::SqliteStore::open(&path).await?;
+    let mut config = idem_example_payments::Config {
+        provider: std::env::var("PAYMENTS_PROVIDER").ok(),
+        ..Default::default()
+    };
+    if let Ok(secs) = std::env::var("PAYMENTS_LEASE_SECS") {
+        let secs: u64 = secs
+            .parse()
+            .map_err(|_| format!("PAYMENTS_LEASE_SECS={secs:?} is not a number of seconds"))?;
+        config.lease = std::time::Duration::from_secs(secs);
+    }
     let listener = tokio::net::TcpListener::bind(&listen).await?;
     println!("payments listening on http://{}", listener.local_addr()?);
-    axum::serve(listener, idem_example_payments::app(store)).await?;
+    axum::serve(listener, idem_example_payments::app_with(store, config)).await?;
     Ok(())
 }

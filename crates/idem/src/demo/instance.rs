@@ -128,8 +128,10 @@ async fn run_instance(
                     Gateway::protected(
                         store.clone(),
                         StoreClock::new(store),
-                        *policy,
-                        idem_core::Routes::new(),
+                        crate::serve::Protection {
+                            policy: *policy,
+                            ..Default::default()
+                        },
                         Proxy::new(config.upstream, config.upstream_timeout)?,
                     ),
                     grace,

@@ -373,6 +373,19 @@ impl Gateway {
         Self::spawn_command(command, upstream, store, dir, args).await
     }
 
+    /// Starts `idem serve` on an existing store URL with `env` set.
+    pub(crate) async fn start_on_store_with_env(
+        upstream: &str,
+        store: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Self {
+        let dir = tempfile::tempdir().expect("a temp dir");
+        let mut command = Command::new(IDEM);
+        command.envs(env.iter().copied());
+        Self::spawn_command(command, upstream, store.to_owned(), dir, args).await
+    }
+
     /// Starts `idem serve` on an existing store URL (to share a store between instances).
     pub(crate) async fn start_on_store(upstream: &str, store: &str, args: &[&str]) -> Self {
         let dir = tempfile::tempdir().expect("a temp dir");

@@ -1,0 +1,217 @@
+//! Stored answers sealed at rest (`IDEM_ENCRYPTION_KEYS`), through real `idem serve` processes:
+//! the bytes of every store hold neither an answer nor a credential in clear; keys rotate without
+//! losing records; an answer no configured key opens is `500 answer-unreadable`, never run again;
+//! a sealed answer copied onto another record does not open; a malformed key stops the start.
+
+mod common;
+mod servers;
+
+use std::path::PathBuf;
+
+use common::{Gateway, Reply, Upstream, count, new_key, run_idem, send, serve_refusing};
+use idem_test_support::raw;
+
+const KEY_A: &str = "a:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=";
+const KEY_B: &str = "b:HxwdHhsaGRgXFhUUExIREA8ODQwLCgkIBwYFBAMCAQA=";
+const KEY_C: &str = "c:ICEiIyQlJicoKSorLC0uLzAxMjM0NTY3ODk6Ozw9Pj8=";
+
+/// A keyed payment whose body (echoed in the answer) carries `card`, from the caller `token`.
+async fn pay(gw: &Gateway, key: &str, token: &str, card: &str) -> Reply {
+    let request = gw
+        .post("/pay", format!(r#"{{"card":"{card}"}}"#))
+        .header("content-type", "application/json")
+        .header("authorization", format!("Bearer {token}"))
+        .header("idempotency-key", key);
+    send(request).await
+}
+
+/// On `store`: a sealed answer and an unsealed one side by side; `dump` reads the store's bytes.
+async fn sealed_at_rest(store: &str, dump: impl Fn() -> Vec<u8>) {
+    let upstream = Upstream::start().await;
+    let sealing =
+        Gateway::start_on_store_with_env(&upstream.url(), store, &[], &[("IDEM_ENCRYPTION_KEYS", KEY_A)]).await;
+    let (sealed_key, plain_key) = (new_key(), new_key());
+    let first = pay(&sealing, &sealed_key, "TOKEN-SEALED-7731", "CARD-SEALED-4242").await;
+    assert_eq!(first.status, 201, "{first}");
+    let replay = pay(&sealing, &sealed_key, "TOKEN-SEALED-7731", "CARD-SEALED-4242").await;
+    assert!(replay.replayed(), "a sealed answer replays: {replay}");
+    assert_eq!(replay.body, first.body);
+
+    // Beside it, a gateway without keys stores as before (and shows the reader sees answers).
+    let plain = Gateway::start_on_store(&upstream.url(), store, &[]).await;
+    let other = pay(&plain, &plain_key, "TOKEN-PLAIN-5511", "CARD-PLAIN-1111").await;
+    assert_eq!(other.status, 201, "{other}");
+    // It cannot open the sealed answer: 500, and the payment is not made again.
+    let unreadable = pay(&plain, &sealed_key, "TOKEN-SEALED-7731", "CARD-SEALED-4242").await;
+    unreadable.assert_problem(500, "answer-unreadable");
+    assert_eq!(count(&upstream.state.pay), 2, "an unreadable answer is never run again");
+
+    let bytes = dump();
+    assert!(
+        raw::contains(&bytes, b"CARD-PLAIN-1111"),
+        "the store's bytes hold the unsealed answer ({} bytes read): the reader sees answers",
+        bytes.len()
+    );
+    for secret in ["CARD-SEALED-4242", "TOKEN-SEALED-7731", "TOKEN-PLAIN-5511"] {
+        assert!(
+            !raw::contains(&bytes, secret.as_bytes()),
+            "{secret} is in the store's bytes"
+        );
+    }
+}
+
+fn sqlite_path(store: &str) -> PathBuf {
+    PathBuf::from(store.strip_prefix("sqlite://").expect("a sqlite:// URL"))
+}
+
+/// The value of option `name` in a store URL.
+fn option(url: &str, name: &str) -> String {
+    let (_, query) = url.split_once('?').expect("options");
+    query
+        .split('&')
+        .find_map(|pair| pair.strip_prefix(&format!("{name}=")))
+        .expect("the option")
+        .to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_holds_no_answer_or_credential_in_clear() {
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let store = common::store_url_in(dir.path());
+    sealed_at_rest(&store, || raw::sqlite_bytes(&sqlite_path(&store))).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_holds_no_answer_or_credential_in_clear() {
+    let store = servers::postgres_url();
+    sealed_at_rest(&store, || raw::postgres_bytes(&store, &option(&store, "schema"))).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_holds_no_answer_or_credential_in_clear() {
+    let store = servers::redis_url();
+    let node = store.split_once("/?").expect("a prefix").0.to_owned();
+    sealed_at_rest(&store, || {
+        raw::redis_bytes(std::slice::from_ref(&node), &option(&store, "prefix"))
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_holds_no_answer_or_credential_in_clear() {
+    let store = servers::redis_cluster_url();
+    let nodes: Vec<String> = idem_test_support::servers::socket_addrs(&store)
+        .into_iter()
+        .map(|addr| format!("redis://{addr}"))
+        .collect();
+    sealed_at_rest(&store, || raw::redis_bytes(&nodes, &option(&store, "prefix"))).await;
+}
+
+/// `idem inspect --json` of a record, as a JSON value.
+async fn inspect(store: &str, token: &str, key: &str) -> serde_json::Value {
+    let authorization = format!("Bearer {token}");
+    let output = run_idem(
+        &[
+            "inspect",
+            "--store",
+            store,
+            "--authorization",
+            &authorization,
+            "--json",
+            key,
+        ],
+        std::time::Duration::from_secs(30),
+    )
+    .await;
+    assert!(output.status.success(), "{}", common::describe(&output));
+    serde_json::from_slice(&output.stdout).expect("one JSON object")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_rotate_and_a_key_that_is_gone_leaves_the_answer_unreadable_not_rerun() {
+    let upstream = Upstream::start().await;
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let store = common::store_url_in(dir.path());
+    let (old, new) = (new_key(), new_key());
+
+    let before =
+        Gateway::start_on_store_with_env(&upstream.url(), &store, &[], &[("IDEM_ENCRYPTION_KEYS", KEY_A)]).await;
+    let sealed_by_a = pay(&before, &old, "t", "CARD-1").await;
+    drop(before);
+
+    // Rotation: the new key first, the old kept.
+    let rotated = format!("{KEY_B},{KEY_A}");
+    let after =
+        Gateway::start_on_store_with_env(&upstream.url(), &store, &[], &[("IDEM_ENCRYPTION_KEYS", &rotated)]).await;
+    let replay = pay(&after, &old, "t", "CARD-1").await;
+    assert!(
+        replay.replayed(),
+        "a record sealed by the old key still replays: {replay}"
+    );
+    assert_eq!(replay.body, sealed_by_a.body);
+    pay(&after, &new, "t", "CARD-2").await;
+    assert_eq!(inspect(&store, "t", &old).await["sealed_by"], "a");
+    assert_eq!(
+        inspect(&store, "t", &new).await["sealed_by"],
+        "b",
+        "new answers are sealed by the first key"
+    );
+    drop(after);
+
+    // The old key dropped too soon: its records cannot be read, and are not run again.
+    let without_a =
+        Gateway::start_on_store_with_env(&upstream.url(), &store, &[], &[("IDEM_ENCRYPTION_KEYS", KEY_C)]).await;
+    pay(&without_a, &old, "t", "CARD-1")
+        .await
+        .assert_problem(500, "answer-unreadable");
+    pay(&without_a, &new, "t", "CARD-2")
+        .await
+        .assert_problem(500, "answer-unreadable");
+    assert_eq!(count(&upstream.state.pay), 2, "nothing ran again");
+    assert!(
+        without_a.stderr().contains("sealed under key"),
+        "the log says why: {}",
+        without_a.stderr()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sealed_answer_copied_onto_another_record_does_not_open() {
+    let upstream = Upstream::start().await;
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let store = common::store_url_in(dir.path());
+    let env = [("IDEM_ENCRYPTION_KEYS", KEY_A)];
+    let gw = Gateway::start_on_store_with_env(&upstream.url(), &store, &[], &env).await;
+    let (victim, thief) = (new_key(), new_key());
+    let victims = pay(&gw, &victim, "victim", "CARD-VICTIM").await;
+    assert_eq!(victims.status, 201);
+    pay(&gw, &thief, "thief", "CARD-THIEF").await;
+
+    // Someone with write access to the store moves the victim's sealed answer onto their record.
+    let db = rusqlite::Connection::open(sqlite_path(&store)).expect("open the SQLite file");
+    let moved = db
+        .execute(
+            "UPDATE idem_records SET response = (SELECT response FROM idem_records WHERE key = ?1) WHERE key = ?2",
+            [victim.trim_matches('"'), thief.trim_matches('"')],
+        )
+        .expect("move the answer");
+    assert_eq!(moved, 1);
+    let stolen = pay(&gw, &thief, "thief", "CARD-THIEF").await;
+    stolen.assert_problem(500, "answer-unreadable");
+    assert!(!stolen.text().contains("CARD-VICTIM"), "{stolen}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_key_stops_the_start_without_showing_it() {
+    for keys in [
+        "a:AAECAw==",
+        "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=",
+        "a:@@@",
+        &format!("{KEY_A},{KEY_A}"),
+    ] {
+        let output = serve_refusing(&["--upstream", "http://127.0.0.1:9"], &[("IDEM_ENCRYPTION_KEYS", keys)]).await;
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(stderr.contains("IDEM_ENCRYPTION_KEYS"), "{keys}: {stderr}");
+        assert!(!stderr.contains("AAECAw"), "{keys}: the key is not shown: {stderr}");
+    }
+}
