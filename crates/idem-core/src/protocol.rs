@@ -270,26 +270,23 @@ impl Protocol {
         }
     }
 
-    /// The same protocol (store, clock and held answers) under another policy: a route's.
+    /// The same protocol (store, clock, keys and held answers) under another policy: a route's.
     pub fn with_policy(&self, policy: Policy) -> Self {
-        Self {
-            inner: Arc::new(Inner {
-                store: self.inner.store.clone(),
-                policy,
-                clock: self.inner.clock.clone(),
-                keyring: self.inner.keyring.clone(),
-                pending: self.inner.pending.clone(),
-            }),
-        }
+        self.derived(policy, self.inner.keyring.clone())
     }
 
     /// The same protocol, sealing the answers it stores with `keyring`'s first key and opening
     /// sealed ones with any of its keys.
     pub fn with_keyring(&self, keyring: Option<Arc<Keyring>>) -> Self {
+        self.derived(self.inner.policy.clone(), keyring)
+    }
+
+    /// This protocol's store, clock and held answers with `policy` and `keyring`.
+    fn derived(&self, policy: Policy, keyring: Option<Arc<Keyring>>) -> Self {
         Self {
             inner: Arc::new(Inner {
                 store: self.inner.store.clone(),
-                policy: self.inner.policy.clone(),
+                policy,
                 clock: self.inner.clock.clone(),
                 keyring,
                 pending: self.inner.pending.clone(),
@@ -520,7 +517,7 @@ impl Protocol {
         match &record.state {
             RecordState::Completed {
                 response: Some(bytes), ..
-            } => match self.stored_answer(&record.id, bytes) {
+            } => match crate::seal::open_answer(self.inner.keyring.as_deref(), &record.id, bytes) {
                 Ok(stored) => {
                     let outcome = if waited { Outcome::Waited } else { Outcome::Replayed };
                     Judgement::Answer(stored.to_replay(accept), outcome)
@@ -576,12 +573,6 @@ impl Protocol {
             Some(keyring) => keyring.seal(id, &encoded),
             None => encoded.into(),
         }
-    }
-
-    /// The answer stored in `record`, opened if it was sealed.
-    fn stored_answer(&self, id: &RecordId, bytes: &Bytes) -> Result<StoredResponse, String> {
-        let opened = crate::seal::open(self.inner.keyring.as_deref(), id, bytes).map_err(|err| err.to_string())?;
-        StoredResponse::decode(&opened).map_err(|err| err.to_string())
     }
 
     /// One `begin` in the store, run to its end whatever becomes of this request: if it does not

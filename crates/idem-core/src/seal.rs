@@ -14,6 +14,7 @@ use chacha20poly1305::aead::{Aead, KeyInit, Payload};
 use chacha20poly1305::{Key, XChaCha20Poly1305, XNonce};
 use rand::RngCore;
 
+use crate::response::StoredResponse;
 use crate::store::RecordId;
 
 /// What a sealed answer starts with: no encoded answer (`IDR1…`) does.
@@ -59,6 +60,9 @@ pub enum Unreadable {
     /// Not a sealed answer's layout.
     #[error("damaged sealed answer")]
     Damaged,
+    /// Opened (or never sealed), but not an encoded answer.
+    #[error("not a stored answer: {0}")]
+    Undecodable(String),
 }
 
 impl std::str::FromStr for Keyring {
@@ -144,6 +148,13 @@ pub fn open(keyring: Option<&Keyring>, record: &RecordId, stored: &Bytes) -> Res
         )
         .map(Bytes::from)
         .map_err(|_| Unreadable::DoesNotOpen(sealed.key_id.to_owned()))
+}
+
+/// The answer stored for `record`, opened if it was sealed and decoded: what a replay sends and
+/// `idem inspect` shows.
+pub fn open_answer(keyring: Option<&Keyring>, record: &RecordId, stored: &Bytes) -> Result<StoredResponse, Unreadable> {
+    let opened = open(keyring, record, stored)?;
+    StoredResponse::decode(&opened).map_err(|err| Unreadable::Undecodable(err.to_string()))
 }
 
 /// The id of the key that sealed `stored`, or `None` if it is not sealed.

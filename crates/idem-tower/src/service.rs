@@ -168,8 +168,7 @@ where
                     Outcome::BodyIncomplete
                 };
                 tracing::info!(scope = %keyed.scope(), key = keyed.key().map(|k| k.as_str()), outcome = %outcome, status = problem.kind.status().as_u16(), route = %self.route, "idempotency");
-                metrics::counter!("idem_requests_total", "outcome" => outcome.as_str(), "route" => self.route.clone())
-                    .increment(1);
+                count_outcome(&self.route, outcome);
                 return Ok(problem.to_response().map(full));
             }
         };
@@ -488,6 +487,11 @@ fn record_outcome(route: &SharedString, id: Option<&RecordId>, outcome: Outcome,
         }
         None => tracing::info!(outcome = %outcome, status = status.as_u16(), route = %route, "idempotency"),
     }
+    count_outcome(route, outcome);
+}
+
+/// One request in `idem_requests_total`, by outcome and route.
+fn count_outcome(route: &SharedString, outcome: Outcome) {
     metrics::counter!("idem_requests_total", "outcome" => outcome.as_str(), "route" => route.clone()).increment(1);
 }
 

@@ -64,9 +64,7 @@ struct Answer {
 impl Answer {
     fn read(id: &RecordId, bytes: &Bytes, keyring: Option<&Keyring>) -> Self {
         let sealed_by = idem_core::seal::sealed_by(bytes).ok().flatten().map(str::to_owned);
-        let stored = idem_core::seal::open(keyring, id, bytes)
-            .map_err(|err| err.to_string())
-            .and_then(|opened| StoredResponse::decode(&opened).map_err(|err| err.to_string()));
+        let stored = idem_core::seal::open_answer(keyring, id, bytes).map_err(|err| err.to_string());
         Self { sealed_by, stored }
     }
 }

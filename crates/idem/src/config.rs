@@ -31,6 +31,7 @@ impl Defaults {
     pub(crate) const READ_TIMEOUT: Duration = Duration::from_secs(30);
     pub(crate) const MAX_CONNECTIONS: usize = 10_000;
     pub(crate) const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+    pub(crate) const UPSTREAM_HTTP2: bool = false;
 
     /// Each defaulted setting's clap id and its default as a flag would take it, for `--help`.
     pub(crate) fn shown() -> Vec<(&'static str, String)> {
@@ -58,7 +59,7 @@ impl Defaults {
             ("read_timeout", format_duration(Self::READ_TIMEOUT)),
             ("max_connections", Self::MAX_CONNECTIONS.to_string()),
             ("shutdown_grace", format_duration(Self::SHUTDOWN_GRACE)),
-            ("upstream_http2", false.to_string()),
+            ("upstream_http2", Self::UPSTREAM_HTTP2.to_string()),
         ]
     }
 }
@@ -156,7 +157,7 @@ impl ServeConfig {
             upstream_timeout: settings.upstream_timeout.unwrap_or(Defaults::UPSTREAM_TIMEOUT),
             upstream_options: UpstreamOptions {
                 ca: settings.upstream_ca,
-                http2: settings.upstream_http2.unwrap_or(false),
+                http2: settings.upstream_http2.unwrap_or(Defaults::UPSTREAM_HTTP2),
             },
             tls_cert: settings.tls_cert,
             tls_key: settings.tls_key,

@@ -104,13 +104,6 @@ struct Books {
     receipts: Vec<String>,
 }
 
-impl Shop {
-    fn books(&self) -> MutexGuard<'_, Books> {
-        // Every critical section leaves the books consistent.
-        self.books.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-}
-
 /// Who moves the money.
 #[derive(Debug)]
 enum Provider {
@@ -121,6 +114,11 @@ enum Provider {
 }
 
 impl Shop {
+    fn books(&self) -> MutexGuard<'_, Books> {
+        // Every critical section leaves the books consistent.
+        self.books.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
     async fn charge(&self, pay: &PayRequest) -> Result<Charge, PayError> {
         match &*self.provider {
             Provider::Books => {
