@@ -36,6 +36,8 @@ mod codec;
 #[cfg(feature = "server")]
 mod coding;
 #[cfg(feature = "server")]
+mod credential;
+#[cfg(feature = "server")]
 mod fingerprint;
 #[cfg(feature = "server")]
 mod policy;
@@ -69,6 +71,8 @@ pub use time::{Clock, ManualClock, SystemClock, UnixMillis};
 #[cfg(feature = "server")]
 pub use coding::AcceptEncoding;
 #[cfg(feature = "server")]
+pub use credential::{CredentialScopes, MIN_SECRET_LEN, ScopeSecret, ScopeSecretError, ScopeSecrets};
+#[cfg(feature = "server")]
 pub use fingerprint::{Differences, Fingerprint, FingerprintDecodeError};
 #[cfg(feature = "server")]
 pub use policy::{AnonymousPolicy, AnonymousPolicyError, MissingKeyPolicy, MissingKeyPolicyError, Policy, PolicyError};
@@ -81,13 +85,13 @@ pub use route::{Route, RouteError, RoutePattern, RoutePatternError, RouteRule, R
 #[cfg(feature = "server")]
 pub use run::{MAX_PENDING_BYTES, PendingAnswer, RunTimedOut, Unstored};
 #[cfg(feature = "server")]
-pub use scope::{Scope, ScopeError, ScopeSource, ScopeSourceError};
+pub use scope::{Caller, Scope, ScopeError, ScopeSource, ScopeSourceError};
 #[cfg(feature = "server")]
 pub use seal::{Keyring, KeyringError, Unreadable};
 #[cfg(feature = "server")]
 pub use store::{
-    Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, Record, RecordId, RecordState, Release, Store,
-    StoreError, WaitOutcome,
+    Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, Record, RecordId, RecordState, Release,
+    ScopeSalt, Store, StoreError, WaitOutcome,
 };
 #[cfg(feature = "server")]
 pub use store_clock::{RESYNC_EVERY, StoreClock};

@@ -13,13 +13,14 @@ use http::request::Parts;
 use http::{HeaderMap, HeaderValue, Response};
 
 use crate::coding::AcceptEncoding;
+use crate::credential::{CredentialScopes, ScopeSecrets};
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, KeyError};
 use crate::policy::{AnonymousPolicy, MissingKeyPolicy, Policy};
 use crate::problem::{Problem, ProblemKind};
 use crate::response::StoredResponse;
 use crate::run::{Gauged, Pending, StoreTimedOut};
-use crate::scope::{Scope, ScopeSource, hex};
+use crate::scope::{Caller, Scope, ScopeSource, hex};
 use crate::seal::Keyring;
 use crate::store::{
     Begin, BeginRequest, Checkpoint, FencingToken, Purged, Record, RecordId, RecordState, Release, Store, StoreError,
@@ -114,7 +115,7 @@ pub enum Admission {
 /// A request that the protocol applies to.
 #[derive(Debug, Clone)]
 pub struct Keyed {
-    scope: Scope,
+    caller: Caller,
     key: KeySource,
     /// What this request's client accepts: a replay is decoded for it when needed.
     accept: AcceptEncoding,
@@ -128,9 +129,10 @@ enum KeySource {
 }
 
 impl Keyed {
-    /// The caller's scope.
-    pub fn scope(&self) -> &Scope {
-        &self.scope
+    /// The caller's scope, if known before [`Protocol::begin`]: a credential's is hashed there,
+    /// with the store's salt.
+    pub fn scope(&self) -> Option<&Scope> {
+        self.caller.scope()
     }
 
     /// The client's key; `None` for a provisional key derived from the fingerprint.
@@ -229,6 +231,7 @@ pub struct Protocol {
     inner: Arc<Inner>,
 }
 
+#[derive(Clone)]
 pub(crate) struct Inner {
     store: Arc<dyn Store>,
     policy: Policy,
@@ -236,6 +239,8 @@ pub(crate) struct Inner {
     /// Seals stored answers, and opens sealed ones (`None`: answers are stored as they are, and
     /// a sealed one cannot be read).
     keyring: Option<Arc<Keyring>>,
+    /// How credential scopes are hashed, loaded from the store at the first credential.
+    credentials: Arc<Credentials>,
     /// Answers held while the store refuses them.
     pub(crate) pending: Arc<Pending>,
 }
@@ -265,33 +270,34 @@ impl Protocol {
                 policy,
                 clock,
                 keyring: None,
+                credentials: Arc::new(Credentials::new(ScopeSecrets::default())),
                 pending: Arc::default(),
             }),
         }
     }
 
-    /// The same protocol (store, clock, keys and held answers) under another policy: a route's.
+    /// The same protocol (store, clock, keys, scope hashing and held answers) under another
+    /// policy: a route's.
     pub fn with_policy(&self, policy: Policy) -> Self {
-        self.derived(policy, self.inner.keyring.clone())
+        self.derived(|inner| inner.policy = policy)
     }
 
     /// The same protocol, sealing the answers it stores with `keyring`'s first key and opening
     /// sealed ones with any of its keys.
     pub fn with_keyring(&self, keyring: Option<Arc<Keyring>>) -> Self {
-        self.derived(self.inner.policy.clone(), keyring)
+        self.derived(|inner| inner.keyring = keyring)
     }
 
-    /// This protocol's store, clock and held answers with `policy` and `keyring`.
-    fn derived(&self, policy: Policy, keyring: Option<Arc<Keyring>>) -> Self {
-        Self {
-            inner: Arc::new(Inner {
-                store: self.inner.store.clone(),
-                policy,
-                clock: self.inner.clock.clone(),
-                keyring,
-                pending: self.inner.pending.clone(),
-            }),
-        }
+    /// The same protocol, hashing credential scopes with `secrets` besides the store's salt.
+    pub fn with_scope_secrets(&self, secrets: ScopeSecrets) -> Self {
+        self.derived(|inner| inner.credentials = Arc::new(Credentials::new(secrets)))
+    }
+
+    /// This protocol (its store, clock and held answers among the rest) with one thing changed.
+    fn derived(&self, change: impl FnOnce(&mut Inner)) -> Self {
+        let mut inner = (*self.inner).clone();
+        change(&mut inner);
+        Self { inner: Arc::new(inner) }
     }
 
     /// The policy.
@@ -330,14 +336,14 @@ impl Protocol {
         };
         // The scope is needed only once the request is keyed: a keyless request passes through
         // whatever its headers say.
-        let scope = match policy.scope.scope_of(parts) {
-            Ok(scope) => scope,
+        let caller = match policy.scope.caller_of(parts) {
+            Ok(caller) => caller,
             Err(err) => {
                 let detail = format!("{err}: the caller's scope is taken from it. The request was not processed.");
                 return Admission::Refuse(Problem::new(ProblemKind::ScopeInvalid, detail), Outcome::ScopeInvalid);
             }
         };
-        if scope.is_anonymous() && policy.anonymous == AnonymousPolicy::Reject {
+        if caller.is_anonymous() && policy.anonymous == AnonymousPolicy::Reject {
             let detail = format!(
                 "this endpoint keeps stored answers per caller and this request names none ({}); send it with your credential. The request was not processed.",
                 self.identity()
@@ -348,7 +354,7 @@ impl Protocol {
             );
         }
         Admission::Keyed(Keyed {
-            scope,
+            caller,
             key,
             accept: AcceptEncoding::from_headers(&parts.headers),
         })
@@ -421,10 +427,14 @@ impl Protocol {
                 )
             }
         };
-        let id = RecordId {
-            scope: keyed.scope,
-            key,
+        let (scope, mut earlier) = match self.scope_of(keyed.caller).await {
+            Ok(scopes) => scopes,
+            Err(err) => {
+                let scope = Scope::from_stored("cred-mac:(the store's salt could not be read)");
+                return self.store_failed(&err, RecordId { scope, key });
+            }
         };
+        let mut id = RecordId { scope, key };
         if provisional.is_none()
             && let Some(created) = id.key.timestamp(policy.expire_by_key_time)
             && self.now().since(created) > policy.ttl
@@ -443,14 +453,20 @@ impl Protocol {
             let token = FencingToken::random();
             let record = match self.claim_or_read(&id, fingerprint, now, token).await {
                 Err(err) => return self.store_failed(&err, id),
+                // A key new in this scope may have been run under the caller's scope of before a
+                // change of hashing: decided on that record if there is one.
+                Ok(Begin::Acquired { recovered }) if !earlier.is_empty() => {
+                    match self.adopt_earlier(&id, token, &std::mem::take(&mut earlier), now).await {
+                        Ok(None) => return Decision::Run(self.claimed(id, token, recovered, provisional)),
+                        Ok(Some(adopted)) => {
+                            id = adopted;
+                            continue;
+                        }
+                        Err(err) => return self.store_failed(&err, id),
+                    }
+                }
                 Ok(Begin::Acquired { recovered }) => {
-                    return Decision::Run(Claim {
-                        id,
-                        token,
-                        recovered,
-                        provisional,
-                        run_deadline: tokio::time::Instant::now() + policy.run_timeout,
-                    });
+                    return Decision::Run(self.claimed(id, token, recovered, provisional));
                 }
                 Ok(Begin::Existing(record)) => record,
             };
@@ -480,6 +496,81 @@ impl Protocol {
                 return self.store_failed(&err, id);
             }
         }
+    }
+
+    fn claimed(&self, id: RecordId, token: FencingToken, recovered: bool, provisional: Option<Duration>) -> Claim {
+        Claim {
+            id,
+            token,
+            recovered,
+            provisional,
+            run_deadline: tokio::time::Instant::now() + self.inner.policy.run_timeout,
+        }
+    }
+
+    /// The scope of `caller`, and the scopes its records may have been stored under before a
+    /// change of how credentials are hashed (none for other sources).
+    async fn scope_of(&self, caller: Caller) -> Result<(Scope, Vec<Scope>), StoreError> {
+        match caller {
+            Caller::Scope(scope) => Ok((scope, Vec::new())),
+            Caller::Credential(credential) => {
+                let scopes = self.credential_scopes().await?;
+                let policy = &self.inner.policy;
+                let retention = policy.ttl + policy.tombstone_ttl;
+                let earlier = scopes.earlier(credential.as_bytes(), self.now(), retention);
+                Ok((scopes.scope(credential.as_bytes()), earlier))
+            }
+        }
+    }
+
+    /// How credential scopes are hashed in this store: its salt is read (made, the first time
+    /// ever) at the first call, and kept; a failed read is tried again at the next.
+    pub async fn credential_scopes(&self) -> Result<&CredentialScopes, StoreError> {
+        let credentials = &self.inner.credentials;
+        credentials
+            .loaded
+            .get_or_try_init(|| {
+                self.bounded(CredentialScopes::load(
+                    &*self.inner.store,
+                    &credentials.secrets,
+                    self.now(),
+                ))
+            })
+            .await
+    }
+
+    /// Gives up the new claim `token` on `id` if the key has a live record under one of the
+    /// `earlier` scopes, and returns that record's id, for the request to be decided on it;
+    /// `None` (the claim stands) if it has none. A record is never run under two scopes: if the
+    /// claim cannot be given up, the request fails (`503`) and the claim is released later.
+    async fn adopt_earlier(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        earlier: &[Scope],
+        now: UnixMillis,
+    ) -> Result<Option<RecordId>, StoreError> {
+        let store = &self.inner.store;
+        let give_up = |err: StoreError| {
+            let limit = self.inner.policy.store_timeout;
+            tokio::spawn(give_up_claim(store.clone(), id.clone(), token, limit));
+            err
+        };
+        for scope in earlier {
+            let older = RecordId {
+                scope: scope.clone(),
+                key: id.key.clone(),
+            };
+            let found = self.bounded(store.get(&older)).await.map_err(give_up)?;
+            if found.is_some_and(|record| is_live(&record, now)) {
+                self.bounded(store.release(id, token, Release::Forget))
+                    .await
+                    .map_err(give_up)?;
+                tracing::info!(scope = %older.scope, key = %older.key, "the key was first used before a change of how credential scopes are hashed; its record is used");
+                return Ok(Some(older));
+            }
+        }
+        Ok(None)
     }
 
     fn judge(
@@ -700,6 +791,30 @@ async fn give_up_claim(store: Arc<dyn Store>, id: RecordId, token: FencingToken,
         }
     }
     tracing::warn!(scope = %id.scope, key = %id.key, "could not release a claim whose begin was answered 503; it is taken over when its lease ends");
+}
+
+/// Whether a record still stands for its key: anything but one past its `purge_at`, which a claim
+/// would treat as absent.
+fn is_live(record: &Record, now: UnixMillis) -> bool {
+    match record.state {
+        RecordState::InFlight { .. } => true,
+        RecordState::Completed { purge_at, .. } | RecordState::Unknown { purge_at } => now < purge_at,
+    }
+}
+
+/// How credential scopes are hashed: the operator's secrets, and the store's salt once read.
+pub(crate) struct Credentials {
+    secrets: ScopeSecrets,
+    loaded: tokio::sync::OnceCell<CredentialScopes>,
+}
+
+impl Credentials {
+    fn new(secrets: ScopeSecrets) -> Self {
+        Self {
+            secrets,
+            loaded: tokio::sync::OnceCell::new(),
+        }
+    }
 }
 
 enum Judgement {

@@ -5,13 +5,13 @@ use std::fmt;
 use std::str::FromStr;
 
 use http::HeaderName;
+use http::HeaderValue;
 use http::request::Parts;
-use sha2::{Digest, Sha256};
 
 /// The caller a key belongs to.
 ///
-/// Values are prefixed by their source (`cred:`, `header:`, `app:`) so that two sources can never
-/// produce the same scope.
+/// Values are prefixed by their source (`cred-mac:`, `header:`, `app:`) so that two sources can
+/// never produce the same scope.
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Scope(Box<str>);
 
@@ -42,12 +42,6 @@ impl Scope {
     /// The stored form of the scope.
     pub fn as_str(&self) -> &str {
         &self.0
-    }
-
-    /// The scope of callers presenting this `Authorization` header value (`--scope credential`).
-    pub fn credential(authorization: &[u8]) -> Self {
-        let digest = Sha256::digest(authorization);
-        Self(format!("cred:{}", hex(&digest)).into())
     }
 
     /// Whether this is the scope of callers that present no identity.
@@ -101,28 +95,71 @@ pub enum ScopeSource {
 #[error("the {0} header appears more than once; send it once")]
 pub struct ScopeError(pub HeaderName);
 
-impl ScopeSource {
-    /// The scope of a request. An absent or empty header is the anonymous scope.
-    pub fn scope_of(&self, parts: &Parts) -> Result<Scope, ScopeError> {
+/// Who a request says its caller is: a scope, or a credential whose scope is a keyed hash that
+/// takes the store's salt to compute ([`CredentialScopes`](crate::CredentialScopes)).
+#[derive(Clone, PartialEq, Eq)]
+pub enum Caller {
+    /// The caller's scope.
+    Scope(Scope),
+    /// The `Authorization` header's value.
+    Credential(HeaderValue),
+}
+
+impl fmt::Debug for Caller {
+    /// Never prints the credential.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::Credential => header_scope(parts, &http::header::AUTHORIZATION, Scope::credential),
-            Self::Header(name) => header_scope(parts, name, Scope::header),
-            Self::None => Ok(Scope::shared()),
-            Self::Extension => Ok(parts
-                .extensions
-                .get::<Scope>()
-                .cloned()
-                .unwrap_or_else(Scope::anonymous)),
+            Self::Scope(scope) => f.debug_tuple("Scope").field(scope).finish(),
+            Self::Credential(_) => f.write_str("Credential(..)"),
         }
     }
 }
 
-fn header_scope(parts: &Parts, name: &HeaderName, scope: fn(&[u8]) -> Scope) -> Result<Scope, ScopeError> {
+impl Caller {
+    /// The caller's scope if it is known without the store's salt.
+    pub fn scope(&self) -> Option<&Scope> {
+        match self {
+            Self::Scope(scope) => Some(scope),
+            Self::Credential(_) => None,
+        }
+    }
+
+    /// Whether the request names no caller.
+    pub fn is_anonymous(&self) -> bool {
+        self.scope().is_some_and(Scope::is_anonymous)
+    }
+}
+
+impl ScopeSource {
+    /// Who the caller of a request is. An absent or empty header is the anonymous scope.
+    pub fn caller_of(&self, parts: &Parts) -> Result<Caller, ScopeError> {
+        match self {
+            Self::Credential => header_caller(parts, &http::header::AUTHORIZATION, |value| {
+                Caller::Credential(value.clone())
+            }),
+            Self::Header(name) => header_caller(parts, name, |value| Caller::Scope(Scope::header(value.as_bytes()))),
+            Self::None => Ok(Caller::Scope(Scope::shared())),
+            Self::Extension => Ok(Caller::Scope(
+                parts
+                    .extensions
+                    .get::<Scope>()
+                    .cloned()
+                    .unwrap_or_else(Scope::anonymous),
+            )),
+        }
+    }
+}
+
+fn header_caller(
+    parts: &Parts,
+    name: &HeaderName,
+    caller: impl Fn(&HeaderValue) -> Caller,
+) -> Result<Caller, ScopeError> {
     let mut values = parts.headers.get_all(name).iter();
     match (values.next(), values.next()) {
         (Some(_), Some(_)) => Err(ScopeError(name.clone())),
-        (Some(value), None) if !value.is_empty() => Ok(scope(value.as_bytes())),
-        _ => Ok(Scope::anonymous()),
+        (Some(value), None) if !value.is_empty() => Ok(caller(value)),
+        _ => Ok(Caller::Scope(Scope::anonymous())),
     }
 }
 
@@ -181,24 +218,25 @@ mod tests {
     }
 
     #[test]
-    fn credentials_separate_callers() {
+    fn credentials_are_kept_for_hashing() {
         let source = ScopeSource::Credential;
-        let alice = source.scope_of(&parts(&[("authorization", b"Bearer alice")])).unwrap();
-        let bob = source.scope_of(&parts(&[("authorization", b"Bearer bob")])).unwrap();
-        assert_ne!(alice, bob);
-        assert_eq!(
-            alice,
-            source.scope_of(&parts(&[("authorization", b"Bearer alice")])).unwrap()
-        );
-        assert_eq!(source.scope_of(&parts(&[])).unwrap(), Scope::anonymous());
-        assert_eq!(
-            source.scope_of(&parts(&[("authorization", b"")])).unwrap(),
-            Scope::anonymous()
-        );
+        let alice = source.caller_of(&parts(&[("authorization", b"Bearer alice")])).unwrap();
+        assert_eq!(alice, Caller::Credential(HeaderValue::from_static("Bearer alice")));
+        assert_eq!(alice.scope(), None);
         assert!(!alice.is_anonymous());
         assert!(
-            !alice.as_str().contains("alice"),
-            "the credential itself is never stored"
+            !format!("{alice:?}").contains("alice"),
+            "the credential is never printed"
+        );
+        assert_eq!(
+            source.caller_of(&parts(&[])).unwrap(),
+            Caller::Scope(Scope::anonymous())
+        );
+        assert!(
+            source
+                .caller_of(&parts(&[("authorization", b"")]))
+                .unwrap()
+                .is_anonymous()
         );
     }
 
@@ -216,15 +254,18 @@ mod tests {
     #[test]
     fn header_and_application_scopes_never_collide() {
         let from_header = ScopeSource::Header(HeaderName::from_static("x-user"))
-            .scope_of(&parts(&[("x-user", b"7")]))
+            .caller_of(&parts(&[("x-user", b"7")]))
             .unwrap();
-        assert_ne!(from_header, Scope::application("7"));
+        assert_ne!(from_header, Caller::Scope(Scope::application("7")));
     }
 
     #[test]
     fn header_scopes_keep_exact_bytes() {
         let source = ScopeSource::Header(HeaderName::from_static("x-user-id"));
-        let scope = |value: &[u8]| source.scope_of(&parts(&[("x-user-id", value)])).unwrap();
+        let scope = |value: &[u8]| {
+            let caller = source.caller_of(&parts(&[("x-user-id", value)])).unwrap();
+            caller.scope().cloned().unwrap()
+        };
         // Latin-1 "müller" and "mäller": one lossy UTF-8 conversion would make them one scope.
         assert_ne!(scope(b"m\xfcller"), scope(b"m\xe4ller"));
         assert_ne!(scope(b"m\xfcller"), scope("m\u{fffd}ller".as_bytes()));
@@ -237,12 +278,12 @@ mod tests {
     fn a_repeated_scope_header_is_refused() {
         let source = ScopeSource::Header(HeaderName::from_static("x-user-id"));
         let err = source
-            .scope_of(&parts(&[("x-user-id", b"alice"), ("x-user-id", b"bob")]))
+            .caller_of(&parts(&[("x-user-id", b"alice"), ("x-user-id", b"bob")]))
             .unwrap_err();
         assert_eq!(err.0, "x-user-id");
         assert!(
             ScopeSource::Credential
-                .scope_of(&parts(&[
+                .caller_of(&parts(&[
                     ("authorization", b"Bearer a"),
                     ("authorization", b"Bearer b")
                 ]))

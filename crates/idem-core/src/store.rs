@@ -6,6 +6,7 @@ use std::fmt;
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use rand::RngCore;
 
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
@@ -147,6 +148,42 @@ pub struct Checkpoint {
     pub value: Bytes,
 }
 
+/// The store-wide secret that keys the hash of credential scopes (see [`Store::scope_salt`]).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct ScopeSalt {
+    /// 32 random bytes, made once per store.
+    pub salt: [u8; 32],
+    /// When the store made it.
+    pub created_at: UnixMillis,
+    /// The latest `purge_at` among the records the store held when it made the salt: records
+    /// written before there was a salt (their credential scopes hashed without it) may live until
+    /// then. `None` if the store held none.
+    pub older_records_until: Option<UnixMillis>,
+}
+
+impl ScopeSalt {
+    /// A new random salt made at `now`, as a candidate for [`Store::scope_salt`].
+    pub fn random(now: UnixMillis) -> Self {
+        let mut salt = [0; 32];
+        rand::rng().fill_bytes(&mut salt);
+        Self {
+            salt,
+            created_at: now,
+            older_records_until: None,
+        }
+    }
+}
+
+impl fmt::Debug for ScopeSalt {
+    /// Never prints the salt itself.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ScopeSalt")
+            .field("created_at", &self.created_at)
+            .field("older_records_until", &self.older_records_until)
+            .finish_non_exhaustive()
+    }
+}
+
 /// How [`Store::release`] leaves a record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Release {
@@ -246,6 +283,14 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// none for a record without any, or no record.
     async fn checkpoints(&self, id: &RecordId) -> Result<Vec<Checkpoint>, StoreError>;
 
+    /// The store's [`ScopeSalt`], made from `candidate` if the store has none yet: atomically, so
+    /// that instances asking at once all get the same one, and for good (it never changes, and
+    /// retention never removes it). When it is made, the store fills in
+    /// [`ScopeSalt::older_records_until`] from the records it holds; `candidate`'s is ignored.
+    ///
+    /// Asked once per instance, not per request.
+    async fn scope_salt(&self, candidate: ScopeSalt) -> Result<ScopeSalt, StoreError>;
+
     /// Deletes the record whatever its state, atomically, and returns it as it was (as
     /// [`Store::get`] would have read it the moment before); `None` if there was none. An operator's
     /// tool: a holder of the deleted claim is fenced from then on, its waiters are woken to look
@@ -298,6 +343,9 @@ impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
     }
     async fn checkpoints(&self, id: &RecordId) -> Result<Vec<Checkpoint>, StoreError> {
         (**self).checkpoints(id).await
+    }
+    async fn scope_salt(&self, candidate: ScopeSalt) -> Result<ScopeSalt, StoreError> {
+        (**self).scope_salt(candidate).await
     }
     async fn delete(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         (**self).delete(id).await

@@ -13,7 +13,7 @@ use http::{HeaderMap, Method};
 
 use crate::{
     Begin, BeginRequest, Checkpoint, Completion, FencingToken, Fingerprint, IdempotencyKey, Record, RecordId,
-    RecordState, Release, Scope, Store, StoreError, UnixMillis, WaitOutcome,
+    RecordState, Release, Scope, ScopeSalt, Store, StoreError, UnixMillis, WaitOutcome,
 };
 
 /// Opens handles on the store under test.
@@ -970,6 +970,82 @@ pub async fn a_new_claim_never_sees_old_checkpoints(h: &impl Harness) {
     );
 }
 
+/// The scope salt is made once per store: instances asking at once all get the same one, made from
+/// one of their candidates, and a handle opened later gets it too. A store that held no records
+/// when it made the salt says so.
+pub async fn scope_salt_is_one_per_store(h: &impl Harness) {
+    let now = UnixMillis::now();
+    let mut handles = Vec::new();
+    for _ in 0..8 {
+        handles.push(h.open().await);
+    }
+    let candidates: Vec<ScopeSalt> = (0..8).map(|_| ScopeSalt::random(now)).collect();
+    let asked = handles.iter().zip(&candidates).map(|(store, candidate)| {
+        let (store, candidate) = (store.clone(), *candidate);
+        tokio::spawn(async move { store.scope_salt(candidate).await.expect("scope_salt") })
+    });
+    let mut salts = Vec::new();
+    for task in asked.collect::<Vec<_>>() {
+        salts.push(task.await.expect("the task"));
+    }
+    let salt = salts[0];
+    assert!(
+        salts.iter().all(|s| *s == salt),
+        "every instance gets the same salt: {salts:?}"
+    );
+    assert!(
+        candidates
+            .iter()
+            .any(|c| c.salt == salt.salt && c.created_at == salt.created_at),
+        "the salt is one of the candidates"
+    );
+    assert_eq!(
+        salt.older_records_until, None,
+        "the store held no records when it made the salt"
+    );
+
+    // Records written after the salt change nothing; later handles get the same salt.
+    let (id, fp) = (fresh_id(), fingerprint("{}"));
+    let token = acquire(&*handles[0], &id, &fp, now).await;
+    let done = completion(b"ok", now, DAY, 2 * DAY);
+    handles[0].complete(&id, token, done).await.expect("complete");
+    let later = h.open().await;
+    assert_eq!(
+        later.scope_salt(ScopeSalt::random(now)).await.expect("scope_salt"),
+        salt
+    );
+}
+
+/// A salt made by a store that already holds records tells until when those records may live, so
+/// that scopes hashed before there was a salt are still looked up until then.
+pub async fn scope_salt_tells_how_long_older_records_live(h: &impl Harness) {
+    let store = h.open().await;
+    let now = UnixMillis::now();
+    let (fp, mut latest) = (fingerprint("{}"), now);
+    for days in [3, 9, 5] {
+        let id = fresh_id();
+        let token = acquire(&*store, &id, &fp, now).await;
+        let done = completion(b"ok", now, DAY, Duration::from_secs(days * 24 * 3600));
+        latest = latest.max(done.purge_at);
+        store.complete(&id, token, done).await.expect("complete");
+    }
+    // One still in flight: its run ends (and its record's life begins) later, which the protocol
+    // allows for on its side.
+    acquire(&*store, &fresh_id(), &fp, now).await;
+    let salt = store.scope_salt(ScopeSalt::random(now)).await.expect("scope_salt");
+    let until = salt
+        .older_records_until
+        .expect("the store held records when it made the salt");
+    assert!(
+        until >= latest,
+        "older records live until {latest}, the salt says {until}"
+    );
+    assert!(
+        until <= latest.plus(LEASE),
+        "the salt says older records live until {until}, long after the latest ({latest})"
+    );
+}
+
 /// Generates one `#[tokio::test]` per conformance case, each calling `$harness` for its store:
 /// a store crate's test file holds its [`Harness`] and the line
 /// `idem_core::conformance_tests!(MyHarness::new());`.
@@ -985,7 +1061,8 @@ macro_rules! conformance_tests {
             expiry_leaves_a_tombstone, purge_time_frees_the_key_without_purge, purge_in_batches,
             scopes_are_isolated, large_bodies, records_survive_reopen, tells_its_time,
             checkpoints_belong_to_the_current_claim, checkpoints_survive_a_takeover_and_end_with_the_run,
-            a_new_claim_never_sees_old_checkpoints);
+            a_new_claim_never_sees_old_checkpoints, scope_salt_is_one_per_store,
+            scope_salt_tells_how_long_older_records_live);
     };
     (@cases $harness:expr; $($case:ident),* $(,)?) => {
         $(
@@ -1001,7 +1078,7 @@ macro_rules! conformance_tests {
 #[derive(Debug)]
 pub struct CountingStore<S> {
     inner: S,
-    counts: [std::sync::atomic::AtomicU64; 12],
+    counts: [std::sync::atomic::AtomicU64; 13],
 }
 
 /// The operations [`CountingStore`] counts.
@@ -1032,6 +1109,9 @@ pub enum Operation {
     Checkpoint,
     /// [`Store::checkpoints`].
     Checkpoints,
+    /// [`Store::scope_salt`]: read once per instance, never per request, so not in
+    /// [`CountingStore::total`].
+    ScopeSalt,
 }
 
 impl<S> CountingStore<S> {
@@ -1052,12 +1132,12 @@ impl<S> CountingStore<S> {
         self.counts[op as usize].load(std::sync::atomic::Ordering::SeqCst)
     }
 
-    /// How many operations ran in all, the clock's measurements aside.
+    /// How many operations ran in all, the per-instance reads (clock, scope salt) aside.
     pub fn total(&self) -> u64 {
         self.counts
             .iter()
             .enumerate()
-            .filter(|(op, _)| *op != Operation::Clock as usize)
+            .filter(|(op, _)| ![Operation::Clock as usize, Operation::ScopeSalt as usize].contains(op))
             .map(|(_, c)| c.load(std::sync::atomic::Ordering::SeqCst))
             .sum()
     }
@@ -1108,6 +1188,10 @@ impl<S: Store> Store for CountingStore<S> {
     ) -> Result<WaitOutcome, StoreError> {
         self.bump(Operation::Wait);
         self.inner.wait(id, token, deadline).await
+    }
+    async fn scope_salt(&self, candidate: ScopeSalt) -> Result<ScopeSalt, StoreError> {
+        self.bump(Operation::ScopeSalt);
+        self.inner.scope_salt(candidate).await
     }
     async fn delete(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         self.bump(Operation::Delete);

@@ -12,6 +12,9 @@
 //! * **Checkpoints** of a run are kept in its record's row: written by a compare-and-set on the
 //!   fencing token, kept through a takeover or a release as unknown, and emptied by the statement
 //!   that completes the record or claims it anew (deleting the row takes them with it).
+//! * **The scope salt** (the key of the hash of credential scopes) is one row per schema: the
+//!   first instance to ask makes it with `INSERT ... ON CONFLICT DO NOTHING` and every other one
+//!   reads that row. Purging never touches it.
 //! * **Purging** deletes and tombstones in batches, one instance at a time (an advisory lock
 //!   that the others do not wait for), through indexes on `purge_at` and `expires_at`.
 //! * **Migrations** are versioned (`idem_schema_migrations`) and run under an advisory lock, so
@@ -46,11 +49,12 @@
 //! | `poll_interval=DUR` | `200ms` | the longest pause between two checks of a waiter (the first comes after a quarter of it) |
 //! | `schema=NAME` | the `search_path` | the PostgreSQL schema of the tables, created if missing |
 //!
-//! Schema (version 2): `idem_records`, keyed by `(scope, key)`, indexed on `purge_at` and (for
+//! Schema (version 3): `idem_records`, keyed by `(scope, key)`, indexed on `purge_at` and (for
 //! rows that still hold an answer) on `expires_at`, with the checkpoints of the current run in two
-//! arrays that line up, `checkpoint_names` and `checkpoint_values` (added by version 2: a
-//! version-1 database is upgraded in place when a store connects); `idem_schema_migrations`
-//! records the versions applied. Statements are prepared once per connection: behind PgBouncer in transaction
+//! arrays that line up, `checkpoint_names` and `checkpoint_values` (added by version 2);
+//! `idem_scope_salt`, the one row of the scope salt (added by version 3);
+//! `idem_schema_migrations`, the versions applied. An older database is upgraded in place when a
+//! store connects. Statements are prepared once per connection: behind PgBouncer in transaction
 //! mode this needs PgBouncer 1.21 or later with `max_prepared_statements` set.
 #![forbid(unsafe_code)]
 

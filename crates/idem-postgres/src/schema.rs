@@ -18,6 +18,9 @@ const MIGRATION_LOCK: i64 = 0x6964_656d_0000_0001;
 /// 2. The checkpoints of each record's current run, as two arrays that line up position by
 ///    position (`checkpoint_names[i]` names `checkpoint_values[i]`), in the order each name was
 ///    first written. A row always has both, empty when there are none.
+/// 3. `idem_scope_salt`: the store's one scope salt, in a table of its own that retention never
+///    touches. A single row (`id = 1`, so that a second one cannot be inserted); `NULL` in
+///    `older_records_until` if the store held no records when the salt was made.
 const MIGRATIONS: &[(i32, &str)] = &[
     (
         1,
@@ -55,6 +58,19 @@ CREATE INDEX idem_records_expires_at ON idem_records (expires_at) WHERE response
 ALTER TABLE idem_records
     ADD COLUMN checkpoint_names  TEXT[]  NOT NULL DEFAULT '{}',
     ADD COLUMN checkpoint_values BYTEA[] NOT NULL DEFAULT '{}';
+",
+    ),
+    (
+        3,
+        // No CHECK on the salt's length: it is checked where it is read (a salt of another length
+        // is a corrupt store), rather than tying the table to the length of today's salts.
+        "
+CREATE TABLE idem_scope_salt (
+    id                  SMALLINT PRIMARY KEY CHECK (id = 1),
+    salt                BYTEA    NOT NULL,
+    created_at          BIGINT   NOT NULL,
+    older_records_until BIGINT
+);
 ",
     ),
 ];

@@ -4,6 +4,9 @@
 //! the fencing token. Changes that end a claim `NOTIFY` in the same statement, so that waiters
 //! everywhere are woken on commit.
 //!
+//! The scope salt is the one row of `idem_scope_salt`, made by the first caller with
+//! `INSERT ... ON CONFLICT DO NOTHING` and read by everyone else in a statement of its own.
+//!
 //! Checkpoints live in the record's row, in two arrays that line up (`checkpoint_names`,
 //! `checkpoint_values`): writing one is a compare-and-set like the others, a takeover or a release
 //! as unknown leaves them, and the statements that end the run or start a new one empty them
@@ -17,8 +20,8 @@ use async_trait::async_trait;
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
 use idem_core::stored::{Existing, StoredRecord, wait_for_change};
 use idem_core::{
-    Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, Record, RecordId, Release, Store, StoreError,
-    UnixMillis, WaitOutcome,
+    Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, Record, RecordId, Release, ScopeSalt, Store,
+    StoreError, UnixMillis, WaitOutcome,
 };
 use tokio_postgres::{NoTls, Row};
 
@@ -141,6 +144,20 @@ WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in-flight'";
 const CHECKPOINTS: &str = "
 SELECT checkpoint_names, checkpoint_values
 FROM idem_records WHERE scope = $1 AND key = $2 AND state IN ('in-flight', 'unknown')";
+
+/// Makes the scope salt from the candidate unless there is one; returns it only if made here.
+/// `max(purge_at)` reads the end of the `purge_at` index, as of the statement's snapshot: a
+/// record committed while it runs is not counted, like one written later by an instance not yet
+/// upgraded, and the protocol looks back one retention past this time for both.
+const SCOPE_SALT_INSERT: &str = "
+INSERT INTO idem_scope_salt (id, salt, created_at, older_records_until)
+SELECT 1, $1::bytea, $2::bigint, (SELECT max(purge_at) FROM idem_records)
+ON CONFLICT (id) DO NOTHING
+RETURNING salt, created_at, older_records_until";
+
+/// A statement of its own after [`SCOPE_SALT_INSERT`] found the row taken: under read committed it
+/// sees the row that a concurrent caller committed, which the insert's snapshot may not.
+const SCOPE_SALT_SELECT: &str = "SELECT salt, created_at, older_records_until FROM idem_scope_salt WHERE id = 1";
 
 const HOLDS: &str = "
 SELECT EXISTS (
@@ -377,6 +394,22 @@ fn checkpoints_from_row(row: &Row, id: &RecordId) -> Result<Vec<Checkpoint>, Sto
     pair_checkpoints(names, values).map_err(corrupt)
 }
 
+/// Reads the columns of [`SCOPE_SALT_SELECT`]; values of the wrong type and a salt of the wrong
+/// length are a corrupt store.
+fn scope_salt_from_row(row: &Row) -> Result<ScopeSalt, StoreError> {
+    let corrupt = |detail: String| StoreError::Corrupt(format!("the scope salt: {detail}"));
+    let salt: Vec<u8> = row.try_get(0).map_err(|err| corrupt(describe(&err)))?;
+    let created_at: i64 = row.try_get(1).map_err(|err| corrupt(describe(&err)))?;
+    let older_records_until: Option<i64> = row.try_get(2).map_err(|err| corrupt(describe(&err)))?;
+    let salt = <[u8; 32]>::try_from(salt.as_slice())
+        .map_err(|_| corrupt(format!("{} bytes where 32 were expected", salt.len())))?;
+    Ok(ScopeSalt {
+        salt,
+        created_at: UnixMillis::from_i64(created_at),
+        older_records_until: older_records_until.map(UnixMillis::from_i64),
+    })
+}
+
 /// Pairs each name with the value at its position.
 fn pair_checkpoints(names: Vec<String>, values: Vec<Vec<u8>>) -> Result<Vec<Checkpoint>, String> {
     if names.len() != values.len() {
@@ -590,6 +623,33 @@ impl Store for PostgresStore {
         row.map_or_else(|| Ok(Vec::new()), |row| checkpoints_from_row(&row, id))
     }
 
+    /// Two statements without a transaction around them: the insert waits for a concurrent one to
+    /// commit (or roll back) and then does nothing (or makes the salt), and the select, with a
+    /// snapshot of its own, reads what was committed.
+    async fn scope_salt(&self, candidate: ScopeSalt) -> Result<ScopeSalt, StoreError> {
+        let db = self.db("scope_salt");
+        let client = self.client("scope_salt").await?;
+        let insert = client.prepare_cached(SCOPE_SALT_INSERT).await.map_err(db)?;
+        let made = client
+            .query_opt(&insert, &[&&candidate.salt[..], &candidate.created_at.as_i64()])
+            .await
+            .map_err(db)?;
+        if let Some(row) = made {
+            return scope_salt_from_row(&row);
+        }
+        let select = client.prepare_cached(SCOPE_SALT_SELECT).await.map_err(db)?;
+        match client.query_opt(&select, &[]).await.map_err(db)? {
+            Some(row) => scope_salt_from_row(&row),
+            // Nothing deletes the row: only someone emptying the table by hand in between.
+            None => Err(StoreError::unavailable(Failure::new(
+                "scope_salt",
+                &self.inner.target,
+                "the scope salt was deleted while it was being read (idem_scope_salt must never be emptied)".to_owned(),
+                None,
+            ))),
+        }
+    }
+
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         let db = self.db("get");
         let client = self.client("get").await?;
@@ -695,9 +755,9 @@ mod tests {
         }
     }
 
-    /// The plans of the lookups and of purging on a table of 20 000 records, 100 of them due:
-    /// indexes, never a scan of the whole table. Runs against the test server
-    /// (`IDEM_TEST_POSTGRES_URL`, default `postgres://postgres@127.0.0.1:5432/test`).
+    /// The plans of the lookups, of purging and of making the scope salt on a table of 20 000
+    /// records, 100 of them due: indexes, never a scan of the whole table. Runs against the test
+    /// server (`IDEM_TEST_POSTGRES_URL`, default `postgres://postgres@127.0.0.1:5432/test`).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn lookups_and_purging_use_the_indexes() {
         let base = std::env::var("IDEM_TEST_POSTGRES_URL")
@@ -764,10 +824,24 @@ mod tests {
             checkpoints.contains("Index Scan using idem_records_pkey"),
             "{checkpoints}"
         );
+        let salting = plan(
+            SCOPE_SALT_INSERT,
+            vec![Box::new(vec![0_u8; 32]), Box::new(UnixMillis::now().as_i64())],
+        )
+        .await;
+        assert!(salting.contains("idem_records_purge_at"), "{salting}");
         let tombstoning = plan(PURGE_TOMBSTONE, vec![Box::new(1_000_100_i64), Box::new(1000_i64)]).await;
         assert!(tombstoning.contains("Tid Scan"), "{tombstoning}");
         assert!(tombstoning.contains("idem_records_expires_at"), "{tombstoning}");
-        for plan in [&lookup, &locking, &checkpoint, &checkpoints, &deleting, &tombstoning] {
+        for plan in [
+            &lookup,
+            &locking,
+            &checkpoint,
+            &checkpoints,
+            &deleting,
+            &salting,
+            &tombstoning,
+        ] {
             assert!(!plan.contains("Seq Scan"), "{plan}");
         }
         client

@@ -1,16 +1,16 @@
 //! Connecting and migrating: instances starting together on a new schema, instances upgrading
-//! an older schema together, a schema from a newer version of idem, and the errors of a server
-//! that cannot be reached.
+//! an older schema together (and making the scope salt at once), a schema from a newer version of
+//! idem, and the errors of a server that cannot be reached.
 
 mod common;
 
 use bytes::Bytes;
 use common::{DAY, LEASE, TestSchema, acquire, base_url, begin, completion, fingerprint, fresh_id};
-use idem_core::{Begin, Checkpoint, FencingToken, RecordId, Store, StoreError, UnixMillis};
+use idem_core::{Begin, Checkpoint, FencingToken, RecordId, RecordState, ScopeSalt, Store, StoreError, UnixMillis};
 use idem_postgres::{PostgresError, PostgresStore};
 
 /// The versions every migration of this crate records, in order.
-const VERSIONS: [i32; 2] = [1, 2];
+const VERSIONS: [i32; 3] = [1, 2, 3];
 
 /// Version 1 of the schema, as the first release created it (`idem_schema_migrations`, then
 /// migration 1), to check that a database made by it is upgraded in place.
@@ -39,6 +39,14 @@ CREATE TABLE idem_records (
 ALTER TABLE idem_records ALTER COLUMN response SET STORAGE EXTERNAL;
 CREATE INDEX idem_records_purge_at ON idem_records (purge_at);
 CREATE INDEX idem_records_expires_at ON idem_records (expires_at) WHERE response IS NOT NULL;
+";
+
+/// What version 2 added to [`SCHEMA_V1`], as the second release migrated it.
+const SCHEMA_V2_OVER_V1: &str = "
+INSERT INTO idem_schema_migrations (version) VALUES (2);
+ALTER TABLE idem_records
+    ADD COLUMN checkpoint_names  TEXT[]  NOT NULL DEFAULT '{}',
+    ADD COLUMN checkpoint_values BYTEA[] NOT NULL DEFAULT '{}';
 ";
 
 /// The versions recorded in the test schema.
@@ -88,7 +96,7 @@ async fn instances_starting_together_migrate_once() {
         .await
         .unwrap()
         .get(0);
-    assert_eq!(tables, 2, "the tables are in the store's own schema");
+    assert_eq!(tables, 3, "the tables are in the store's own schema");
 
     // Every store works, and migrating again changes nothing.
     for store in &stores {
@@ -202,6 +210,139 @@ async fn instances_starting_together_upgrade_an_old_schema() {
     assert_eq!(versions(&schema).await, VERSIONS);
 }
 
+/// A database made by version 2, holding records in every state, is upgraded in place by instances
+/// starting together, each asking for the scope salt as soon as it is connected: they all get the
+/// same salt, one of theirs, which says that the records written before it live until the latest
+/// `purge_at` among them. The records are read as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_starting_together_upgrade_a_version_2_schema_and_make_one_salt() {
+    let schema = TestSchema::new();
+    let client = schema.client().await;
+    client
+        .batch_execute(&format!("CREATE SCHEMA \"{}\"", schema.name))
+        .await
+        .unwrap();
+    client.batch_execute(SCHEMA_V1).await.unwrap();
+    client.batch_execute(SCHEMA_V2_OVER_V1).await.unwrap();
+    let (fp, now) = (fingerprint("a"), UnixMillis::now());
+    let insert_v2 = |id: &RecordId, state: &'static str, token: Option<FencingToken>, purge_in: u32| {
+        let (client, fp) = (&client, &fp);
+        let (scope, key) = (id.scope.as_str().to_owned(), id.key.as_str().to_owned());
+        async move {
+            let completed = state == "completed";
+            let token = token.map(|token| token.as_bytes().to_vec());
+            let lease_until = token.as_ref().map(|_| now.plus(LEASE).as_i64());
+            let response = completed.then(|| b"ok".to_vec());
+            let (completed_at, expires_at) = if completed {
+                (Some(now.as_i64()), Some(now.plus(DAY).as_i64()))
+            } else {
+                (None, None)
+            };
+            let (names, values) = if state == "in-flight" {
+                (vec!["charged".to_owned()], vec![b"ch_1".to_vec()])
+            } else {
+                (Vec::new(), Vec::new())
+            };
+            client
+                .execute(
+                    "INSERT INTO idem_records
+                         (scope, key, state, fingerprint, digest, token, lease_until, response, created_at,
+                          completed_at, expires_at, purge_at, checkpoint_names, checkpoint_values)
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
+                    &[
+                        &scope,
+                        &key,
+                        &state,
+                        &fp.encode(),
+                        &&fp.digest()[..],
+                        &token,
+                        &lease_until,
+                        &response,
+                        &now.as_i64(),
+                        &completed_at,
+                        &expires_at,
+                        &now.plus(DAY * purge_in).as_i64(),
+                        &names,
+                        &values,
+                    ],
+                )
+                .await
+                .unwrap();
+        }
+    };
+    let (running, holder) = (fresh_id(), FencingToken::random());
+    let (done, latest, released) = (fresh_id(), fresh_id(), fresh_id());
+    insert_v2(&running, "in-flight", Some(holder), 7).await;
+    insert_v2(&done, "completed", None, 3).await;
+    insert_v2(&latest, "completed", None, 11).await;
+    insert_v2(&released, "unknown", None, 5).await;
+
+    let url = schema.url("pool_size=2");
+    let candidates: Vec<ScopeSalt> = (0..4).map(|_| ScopeSalt::random(now)).collect();
+    let starts: Vec<_> = candidates
+        .iter()
+        .map(|&candidate| {
+            let url = url.clone();
+            tokio::spawn(async move {
+                let store = PostgresStore::connect(&url).await?;
+                let salt = store.scope_salt(candidate).await.expect("scope_salt");
+                Ok::<_, PostgresError>((store, salt))
+            })
+        })
+        .collect();
+    let (mut stores, mut salts) = (Vec::new(), Vec::new());
+    for start in starts {
+        match start.await.expect("task") {
+            Ok((store, salt)) => {
+                stores.push(store);
+                salts.push(salt);
+            }
+            Err(err) => panic!("a concurrent upgrade failed: {}", common::chain(&err)),
+        }
+    }
+    assert_eq!(versions(&schema).await, VERSIONS, "each migration is applied once");
+    let salt = salts[0];
+    assert!(
+        salts.iter().all(|s| *s == salt),
+        "one salt for every instance: {salts:?}"
+    );
+    assert!(
+        candidates
+            .iter()
+            .any(|c| c.salt == salt.salt && c.created_at == salt.created_at),
+        "the salt is one of the candidates"
+    );
+    assert_eq!(
+        salt.older_records_until,
+        Some(now.plus(DAY * 11)),
+        "the latest purge_at among the records written before the salt"
+    );
+
+    // The records written by version 2 read as before.
+    let store = &stores[0];
+    match store.get(&latest).await.expect("get").map(|record| record.state) {
+        Some(RecordState::Completed { response, .. }) => assert_eq!(response.as_deref(), Some(&b"ok"[..])),
+        other => panic!("expected the completed record, got {other:?}"),
+    }
+    assert_eq!(
+        store.checkpoints(&running).await.expect("checkpoints"),
+        [step("charged", b"ch_1")]
+    );
+    store
+        .complete(&running, holder, completion(b"ok", now, DAY, DAY * 30))
+        .await
+        .expect("complete");
+
+    // Records written since change nothing, nor does migrating again or another instance.
+    store.migrate().await.expect("migrating again");
+    let later = PostgresStore::connect(&url).await.expect("connect");
+    assert_eq!(
+        later.scope_salt(ScopeSalt::random(now)).await.expect("scope_salt"),
+        salt
+    );
+    assert_eq!(versions(&schema).await, VERSIONS);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_newer_schema_is_refused() {
     let schema = TestSchema::new();
@@ -219,7 +360,7 @@ async fn a_newer_schema_is_refused() {
             err,
             PostgresError::NewerSchema {
                 found: 999,
-                supported: 2,
+                supported: 3,
                 ..
             }
         ),
@@ -273,6 +414,16 @@ async fn store_operations_fail_as_unavailable_when_the_server_is_gone() {
     let message = err.to_string();
     assert!(
         message.contains("idem_records") && message.contains("does not exist"),
+        "{message}"
+    );
+    let err = store
+        .scope_salt(ScopeSalt::random(UnixMillis::now()))
+        .await
+        .expect_err("the table is gone");
+    assert!(matches!(err, idem_core::StoreError::Unavailable(_)), "{err:?}");
+    let message = common::chain(&err);
+    assert!(
+        message.contains("scope_salt") && message.contains("does not exist"),
         "{message}"
     );
     // And the store is whole again once the schema is back.

@@ -2,8 +2,11 @@
 //! one per node of a cluster. It never subscribes to anything (wake-ups have their own
 //! connection, see `notify`), so the redis crate never resubscribes on it, and no subscription
 //! confirmation can ever be taken for a command's reply. If a reply is found to belong to another
-//! command anyway, the connection is replaced.
+//! command anyway, the connection is replaced. It also finds the nodes that hold the keys, for the
+//! rare walks over all of them.
 
+use std::collections::HashSet;
+use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
@@ -11,7 +14,8 @@ use std::time::Duration;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
-use redis::{Cmd, Pipeline, RedisFuture, Value};
+use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo, SingleNodeRoutingInfo};
+use redis::{Cmd, ErrorKind, Pipeline, RedisFuture, RedisResult, Value};
 
 use crate::url::{Config, Target};
 
@@ -64,6 +68,126 @@ impl Conn {
             }
         }
     }
+}
+
+/// A node that holds a share of the keys: the one server, or one primary of a cluster.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Node {
+    /// The server of a standalone store.
+    Server,
+    /// A primary of the cluster, at the address the cluster client knows it by.
+    Primary {
+        /// Its host, as the cluster announces it.
+        host: String,
+        /// Its port.
+        port: u16,
+    },
+}
+
+impl Conn {
+    /// The nodes that together hold every key: the server, or every primary of the cluster
+    /// (replicas only hold copies). On a cluster this fails rather than leave a primary out: the
+    /// client's fan-out skips a primary it has no connection to yet, so the primaries that answer
+    /// must be the ones that own the slots, by the cluster's own account (`CLUSTER SLOTS`).
+    pub(crate) async fn primaries(&mut self) -> RedisResult<Vec<Node>> {
+        let Self::Cluster(conn) = self else {
+            return Ok(vec![Node::Server]);
+        };
+        // Without a response policy, the client answers a map of every node's address to its reply.
+        let all_primaries = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+        let ids = conn
+            .route_command(redis::cmd("CLUSTER").arg("MYID").clone(), all_primaries)
+            .await?;
+        let slots = conn
+            .route_command(
+                redis::cmd("CLUSTER").arg("SLOTS").clone(),
+                RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random),
+            )
+            .await?;
+        primaries_owning_slots(ids, &slots)
+    }
+
+    /// Sends `pipeline` to `node` (a standalone connection has only its server).
+    pub(crate) async fn pipeline_on(&mut self, node: &Node, pipeline: &Pipeline) -> RedisResult<Vec<Value>> {
+        match (self, node) {
+            (Self::Standalone(conn), Node::Server) => conn.req_packed_commands(pipeline, 0, pipeline.len()).await,
+            (Self::Cluster(conn), Node::Primary { host, port }) => {
+                let route = SingleNodeRoutingInfo::ByAddress {
+                    host: host.clone(),
+                    port: *port,
+                };
+                conn.route_pipeline(pipeline.clone(), 0, pipeline.len(), route).await
+            }
+            (_, node) => Err((
+                ErrorKind::Client,
+                "no such node on this connection",
+                format!("{node:?}"),
+            )
+                .into()),
+        }
+    }
+}
+
+/// The primaries of a cluster, from their answers to `CLUSTER MYID` (a map of address to node id),
+/// if they are every node that `CLUSTER SLOTS` says owns slots.
+fn primaries_owning_slots(ids: Value, slots: &Value) -> RedisResult<Vec<Node>> {
+    let unexpected = |what: &str, got: &dyn fmt::Debug| -> redis::RedisError {
+        (
+            ErrorKind::UnexpectedReturnType,
+            "unexpected reply",
+            format!("{what}: {got:?}"),
+        )
+            .into()
+    };
+    let text = |value: &Value| match value {
+        Value::BulkString(bytes) => String::from_utf8(bytes.clone()).ok(),
+        Value::SimpleString(text) | Value::VerbatimString { text, .. } => Some(text.clone()),
+        _ => None,
+    };
+    let Value::Map(answers) = ids else {
+        return Err(unexpected("CLUSTER MYID on every primary", &ids));
+    };
+    let mut primaries = Vec::with_capacity(answers.len());
+    let mut answered = HashSet::new();
+    for (address, id) in &answers {
+        let node = text(address)
+            .and_then(|address| {
+                let (host, port) = address.rsplit_once(':')?;
+                Some(Node::Primary {
+                    host: host.to_owned(),
+                    port: port.parse().ok()?,
+                })
+            })
+            .ok_or_else(|| unexpected("a node's address", address))?;
+        if let Value::ServerError(err) = id {
+            return Err(err.clone().into());
+        }
+        answered.insert(text(id).ok_or_else(|| unexpected("CLUSTER MYID", id))?);
+        primaries.push(node);
+    }
+    // CLUSTER SLOTS: one entry per slot range, [first, last, [host, port, id, ...], replicas...].
+    let Value::Array(ranges) = slots else {
+        return Err(unexpected("CLUSTER SLOTS", slots));
+    };
+    for range in ranges {
+        let owner = match range {
+            Value::Array(parts) => match parts.get(2) {
+                Some(Value::Array(owner)) => owner.get(2).and_then(text),
+                _ => None,
+            },
+            _ => None,
+        }
+        .ok_or_else(|| unexpected("a slot range of CLUSTER SLOTS", range))?;
+        if !answered.contains(&owner) {
+            return Err((
+                ErrorKind::ClusterConnectionNotFound,
+                "a primary that owns slots did not answer",
+                owner,
+            )
+                .into());
+        }
+    }
+    Ok(primaries)
 }
 
 impl ConnectionLike for Conn {
@@ -153,5 +277,58 @@ impl Commands {
             }
             this.replacing.store(false, Ordering::SeqCst);
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bulk(text: &str) -> Value {
+        Value::BulkString(text.as_bytes().to_vec())
+    }
+
+    /// `CLUSTER SLOTS` of a cluster whose slot ranges are owned by these node ids.
+    fn slots(owners: &[&str]) -> Value {
+        let ranges = owners
+            .iter()
+            .enumerate()
+            .map(|(i, id)| {
+                let first = i64::try_from(i).unwrap() * 100;
+                let owner = Value::Array(vec![bulk("10.0.0.1"), Value::Int(7000), bulk(id)]);
+                Value::Array(vec![Value::Int(first), Value::Int(first + 99), owner])
+            })
+            .collect();
+        Value::Array(ranges)
+    }
+
+    #[test]
+    fn every_primary_that_owns_slots_must_answer() {
+        let answers =
+            |pairs: &[(&str, &str)]| Value::Map(pairs.iter().map(|(address, id)| (bulk(address), bulk(id))).collect());
+        let all = answers(&[("10.0.0.1:7001", "a"), ("::1:7002", "b")]);
+        let nodes = primaries_owning_slots(all, &slots(&["a", "b", "a"])).expect("every owner answered");
+        assert_eq!(
+            nodes,
+            vec![
+                Node::Primary {
+                    host: "10.0.0.1".to_owned(),
+                    port: 7001
+                },
+                Node::Primary {
+                    host: "::1".to_owned(),
+                    port: 7002
+                },
+            ]
+        );
+
+        let one_missing = answers(&[("10.0.0.1:7001", "a")]);
+        let err = primaries_owning_slots(one_missing, &slots(&["a", "b"])).expect_err("b owns slots");
+        assert_eq!(err.kind(), ErrorKind::ClusterConnectionNotFound, "{err}");
+
+        assert!(
+            primaries_owning_slots(Value::Okay, &slots(&["a"])).is_err(),
+            "not a map"
+        );
     }
 }

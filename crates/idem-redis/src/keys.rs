@@ -1,4 +1,5 @@
-//! Where a record lives: its three keys and its wake-up channel, all with the same cluster hash tag.
+//! Where a record lives: its three keys and its wake-up channel, all with the same cluster hash tag;
+//! and where the store's scope salt lives.
 
 use idem_core::RecordId;
 use sha2::{Digest, Sha256};
@@ -39,6 +40,28 @@ impl RecordKeys {
     }
 }
 
+/// The hash that holds the store's scope salt: `PREFIX:scope-salt`. It has no hash tag: one key,
+/// on the slot its whole name hashes to.
+pub(crate) fn scope_salt_key(prefix: &str) -> String {
+    format!("{prefix}:scope-salt")
+}
+
+/// The `SCAN MATCH` pattern of the record hashes under `prefix`, and of no other prefix's:
+/// `PREFIX:{*}:rec`, with the prefix's glob characters escaped. A prefix has no braces, so the
+/// `{` right after it keeps out the records of a longer prefix that starts with this one
+/// (`idem:x:{TAG}:rec` is not a record of `idem`).
+pub(crate) fn record_pattern(prefix: &str) -> String {
+    let mut pattern = String::with_capacity(prefix.len() + 8);
+    for c in prefix.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            pattern.push('\\');
+        }
+        pattern.push(c);
+    }
+    pattern.push_str(":{*}:rec");
+    pattern
+}
+
 pub(crate) fn hex(bytes: &[u8]) -> String {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
     bytes
@@ -75,6 +98,13 @@ mod tests {
         assert_eq!(keys.body, format!("idem:{{{tag}}}:body"));
         assert_eq!(keys.checkpoints, format!("idem:{{{tag}}}:checkpoints"));
         assert_eq!(keys.channel, format!("idem:{{{tag}}}:wake"));
+    }
+
+    #[test]
+    fn the_record_pattern_escapes_the_prefix() {
+        assert_eq!(record_pattern("idem"), "idem:{*}:rec");
+        assert_eq!(record_pattern(r"a*b?c[d]e\f"), r"a\*b\?c\[d\]e\\f:{*}:rec");
+        assert_eq!(scope_salt_key("idem"), "idem:scope-salt");
     }
 
     #[test]

@@ -53,6 +53,13 @@
 //! with this process's clock), so a record is not used after its time even while Redis still
 //! holds it: native expiry may lag by as long as the write took to reach Redis.
 //!
+//! Besides its records, a store has one key of its own: `PREFIX:scope-salt`, a hash holding the
+//! [`ScopeSalt`](idem_core::ScopeSalt) that keys the hash of credential scopes: `salt` (32
+//! bytes), `created_at` and, if the store held records when it was made, `older_records_until`
+//! (the latest `purge_at` among them, found by a `SCAN` of every node, every primary of a cluster).
+//! A script makes it only if the key does not exist, so instances that race all get the same one.
+//! It has no expiry and no operation deletes it.
+//!
 //! # Durability
 //!
 //! Redis keeps everything in memory. What survives a restart of Redis depends on its
@@ -66,9 +73,11 @@
 //! * Neither (`save ""`, `appendonly no`, as in the tests): a restart loses every record.
 //!
 //! A lost record is a lost protection: a retry of a request whose record was lost runs again,
-//! and a lost tombstone turns `key-expired` into a silent re-run. Keep `maxmemory-policy` at
-//! `noeviction` (or a `volatile-*` policy on a Redis used for nothing else), or Redis may evict
-//! live records under memory pressure; with replicas, a failover can lose the writes the replica
+//! and a lost tombstone turns `key-expired` into a silent re-run. A lost scope salt is worse: a
+//! new one is made, and every record stored under a credential scope is no longer found. Keep
+//! `maxmemory-policy` at `noeviction` (or a `volatile-*` policy on a Redis used for nothing else:
+//! those never evict the salt, which has no expiry), or Redis may evict live records under memory
+//! pressure; with replicas, a failover can lose the writes the replica
 //! had not received yet (`WAIT` is not used).
 //!
 //! # Waiting

@@ -26,6 +26,9 @@
 //! outlives the record.
 //!
 //! A corrupt record raises an error reply `IDEMCORRUPT <nonce> <record> ...` (see [`CORRUPT`]).
+//!
+//! One script is about no record: `scope_salt` gets the store's salt hash as its only key, in
+//! `KEYS[1]` (so `rec` in its replies), and replies with the same `{key, nonce, ...}` check.
 
 use std::sync::LazyLock;
 
@@ -295,6 +298,21 @@ end
 return answer(flat)
 "#;
 
+/// `scope_salt`. KEYS[1] = the salt hash (no other key). ARGV: nonce; to make the salt if there
+/// is none, also salt, created_at and older_records_until (empty for none). Makes it only if the
+/// key does not exist, in the same step as it looks, so of racing callers exactly one makes it;
+/// the key is given no expiry. Returns `{key, nonce, HGETALL of the key}` as it is afterwards (an
+/// empty hash if there is still none).
+const SCOPE_SALT: &str = r#"
+if ARGV[2] and redis.call('EXISTS', rec) == 0 then
+  redis.call('HSET', rec, 'salt', ARGV[2], 'created_at', ARGV[3])
+  if ARGV[4] ~= '' then
+    redis.call('HSET', rec, 'older_records_until', ARGV[4])
+  end
+end
+return answer(redis.call('HGETALL', rec))
+"#;
+
 fn script(body: &str) -> Script {
     Script::new(&format!("{PRELUDE}{body}"))
 }
@@ -308,3 +326,4 @@ pub(crate) static DELETE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(DELE
 pub(crate) static HOLDS_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(HOLDS));
 pub(crate) static CHECKPOINT_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(CHECKPOINT));
 pub(crate) static CHECKPOINTS_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(CHECKPOINTS));
+pub(crate) static SCOPE_SALT_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(SCOPE_SALT));

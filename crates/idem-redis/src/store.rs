@@ -8,18 +8,18 @@ use std::time::Duration;
 use async_trait::async_trait;
 use idem_core::stored::{StoredRecord, abandoned_purge_at, wait_for_change};
 use idem_core::{
-    Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, Record, RecordId, Release, Store, StoreError,
-    UnixMillis, WaitOutcome,
+    Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, Record, RecordId, Release, ScopeSalt, Store,
+    StoreError, UnixMillis, WaitOutcome,
 };
-use redis::{Script, Value};
+use redis::{Pipeline, Script, Value};
 use tokio::sync::Notify;
 
-use crate::conn::Commands;
-use crate::keys::{RecordKeys, hex};
+use crate::conn::{Commands, Conn, Node};
+use crate::keys::{RecordKeys, hex, record_pattern, scope_salt_key};
 use crate::notify::Subscriptions;
 use crate::scripts::{
     BEGIN_SCRIPT, CHECKPOINT_SCRIPT, CHECKPOINTS_SCRIPT, COMPLETE_SCRIPT, CORRUPT, DELETE_SCRIPT, GET_SCRIPT,
-    HOLDS_SCRIPT, RELEASE_SCRIPT, RENEW_SCRIPT,
+    HOLDS_SCRIPT, RELEASE_SCRIPT, RENEW_SCRIPT, SCOPE_SALT_SCRIPT,
 };
 use crate::{RedisError, url};
 
@@ -211,13 +211,24 @@ impl RedisStore {
         keys: &RecordKeys,
         args: impl FnOnce(&mut redis::ScriptInvocation<'_>),
     ) -> Result<std::vec::IntoIter<Value>, StoreError> {
-        let call = Call::new(what, &keys.record);
+        let keys = [keys.record.as_str(), &keys.body, &keys.checkpoints];
+        self.run_on_keys(what, script, &keys, args).await
+    }
+
+    /// Runs `script` on `keys` as [`RedisStore::run`] does; the reply must name the first key.
+    async fn run_on_keys(
+        &self,
+        what: &'static str,
+        script: &Script,
+        keys: &[&str],
+        args: impl FnOnce(&mut redis::ScriptInvocation<'_>),
+    ) -> Result<std::vec::IntoIter<Value>, StoreError> {
+        let call = Call::new(what, keys[0]);
         let mut invocation = script.prepare_invoke();
-        invocation
-            .key(&keys.record)
-            .key(&keys.body)
-            .key(&keys.checkpoints)
-            .arg(&call.nonce);
+        for key in keys {
+            invocation.key(*key);
+        }
+        invocation.arg(&call.nonce);
         args(&mut invocation);
         let (mut conn, generation) = self.inner.commands.get();
         let out_of_step = |err| {
@@ -255,6 +266,86 @@ impl RedisStore {
         Ok(flag == 1)
     }
 
+    /// The latest `purge_at` among the records under the store's prefix (`None`: it holds none), for
+    /// the scope salt kept in `salt_key`. Every node that holds keys is walked with `SCAN`, and the
+    /// `purge_at` of the records each batch finds is read in one pipeline. A record too corrupt to
+    /// have a `purge_at` is left out: no operation can use it anyway.
+    async fn latest_purge_at(&self, salt_key: &str) -> Result<Option<UnixMillis>, StoreError> {
+        let (mut conn, generation) = self.inner.commands.get();
+        let nodes = conn.primaries().await.map_err(StoreError::unavailable)?;
+        let pattern = record_pattern(&self.inner.prefix);
+        let mut latest = None;
+        for node in &nodes {
+            let mut cursor = b"0".to_vec();
+            loop {
+                let mut scan = redis::pipe();
+                scan.cmd("SCAN")
+                    .arg(&cursor[..])
+                    .arg("MATCH")
+                    .arg(&pattern)
+                    .arg("COUNT")
+                    .arg(SCAN_BATCH);
+                let reply = self.on_node(&mut conn, generation, node, salt_key, scan).await?;
+                let (next, records) = parse_scan(reply)?;
+                if !records.is_empty() {
+                    let mut reads = redis::pipe();
+                    for record in &records {
+                        reads.cmd("HGET").arg(&record[..]).arg("purge_at");
+                    }
+                    let purge_ats = self.on_node(&mut conn, generation, node, salt_key, reads).await?;
+                    for (record, purge_at) in records.iter().zip(purge_ats) {
+                        match purge_at {
+                            // Gone since the scan found it.
+                            Value::Nil => {}
+                            Value::BulkString(digits) if let Some(at) = parse_millis(&digits) => {
+                                latest = latest.max(Some(at));
+                            }
+                            other => tracing::warn!(
+                                record = %String::from_utf8_lossy(record),
+                                purge_at = ?other,
+                                "a record has no valid purge_at; the scope salt leaves it out"
+                            ),
+                        }
+                    }
+                }
+                if next == b"0" {
+                    break;
+                }
+                cursor = next;
+            }
+        }
+        Ok(latest.map(UnixMillis::from_i64))
+    }
+
+    /// Sends `pipeline` to `node` with an `ECHO` of a fresh nonce after it, and returns the
+    /// pipeline's replies if the echo comes back last, after exactly as many: these commands have
+    /// no record and nonce in their replies, so a shifted connection shows in the echo (and
+    /// connection `generation` is replaced). Part of the `scope_salt` call about `key`.
+    async fn on_node(
+        &self,
+        conn: &mut Conn,
+        generation: u64,
+        node: &Node,
+        key: &str,
+        mut pipeline: Pipeline,
+    ) -> Result<Vec<Value>, StoreError> {
+        let call = Call::new("scope_salt", key);
+        let count = pipeline.len();
+        pipeline.cmd("ECHO").arg(&call.nonce);
+        let mut replies = conn
+            .pipeline_on(node, &pipeline)
+            .await
+            .map_err(StoreError::unavailable)?;
+        match replies.pop() {
+            Some(Value::BulkString(echo)) if echo == call.nonce.as_bytes() && replies.len() == count => Ok(replies),
+            other => {
+                tracing::warn!("a Redis reply reached the wrong command");
+                self.inner.commands.out_of_step(generation);
+                Err(call.misrouted(&other))
+            }
+        }
+    }
+
     /// Runs a compare-and-set script: 1 done, 0 fenced.
     async fn compare_and_set(
         &self,
@@ -269,6 +360,58 @@ impl RedisStore {
             other => Err(StoreError::Corrupt(format!("unexpected reply of {what}: {other}"))),
         }
     }
+}
+
+/// How many keys one `SCAN` step looks at, at most (a hint to the server): the `purge_at` of the
+/// records it finds are then read in one pipeline.
+const SCAN_BATCH: usize = 1000;
+
+/// The next cursor and the keys of a `SCAN` step, from the replies of its pipeline.
+fn parse_scan(replies: Vec<Value>) -> Result<(Vec<u8>, Vec<Vec<u8>>), StoreError> {
+    let mut parts = match replies.into_iter().next() {
+        Some(Value::Array(parts)) if parts.len() == 2 => parts.into_iter(),
+        other => return Err(StoreError::Corrupt(format!("unexpected reply of SCAN: {other:?}"))),
+    };
+    let cursor = bulk(parts.next().unwrap_or_default(), "the cursor of SCAN")?;
+    let keys = array(parts.next().unwrap_or_default(), "the keys SCAN found")?
+        .into_iter()
+        .map(|key| bulk(key, "a key SCAN found"))
+        .collect::<Result<_, _>>()?;
+    Ok((cursor, keys))
+}
+
+/// A time stored as decimal Unix milliseconds.
+fn parse_millis(digits: &[u8]) -> Option<i64> {
+    std::str::from_utf8(digits).ok()?.parse().ok()
+}
+
+/// The scope salt from the reply of the `scope_salt` script (the fields of `key`); `None` if there
+/// is none.
+fn parse_scope_salt(mut items: std::vec::IntoIter<Value>, key: &str) -> Result<Option<ScopeSalt>, StoreError> {
+    let Some(StoredHash { mut fields, .. }) = StoredHash::parse(items.next().unwrap_or_default(), Value::Nil)? else {
+        return Ok(None);
+    };
+    let corrupt = |what: String| StoreError::Corrupt(format!("the scope salt {key}: {what}"));
+    let salt = fields.remove(b"salt".as_slice()).unwrap_or_default();
+    let salt = <[u8; 32]>::try_from(salt.as_slice())
+        .map_err(|_| corrupt(format!("its salt is {} bytes long, not 32", salt.len())))?;
+    let mut time = |field: &str| {
+        fields
+            .remove(field.as_bytes())
+            .map(|digits| {
+                parse_millis(&digits)
+                    .map(UnixMillis::from_i64)
+                    .ok_or_else(|| corrupt(format!("no valid {field}")))
+            })
+            .transpose()
+    };
+    let created_at = time("created_at")?.ok_or_else(|| corrupt("no created_at".to_owned()))?;
+    let older_records_until = time("older_records_until")?;
+    Ok(Some(ScopeSalt {
+        salt,
+        created_at,
+        older_records_until,
+    }))
 }
 
 /// Whether a reply's item is the bulk string `expected`.
@@ -530,6 +673,39 @@ impl Store for RedisStore {
         StoredHash::parse(fields, body)?
             .map(|stored| stored.into_record(id.clone()))
             .transpose()
+    }
+
+    /// Reads the salt (`PREFIX:scope-salt`) with one script. If there is none, walks every node
+    /// (every primary of a cluster) for the latest `purge_at` of the records under the prefix, then
+    /// makes the salt with a script that writes the hash only if the key still does not exist and
+    /// returns what it holds afterwards: of instances that race, each gets the one made first.
+    /// The walk happens only while there is no salt, so about once in the life of a store.
+    ///
+    /// The key has no expiry (a `volatile-*` eviction policy never takes it) and no operation
+    /// deletes it.
+    async fn scope_salt(&self, candidate: ScopeSalt) -> Result<ScopeSalt, StoreError> {
+        let key = scope_salt_key(&self.inner.prefix);
+        let read = self
+            .run_on_keys("scope_salt", &SCOPE_SALT_SCRIPT, &[&key], |_| {})
+            .await?;
+        if let Some(salt) = parse_scope_salt(read, &key)? {
+            return Ok(salt);
+        }
+        let older_records_until = self.latest_purge_at(&key).await?;
+        let made = self
+            .run_on_keys("scope_salt", &SCOPE_SALT_SCRIPT, &[&key], |script| {
+                script
+                    .arg(&candidate.salt[..])
+                    .arg(millis_arg(candidate.created_at))
+                    .arg(
+                        older_records_until
+                            .map(|at| millis_arg(at).to_string())
+                            .unwrap_or_default(),
+                    );
+            })
+            .await?;
+        parse_scope_salt(made, &key)?
+            .ok_or_else(|| StoreError::Corrupt(format!("the scope salt {key} is missing right after it was made")))
     }
 
     async fn wait(

@@ -16,8 +16,8 @@ use bytes::Bytes;
 use common::{Server, connect, delete_keys, fresh_prefix, with_options};
 use idem_core::testkit::{fingerprint, fresh_id};
 use idem_core::{
-    Begin, BeginRequest, Completion, FencingToken, Fingerprint, Record, RecordId, RecordState, Release, Store,
-    UnixMillis, WaitOutcome,
+    Begin, BeginRequest, Completion, FencingToken, Fingerprint, Record, RecordId, RecordState, Release, ScopeSalt,
+    Store, StoreError, UnixMillis, WaitOutcome,
 };
 use idem_redis::RedisStore;
 use idem_test_support::relay::Relay;
@@ -339,6 +339,49 @@ async fn a_reply_too_many_is_detected_and_never_acted_on() {
         "the connection out of step was replaced: {} connections",
         fixture.relay.accepted()
     );
+}
+
+/// Making the scope salt walks the records with commands whose replies name no record and no call
+/// (`SCAN`, `HGET`): a reply too many before them is detected all the same, the salt is not made
+/// from what was read, and it is made right once the connection is replaced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_too_many_while_the_scope_salt_is_made_is_never_acted_on() {
+    let fixture = fixture().await;
+    let mut latest = None;
+    for known in fixture.known.iter() {
+        let record = fixture.direct.get(&known.id).await.expect("get").expect("a record");
+        let RecordState::Completed { purge_at, .. } = record.state else {
+            panic!("{record:?}")
+        };
+        latest = latest.max(Some(purge_at));
+    }
+    fixture.relay.inject_reply_after(b"SCAN", b"+OK\r\n");
+    let err = fixture
+        .store
+        .scope_salt(ScopeSalt::random(UnixMillis::now()))
+        .await
+        .expect_err("the shifted replies are detected");
+    assert_eq!(fixture.relay.injections(), 1, "a reply too many was sent");
+    assert!(matches!(err, StoreError::Unavailable(_)), "{err:?}");
+
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let salt = loop {
+        match fixture.store.scope_salt(ScopeSalt::random(UnixMillis::now())).await {
+            Ok(salt) => break salt,
+            Err(err) if Instant::now() < deadline => {
+                eprintln!("not yet: {err}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(err) => panic!("the store did not recover within 10 s: {err}"),
+        }
+    };
+    assert_eq!(salt.older_records_until, latest);
+    let direct = fixture
+        .direct
+        .scope_salt(ScopeSalt::random(UnixMillis::now()))
+        .await
+        .expect("scope_salt");
+    assert_eq!(direct, salt);
 }
 
 /// Subscriptions live on their own connection: while a waiter waits and commands run on the

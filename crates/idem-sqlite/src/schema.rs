@@ -1,9 +1,9 @@
 //! The schema: one table of records, indexed on the two retention deadlines so that purging never
-//! scans. `PRAGMA user_version` holds the schema version.
+//! scans, and the store's scope salt. `PRAGMA user_version` holds the schema version.
 //!
 //! Versions: 1 is the table of records; 2 adds the `checkpoints` column (the checkpoints of the
-//! current run, see [`crate::checkpoints`]). A file made by version 1 is upgraded in place when it is
-//! opened.
+//! current run, see [`crate::checkpoints`]); 3 adds the table `idem_scope_salt`. A file made by an
+//! older version is upgraded in place when it is opened.
 
 use std::path::Path;
 
@@ -13,12 +13,18 @@ use crate::SqliteError;
 use crate::store::retry_busy;
 
 /// The newest schema version this crate writes.
-pub(crate) const VERSION: i64 = 2;
+pub(crate) const VERSION: i64 = 3;
 
 /// The newest schema, for a new file. Idempotent: every statement is `IF NOT EXISTS`. A rowid
 /// table (not `WITHOUT ROWID`) because rows carry response bodies of up to hundreds of KiB, and
 /// purging deletes by rowid. `checkpoints` is the last column, where [`ADD_CHECKPOINTS`] puts it in
 /// an upgraded file, so that new and upgraded tables are alike.
+///
+/// `idem_scope_salt` (version 3) holds the store's one scope salt, in a table of its own that
+/// retention never touches: one row at most (`id = 1`, so that a second one cannot be inserted),
+/// `NULL` in `older_records_until` if the store held no records when the salt was made. Being new
+/// as a whole, it needs no step of its own to upgrade a file: `IF NOT EXISTS` adds it. No `CHECK`
+/// on the salt's length: its reader reports a salt it cannot use as corrupt.
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS idem_records (
     scope        TEXT    NOT NULL,
@@ -39,6 +45,12 @@ CREATE TABLE IF NOT EXISTS idem_records (
 ) STRICT;
 CREATE INDEX IF NOT EXISTS idem_records_purge_at ON idem_records (purge_at);
 CREATE INDEX IF NOT EXISTS idem_records_expires_at ON idem_records (expires_at) WHERE response IS NOT NULL;
+CREATE TABLE IF NOT EXISTS idem_scope_salt (
+    id                  INTEGER PRIMARY KEY CHECK (id = 1),
+    salt                BLOB    NOT NULL,
+    created_at          INTEGER NOT NULL,
+    older_records_until INTEGER
+) STRICT;
 ";
 
 /// Version 2, on a file made by version 1: the checkpoints of each record's current run.

@@ -13,8 +13,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use idem_core::stored::{Existing, StoredRecord, wait_for_change};
 use idem_core::{
-    Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, Record, RecordId, Release, Store, StoreError,
-    UnixMillis, WaitOutcome,
+    Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, Record, RecordId, Release, ScopeSalt, Store,
+    StoreError, UnixMillis, WaitOutcome,
 };
 use rusqlite::{Connection, OptionalExtension, Row, Transaction, TransactionBehavior, params};
 
@@ -466,6 +466,32 @@ fn checkpoints_of(conn: &Connection, id: &RecordId) -> Result<Vec<Checkpoint>, S
     checkpoints::decode(list.flatten().as_deref())
 }
 
+/// `scope_salt` inside its transaction: stores `candidate` unless the store has a salt already,
+/// then reads whichever salt is there. The write lock is held since BEGIN IMMEDIATE, so concurrent
+/// callers, in this process or another one, all read the salt the first of them stored, and the
+/// records measured for `older_records_until` are exactly those held when it was made (`max` is
+/// read off the `purge_at` index, not by a scan).
+fn scope_salt_in(tx: &Transaction<'_>, candidate: &ScopeSalt) -> Result<ScopeSalt, StoreError> {
+    tx.prepare_cached(
+        "INSERT INTO idem_scope_salt (id, salt, created_at, older_records_until)
+         VALUES (1, ?1, ?2, (SELECT max(purge_at) FROM idem_records))
+         ON CONFLICT (id) DO NOTHING",
+    )
+    .and_then(|mut stmt| stmt.execute(params![&candidate.salt[..], candidate.created_at.as_i64()]))
+    .map_err(db_error)?;
+    let (salt, created_at, older_records_until): (Vec<u8>, i64, Option<i64>) = tx
+        .prepare_cached("SELECT salt, created_at, older_records_until FROM idem_scope_salt WHERE id = 1")
+        .and_then(|mut stmt| stmt.query_row([], |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?))))
+        .map_err(db_error)?;
+    let salt = <[u8; 32]>::try_from(salt.as_slice())
+        .map_err(|_| StoreError::Corrupt(format!("the scope salt is {} bytes long, not 32", salt.len())))?;
+    Ok(ScopeSalt {
+        salt,
+        created_at: UnixMillis::from_i64(created_at),
+        older_records_until: older_records_until.map(UnixMillis::from_i64),
+    })
+}
+
 #[async_trait]
 impl Store for SqliteStore {
     async fn begin(&self, request: BeginRequest<'_>) -> Result<Begin, StoreError> {
@@ -580,6 +606,12 @@ impl Store for SqliteStore {
     async fn checkpoints(&self, id: &RecordId) -> Result<Vec<Checkpoint>, StoreError> {
         let id = id.clone();
         self.read(move |conn| checkpoints_of(conn, &id)).await
+    }
+
+    async fn scope_salt(&self, candidate: ScopeSalt) -> Result<ScopeSalt, StoreError> {
+        // A write even when the salt exists, so that the check and the insert are one step; it is
+        // asked once per instance, not per request.
+        self.write(move |tx| scope_salt_in(tx, &candidate)).await
     }
 
     async fn delete(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
@@ -776,6 +808,19 @@ mod tests {
             store.get(&id).await.unwrap().is_none(),
             "an operator can clear a record the store cannot read"
         );
+    }
+
+    #[tokio::test]
+    async fn a_scope_salt_of_the_wrong_length_is_corrupt() {
+        let store = SqliteStore::open(":memory:").await.unwrap();
+        lock(&store.inner.writer)
+            .execute(
+                "INSERT INTO idem_scope_salt (id, salt, created_at) VALUES (1, zeroblob(16), 0)",
+                [],
+            )
+            .unwrap();
+        let salt = store.scope_salt(ScopeSalt::random(UnixMillis(1_000))).await;
+        assert!(matches!(salt, Err(StoreError::Corrupt(_))), "{salt:?}");
     }
 
     #[tokio::test]

@@ -7,7 +7,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use idem_core::{
     Begin, BeginRequest, Checkpoint, Completion, FencingToken, Fingerprint, IdempotencyKey, Purged, RecordId,
-    RecordState, Release, Scope, Store, StoreError, UnixMillis, WaitOutcome,
+    RecordState, Release, Scope, ScopeSalt, Store, StoreError, UnixMillis, WaitOutcome,
 };
 use idem_sqlite::{SqliteError, SqliteStore};
 use tokio::time::Instant;
@@ -433,12 +433,21 @@ CREATE INDEX idem_records_expires_at ON idem_records (expires_at) WHERE response
 PRAGMA user_version = 1;
 ";
 
-/// The schema version of the file and the columns of its table, in order.
+/// Version 2 on a file of [`SCHEMA_V1`]: the checkpoints column, before there was a scope salt.
+const SCHEMA_V2_FROM_V1: &str = "
+ALTER TABLE idem_records ADD COLUMN checkpoints BLOB;
+PRAGMA user_version = 2;
+";
+
+/// The schema version of the file and the columns of its tables (`table.column`), in order.
 fn schema_of(path: &std::path::Path) -> (i64, Vec<String>) {
     let conn = rusqlite::Connection::open(path).unwrap();
     let version = conn.pragma_query_value(None, "user_version", |row| row.get(0)).unwrap();
     let mut stmt = conn
-        .prepare("SELECT name FROM pragma_table_info('idem_records')")
+        .prepare(
+            "SELECT t.name || '.' || c.name FROM sqlite_schema t, pragma_table_info(t.name) c
+             WHERE t.type = 'table' ORDER BY t.name, c.cid",
+        )
         .unwrap();
     let columns = stmt
         .query_map([], |row| row.get(0))
@@ -477,16 +486,16 @@ async fn a_file_of_schema_version_1_is_upgraded_on_open_and_keeps_its_records() 
     }
     let (version, columns) = schema_of(&path);
     assert_eq!(version, 1);
-    assert!(!columns.iter().any(|c| c == "checkpoints"), "{columns:?}");
+    assert!(!columns.iter().any(|c| c == "idem_records.checkpoints"), "{columns:?}");
 
     // Two processes starting together on the old file: one upgrades it, the other finds it done.
     let (store, other) = tokio::join!(SqliteStore::open(&path), SqliteStore::open(&path));
     let (store, other) = (store.unwrap(), other.unwrap());
     let (version, columns) = schema_of(&path);
-    assert_eq!(version, 2);
+    assert_eq!(version, 3);
     let fresh = dir.path().join("fresh.db");
     drop(SqliteStore::open(&fresh).await.unwrap());
-    assert_eq!(columns, schema_of(&fresh).1, "an upgraded table is like a new one");
+    assert_eq!(columns, schema_of(&fresh).1, "upgraded tables are like new ones");
 
     // The claim made before the upgrade is intact and records checkpoints.
     let record = store.get(&id).await.unwrap().expect("the old record");
@@ -502,10 +511,77 @@ async fn a_file_of_schema_version_1_is_upgraded_on_open_and_keeps_its_records() 
     // Opening the upgraded file again changes nothing.
     drop((store, other));
     let store = SqliteStore::open(&path).await.unwrap();
-    assert_eq!(schema_of(&path), (2, columns));
+    assert_eq!(schema_of(&path), (3, columns));
     assert_eq!(store.checkpoints(&id).await.unwrap(), vec![step]);
     store.complete(&id, token, completion(T0, b"done")).await.unwrap();
     assert!(store.checkpoints(&id).await.unwrap().is_empty(), "gone on completion");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_of_schema_version_2_is_upgraded_and_its_salt_says_how_long_its_records_live() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("idem.db");
+    let fp = fingerprint(b"body");
+    let day = Duration::from_secs(24 * 3600);
+    let latest = T0.plus(day * 9);
+    let kept = [
+        ("old-1", T0.plus(day * 3)),
+        ("old-2", latest),
+        ("old-3", T0.plus(day * 5)),
+    ];
+    {
+        // A file made before scope salts, holding records written without one.
+        let conn = rusqlite::Connection::open(&path).unwrap();
+        conn.pragma_update(None, "journal_mode", "WAL").unwrap();
+        conn.execute_batch(SCHEMA_V1).unwrap();
+        conn.execute_batch(SCHEMA_V2_FROM_V1).unwrap();
+        for (key, purge_at) in kept {
+            let id = id(key);
+            conn.execute(
+                "INSERT INTO idem_records (scope, key, state, fingerprint, digest, created_at, purge_at)
+                 VALUES (?1, ?2, 'unknown', ?3, ?4, ?5, ?6)",
+                rusqlite::params![
+                    id.scope.as_str(),
+                    id.key.as_str(),
+                    fp.encode(),
+                    &fp.digest()[..],
+                    T0.as_i64(),
+                    purge_at.as_i64()
+                ],
+            )
+            .unwrap();
+        }
+    }
+    assert_eq!(schema_of(&path).0, 2);
+
+    // Two processes starting together on the old file, then asking for the salt together.
+    let (store, other) = tokio::join!(SqliteStore::open(&path), SqliteStore::open(&path));
+    let (store, other) = (store.unwrap(), other.unwrap());
+    let (version, columns) = schema_of(&path);
+    assert_eq!(version, 3);
+    let fresh = dir.path().join("fresh.db");
+    drop(SqliteStore::open(&fresh).await.unwrap());
+    assert_eq!(columns, schema_of(&fresh).1, "upgraded tables are like new ones");
+    let (salt, other_salt) = tokio::join!(
+        store.scope_salt(ScopeSalt::random(T0)),
+        other.scope_salt(ScopeSalt::random(T0))
+    );
+    let salt = salt.unwrap();
+    assert_eq!(other_salt.unwrap(), salt);
+    assert_eq!(
+        salt.older_records_until,
+        Some(latest),
+        "the older records live until the latest of their purge times"
+    );
+    let record = store.get(&id("old-2")).await.unwrap().expect("an old record");
+    assert!(matches!(record.state, RecordState::Unknown { purge_at } if purge_at == latest));
+
+    // Retention takes the older records and leaves the salt; reopening changes nothing either.
+    assert_eq!(store.purge(latest, 100).await.unwrap().deleted, kept.len() as u64);
+    drop((store, other));
+    let store = SqliteStore::open(&path).await.unwrap();
+    assert_eq!(schema_of(&path), (3, columns));
+    assert_eq!(store.scope_salt(ScopeSalt::random(latest)).await.unwrap(), salt);
 }
 
 #[tokio::test]

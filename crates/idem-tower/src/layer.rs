@@ -4,7 +4,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::{
-    Clock, HeaderAllowList, Keyring, MissingKeyPolicy, Policy, Protocol, Routes, ScopeSource, Store, StoreClock,
+    Clock, HeaderAllowList, Keyring, MissingKeyPolicy, Policy, Protocol, Routes, ScopeSecrets, ScopeSource, Store,
+    StoreClock,
 };
 use tokio_util::task::TaskTracker;
 use tower_layer::Layer;
@@ -22,6 +23,7 @@ pub struct IdempotencyLayer {
     policy: Policy,
     routes: Routes,
     keyring: Option<Arc<Keyring>>,
+    scope_secrets: ScopeSecrets,
     clock: Arc<dyn Clock>,
     response_timeout: Option<Duration>,
     tasks: TaskTracker,
@@ -41,6 +43,7 @@ impl IdempotencyLayer {
             policy: Policy::default(),
             routes: Routes::new(),
             keyring: None,
+            scope_secrets: ScopeSecrets::default(),
             response_timeout: None,
             tasks: TaskTracker::new(),
         }
@@ -188,6 +191,25 @@ impl IdempotencyLayer {
         self
     }
 
+    /// Mixes `secrets` into the hash of credential scopes (`ScopeSource::Credential`), besides the
+    /// store's own random salt: a copy of the store then gives nothing to test guessed
+    /// credentials against. Keep the secret out of the store (in the environment or a secret
+    /// manager). To change it, keep the previous one as [`ScopeSecrets::with_previous`] for one
+    /// retention, so that retries of keys used before the change still replay.
+    ///
+    /// ```
+    /// # fn example(store: impl idem_core::Store) -> Result<(), idem_core::ScopeSecretError> {
+    /// use idem_core::{ScopeSecret, ScopeSecrets};
+    /// let secret = ScopeSecret::new("nG1ZtqAY0vVjY2h8fPq8y9pJ3kW7r0sL")?;
+    /// let layer = idem_tower::IdempotencyLayer::new(store).with_scope_secrets(ScopeSecrets::new(Some(secret)));
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn with_scope_secrets(mut self, secrets: ScopeSecrets) -> Self {
+        self.scope_secrets = secrets;
+        self
+    }
+
     /// The clock leases, expiry and tombstones are judged on (default: the store's, a
     /// [`StoreClock`]; another for tests of leases and retention).
     pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
@@ -205,6 +227,7 @@ impl IdempotencyLayer {
     pub fn protocol(&self) -> Protocol {
         Protocol::with_clock(self.store.clone(), self.policy.clone(), self.clock.clone())
             .with_keyring(self.keyring.clone())
+            .with_scope_secrets(self.scope_secrets.clone())
     }
 }
 

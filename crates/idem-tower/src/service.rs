@@ -167,7 +167,7 @@ where
                 } else {
                     Outcome::BodyIncomplete
                 };
-                tracing::info!(scope = %keyed.scope(), key = keyed.key().map(|k| k.as_str()), outcome = %outcome, status = problem.kind.status().as_u16(), route = %self.route, "idempotency");
+                tracing::info!(scope = keyed.scope().map(|s| s.as_str()), key = keyed.key().map(|k| k.as_str()), outcome = %outcome, status = problem.kind.status().as_u16(), route = %self.route, "idempotency");
                 count_outcome(&self.route, outcome);
                 return Ok(problem.to_response().map(full));
             }

@@ -14,7 +14,7 @@ use http_body_util::BodyExt;
 use idem_core::testkit::{CountingStore, Operation};
 use idem_core::{
     Begin, BeginRequest, Checkpoint, Completion, FencingToken, ManualClock, MissingKeyPolicy, Policy, Purged, Record,
-    RecordId, Release, RouteRule, Routes, Scope, ScopeSource, Store, StoreError, UnixMillis, WaitOutcome,
+    RecordId, Release, RouteRule, Routes, Scope, ScopeSalt, ScopeSource, Store, StoreError, UnixMillis, WaitOutcome,
 };
 use idem_sqlite::SqliteStore;
 use idem_tower::{CheckpointError, Checkpoints, IdempotencyLayer};
@@ -51,7 +51,9 @@ fn app(layer: IdempotencyLayer, dir: tempfile::TempDir) -> App {
                 }
             }),
         )
-        .layer(layer);
+        .layer(layer)
+        // Built once, as `axum::serve` does, not again for every request.
+        .with_state(());
     App {
         router,
         runs,
@@ -76,6 +78,70 @@ async fn send(router: &Router, request: Request<AxumBody>) -> (StatusCode, bool,
     let status = response.status();
     let body = response.into_body().collect().await.expect("body").to_bytes();
     (status, replayed, String::from_utf8_lossy(&body).into_owned())
+}
+
+fn pay_as(key: &str, credential: &'static str) -> Request<AxumBody> {
+    let mut request = pay(key, "");
+    request
+        .headers_mut()
+        .insert("authorization", axum::http::HeaderValue::from_static(credential));
+    request
+}
+
+/// A caller's credential costs no store operation per request: the store's salt is read once.
+/// On a store that held records before it had a salt (an upgrade), a key new under the keyed
+/// hash costs one read more, to find a record stored under the unsalted scope, which replays.
+#[tokio::test]
+async fn credential_scopes_read_the_salt_once_and_look_up_older_records_only_after_an_upgrade() {
+    let (store, dir) = sqlite().await;
+    let store = Arc::new(CountingStore::new(store));
+    let fresh = app(IdempotencyLayer::from_shared(store.clone()), dir);
+    for (key, replayed) in [("k1", false), ("k1", true), ("k2", false)] {
+        store.reset();
+        assert_eq!(send(&fresh.router, pay_as(key, "Bearer alice")).await.1, replayed);
+        assert_eq!(store.total(), if replayed { 1 } else { 2 }, "{key}");
+    }
+    assert_eq!(store.count(Operation::ScopeSalt), 0, "read once, at the first request");
+
+    // A store with a record from before the salt: the previous version's unsalted scope.
+    let (old, dir) = sqlite().await;
+    let old = Arc::new(CountingStore::new(old));
+    let unsalted = {
+        use sha2::Digest;
+        let digest = sha2::Sha256::digest(b"Bearer alice");
+        let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+        Scope::from_stored(format!("cred:{hex}"))
+    };
+    let before = app(
+        IdempotencyLayer::from_shared(old.clone()).with_policy(Policy {
+            scope: ScopeSource::Extension,
+            ..Policy::default()
+        }),
+        tempfile::tempdir().unwrap(),
+    );
+    let mut request = pay("old", "");
+    request.extensions_mut().insert(unsalted.clone());
+    assert_eq!(
+        send(&before.router, request).await,
+        (StatusCode::CREATED, false, "run 1".into())
+    );
+    drop(before);
+
+    let upgraded = app(IdempotencyLayer::from_shared(old.clone()), dir);
+    let replay = send(&upgraded.router, pay_as("old", "Bearer alice")).await;
+    assert_eq!(
+        replay,
+        (StatusCode::CREATED, true, "run 1".into()),
+        "stored before the upgrade"
+    );
+    assert_eq!(upgraded.runs.load(Ordering::SeqCst), 0);
+    old.reset();
+    assert!(
+        !send(&upgraded.router, pay_as("new", "Bearer alice")).await.1,
+        "a new key runs"
+    );
+    assert_eq!(old.count(Operation::Get), 1, "one look under the unsalted scope");
+    assert_eq!(old.total(), 3, "begin, the look, complete");
 }
 
 #[tokio::test]
@@ -275,6 +341,9 @@ impl Store for Unreachable {
     async fn get(&self, _: &RecordId) -> Result<Option<Record>, StoreError> {
         Err(down())
     }
+    async fn scope_salt(&self, _: ScopeSalt) -> Result<ScopeSalt, StoreError> {
+        Err(down())
+    }
     async fn delete(&self, _: &RecordId) -> Result<Option<Record>, StoreError> {
         Err(down())
     }
@@ -428,6 +497,9 @@ impl Store for Held {
     }
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         self.store.get(id).await
+    }
+    async fn scope_salt(&self, candidate: ScopeSalt) -> Result<ScopeSalt, StoreError> {
+        self.store.scope_salt(candidate).await
     }
     async fn delete(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         self.store.delete(id).await

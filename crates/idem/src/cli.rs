@@ -89,11 +89,12 @@ pub(crate) struct RecordArgs {
     #[command(flatten)]
     pub(crate) store: StoreArgs,
     /// The record's scope as stored: `anonymous`, `shared` (`--scope none`), `header:VALUE`,
-    /// `cred:HASH`, `app:ID`.
+    /// `cred-mac:HASH`, `app:ID`.
     #[arg(long, default_value = "anonymous", conflicts_with = "authorization")]
     pub(crate) scope: String,
     /// The caller's `Authorization` header value, for records in a credential scope (the default
-    /// of `idem serve`); idem hashes it as the gateway does.
+    /// of `idem serve`); idem hashes it as the gateway does (with the store's salt and
+    /// `IDEM_SCOPE_SECRET`), and finds records stored before a change of hashing too.
     #[arg(long)]
     pub(crate) authorization: Option<String>,
     /// The idempotency key (without quotes).

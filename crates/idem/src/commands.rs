@@ -7,7 +7,8 @@ use anyhow::Context as _;
 use bytes::Bytes;
 use idem_core::stored::{COMPLETED, IN_FLIGHT, UNKNOWN};
 use idem_core::{
-    IdempotencyKey, Keyring, Policy, Protocol, Record, RecordId, RecordState, Scope, Store, StoreError, StoredResponse,
+    CredentialScopes, IdempotencyKey, Keyring, Policy, Protocol, Record, RecordId, RecordState, Scope, Store,
+    StoreError, StoredResponse, UnixMillis,
 };
 use serde::Serialize;
 
@@ -20,12 +21,39 @@ const PURGE_BATCH: usize = 1000;
 /// Opens the store and names the record the arguments point at.
 async fn open_record(args: &RecordArgs) -> anyhow::Result<(Arc<dyn Store>, RecordId)> {
     let key = IdempotencyKey::new(&args.key).with_context(|| format!("{:?} is not a valid key", args.key))?;
-    let scope = match &args.authorization {
-        Some(credential) => Scope::credential(credential.as_bytes()),
-        None => Scope::from_stored(args.scope.as_str()),
-    };
     let store = stores::open(&args.store.store).await?;
-    Ok((store, RecordId { scope, key }))
+    let id = match &args.authorization {
+        Some(credential) => credential_record(&*store, credential, key).await?,
+        None => RecordId {
+            scope: Scope::from_stored(args.scope.as_str()),
+            key,
+        },
+    };
+    Ok((store, id))
+}
+
+/// The record of `key` in the scope of callers presenting `credential`, hashed as the gateway
+/// hashes it (the store's salt, `IDEM_SCOPE_SECRET`): under the current form, or an earlier one
+/// if the record was stored before a change of hashing.
+async fn credential_record(store: &dyn Store, credential: &str, key: IdempotencyKey) -> anyhow::Result<RecordId> {
+    let secrets = crate::config::scope_secrets_from_env()?;
+    let scopes = CredentialScopes::load(store, &secrets, UnixMillis::now())
+        .await
+        .context("cannot read the store's scope salt")?;
+    let forms = scopes.every_form(credential.as_bytes());
+    for scope in &forms {
+        let id = RecordId {
+            scope: scope.clone(),
+            key: key.clone(),
+        };
+        if store.get(&id).await.context("cannot read the record")?.is_some() {
+            return Ok(id);
+        }
+    }
+    Ok(RecordId {
+        scope: forms[0].clone(),
+        key,
+    })
 }
 
 fn no_record(id: &RecordId) -> anyhow::Error {

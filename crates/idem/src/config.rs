@@ -11,7 +11,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::time::Duration;
 
-use idem_core::{Keyring, Policy, RouteError, RoutePattern, RouteRule, Routes, ScopeSource};
+use idem_core::{Keyring, Policy, RouteError, RoutePattern, RouteRule, Routes, ScopeSecret, ScopeSecrets, ScopeSource};
 
 use crate::cli::{Misconfigured, RouteSettings, ServeArgs, ServeSettings};
 use crate::proxy::UpstreamOptions;
@@ -87,6 +87,44 @@ pub(crate) fn keyring_from_env() -> Result<Option<Keyring>, Misconfigured> {
 /// The environment variable of the sealing keys.
 pub(crate) const ENCRYPTION_KEYS: &str = "IDEM_ENCRYPTION_KEYS";
 
+/// The environment variable of the secret mixed into the hash of credential scopes.
+pub(crate) const SCOPE_SECRET: &str = "IDEM_SCOPE_SECRET";
+/// The environment variable of the secret used before `IDEM_SCOPE_SECRET` (`none`: there was
+/// none), kept for one retention after a change so that keys used before it still replay.
+pub(crate) const SCOPE_SECRET_PREVIOUS: &str = "IDEM_SCOPE_SECRET_PREVIOUS";
+
+/// How credential scopes are hashed, from `IDEM_SCOPE_SECRET` and `IDEM_SCOPE_SECRET_PREVIOUS`
+/// (the environment only, like the sealing keys). A secret is taken as its exact bytes.
+pub(crate) fn scope_secrets_from_env() -> Result<ScopeSecrets, Misconfigured> {
+    let secret = |var: &'static str, value: std::ffi::OsString| {
+        ScopeSecret::new(value.as_encoded_bytes()).map_err(|err| Misconfigured {
+            flag: var,
+            reason: err.to_string(),
+        })
+    };
+    let current = match std::env::var_os(SCOPE_SECRET) {
+        Some(value) if !value.is_empty() => Some(secret(SCOPE_SECRET, value)?),
+        _ => None,
+    };
+    let mut secrets = ScopeSecrets::new(current);
+    match std::env::var_os(SCOPE_SECRET_PREVIOUS) {
+        Some(value) if value == "none" => secrets = secrets.with_previous(None),
+        Some(value) if !value.is_empty() => {
+            secrets = secrets.with_previous(Some(secret(SCOPE_SECRET_PREVIOUS, value)?))
+        }
+        _ => {}
+    }
+    if secrets.previous_is_current() {
+        return Err(Misconfigured {
+            flag: SCOPE_SECRET_PREVIOUS,
+            reason: format!(
+                "is the same as {SCOPE_SECRET}; set it to the secret used before (`none` if there was none)"
+            ),
+        });
+    }
+    Ok(secrets)
+}
+
 /// The shortest lease the gateway accepts.
 const MIN_LEASE: Duration = Duration::from_secs(1);
 
@@ -107,6 +145,8 @@ pub(crate) struct ServeConfig {
     pub(crate) tls_key: Option<PathBuf>,
     /// Seals stored answers (`IDEM_ENCRYPTION_KEYS`).
     pub(crate) keyring: Option<Keyring>,
+    /// Mixed into the hash of credential scopes (`IDEM_SCOPE_SECRET`).
+    pub(crate) scope_secrets: ScopeSecrets,
     origins: Origins,
 }
 
@@ -144,6 +184,7 @@ impl ServeConfig {
             None => Routes::new(),
         };
         let keyring = keyring_from_env()?;
+        let scope_secrets = scope_secrets_from_env()?;
         Ok(Self {
             upstream,
             listen: settings.listen.unwrap_or(Defaults::LISTEN),
@@ -162,6 +203,7 @@ impl ServeConfig {
             tls_cert: settings.tls_cert,
             tls_key: settings.tls_key,
             keyring,
+            scope_secrets,
             origins,
         })
     }

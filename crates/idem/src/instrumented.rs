@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use idem_core::{
-    Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, Record, RecordId, Release, Store, StoreError,
-    UnixMillis, WaitOutcome,
+    Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, Record, RecordId, Release, ScopeSalt, Store,
+    StoreError, UnixMillis, WaitOutcome,
 };
 
 /// Receives one measurement per store operation.
@@ -71,6 +71,9 @@ impl<O: Observer> Store for Instrumented<O> {
     }
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         self.measure("get", self.store.get(id)).await
+    }
+    async fn scope_salt(&self, candidate: ScopeSalt) -> Result<ScopeSalt, StoreError> {
+        self.measure("scope_salt", self.store.scope_salt(candidate)).await
     }
     async fn delete(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         self.measure("delete", self.store.delete(id)).await

@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use std::sync::Arc;
 
-use idem_core::{Keyring, Policy, Protocol, Routes, Store, StoreClock};
+use idem_core::{Keyring, Policy, Protocol, Routes, ScopeSecrets, Store, StoreClock};
 use idem_tower::IdempotencyLayer;
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
@@ -71,8 +71,23 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
         policy: config.policy.clone(),
         routes: config.routes.clone(),
         keyring: config.keyring.clone(),
+        scope_secrets: config.scope_secrets.clone(),
     };
     let gateway = Gateway::protected(store.clone(), clock, protection, proxy);
+    if let Some(protocol) = &gateway.protocol {
+        // Read (or, in a new store, made) before the first request: the first store to have a
+        // salt notes until when the records from before it may live.
+        match protocol.credential_scopes().await {
+            Ok(scopes) => tracing::info!(
+                ?scopes,
+                secret = config.scope_secrets.has_secret(),
+                "credential scopes are keyed by the store's salt"
+            ),
+            Err(err) => {
+                tracing::warn!(error = %err, "could not read the store's scope salt; it is read at the first request with a credential")
+            }
+        }
+    }
 
     let listener = TcpListener::bind(config.listen)
         .await
@@ -136,6 +151,8 @@ pub(crate) struct Protection {
     pub(crate) policy: Policy,
     pub(crate) routes: Routes,
     pub(crate) keyring: Option<Keyring>,
+    /// Mixed into the hash of credential scopes.
+    pub(crate) scope_secrets: ScopeSecrets,
 }
 
 /// The gateway's service: the idempotency layer around the proxy, or the bare proxy.
@@ -158,7 +175,8 @@ impl Gateway {
         let mut layer = IdempotencyLayer::from_shared(store)
             .with_clock(clock)
             .with_policy(protection.policy)
-            .with_routes(protection.routes);
+            .with_routes(protection.routes)
+            .with_scope_secrets(protection.scope_secrets);
         if let Some(keyring) = protection.keyring {
             layer = layer.with_encryption(keyring);
         }

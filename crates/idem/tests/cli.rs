@@ -224,7 +224,7 @@ async fn inspect_and_delete_find_a_credentials_record_by_its_authorization() {
     assert!(inspect.status.success(), "{}", describe(&inspect));
     let json: serde_json::Value = serde_json::from_slice(&inspect.stdout).expect("JSON");
     let scope = json["scope"].as_str().expect("a scope");
-    assert!(scope.starts_with("cred:"), "a credential scope: {json}");
+    assert!(scope.starts_with("cred-mac:"), "a keyed credential scope: {json}");
     assert_eq!(json["state"], "completed", "{json}");
 
     let delete = run_idem(&[&["delete"][..], &by_credential].concat(), COMMAND_LIMIT).await;

@@ -6,8 +6,6 @@
 mod common;
 mod servers;
 
-use std::path::PathBuf;
-
 use common::{Gateway, Reply, Upstream, count, new_key, run_idem, send, serve_refusing};
 use idem_test_support::raw;
 
@@ -60,51 +58,29 @@ async fn sealed_at_rest(store: &str, dump: impl Fn() -> Vec<u8>) {
     }
 }
 
-fn sqlite_path(store: &str) -> PathBuf {
-    PathBuf::from(store.strip_prefix("sqlite://").expect("a sqlite:// URL"))
-}
-
-/// The value of option `name` in a store URL.
-fn option(url: &str, name: &str) -> String {
-    let (_, query) = url.split_once('?').expect("options");
-    query
-        .split('&')
-        .find_map(|pair| pair.strip_prefix(&format!("{name}=")))
-        .expect("the option")
-        .to_owned()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_holds_no_answer_or_credential_in_clear() {
     let dir = tempfile::tempdir().expect("a temp dir");
     let store = common::store_url_in(dir.path());
-    sealed_at_rest(&store, || raw::sqlite_bytes(&sqlite_path(&store))).await;
+    sealed_at_rest(&store, || common::store_bytes(&store)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_holds_no_answer_or_credential_in_clear() {
     let store = servers::postgres_url();
-    sealed_at_rest(&store, || raw::postgres_bytes(&store, &option(&store, "schema"))).await;
+    sealed_at_rest(&store, || common::store_bytes(&store)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_holds_no_answer_or_credential_in_clear() {
     let store = servers::redis_url();
-    let node = store.split_once("/?").expect("a prefix").0.to_owned();
-    sealed_at_rest(&store, || {
-        raw::redis_bytes(std::slice::from_ref(&node), &option(&store, "prefix"))
-    })
-    .await;
+    sealed_at_rest(&store, || common::store_bytes(&store)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_cluster_holds_no_answer_or_credential_in_clear() {
     let store = servers::redis_cluster_url();
-    let nodes: Vec<String> = idem_test_support::servers::socket_addrs(&store)
-        .into_iter()
-        .map(|addr| format!("redis://{addr}"))
-        .collect();
-    sealed_at_rest(&store, || raw::redis_bytes(&nodes, &option(&store, "prefix"))).await;
+    sealed_at_rest(&store, || common::store_bytes(&store)).await;
 }
 
 /// `idem inspect --json` of a record, as a JSON value.
@@ -188,7 +164,8 @@ async fn a_sealed_answer_copied_onto_another_record_does_not_open() {
     pay(&gw, &thief, "thief", "CARD-THIEF").await;
 
     // Someone with write access to the store moves the victim's sealed answer onto their record.
-    let db = rusqlite::Connection::open(sqlite_path(&store)).expect("open the SQLite file");
+    let db = rusqlite::Connection::open(store.strip_prefix("sqlite://").expect("a sqlite:// URL"))
+        .expect("open the SQLite file");
     let moved = db
         .execute(
             "UPDATE idem_records SET response = (SELECT response FROM idem_records WHERE key = ?1) WHERE key = ?2",

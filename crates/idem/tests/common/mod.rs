@@ -356,6 +356,37 @@ pub(crate) fn store_url_in(dir: &Path) -> String {
     format!("sqlite://{}", dir.join("idem.db").display())
 }
 
+/// The value of option `name` in a store URL.
+fn store_option(url: &str, name: &str) -> String {
+    let (_, query) = url.split_once('?').expect("options");
+    query
+        .split('&')
+        .find_map(|pair| pair.strip_prefix(&format!("{name}=")))
+        .expect("the option")
+        .to_owned()
+}
+
+/// Every byte the store at `url` holds for its records, as a copy of it would show them: the
+/// SQLite file, the PostgreSQL schema's rows (`schema=`), the values under the Redis prefix
+/// (`prefix=`) on every node.
+pub(crate) fn store_bytes(url: &str) -> Vec<u8> {
+    use idem_test_support::raw;
+    if let Some(path) = url.strip_prefix("sqlite://") {
+        raw::sqlite_bytes(Path::new(path))
+    } else if url.starts_with("postgres") {
+        raw::postgres_bytes(url, &store_option(url, "schema"))
+    } else if url.starts_with("redis+cluster://") {
+        let nodes: Vec<String> = idem_test_support::servers::socket_addrs(url)
+            .into_iter()
+            .map(|addr| format!("redis://{addr}"))
+            .collect();
+        raw::redis_bytes(&nodes, &store_option(url, "prefix"))
+    } else {
+        let node = url.split_once("/?").expect("a prefix").0.to_owned();
+        raw::redis_bytes(&[node], &store_option(url, "prefix"))
+    }
+}
+
 impl Gateway {
     /// Starts `idem serve --upstream UPSTREAM` with a fresh temporary store and `args` added.
     pub(crate) async fn start(upstream: &str, args: &[&str]) -> Self {
@@ -560,8 +591,14 @@ fn parse_listening_line(line: &str) -> Option<(String, String)> {
 
 /// Runs `idem ARGS` to completion (at most `limit`).
 pub(crate) async fn run_idem(args: &[&str], limit: Duration) -> Output {
+    run_idem_with_env(args, &[], limit).await
+}
+
+/// [`run_idem`] with `env` set.
+pub(crate) async fn run_idem_with_env(args: &[&str], env: &[(&str, &str)], limit: Duration) -> Output {
     let child = Command::new(IDEM)
         .args(args)
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
