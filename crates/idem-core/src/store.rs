@@ -254,7 +254,9 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// * an in-flight record whose lease ended before `now`, or an unknown-outcome record, with the
     ///   same fingerprint digest: taken over (`recovered: true`);
     /// * otherwise nothing changes and the record is returned. If it is completed, not expired and
-    ///   has the same fingerprint digest, its replay count is incremented in the same step.
+    ///   has the same fingerprint digest, the replay is counted, and the record returned with it.
+    ///   A store may write counts a moment later, in batches, so that a replay is a read: its own
+    ///   reads then show them at once, other instances' a moment later.
     async fn begin(&self, request: BeginRequest<'_>) -> Result<Begin, StoreError>;
 
     /// Stores the answer if `token` is still the current claim; [`StoreError::Fenced`] otherwise.

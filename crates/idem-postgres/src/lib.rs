@@ -60,6 +60,7 @@
 
 mod error;
 mod listener;
+mod replays;
 mod schema;
 mod store;
 mod url;

@@ -21,6 +21,8 @@ const MIGRATION_LOCK: i64 = 0x6964_656d_0000_0001;
 /// 3. `idem_scope_salt`: the store's one scope salt, in a table of its own that retention never
 ///    touches. A single row (`id = 1`, so that a second one cannot be inserted); `NULL` in
 ///    `older_records_until` if the store held no records when the salt was made.
+/// 4. `waiters`: how many waits a record's claims have had, so that the changes of records
+///    nobody waits on do not `NOTIFY` (see `WAIT_ON` in the store).
 const MIGRATIONS: &[(i32, &str)] = &[
     (
         1,
@@ -71,6 +73,13 @@ CREATE TABLE idem_scope_salt (
     created_at          BIGINT   NOT NULL,
     older_records_until BIGINT
 );
+",
+    ),
+    (
+        4,
+        // A constant default: the table is not rewritten.
+        "
+ALTER TABLE idem_records ADD COLUMN waiters INTEGER NOT NULL DEFAULT 0;
 ",
     ),
 ];

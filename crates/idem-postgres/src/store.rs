@@ -1,8 +1,10 @@
 //! [`PostgresStore`]: the `Store` primitives as PostgreSQL statements. Claims are one
 //! `INSERT ... ON CONFLICT DO NOTHING`; a conflict is resolved in a transaction that locks the row
 //! (`SELECT ... FOR UPDATE`). Complete, release and renew are single compare-and-set statements on
-//! the fencing token. Changes that end a claim `NOTIFY` in the same statement, so that waiters
-//! everywhere are woken on commit.
+//! the fencing token. Changes that end a claim `NOTIFY` in the same statement when someone waits on
+//! the record (a waiter marks it first), so that waiters everywhere are woken on commit, and
+//! commits nobody waits for do not queue on the lock every `NOTIFY` takes. A replay is one read:
+//! its count is written later, in batches (`replays`).
 //!
 //! The scope salt is the one row of `idem_scope_salt`, made by the first caller with
 //! `INSERT ... ON CONFLICT DO NOTHING` and read by everyone else in a statement of its own.
@@ -27,6 +29,7 @@ use tokio_postgres::{NoTls, Row};
 
 use crate::error::{Failure, describe};
 use crate::listener::{Listener, payload};
+use crate::replays::ReplayCounts;
 use crate::url::Settings;
 use crate::{PostgresError, schema};
 
@@ -44,12 +47,22 @@ const POOL_WAIT_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long checking a returned connection may take.
 const POOL_RECYCLE_TIMEOUT: Duration = Duration::from_secs(5);
 
-const INSERT: &str = "
-INSERT INTO idem_records
-    (scope, key, state, fingerprint, digest, token, lease_until, created_at, purge_at, replays)
-VALUES ($1, $2, 'in-flight', $3, $4, $5, $6, $7, $8, 0)
-ON CONFLICT (scope, key) DO NOTHING
-RETURNING 1";
+/// A new key's claim, or else the record as it stands, in one statement: one round trip for a
+/// new key and for a replay. The record is read in the statement's snapshot, which misses a row
+/// committed while the insert waited on it: then neither column set is there, and the claim is
+/// tried again.
+const CLAIM: &str = "
+WITH claimed AS (
+    INSERT INTO idem_records
+        (scope, key, state, fingerprint, digest, token, lease_until, created_at, purge_at, replays)
+    VALUES ($1, $2, 'in-flight', $3, $4, $5, $6, $7, $8, 0)
+    ON CONFLICT (scope, key) DO NOTHING
+    RETURNING 1
+)
+SELECT r.state, r.fingerprint, r.digest, r.token, r.lease_until, r.response, r.created_at, r.completed_at,
+    r.expires_at, r.purge_at, r.replays, EXISTS (SELECT 1 FROM claimed)
+FROM (SELECT 1) AS one
+LEFT JOIN idem_records r ON r.scope = $1 AND r.key = $2 AND NOT EXISTS (SELECT 1 FROM claimed)";
 
 const SELECT: &str = "
 SELECT state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays
@@ -69,9 +82,9 @@ WITH replaced AS (
         response = NULL, created_at = $7, completed_at = NULL, expires_at = NULL,
         purge_at = $8, replays = 0, checkpoint_names = '{}', checkpoint_values = '{}'
     WHERE scope = $1 AND key = $2
-    RETURNING 1
+    RETURNING waiters
 )
-SELECT pg_notify('idem_records', $9) FROM replaced";
+SELECT (SELECT pg_notify('idem_records', $9) WHERE replaced.waiters > 0) FROM replaced";
 
 /// The checkpoints stay: the new run resumes from them.
 const TAKE_OVER: &str = "
@@ -79,11 +92,9 @@ WITH taken AS (
     UPDATE idem_records
     SET state = 'in-flight', token = $3, lease_until = $4, purge_at = $5
     WHERE scope = $1 AND key = $2
-    RETURNING 1
+    RETURNING waiters
 )
-SELECT pg_notify('idem_records', $6) FROM taken";
-
-const REPLAYED: &str = "UPDATE idem_records SET replays = replays + 1 WHERE scope = $1 AND key = $2";
+SELECT (SELECT pg_notify('idem_records', $6) WHERE taken.waiters > 0) FROM taken";
 
 /// The run is over, and so are its checkpoints.
 const COMPLETE: &str = "
@@ -93,17 +104,17 @@ WITH completed AS (
         completed_at = $5, expires_at = $6, purge_at = $7,
         checkpoint_names = '{}', checkpoint_values = '{}'
     WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in-flight'
-    RETURNING 1
+    RETURNING waiters
 )
-SELECT pg_notify('idem_records', $8) FROM completed";
+SELECT (SELECT pg_notify('idem_records', $8) WHERE completed.waiters > 0) FROM completed";
 
 const FORGET: &str = "
 WITH forgotten AS (
     DELETE FROM idem_records
     WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in-flight'
-    RETURNING 1
+    RETURNING waiters
 )
-SELECT pg_notify('idem_records', $4) FROM forgotten";
+SELECT (SELECT pg_notify('idem_records', $4) WHERE forgotten.waiters > 0) FROM forgotten";
 
 /// The fingerprint stays: only the same request may take the record over. So do the
 /// checkpoints, for the run that takes it over.
@@ -112,18 +123,19 @@ WITH released AS (
     UPDATE idem_records
     SET state = 'unknown', token = NULL, lease_until = NULL, purge_at = $4
     WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in-flight'
-    RETURNING 1
+    RETURNING waiters
 )
-SELECT pg_notify('idem_records', $5) FROM released";
+SELECT (SELECT pg_notify('idem_records', $5) WHERE released.waiters > 0) FROM released";
 
 /// Deletes whatever the record holds and returns it; waiters on it are woken to look again.
 const DELETE: &str = "
 WITH deleted AS (
     DELETE FROM idem_records WHERE scope = $1 AND key = $2
-    RETURNING state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays
+    RETURNING state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays,
+        waiters
 )
 SELECT state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays,
-    pg_notify('idem_records', $3)
+    (SELECT pg_notify('idem_records', $3) WHERE deleted.waiters > 0)
 FROM deleted";
 
 const RENEW: &str = "
@@ -158,6 +170,13 @@ RETURNING salt, created_at, older_records_until";
 /// A statement of its own after [`SCOPE_SALT_INSERT`] found the row taken: under read committed it
 /// sees the row that a concurrent caller committed, which the insert's snapshot may not.
 const SCOPE_SALT_SELECT: &str = "SELECT salt, created_at, older_records_until FROM idem_scope_salt WHERE id = 1";
+
+/// A waiter's mark on the claim it waits on, so that the change that ends the claim notifies
+/// (changes of records nobody waits on do not: a `NOTIFY` takes a lock that serialises every
+/// notifying commit in the database). Marks no row if the claim is no longer current.
+const WAIT_ON: &str = "
+UPDATE idem_records SET waiters = waiters + 1
+WHERE scope = $1 AND key = $2 AND state = 'in-flight' AND token = $3";
 
 const HOLDS: &str = "
 SELECT EXISTS (
@@ -211,6 +230,8 @@ struct Inner {
     poll_interval: Duration,
     /// `None` with `notify=off`.
     listener: Option<Listener>,
+    /// Replays counted and not yet written to their rows.
+    replays: Arc<ReplayCounts>,
 }
 
 impl fmt::Debug for PostgresStore {
@@ -294,16 +315,17 @@ impl PostgresStore {
             notify = settings.notify,
             "PostgreSQL store connected"
         );
-        Ok(Self {
-            inner: Arc::new(Inner {
-                pool,
-                target,
-                schema: settings.schema,
-                pool_size: settings.pool_size,
-                poll_interval: settings.poll_interval,
-                listener,
-            }),
-        })
+        let inner = Arc::new(Inner {
+            pool,
+            target,
+            schema: settings.schema,
+            pool_size: settings.pool_size,
+            poll_interval: settings.poll_interval,
+            listener,
+            replays: Arc::default(),
+        });
+        ReplayCounts::flush_forever(inner.replays.clone(), inner.pool.clone(), Arc::downgrade(&inner));
+        Ok(Self { inner })
     }
 
     /// Creates the schema or applies the migrations it lacks; does nothing if it is up to date.
@@ -327,6 +349,12 @@ impl PostgresStore {
 
     fn db(&self, operation: &'static str) -> impl Fn(tokio_postgres::Error) -> StoreError + Copy + '_ {
         move |err| Failure::db(operation, &self.inner.target, err)
+    }
+
+    /// `record` with the replays counted here and not yet written.
+    fn with_pending(&self, mut record: Record) -> Result<Record, StoreError> {
+        record.replays += self.inner.replays.pending(&record.id).unsigned_abs();
+        Ok(record)
     }
 
     /// Whether `token` is still the current claim on the record.
@@ -444,12 +472,12 @@ impl Store for PostgresStore {
         let notice = payload(id);
         let mut client = self.client("begin").await?;
         for _ in 0..BEGIN_ATTEMPTS {
-            // The common case, a new key, is this one statement. No transaction around it: it is
-            // atomic by itself, and what follows does not depend on it being undone.
-            let insert = client.prepare_cached(INSERT).await.map_err(db)?;
-            let inserted = client
-                .query_opt(
-                    &insert,
+            // A new key and a replay, the common cases, are this one statement. No transaction
+            // around it: it is atomic by itself, and a replay changes nothing but a count.
+            let claim = client.prepare_cached(CLAIM).await.map_err(db)?;
+            let row = client
+                .query_one(
+                    &claim,
                     &[
                         &scope,
                         &key,
@@ -463,11 +491,27 @@ impl Store for PostgresStore {
                 )
                 .await
                 .map_err(db)?;
-            if inserted.is_some() {
+            if row.try_get::<_, bool>(11).map_err(db)? {
                 return Ok(Begin::Acquired { recovered: false });
             }
-            // The key exists: decide under the row's lock. Read committed is enough, as every
-            // statement sees what was committed before it, and the lock keeps the row still.
+            if row.try_get::<_, Option<String>>(0).map_err(db)?.is_none() {
+                // Committed (or deleted) while the insert waited: look again.
+                continue;
+            }
+            let row = StoredRow::from_row(&row, id)?;
+            match row.stored.on_begin(row.digest.as_slice() == digest, now) {
+                Existing::Replay => {
+                    let mut record = row.into_record(id.clone())?;
+                    record.replays += self.inner.replays.add(id).unsigned_abs();
+                    return Ok(Begin::Existing(record));
+                }
+                // In flight, another request's, or expired: returned as read.
+                Existing::Leave => return self.with_pending(row.into_record(id.clone())?).map(Begin::Existing),
+                Existing::Replace | Existing::TakeOver => {}
+            }
+            // A claim on a record that exists: decided again under the row's lock. Read
+            // committed is enough, as every statement sees what was committed before it, and
+            // the lock keeps the row still.
             let tx = client.transaction().await.map_err(db)?;
             let select = tx.prepare_cached(SELECT_FOR_UPDATE).await.map_err(db)?;
             let Some(row) = tx.query_opt(&select, &[&scope, &key]).await.map_err(db)? else {
@@ -504,13 +548,12 @@ impl Store for PostgresStore {
                         .map_err(db)?;
                     Begin::Acquired { recovered: true }
                 } else {
-                    let replayed = action == Existing::Replay;
                     // A corrupt row fails here, before anything is changed.
                     let mut record = row.into_record(id.clone())?;
-                    if replayed {
-                        let count = tx.prepare_cached(REPLAYED).await.map_err(db)?;
-                        tx.execute(&count, &[&scope, &key]).await.map_err(db)?;
-                        record.replays += 1;
+                    if action == Existing::Replay {
+                        record.replays += self.inner.replays.add(id).unsigned_abs();
+                    } else {
+                        record = self.with_pending(record)?;
                     }
                     Begin::Existing(record)
                 }
@@ -658,7 +701,7 @@ impl Store for PostgresStore {
             .query_opt(&stmt, &[&id.scope.as_str(), &id.key.as_str()])
             .await
             .map_err(db)?;
-        row.map(|row| StoredRow::from_row(&row, id)?.into_record(id.clone()))
+        row.map(|row| self.with_pending(StoredRow::from_row(&row, id)?.into_record(id.clone())?))
             .transpose()
     }
 
@@ -672,8 +715,14 @@ impl Store for PostgresStore {
             .query_opt(&stmt, &[&id.scope.as_str(), &id.key.as_str(), &payload(id)])
             .await
             .map_err(db)?;
-        row.map(|row| StoredRow::from_row(&row, id)?.into_record(id.clone()))
-            .transpose()
+        let unwritten = self.inner.replays.forget(id).unsigned_abs();
+        let mut record = row
+            .map(|row| StoredRow::from_row(&row, id)?.into_record(id.clone()))
+            .transpose()?;
+        if let Some(record) = &mut record {
+            record.replays += unwritten;
+        }
+        Ok(record)
     }
 
     async fn wait(
@@ -691,6 +740,18 @@ impl Store for PostgresStore {
         // a safety net; with `notify=off` it is how changes are seen. The subscription is taken
         // before each check (the listening connection has been listening since before it, or, if
         // it is reconnecting, wakes every waiter once it listens again).
+        if subscription.is_some() {
+            let db = self.db("wait");
+            let client = self.client("wait").await?;
+            let stmt = client.prepare_cached(WAIT_ON).await.map_err(db)?;
+            let marked = client
+                .execute(&stmt, &[&id.scope.as_str(), &id.key.as_str(), &&token.as_bytes()[..]])
+                .await
+                .map_err(db)?;
+            if marked == 0 {
+                return Ok(WaitOutcome::Changed);
+            }
+        }
         let max_poll = self.inner.poll_interval;
         let notify = subscription.as_ref().map(|s| s.notify());
         wait_for_change(notify, deadline, max_poll / 4, max_poll, || self.holds(id, token)).await

@@ -183,3 +183,76 @@ async fn changes_made_while_not_listening_are_not_lost() {
         .expect("complete");
     assert_notified(task, "complete while the listener was down").await;
 }
+
+/// The payload the store notifies for a record: 32 hex digits of a SHA-256 of its scope and key.
+fn payload(id: &RecordId) -> String {
+    use sha2::{Digest, Sha256};
+    let (scope, key) = (id.scope.as_str(), id.key.as_str());
+    let mut hasher = Sha256::new();
+    hasher.update((scope.len() as u64).to_be_bytes());
+    hasher.update(scope.as_bytes());
+    hasher.update(key.as_bytes());
+    hasher.finalize()[..16].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A change that ends a claim notifies only if someone waits on the record: every `NOTIFY` takes
+/// a lock that serialises the commits of all notifying transactions in the database, so claims
+/// nobody waits for must not queue on it. Counted on a connection of its own that listens: the
+/// waited-on change is committed last, and notifications arrive in commit order, so every one
+/// before it has arrived by then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_changes_someone_waits_on_notify() {
+    let (listening, mut connection) = tokio_postgres::connect(&common::base_url(), tokio_postgres::NoTls)
+        .await
+        .expect("connect (start PostgreSQL: bash .ci/services)");
+    let (heard, mut notifications) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Some(message) = std::future::poll_fn(|cx| connection.poll_message(cx)).await {
+            if let Ok(tokio_postgres::AsyncMessage::Notification(notification)) = message {
+                let _ = heard.send(notification.payload().to_owned());
+            }
+        }
+    });
+    listening.batch_execute("LISTEN idem_records").await.unwrap();
+
+    let schema = TestSchema::new();
+    let (holder, waiter) = (schema.connect(SLOW_POLL).await, schema.connect(SLOW_POLL).await);
+    let (fp, now) = (fingerprint("a"), UnixMillis::now());
+    let mut unwatched = std::collections::HashSet::new();
+    for end in ["complete", "forget", "unknown", "delete"] {
+        let id = fresh_id();
+        let token = acquire(&holder, &id, &fp, now).await;
+        match end {
+            "complete" => holder.complete(&id, token, completion(b"done", now, DAY, 7 * DAY)).await,
+            "forget" => holder.release(&id, token, Release::Forget).await,
+            "unknown" => {
+                let release = Release::Unknown {
+                    purge_at: now.plus(DAY),
+                };
+                holder.release(&id, token, release).await
+            }
+            _ => holder.delete(&id).await.map(drop),
+        }
+        .expect(end);
+        unwatched.insert(payload(&id));
+    }
+
+    let watched = fresh_id();
+    let token = acquire(&holder, &watched, &fp, now).await;
+    let task = start_waiting(&waiter, &watched, token).await;
+    holder
+        .complete(&watched, token, completion(b"done", now, DAY, 7 * DAY))
+        .await
+        .expect("complete");
+    assert_notified(task, "complete").await;
+    loop {
+        let payload = timeout(Duration::from_secs(10), notifications.recv())
+            .await
+            .expect("the waited-on completion was notified")
+            .expect("the listening connection");
+        assert!(!unwatched.contains(&payload), "a change nobody waited on notified");
+        if payload == self::payload(&watched) {
+            break;
+        }
+    }
+}

@@ -64,7 +64,10 @@ pub(crate) async fn run(args: BenchArgs) -> anyhow::Result<()> {
             "/pay",
             post(move || std::future::ready((StatusCode::CREATED, body.clone()))),
         )
-        .layer(layer);
+        .layer(layer)
+        // Built once, as `axum::serve` does: an unfinished router applies its layers anew for
+        // every request, which is not what a service pays.
+        .with_state(());
     let run_id = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap_or_default()

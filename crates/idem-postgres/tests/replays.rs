@@ -1,0 +1,91 @@
+//! A replay is one read: it takes no row lock and writes nothing on its way, and its count reaches
+//! the row a moment later, in a batch, for every instance to see.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{DAY, TestSchema, acquire, begin, completion, fingerprint, fresh_id};
+use idem_core::{Begin, Store, UnixMillis};
+
+/// A transaction holding the record's row lock (a purge, an operator's `SELECT ... FOR UPDATE`, a
+/// stuck migration) does not hold up its replays: they are answered while the lock is held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replays_are_answered_while_another_transaction_holds_the_row() {
+    let schema = TestSchema::new();
+    let store = schema.connect("").await;
+    let (id, fp, now) = (fresh_id(), fingerprint("{}"), UnixMillis::now());
+    let token = acquire(&store, &id, &fp, now).await;
+    store
+        .complete(&id, token, completion(b"paid", now, DAY, 2 * DAY))
+        .await
+        .expect("complete");
+
+    let mut holder = schema.client().await;
+    let tx = holder.transaction().await.unwrap();
+    tx.execute(
+        "SELECT 1 FROM idem_records WHERE scope = $1 AND key = $2 FOR UPDATE",
+        &[&id.scope.as_str(), &id.key.as_str()],
+    )
+    .await
+    .unwrap();
+    for replays in 1..=3 {
+        // The lock is held until the end of the test: a replay that needed it would never come.
+        let replay = tokio::time::timeout(Duration::from_secs(10), begin(&store, &id, &fp, now))
+            .await
+            .expect("a replay waited for the row lock");
+        match replay.0 {
+            Begin::Existing(record) => assert_eq!(record.replays, replays),
+            other => panic!("expected the stored answer, got {other:?}"),
+        }
+    }
+    tx.rollback().await.unwrap();
+}
+
+/// Replays counted by one instance reach the row, where another instance reads them; the counting
+/// instance shows them at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_counts_reach_the_row_for_every_instance() {
+    let schema = TestSchema::new();
+    let (one, other) = (schema.connect("").await, schema.connect("").await);
+    let (id, fp, now) = (fresh_id(), fingerprint("{}"), UnixMillis::now());
+    let token = acquire(&one, &id, &fp, now).await;
+    one.complete(&id, token, completion(b"paid", now, DAY, 2 * DAY))
+        .await
+        .expect("complete");
+    for _ in 0..5 {
+        begin(&one, &id, &fp, now).await;
+    }
+    for _ in 0..2 {
+        begin(&other, &id, &fp, now).await;
+    }
+    assert_eq!(one.get(&id).await.unwrap().unwrap().replays, 5, "its own, at once");
+
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let client = schema.client().await;
+    loop {
+        let written: i64 = client
+            .query_one(
+                "SELECT replays FROM idem_records WHERE scope = $1 AND key = $2",
+                &[&id.scope.as_str(), &id.key.as_str()],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if written == 7 {
+            break;
+        }
+        assert!(written < 7, "{written} replays written, 7 made");
+        assert!(tokio::time::Instant::now() < deadline, "only {written} of 7 replays were written");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(other.get(&id).await.unwrap().unwrap().replays, 7);
+    // A store that is dropped writes what it counted.
+    begin(&one, &id, &fp, now).await;
+    drop(one);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while other.get(&id).await.unwrap().unwrap().replays != 8 {
+        assert!(tokio::time::Instant::now() < deadline, "the last replay was never written");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
