@@ -29,9 +29,12 @@ pub struct RecordId {
 pub struct FencingToken([u8; 16]);
 
 impl FencingToken {
-    /// A new random token.
+    /// A new random token, from the thread's cryptographically secure generator (seeded from the
+    /// system once, not a system call per token).
     pub fn random() -> Self {
-        Self(*uuid::Uuid::new_v4().as_bytes())
+        let mut bytes = [0; 16];
+        rand::rng().fill_bytes(&mut bytes);
+        Self(bytes)
     }
 
     /// Rebuilds a token from its stored bytes.

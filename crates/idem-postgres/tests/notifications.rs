@@ -223,7 +223,11 @@ async fn only_changes_someone_waits_on_notify() {
         let id = fresh_id();
         let token = acquire(&holder, &id, &fp, now).await;
         match end {
-            "complete" => holder.complete(&id, token, completion(b"done", now, DAY, 7 * DAY)).await,
+            "complete" => {
+                holder
+                    .complete(&id, token, completion(b"done", now, DAY, 7 * DAY))
+                    .await
+            }
             "forget" => holder.release(&id, token, Release::Forget).await,
             "unknown" => {
                 let release = Release::Unknown {

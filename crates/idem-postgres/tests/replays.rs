@@ -76,7 +76,10 @@ async fn replay_counts_reach_the_row_for_every_instance() {
             break;
         }
         assert!(written < 7, "{written} replays written, 7 made");
-        assert!(tokio::time::Instant::now() < deadline, "only {written} of 7 replays were written");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "only {written} of 7 replays were written"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(other.get(&id).await.unwrap().unwrap().replays, 7);
@@ -85,7 +88,10 @@ async fn replay_counts_reach_the_row_for_every_instance() {
     drop(one);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while other.get(&id).await.unwrap().unwrap().replays != 8 {
-        assert!(tokio::time::Instant::now() < deadline, "the last replay was never written");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the last replay was never written"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }

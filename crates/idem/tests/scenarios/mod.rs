@@ -217,13 +217,22 @@ pub(crate) async fn operator_commands_work(store: &str) {
     assert!(send(pay(&gateway, &key)).await.replayed());
 
     let limit = Duration::from_secs(60);
-    let inspect = run_idem(&["inspect", "--store", store, &key], limit).await;
-    assert!(
-        inspect.status.success(),
-        "inspect finds the record:\n{}",
-        describe(&inspect)
-    );
-    let text = String::from_utf8_lossy(&inspect.stdout);
+    // A store may write replay counts a moment later, in batches (PostgreSQL: every 500 ms), and
+    // this is another process: it sees the count once it is written.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let text = loop {
+        let inspect = run_idem(&["inspect", "--store", store, &key], limit).await;
+        assert!(
+            inspect.status.success(),
+            "inspect finds the record:\n{}",
+            describe(&inspect)
+        );
+        let text = String::from_utf8_lossy(&inspect.stdout).into_owned();
+        if text.contains("replays:  1") || tokio::time::Instant::now() >= deadline {
+            break text;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
     for expected in ["POST /pay", "completed", "201", "replays:  1"] {
         assert!(text.contains(expected), "inspect shows {expected:?}:\n{text}");
     }
