@@ -425,20 +425,28 @@ impl Gateway {
 
     /// Starts `idem serve` on an existing store URL with its wall clock skewed by `offset`
     /// (libfaketime's syntax: `+45s`, `-2m`); its monotonic clock, which timers use, is left alone.
+    /// The library is preloaded into idem itself, not through the `faketime` wrapper, which would
+    /// run idem as a child of its own that outlives the wrapper when the test kills it.
     pub(crate) async fn start_skewed(upstream: &str, store: &str, offset: &str, args: &[&str]) -> Self {
-        let found = std::process::Command::new("sh")
-            .args(["-c", "command -v faketime"])
-            .output()
-            .is_ok_and(|out| out.status.success());
-        assert!(
-            found,
-            "this test runs a gateway on a skewed clock with faketime, which is not installed: \
-             run `bash .ci/services` (or `apt-get install faketime`)"
-        );
+        let library = [
+            "/usr/lib/x86_64-linux-gnu/faketime",
+            "/usr/lib/aarch64-linux-gnu/faketime",
+            "/usr/lib/faketime",
+        ]
+        .iter()
+        .map(|dir| Path::new(dir).join("libfaketimeMT.so.1"))
+        .find(|path| path.exists())
+        .unwrap_or_else(|| {
+            panic!(
+                "this test runs a gateway on a skewed clock with libfaketime, which is not installed: \
+                     run `bash .ci/services` (or `apt-get install faketime`)"
+            )
+        });
         let dir = tempfile::tempdir().expect("a temp dir");
-        let mut command = Command::new("faketime");
+        let mut command = Command::new(IDEM);
         command
-            .args(["-f", offset, IDEM])
+            .env("LD_PRELOAD", library)
+            .env("FAKETIME", offset)
             .env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
         Self::spawn_command(command, upstream, store.to_owned(), dir, args).await
     }
