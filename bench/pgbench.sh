@@ -2,9 +2,8 @@
 # bench/pgbench.sh: idem's PostgreSQL store against the floor, the same statements run by pgbench
 # (issue 10: idem ≥ 80 % of pgbench, for new keys and for replays).
 #
-# In a scratch schema it creates idem_records as migrations 1, 2 and 4 of
-# crates/idem-postgres/src/schema.rs do (3 is the scope salt's table, which no request touches),
-# then runs with pgbench (-M prepared, as the store's prepare_cached):
+# In a scratch schema made by `idem migrate` (the store's own tables and indexes), it runs with
+# pgbench (-M prepared, as the store's prepare_cached):
 #   new.sql     the floor of a new key, the statements the store needs, each committed on its own as
 #               the store does: the claim (INSERT ... ON CONFLICT (scope, key) DO NOTHING RETURNING 1)
 #               and the completion (the compare-and-set UPDATE on the fencing token, RETURNING waiters,
@@ -80,34 +79,12 @@ IDEM_URL="$PG_URL"
 case $IDEM_URL in *\?*) IDEM_URL="$IDEM_URL&" ;; *) IDEM_URL="$IDEM_URL?" ;; esac
 IDEM_URL="${IDEM_URL}schema=$IDEM_SCHEMA"
 
-# --- the scratch table: migrations 1, 2 and 4 of idem-postgres ------------------------------------
-say "creating $PGB_SCHEMA.idem_records (idem-postgres migrations 1, 2 and 4) and 10000 completed records"
-psql "$PG_URL" -v ON_ERROR_STOP=1 -q >/dev/null <<EOF || die "creating the scratch schema failed"
-CREATE SCHEMA $PGB_SCHEMA;
+# --- the scratch table: the store's own schema, made by `idem migrate` ---------------------------
+say "creating $PGB_SCHEMA with idem migrate, and 10000 completed records"
+"$IDEM_BIN" migrate --store "${IDEM_URL%schema=*}schema=$PGB_SCHEMA" >/dev/null \
+    || die "idem migrate could not create the scratch schema $PGB_SCHEMA"
+psql "$PG_URL" -v ON_ERROR_STOP=1 -q >/dev/null <<EOF || die "filling the scratch schema failed"
 SET search_path TO $PGB_SCHEMA;
-CREATE TABLE idem_records (
-    scope        TEXT   NOT NULL,
-    key          TEXT   NOT NULL,
-    state        TEXT   NOT NULL CHECK (state IN ('in-flight', 'completed', 'unknown')),
-    fingerprint  BYTEA  NOT NULL,
-    digest       BYTEA  NOT NULL,
-    token        BYTEA,
-    lease_until  BIGINT,
-    response     BYTEA,
-    created_at   BIGINT NOT NULL,
-    completed_at BIGINT,
-    expires_at   BIGINT,
-    purge_at     BIGINT NOT NULL,
-    replays      BIGINT NOT NULL DEFAULT 0,
-    PRIMARY KEY (scope, key)
-);
-ALTER TABLE idem_records ALTER COLUMN response SET STORAGE EXTERNAL;
-CREATE INDEX idem_records_purge_at ON idem_records (purge_at);
-CREATE INDEX idem_records_expires_at ON idem_records (expires_at) WHERE response IS NOT NULL;
-ALTER TABLE idem_records
-    ADD COLUMN checkpoint_names  TEXT[]  NOT NULL DEFAULT '{}',
-    ADD COLUMN checkpoint_values BYTEA[] NOT NULL DEFAULT '{}';
-ALTER TABLE idem_records ADD COLUMN waiters INTEGER NOT NULL DEFAULT 0;
 -- The records the replay scripts read: completed, with an answer.
 INSERT INTO idem_records
     (scope, key, state, fingerprint, digest, token, lease_until, response, created_at, completed_at,
