@@ -34,11 +34,11 @@ FROM locked WHERE r.scope = locked.scope AND r.key = locked.key";
 
 /// Replays counted and not yet written, by record.
 #[derive(Debug, Default)]
-pub(crate) struct ReplayCounts(Mutex<HashMap<RecordId, i64>>);
+pub(crate) struct ReplayCounts(Mutex<HashMap<RecordId, u64>>);
 
 impl ReplayCounts {
     /// Counts one replay of `id`; returns how many are counted here and not yet written.
-    pub(crate) fn add(&self, id: &RecordId) -> i64 {
+    pub(crate) fn add(&self, id: &RecordId) -> u64 {
         let mut counts = self.0.lock().expect("replay counts lock");
         let count = counts.entry(id.clone()).or_default();
         *count += 1;
@@ -46,21 +46,21 @@ impl ReplayCounts {
     }
 
     /// The replays of `id` counted here and not yet written.
-    pub(crate) fn pending(&self, id: &RecordId) -> i64 {
+    pub(crate) fn pending(&self, id: &RecordId) -> u64 {
         self.0.lock().expect("replay counts lock").get(id).copied().unwrap_or(0)
     }
 
     /// Forgets the replays of `id` not yet written (its record is gone).
-    pub(crate) fn forget(&self, id: &RecordId) -> i64 {
+    pub(crate) fn forget(&self, id: &RecordId) -> u64 {
         self.0.lock().expect("replay counts lock").remove(id).unwrap_or(0)
     }
 
-    fn take(&self) -> HashMap<RecordId, i64> {
+    fn take(&self) -> HashMap<RecordId, u64> {
         std::mem::take(&mut *self.0.lock().expect("replay counts lock"))
     }
 
     /// Puts back counts whose write failed, to try again with the next.
-    fn restore(&self, counts: HashMap<RecordId, i64>) {
+    fn restore(&self, counts: HashMap<RecordId, u64>) {
         let mut pending = self.0.lock().expect("replay counts lock");
         for (id, n) in counts {
             *pending.entry(id).or_default() += n;
@@ -91,7 +91,7 @@ impl ReplayCounts {
         for (id, n) in &counts {
             scopes.push(id.scope.as_str());
             keys.push(id.key.as_str());
-            ns.push(*n);
+            ns.push(i64::try_from(*n).unwrap_or(i64::MAX));
         }
         let written = async {
             let client = pool.get().await.map_err(|err| err.to_string())?;

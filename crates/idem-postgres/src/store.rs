@@ -352,9 +352,9 @@ impl PostgresStore {
     }
 
     /// `record` with the replays counted here and not yet written.
-    fn with_pending(&self, mut record: Record) -> Result<Record, StoreError> {
-        record.replays += self.inner.replays.pending(&record.id).unsigned_abs();
-        Ok(record)
+    fn with_pending(&self, mut record: Record) -> Record {
+        record.replays += self.inner.replays.pending(&record.id);
+        record
     }
 
     /// Whether `token` is still the current claim on the record.
@@ -502,11 +502,11 @@ impl Store for PostgresStore {
             match row.stored.on_begin(row.digest.as_slice() == digest, now) {
                 Existing::Replay => {
                     let mut record = row.into_record(id.clone())?;
-                    record.replays += self.inner.replays.add(id).unsigned_abs();
+                    record.replays += self.inner.replays.add(id);
                     return Ok(Begin::Existing(record));
                 }
                 // In flight, another request's, or expired: returned as read.
-                Existing::Leave => return self.with_pending(row.into_record(id.clone())?).map(Begin::Existing),
+                Existing::Leave => return Ok(Begin::Existing(self.with_pending(row.into_record(id.clone())?))),
                 Existing::Replace | Existing::TakeOver => {}
             }
             // A claim on a record that exists: decided again under the row's lock. Read
@@ -551,9 +551,9 @@ impl Store for PostgresStore {
                     // A corrupt row fails here, before anything is changed.
                     let mut record = row.into_record(id.clone())?;
                     if action == Existing::Replay {
-                        record.replays += self.inner.replays.add(id).unsigned_abs();
+                        record.replays += self.inner.replays.add(id);
                     } else {
-                        record = self.with_pending(record)?;
+                        record = self.with_pending(record);
                     }
                     Begin::Existing(record)
                 }
@@ -701,8 +701,10 @@ impl Store for PostgresStore {
             .query_opt(&stmt, &[&id.scope.as_str(), &id.key.as_str()])
             .await
             .map_err(db)?;
-        row.map(|row| self.with_pending(StoredRow::from_row(&row, id)?.into_record(id.clone())?))
-            .transpose()
+        let record = row
+            .map(|row| StoredRow::from_row(&row, id)?.into_record(id.clone()))
+            .transpose()?;
+        Ok(record.map(|record| self.with_pending(record)))
     }
 
     /// One statement: the row is gone when it is read, so a row that cannot be read is deleted
@@ -715,7 +717,7 @@ impl Store for PostgresStore {
             .query_opt(&stmt, &[&id.scope.as_str(), &id.key.as_str(), &payload(id)])
             .await
             .map_err(db)?;
-        let unwritten = self.inner.replays.forget(id).unsigned_abs();
+        let unwritten = self.inner.replays.forget(id);
         let mut record = row
             .map(|row| StoredRow::from_row(&row, id)?.into_record(id.clone()))
             .transpose()?;
