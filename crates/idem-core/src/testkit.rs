@@ -970,6 +970,23 @@ pub async fn a_new_claim_never_sees_old_checkpoints(h: &impl Harness) {
     );
 }
 
+/// The salt that instances asking at once with `candidates` got: asserts that every one got the
+/// same salt (`salts`), and that it is one of the candidates.
+pub fn one_salt_of(salts: &[ScopeSalt], candidates: &[ScopeSalt]) -> ScopeSalt {
+    let salt = salts[0];
+    assert!(
+        salts.iter().all(|s| *s == salt),
+        "every instance gets the same salt: {salts:?}"
+    );
+    assert!(
+        candidates
+            .iter()
+            .any(|c| c.salt == salt.salt && c.created_at == salt.created_at),
+        "the salt is one of the candidates"
+    );
+    salt
+}
+
 /// The scope salt is made once per store: instances asking at once all get the same one, made from
 /// one of their candidates, and a handle opened later gets it too. A store that held no records
 /// when it made the salt says so.
@@ -988,17 +1005,7 @@ pub async fn scope_salt_is_one_per_store(h: &impl Harness) {
     for task in asked.collect::<Vec<_>>() {
         salts.push(task.await.expect("the task"));
     }
-    let salt = salts[0];
-    assert!(
-        salts.iter().all(|s| *s == salt),
-        "every instance gets the same salt: {salts:?}"
-    );
-    assert!(
-        candidates
-            .iter()
-            .any(|c| c.salt == salt.salt && c.created_at == salt.created_at),
-        "the salt is one of the candidates"
-    );
+    let salt = one_salt_of(&salts, &candidates);
     assert_eq!(
         salt.older_records_until, None,
         "the store held no records when it made the salt"

@@ -440,6 +440,20 @@ PRAGMA user_version = 2;
 ";
 
 /// The schema version of the file and the columns of its tables (`table.column`), in order.
+/// Opens the old file at `path` from two stores at once (two processes starting together: one
+/// upgrades it, the other finds it done), and asserts that it is now of the newest version, with
+/// the tables and columns of a new file.
+async fn open_together_upgraded(path: &std::path::Path) -> (SqliteStore, SqliteStore) {
+    let (store, other) = tokio::join!(SqliteStore::open(path), SqliteStore::open(path));
+    let (store, other) = (store.unwrap(), other.unwrap());
+    let (version, columns) = schema_of(path);
+    assert_eq!(version, 3);
+    let fresh = path.with_file_name("fresh.db");
+    drop(SqliteStore::open(&fresh).await.unwrap());
+    assert_eq!(columns, schema_of(&fresh).1, "upgraded tables are like new ones");
+    (store, other)
+}
+
 fn schema_of(path: &std::path::Path) -> (i64, Vec<String>) {
     let conn = rusqlite::Connection::open(path).unwrap();
     let version = conn.pragma_query_value(None, "user_version", |row| row.get(0)).unwrap();
@@ -489,13 +503,7 @@ async fn a_file_of_schema_version_1_is_upgraded_on_open_and_keeps_its_records() 
     assert!(!columns.iter().any(|c| c == "idem_records.checkpoints"), "{columns:?}");
 
     // Two processes starting together on the old file: one upgrades it, the other finds it done.
-    let (store, other) = tokio::join!(SqliteStore::open(&path), SqliteStore::open(&path));
-    let (store, other) = (store.unwrap(), other.unwrap());
-    let (version, columns) = schema_of(&path);
-    assert_eq!(version, 3);
-    let fresh = dir.path().join("fresh.db");
-    drop(SqliteStore::open(&fresh).await.unwrap());
-    assert_eq!(columns, schema_of(&fresh).1, "upgraded tables are like new ones");
+    let (store, other) = open_together_upgraded(&path).await;
 
     // The claim made before the upgrade is intact and records checkpoints.
     let record = store.get(&id).await.unwrap().expect("the old record");
@@ -511,7 +519,11 @@ async fn a_file_of_schema_version_1_is_upgraded_on_open_and_keeps_its_records() 
     // Opening the upgraded file again changes nothing.
     drop((store, other));
     let store = SqliteStore::open(&path).await.unwrap();
-    assert_eq!(schema_of(&path), (3, columns));
+    assert_eq!(
+        schema_of(&path),
+        schema_of(&path.with_file_name("fresh.db")),
+        "still the newest schema"
+    );
     assert_eq!(store.checkpoints(&id).await.unwrap(), vec![step]);
     store.complete(&id, token, completion(T0, b"done")).await.unwrap();
     assert!(store.checkpoints(&id).await.unwrap().is_empty(), "gone on completion");
@@ -555,13 +567,7 @@ async fn a_file_of_schema_version_2_is_upgraded_and_its_salt_says_how_long_its_r
     assert_eq!(schema_of(&path).0, 2);
 
     // Two processes starting together on the old file, then asking for the salt together.
-    let (store, other) = tokio::join!(SqliteStore::open(&path), SqliteStore::open(&path));
-    let (store, other) = (store.unwrap(), other.unwrap());
-    let (version, columns) = schema_of(&path);
-    assert_eq!(version, 3);
-    let fresh = dir.path().join("fresh.db");
-    drop(SqliteStore::open(&fresh).await.unwrap());
-    assert_eq!(columns, schema_of(&fresh).1, "upgraded tables are like new ones");
+    let (store, other) = open_together_upgraded(&path).await;
     let (salt, other_salt) = tokio::join!(
         store.scope_salt(ScopeSalt::random(T0)),
         other.scope_salt(ScopeSalt::random(T0))
@@ -580,7 +586,11 @@ async fn a_file_of_schema_version_2_is_upgraded_and_its_salt_says_how_long_its_r
     assert_eq!(store.purge(latest, 100).await.unwrap().deleted, kept.len() as u64);
     drop((store, other));
     let store = SqliteStore::open(&path).await.unwrap();
-    assert_eq!(schema_of(&path), (3, columns));
+    assert_eq!(
+        schema_of(&path),
+        schema_of(&path.with_file_name("fresh.db")),
+        "still the newest schema"
+    );
     assert_eq!(store.scope_salt(ScopeSalt::random(latest)).await.unwrap(), salt);
 }
 
