@@ -97,6 +97,25 @@ impl ScopeSecrets {
     }
 }
 
+/// How a store's credential scopes are hashed: the operator's secrets, and the store's salt once
+/// read. The protocols of one store share one (`Protocol::with_scope_hashing`), so that the salt is
+/// read once however many are made.
+#[derive(Debug, Default)]
+pub struct ScopeHashing {
+    pub(crate) secrets: ScopeSecrets,
+    pub(crate) loaded: tokio::sync::OnceCell<CredentialScopes>,
+}
+
+impl ScopeHashing {
+    /// Hashing with `secrets`; the salt is read at the first credential.
+    pub fn new(secrets: ScopeSecrets) -> Self {
+        Self {
+            secrets,
+            loaded: tokio::sync::OnceCell::new(),
+        }
+    }
+}
+
 /// The hashing of credential scopes in a store: its salt and the operator's secrets.
 #[derive(Clone)]
 pub struct CredentialScopes {

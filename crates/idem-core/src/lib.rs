@@ -71,7 +71,7 @@ pub use time::{Clock, ManualClock, SystemClock, UnixMillis};
 #[cfg(feature = "server")]
 pub use coding::AcceptEncoding;
 #[cfg(feature = "server")]
-pub use credential::{CredentialScopes, MIN_SECRET_LEN, ScopeSecret, ScopeSecretError, ScopeSecrets};
+pub use credential::{CredentialScopes, MIN_SECRET_LEN, ScopeHashing, ScopeSecret, ScopeSecretError, ScopeSecrets};
 #[cfg(feature = "server")]
 pub use fingerprint::{Differences, Fingerprint, FingerprintDecodeError};
 #[cfg(feature = "server")]

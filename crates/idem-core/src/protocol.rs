@@ -13,7 +13,7 @@ use http::request::Parts;
 use http::{HeaderMap, HeaderValue, Response};
 
 use crate::coding::AcceptEncoding;
-use crate::credential::{CredentialScopes, ScopeSecrets};
+use crate::credential::{CredentialScopes, ScopeHashing};
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, KeyError};
 use crate::policy::{AnonymousPolicy, MissingKeyPolicy, Policy};
@@ -240,7 +240,7 @@ pub(crate) struct Inner {
     /// a sealed one cannot be read).
     keyring: Option<Arc<Keyring>>,
     /// How credential scopes are hashed, loaded from the store at the first credential.
-    credentials: Arc<Credentials>,
+    credentials: Arc<ScopeHashing>,
     /// Answers held while the store refuses them.
     pub(crate) pending: Arc<Pending>,
 }
@@ -270,7 +270,7 @@ impl Protocol {
                 policy,
                 clock,
                 keyring: None,
-                credentials: Arc::new(Credentials::new(ScopeSecrets::default())),
+                credentials: Arc::default(),
                 pending: Arc::default(),
             }),
         }
@@ -288,9 +288,10 @@ impl Protocol {
         self.derived(|inner| inner.keyring = keyring)
     }
 
-    /// The same protocol, hashing credential scopes with `secrets` besides the store's salt.
-    pub fn with_scope_secrets(&self, secrets: ScopeSecrets) -> Self {
-        self.derived(|inner| inner.credentials = Arc::new(Credentials::new(secrets)))
+    /// The same protocol, hashing credential scopes as `hashing` does (its secrets, and the
+    /// store's salt, read once for every protocol that shares it).
+    pub fn with_scope_hashing(&self, hashing: Arc<ScopeHashing>) -> Self {
+        self.derived(|inner| inner.credentials = hashing)
     }
 
     /// This protocol (its store, clock and held answers among the rest) with one thing changed.
@@ -799,21 +800,6 @@ fn is_live(record: &Record, now: UnixMillis) -> bool {
     match record.state {
         RecordState::InFlight { .. } => true,
         RecordState::Completed { purge_at, .. } | RecordState::Unknown { purge_at } => now < purge_at,
-    }
-}
-
-/// How credential scopes are hashed: the operator's secrets, and the store's salt once read.
-pub(crate) struct Credentials {
-    secrets: ScopeSecrets,
-    loaded: tokio::sync::OnceCell<CredentialScopes>,
-}
-
-impl Credentials {
-    fn new(secrets: ScopeSecrets) -> Self {
-        Self {
-            secrets,
-            loaded: tokio::sync::OnceCell::new(),
-        }
     }
 }
 

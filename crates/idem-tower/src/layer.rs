@@ -4,8 +4,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::{
-    Clock, HeaderAllowList, Keyring, MissingKeyPolicy, Policy, Protocol, Routes, ScopeSecrets, ScopeSource, Store,
-    StoreClock,
+    Clock, HeaderAllowList, Keyring, MissingKeyPolicy, Policy, Protocol, Routes, ScopeHashing, ScopeSecrets,
+    ScopeSource, Store, StoreClock,
 };
 use tokio_util::task::TaskTracker;
 use tower_layer::Layer;
@@ -23,7 +23,8 @@ pub struct IdempotencyLayer {
     policy: Policy,
     routes: Routes,
     keyring: Option<Arc<Keyring>>,
-    scope_secrets: ScopeSecrets,
+    /// Shared by every protocol this layer makes, so that the store's salt is read once.
+    scope_hashing: Arc<ScopeHashing>,
     clock: Arc<dyn Clock>,
     response_timeout: Option<Duration>,
     tasks: TaskTracker,
@@ -43,7 +44,7 @@ impl IdempotencyLayer {
             policy: Policy::default(),
             routes: Routes::new(),
             keyring: None,
-            scope_secrets: ScopeSecrets::default(),
+            scope_hashing: Arc::default(),
             response_timeout: None,
             tasks: TaskTracker::new(),
         }
@@ -206,7 +207,7 @@ impl IdempotencyLayer {
     /// # }
     /// ```
     pub fn with_scope_secrets(mut self, secrets: ScopeSecrets) -> Self {
-        self.scope_secrets = secrets;
+        self.scope_hashing = Arc::new(ScopeHashing::new(secrets));
         self
     }
 
@@ -227,7 +228,7 @@ impl IdempotencyLayer {
     pub fn protocol(&self) -> Protocol {
         Protocol::with_clock(self.store.clone(), self.policy.clone(), self.clock.clone())
             .with_keyring(self.keyring.clone())
-            .with_scope_secrets(self.scope_secrets.clone())
+            .with_scope_hashing(self.scope_hashing.clone())
     }
 }
 

@@ -95,13 +95,22 @@ fn pay_as(key: &str, credential: &'static str) -> Request<AxumBody> {
 async fn credential_scopes_read_the_salt_once_and_look_up_older_records_only_after_an_upgrade() {
     let (store, dir) = sqlite().await;
     let store = Arc::new(CountingStore::new(store));
-    let fresh = app(IdempotencyLayer::from_shared(store.clone()), dir);
+    let layer = IdempotencyLayer::from_shared(store.clone());
+    let fresh = app(layer.clone(), dir);
+    let mut salt_reads = Vec::new();
     for (key, replayed) in [("k1", false), ("k1", true), ("k2", false)] {
         store.reset();
         assert_eq!(send(&fresh.router, pay_as(key, "Bearer alice")).await.1, replayed);
         assert_eq!(store.total(), if replayed { 1 } else { 2 }, "{key}");
+        salt_reads.push(store.count(Operation::ScopeSalt));
     }
-    assert_eq!(store.count(Operation::ScopeSalt), 0, "read once, at the first request");
+    // A router built again from the same layer (as an unfinished axum router does for every
+    // request) shares the salt already read.
+    let again = app(layer, tempfile::tempdir().unwrap());
+    store.reset();
+    assert!(!send(&again.router, pay_as("k3", "Bearer alice")).await.1);
+    salt_reads.push(store.count(Operation::ScopeSalt));
+    assert_eq!(salt_reads, [1, 0, 0, 0], "read once, at the first request");
 
     // A store with a record from before the salt: the previous version's unsalted scope.
     let (old, dir) = sqlite().await;
