@@ -44,6 +44,8 @@ mod policy;
 #[cfg(feature = "server")]
 mod protocol;
 #[cfg(feature = "server")]
+mod replay_counts;
+#[cfg(feature = "server")]
 mod response;
 #[cfg(feature = "server")]
 mod route;

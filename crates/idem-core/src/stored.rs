@@ -1,5 +1,6 @@
 //! What the store implementations share: the stored form of a record (its state as a word, its
-//! times as integers) checked into a [`Record`], and the loop that waits for a claim to change.
+//! times as integers) checked into a [`Record`], the loop that waits for a claim to change, and
+//! [`ReplayCounts`], which keeps a replay from being a write.
 //! Stores still do their own atomic primitives; this only keeps them from writing the same
 //! decoding and waiting three times.
 
@@ -10,6 +11,7 @@ use bytes::Bytes;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+pub use crate::replay_counts::ReplayCounts;
 use crate::{FencingToken, Fingerprint, Record, RecordId, RecordState, StoreError, UnixMillis, WaitOutcome};
 
 /// How long an in-flight record whose holder vanished (its lease ended and nobody retried) is

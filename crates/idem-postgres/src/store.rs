@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
-use idem_core::stored::{Existing, StoredRecord, wait_for_change};
+use idem_core::stored::{Existing, ReplayCounts, StoredRecord, wait_for_change};
 use idem_core::{
     Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, Record, RecordId, Release, ScopeSalt, Store,
     StoreError, UnixMillis, WaitOutcome,
@@ -29,9 +29,8 @@ use tokio_postgres::{NoTls, Row};
 
 use crate::error::{Failure, describe};
 use crate::listener::{Listener, payload};
-use crate::replays::ReplayCounts;
 use crate::url::Settings;
-use crate::{PostgresError, schema};
+use crate::{PostgresError, replays, schema};
 
 /// How many times `begin` tries again when the record it conflicted with is gone before it could
 /// be read (deleted by a release or a purge in between). Each try is a new statement with a new
@@ -324,7 +323,16 @@ impl PostgresStore {
             listener,
             replays: Arc::default(),
         });
-        ReplayCounts::flush_forever(inner.replays.clone(), inner.pool.clone(), Arc::downgrade(&inner));
+        let pool = inner.pool.clone();
+        ReplayCounts::flush_forever(
+            inner.replays.clone(),
+            replays::FLUSH_EVERY,
+            Arc::downgrade(&inner),
+            move |counts| {
+                let pool = pool.clone();
+                async move { replays::write(&pool, counts).await }
+            },
+        );
         Ok(Self { inner })
     }
 

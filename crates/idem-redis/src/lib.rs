@@ -2,9 +2,11 @@
 //! (`redis://`) or a Redis Cluster (`redis+cluster://`).
 //!
 //! Every write (`begin`, `complete`, `release`, `renew`, `checkpoint`) is one Lua script, so it is atomic and
-//! costs one round trip; a replay is answered by `begin` itself. Retention is native: keys expire
-//! by themselves, relative to the caller's clock. Waiters are woken by pub/sub (sharded pub/sub
-//! on a cluster) and poll as a fallback.
+//! costs one round trip; a replay is answered by `begin` itself, and writes nothing: the store
+//! counts replays in memory and adds them to their records every 500 ms, so `replays` read from
+//! another instance may lag by that much, and an instance that dies loses at most its last
+//! interval's counts. Retention is native: keys expire by themselves, relative to the caller's
+//! clock. Waiters are woken by pub/sub (sharded pub/sub on a cluster) and poll as a fallback.
 //!
 //! ```no_run
 //! use std::sync::Arc;

@@ -66,6 +66,25 @@ local function server_now()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
+-- The record's hash as a table of its fields (empty if there is no record): one HGETALL.
+local function read_record()
+  local flat = redis.call('HGETALL', rec)
+  local cur = {}
+  for i = 1, #flat, 2 do
+    cur[flat[i]] = flat[i + 1]
+  end
+  return cur
+end
+-- The values of a record's fields in the order of `RECORD_FIELDS` (store.rs), false if absent.
+local FIELDS = {'state', 'fingerprint', 'token', 'lease_until', 'created_at', 'completed_at', 'expires_at',
+  'purge_at', 'replays', 'digest'}
+local function fields_of(cur)
+  local values = {}
+  for i, name in ipairs(FIELDS) do
+    values[i] = cur[name] or false
+  end
+  return values
+end
 local function expire_at(key, at)
   set_ttl(key, at - now)
 end
@@ -96,24 +115,24 @@ end
 /// channel, publish command. A new claim deletes whatever checkpoints an earlier record left; a
 /// takeover keeps them, with the record's new expiry.
 ///
+/// The record is read once, whole (`HGETALL`), and a replay is that read and the `GET` of its
+/// body: no write (the store counts replays itself and adds them later, see
+/// [`COUNT_REPLAYS`]). Every `redis.call` costs the script several microseconds of the server's
+/// one thread, so the common paths make as few as they can.
+///
 /// Returns `{rec, nonce, 'acquired', recovered}` or
-/// `{rec, nonce, 'existing', HGETALL of the record, body or nil}`.
+/// `{rec, nonce, 'existing', the record's fields (see `fields_of`), body or nil}`.
 const BEGIN: &str = r#"
 now = num(ARGV[2], 'now')
 local lease_until, token, digest, fingerprint = ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local claim_purge_at, channel, publish = ARGV[7], ARGV[8], ARGV[9]
-local function claim(recovered)
-  redis.call('HSET', rec, 'state', 'in-flight', 'token', token, 'lease_until', lease_until,
-    'purge_at', claim_purge_at, 'recovered', recovered)
-  expire_at(rec, num(claim_purge_at, 'purge_at'))
-end
-local cur = redis.call('HMGET', rec, 'state', 'digest', 'token', 'lease_until', 'purge_at', 'expires_at', 'recovered')
-local state = cur[1]
-if state == 'in-flight' and cur[3] == token then
+local cur = read_record()
+local state = cur.state
+if state == 'in-flight' and cur.token == token then
   -- This very claim was already made: a retry after the reply was lost.
-  return answer('acquired', tonumber(cur[7]) or 0)
+  return answer('acquired', tonumber(cur.recovered) or 0)
 end
-if state and num(cur[5], 'purge_at') <= now then
+if state and num(cur.purge_at, 'purge_at') <= now then
   -- Past purge_at the record is as good as absent; whoever waits on it must look again.
   redis.call('DEL', rec)
   redis.call(publish, channel, 'replaced')
@@ -121,26 +140,38 @@ if state and num(cur[5], 'purge_at') <= now then
 end
 if not state then
   redis.call('DEL', body, steps)
-  redis.call('HSET', rec, 'fingerprint', fingerprint, 'digest', digest, 'created_at', ARGV[2], 'replays', 0)
-  claim(0)
+  redis.call('HSET', rec, 'fingerprint', fingerprint, 'digest', digest, 'created_at', ARGV[2], 'replays', 0,
+    'state', 'in-flight', 'token', token, 'lease_until', lease_until, 'purge_at', claim_purge_at, 'recovered', 0)
+  expire_at(rec, num(claim_purge_at, 'purge_at'))
   return answer('acquired', 0)
 end
-local same = cur[2] == digest
-if same and (state == 'unknown' or (state == 'in-flight' and num(cur[4], 'lease_until') <= now)) then
-  claim(1)
+local same = cur.digest == digest
+if same and (state == 'unknown' or (state == 'in-flight' and num(cur.lease_until, 'lease_until') <= now)) then
+  redis.call('HSET', rec, 'state', 'in-flight', 'token', token, 'lease_until', lease_until,
+    'purge_at', claim_purge_at, 'recovered', 1)
+  expire_at(rec, num(claim_purge_at, 'purge_at'))
   expire_steps_with_record()
   redis.call(publish, channel, 'taken-over')
   return answer('acquired', 1)
 end
 -- An answer past expires_at is not returned, even in the moment before its key expires.
 local response = false
-if state == 'completed' and now < num(cur[6], 'expires_at') then
+if state == 'completed' and now < num(cur.expires_at, 'expires_at') then
   response = redis.call('GET', body)
-  if same and response then
-    redis.call('HINCRBY', rec, 'replays', 1)
-  end
 end
-return answer('existing', redis.call('HGETALL', rec), response)
+return answer('existing', fields_of(cur), response)
+"#;
+
+/// Adds replays counted by a store to the record, if it still exists (a count never makes a key
+/// of its own, which would have no expiry). ARGV: nonce, how many. Returns `{rec, nonce, 1}`, or
+/// `{rec, nonce, 0}` if there is no record.
+const COUNT_REPLAYS: &str = r#"
+if redis.call('HEXISTS', rec, 'state') == 0 then
+  return answer(0)
+end
+num(ARGV[2], 'count')
+redis.call('HINCRBY', rec, 'replays', ARGV[2])
+return answer(1)
 "#;
 
 /// `complete`. ARGV: nonce, token, response, completed_at (the `now` of the expiries),
@@ -206,37 +237,37 @@ expire_steps_with_record()
 return answer(1)
 "#;
 
-/// `get`. ARGV: nonce. Returns `{rec, nonce, HGETALL of the record, body or nil}`, read at one
-/// instant and judged at the server's clock: a record past purge_at is absent (an
-/// empty hash), an answer past expires_at is dropped, even in the moment before their keys expire.
+/// `get`. ARGV: nonce. Returns `{rec, nonce, the record's fields (see `fields_of`) or nil, body or
+/// nil}`, read at one instant and judged at the server's clock: a record past purge_at is absent,
+/// an answer past expires_at is dropped, even in the moment before their keys expire.
 const GET: &str = r#"
 now = server_now()
-local cur = redis.call('HMGET', rec, 'state', 'purge_at', 'expires_at')
-if not cur[1] or num(cur[2], 'purge_at') <= now then
-  return answer({}, false)
+local cur = read_record()
+if not cur.state or num(cur.purge_at, 'purge_at') <= now then
+  return answer(false, false)
 end
 local response = false
-if cur[1] == 'completed' and now < num(cur[3], 'expires_at') then
+if cur.state == 'completed' and now < num(cur.expires_at, 'expires_at') then
   response = redis.call('GET', body)
 end
-return answer(redis.call('HGETALL', rec), response)
+return answer(fields_of(cur), response)
 "#;
 
 /// `delete`. ARGV: nonce, channel, publish command. Deletes the record, its body and its
-/// checkpoints whatever they hold and returns `{rec, nonce, HGETALL of the record, body or nil}` as
-/// they were, judged at that clock as `get` judges them (a record past purge_at was already
-/// absent). A record whose fields cannot be read is deleted all the same and returned whole, for
-/// the caller to report. Wakes whoever waits on the record.
+/// checkpoints whatever they hold and returns `{rec, nonce, the record's fields or nil, body or
+/// nil}` as they were, judged at that clock as `get` judges them (a record past purge_at was
+/// already absent). A record whose fields cannot be read is deleted all the same and returned as
+/// it is, for the caller to report. Wakes whoever waits on the record.
 const DELETE: &str = r#"
 now = server_now()
 local channel, publish = ARGV[2], ARGV[3]
-local fields, response = {}, false
-if redis.call('EXISTS', rec) == 1 then
-  local cur = redis.call('HMGET', rec, 'state', 'purge_at', 'expires_at')
-  local purge_at, expires_at = tonumber(cur[2]), tonumber(cur[3])
-  if not cur[1] or purge_at == nil or now < purge_at then
-    fields = redis.call('HGETALL', rec)
-    if cur[1] == 'completed' and (expires_at == nil or now < expires_at) then
+local fields, response = false, false
+local cur = read_record()
+if next(cur) ~= nil then
+  local purge_at, expires_at = tonumber(cur.purge_at), tonumber(cur.expires_at)
+  if not cur.state or purge_at == nil or now < purge_at then
+    fields = fields_of(cur)
+    if cur.state == 'completed' and (expires_at == nil or now < expires_at) then
       response = redis.call('GET', body)
     end
   end
@@ -326,4 +357,5 @@ pub(crate) static DELETE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(DELE
 pub(crate) static HOLDS_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(HOLDS));
 pub(crate) static CHECKPOINT_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(CHECKPOINT));
 pub(crate) static CHECKPOINTS_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(CHECKPOINTS));
+pub(crate) static COUNT_REPLAYS_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(COUNT_REPLAYS));
 pub(crate) static SCOPE_SALT_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(SCOPE_SALT));

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idem_core::stored::{StoredRecord, abandoned_purge_at, wait_for_change};
+use idem_core::stored::{ReplayCounts, StoredRecord, abandoned_purge_at, wait_for_change};
 use idem_core::{
     Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, Record, RecordId, Release, ScopeSalt, Store,
     StoreError, UnixMillis, WaitOutcome,
@@ -18,8 +18,8 @@ use crate::conn::{Commands, Conn, Node};
 use crate::keys::{RecordKeys, hex, record_pattern, scope_salt_key};
 use crate::notify::Subscriptions;
 use crate::scripts::{
-    BEGIN_SCRIPT, CHECKPOINT_SCRIPT, CHECKPOINTS_SCRIPT, COMPLETE_SCRIPT, CORRUPT, DELETE_SCRIPT, GET_SCRIPT,
-    HOLDS_SCRIPT, RELEASE_SCRIPT, RENEW_SCRIPT, SCOPE_SALT_SCRIPT,
+    BEGIN_SCRIPT, CHECKPOINT_SCRIPT, CHECKPOINTS_SCRIPT, COMPLETE_SCRIPT, CORRUPT, COUNT_REPLAYS_SCRIPT, DELETE_SCRIPT,
+    GET_SCRIPT, HOLDS_SCRIPT, RELEASE_SCRIPT, RENEW_SCRIPT, SCOPE_SALT_SCRIPT,
 };
 use crate::{RedisError, url};
 
@@ -50,7 +50,12 @@ struct Inner {
     /// `PUBLISH` on one server, `SPUBLISH` on a cluster (the channel lives on the record's shard).
     publish: &'static str,
     subscriptions: Subscriptions,
+    /// Replays counted here and not yet added to their records.
+    replays: Arc<ReplayCounts>,
 }
+
+/// How often the replays counted by a store are added to their records.
+const FLUSH_REPLAYS_EVERY: Duration = Duration::from_millis(500);
 
 impl fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -173,16 +178,23 @@ impl RedisStore {
         let subscriptions = Subscriptions::connect(&config).await.map_err(connect_error)?;
         let publish = if commands.is_cluster() { "SPUBLISH" } else { "PUBLISH" };
         tracing::debug!(url = %config.display, prefix = %config.prefix, "Redis store connected");
-        Ok(Self {
-            inner: Arc::new(Inner {
-                commands,
-                prefix: config.prefix,
-                poll_interval: config.poll_interval,
-                url: config.display,
-                publish,
-                subscriptions,
-            }),
-        })
+        let inner = Arc::new(Inner {
+            commands: commands.clone(),
+            prefix: config.prefix.clone(),
+            poll_interval: config.poll_interval,
+            url: config.display,
+            publish,
+            subscriptions,
+            replays: Arc::default(),
+        });
+        let prefix = config.prefix;
+        ReplayCounts::flush_forever(
+            inner.replays.clone(),
+            FLUSH_REPLAYS_EVERY,
+            Arc::downgrade(&inner),
+            move |counts| write_replays(commands.clone(), prefix.clone(), counts),
+        );
+        Ok(Self { inner })
     }
 
     /// The prefix of every key of this store.
@@ -223,23 +235,13 @@ impl RedisStore {
         keys: &[&str],
         args: impl FnOnce(&mut redis::ScriptInvocation<'_>),
     ) -> Result<std::vec::IntoIter<Value>, StoreError> {
-        let call = Call::new(what, keys[0]);
-        let mut invocation = script.prepare_invoke();
-        for key in keys {
-            invocation.key(*key);
-        }
-        invocation.arg(&call.nonce);
-        args(&mut invocation);
-        let (mut conn, generation) = self.inner.commands.get();
-        let out_of_step = |err| {
-            tracing::warn!(error = %err, "a Redis reply reached the wrong command");
-            self.inner.commands.out_of_step(generation);
-            err
-        };
-        match invocation.invoke_async::<Value>(&mut conn).await {
-            Ok(reply) => call.open(reply).map_err(|other| out_of_step(call.misrouted(&other))),
-            Err(err) => Err(call.error(err).unwrap_or_else(out_of_step)),
-        }
+        run_script(&self.inner.commands, what, script, keys, args).await
+    }
+
+    /// `record` with the replays counted here and not yet written.
+    fn with_pending(&self, mut record: Record) -> Record {
+        record.replays += self.inner.replays.pending(&record.id);
+        record
     }
 
     /// Runs a script whose payload is one integer.
@@ -362,6 +364,80 @@ impl RedisStore {
     }
 }
 
+/// Runs `script` (the operation `what`) on `keys` with a fresh nonce and `args`; returns the reply
+/// after the key and nonce it names. A reply that names another key or call, or is not a script's
+/// reply at all, is an error, and the connection it came on is replaced.
+async fn run_script(
+    commands: &Arc<Commands>,
+    what: &'static str,
+    script: &Script,
+    keys: &[&str],
+    args: impl FnOnce(&mut redis::ScriptInvocation<'_>),
+) -> Result<std::vec::IntoIter<Value>, StoreError> {
+    let call = Call::new(what, keys[0]);
+    let mut invocation = script.prepare_invoke();
+    for key in keys {
+        invocation.key(*key);
+    }
+    invocation.arg(&call.nonce);
+    args(&mut invocation);
+    let (mut conn, generation) = commands.get();
+    let out_of_step = |err| {
+        tracing::warn!(error = %err, "a Redis reply reached the wrong command");
+        commands.out_of_step(generation);
+        err
+    };
+    match invocation.invoke_async::<Value>(&mut conn).await {
+        Ok(reply) => call.open(reply).map_err(|other| out_of_step(call.misrouted(&other))),
+        Err(err) => Err(call.error(err).unwrap_or_else(out_of_step)),
+    }
+}
+
+/// Adds `counts` to their records, one script each, all sent at once (they pipeline on the
+/// multiplexed connection; on a cluster each goes to its record's node). A record that is gone
+/// takes no count. Returns the counts that could not be written, to try again.
+async fn write_replays(
+    commands: Arc<Commands>,
+    prefix: String,
+    counts: HashMap<RecordId, u64>,
+) -> HashMap<RecordId, u64> {
+    let writes = counts.into_iter().map(|(id, n)| {
+        let commands = &commands;
+        let keys = RecordKeys::new(&prefix, &id);
+        async move {
+            let written = run_script(
+                commands,
+                "count replays",
+                &COUNT_REPLAYS_SCRIPT,
+                &[keys.record.as_str()],
+                |script| {
+                    script.arg(n);
+                },
+            )
+            .await;
+            (id, n, written.err())
+        }
+    });
+    let mut unwritten = HashMap::new();
+    let mut error = None;
+    for (id, n, failed) in futures_util::future::join_all(writes).await {
+        match failed {
+            None => {}
+            // Not written: kept for the next round.
+            Some(err @ StoreError::Unavailable(_)) => {
+                error.get_or_insert(err);
+                unwritten.insert(id, n);
+            }
+            // A record the script cannot count on: no later round would do better.
+            Some(err) => tracing::warn!(error = %err, replays = n, "replays not counted"),
+        }
+    }
+    if let Some(err) = error {
+        tracing::warn!(error = %err, records = unwritten.len(), "could not write replay counts; trying again");
+    }
+    unwritten
+}
+
 /// How many keys one `SCAN` step looks at, at most (a hint to the server): the `purge_at` of the
 /// records it finds are then read in one pipeline.
 const SCAN_BATCH: usize = 1000;
@@ -388,7 +464,7 @@ fn parse_millis(digits: &[u8]) -> Option<i64> {
 /// The scope salt from the reply of the `scope_salt` script (the fields of `key`); `None` if there
 /// is none.
 fn parse_scope_salt(mut items: std::vec::IntoIter<Value>, key: &str) -> Result<Option<ScopeSalt>, StoreError> {
-    let Some(StoredHash { mut fields, .. }) = StoredHash::parse(items.next().unwrap_or_default(), Value::Nil)? else {
+    let Some(mut fields) = parse_hash(items.next().unwrap_or_default())? else {
         return Ok(None);
     };
     let corrupt = |what: String| StoreError::Corrupt(format!("the scope salt {key}: {what}"));
@@ -447,26 +523,47 @@ fn array(value: Value, what: &str) -> Result<Vec<Value>, StoreError> {
     }
 }
 
-/// The record as `HGETALL` returned it, and its body.
+/// The fields of a record the scripts return, in this order (`FIELDS` in the scripts' prelude):
+/// one value each, nil where the hash has none. Values only, no names: a shorter reply to send and
+/// to parse on every replay.
+const RECORD_FIELDS: [&str; 10] = [
+    "state",
+    "fingerprint",
+    "token",
+    "lease_until",
+    "created_at",
+    "completed_at",
+    "expires_at",
+    "purge_at",
+    "replays",
+    "digest",
+];
+
+/// A record's fields as a script returned them (see [`RECORD_FIELDS`]), and its body.
 struct StoredHash {
-    fields: HashMap<Vec<u8>, Vec<u8>>,
+    fields: [Option<Vec<u8>>; RECORD_FIELDS.len()],
     body: Option<Vec<u8>>,
 }
 
 impl StoredHash {
-    /// `None` for a missing record (an empty hash).
+    /// `None` for a missing record (nil).
     fn parse(fields: Value, body: Value) -> Result<Option<Self>, StoreError> {
-        let flat = array(fields, "the record's fields")?;
-        if flat.is_empty() {
+        if is_nil(&fields) {
             return Ok(None);
         }
-        if flat.len() % 2 != 0 {
-            return Err(StoreError::Corrupt("the record's fields are not pairs".to_owned()));
+        let values = array(fields, "the record's fields")?;
+        if values.len() != RECORD_FIELDS.len() {
+            return Err(StoreError::Corrupt(format!(
+                "the record came with {} fields, not {}",
+                values.len(),
+                RECORD_FIELDS.len()
+            )));
         }
-        let mut fields = HashMap::with_capacity(flat.len() / 2);
-        let mut items = flat.into_iter();
-        while let (Some(name), Some(value)) = (items.next(), items.next()) {
-            fields.insert(bulk(name, "a field name")?, bulk(value, "a field value")?);
+        let mut fields: [Option<Vec<u8>>; RECORD_FIELDS.len()] = Default::default();
+        for ((slot, value), name) in fields.iter_mut().zip(values).zip(RECORD_FIELDS) {
+            if !is_nil(&value) {
+                *slot = Some(bulk(value, name)?);
+            }
         }
         let body = if is_nil(&body) {
             None
@@ -476,37 +573,69 @@ impl StoredHash {
         Ok(Some(Self { fields, body }))
     }
 
+    /// The value of field `name`, one of [`RECORD_FIELDS`].
+    fn field(&self, name: &str) -> Option<&[u8]> {
+        let at = RECORD_FIELDS.iter().position(|field| *field == name)?;
+        self.fields[at].as_deref()
+    }
+
     fn into_record(self, id: RecordId) -> Result<Record, StoreError> {
-        let Self { mut fields, body } = self;
+        let Self { fields, body } = self;
         let corrupt = |what: &str| StoreError::Corrupt(format!("record {} {}: {what}", id.scope, id.key));
-        let mut take = |field: &str| fields.remove(field.as_bytes());
+        let [
+            state,
+            fingerprint,
+            token,
+            lease_until,
+            created_at,
+            completed_at,
+            expires_at,
+            purge_at,
+            replays,
+            _digest,
+        ] = fields;
         let number = |value: Option<Vec<u8>>, field: &str| -> Result<Option<i64>, StoreError> {
             value
-                .map(|bytes| {
-                    std::str::from_utf8(&bytes)
-                        .ok()
-                        .and_then(|text| text.parse::<i64>().ok())
-                        .ok_or_else(|| corrupt(&format!("no valid {field}")))
-                })
+                .map(|bytes| parse_millis(&bytes).ok_or_else(|| corrupt(&format!("no valid {field}"))))
                 .transpose()
         };
-        let state = take("state")
+        let state = state
             .and_then(|bytes| String::from_utf8(bytes).ok())
             .ok_or_else(|| corrupt("no state"))?;
         let stored = StoredRecord {
             state,
-            fingerprint: take("fingerprint").unwrap_or_default(),
-            token: take("token"),
-            lease_until: number(take("lease_until"), "lease_until")?,
+            fingerprint: fingerprint.unwrap_or_default(),
+            token,
+            lease_until: number(lease_until, "lease_until")?,
             response: body,
-            created_at: number(take("created_at"), "created_at")?.ok_or_else(|| corrupt("no created_at"))?,
-            completed_at: number(take("completed_at"), "completed_at")?,
-            expires_at: number(take("expires_at"), "expires_at")?,
-            purge_at: number(take("purge_at"), "purge_at")?,
-            replays: number(take("replays"), "replays")?.ok_or_else(|| corrupt("no replays"))?,
+            created_at: number(created_at, "created_at")?.ok_or_else(|| corrupt("no created_at"))?,
+            completed_at: number(completed_at, "completed_at")?,
+            expires_at: number(expires_at, "expires_at")?,
+            purge_at: number(purge_at, "purge_at")?,
+            replays: number(replays, "replays")?.ok_or_else(|| corrupt("no replays"))?,
         };
         stored.into_record(id)
     }
+}
+
+/// A hash's fields by name.
+type HashFields = HashMap<Vec<u8>, Vec<u8>>;
+
+/// The fields of a hash as `HGETALL` returned them; `None` for a missing key (an empty hash).
+fn parse_hash(fields: Value) -> Result<Option<HashFields>, StoreError> {
+    let flat = array(fields, "the hash's fields")?;
+    if flat.is_empty() {
+        return Ok(None);
+    }
+    if flat.len() % 2 != 0 {
+        return Err(StoreError::Corrupt("the hash's fields are not pairs".to_owned()));
+    }
+    let mut fields = HashMap::with_capacity(flat.len() / 2);
+    let mut items = flat.into_iter();
+    while let (Some(name), Some(value)) = (items.next(), items.next()) {
+        fields.insert(bulk(name, "a field name")?, bulk(value, "a field value")?);
+    }
+    Ok(Some(fields))
 }
 
 /// The checkpoints as the `checkpoints` script returns them: names and values, alternating, in
@@ -534,7 +663,14 @@ fn parse_checkpoints(mut items: std::vec::IntoIter<Value>, id: &RecordId) -> Res
     Ok(checkpoints)
 }
 
-fn parse_begin(mut items: std::vec::IntoIter<Value>, id: &RecordId) -> Result<Begin, StoreError> {
+/// The reply of the `begin` script, and whether the request replays the record's answer; `digest`
+/// is the request's fingerprint digest. The script returns a body only for a completed record
+/// whose answer is live, so the request replays it if its digest is the record's.
+fn parse_begin(
+    mut items: std::vec::IntoIter<Value>,
+    id: &RecordId,
+    digest: &[u8],
+) -> Result<(Begin, bool), StoreError> {
     let outcome = bulk(items.next().unwrap_or_default(), "the outcome of begin")?;
     match outcome.as_slice() {
         b"acquired" => {
@@ -542,14 +678,15 @@ fn parse_begin(mut items: std::vec::IntoIter<Value>, id: &RecordId) -> Result<Be
                 Some(Value::Int(flag)) => flag != 0,
                 other => return Err(StoreError::Corrupt(format!("unexpected recovered flag {other:?}"))),
             };
-            Ok(Begin::Acquired { recovered })
+            Ok((Begin::Acquired { recovered }, false))
         }
         b"existing" => {
             let fields = items.next().unwrap_or_default();
             let body = items.next().unwrap_or_default();
             let stored = StoredHash::parse(fields, body)?
                 .ok_or_else(|| StoreError::Corrupt("begin returned an empty record".to_owned()))?;
-            Ok(Begin::Existing(stored.into_record(id.clone())?))
+            let replay = stored.body.is_some() && stored.field("digest") == Some(digest);
+            Ok((Begin::Existing(stored.into_record(id.clone())?), replay))
         }
         other => Err(StoreError::Corrupt(format!(
             "unexpected outcome of begin {:?}",
@@ -576,7 +713,16 @@ impl Store for RedisStore {
                     .arg(self.inner.publish);
             })
             .await?;
-        parse_begin(reply, request.id)
+        Ok(
+            match parse_begin(reply, request.id, &request.fingerprint.digest()[..])? {
+                (Begin::Existing(mut record), true) => {
+                    record.replays += self.inner.replays.add(request.id);
+                    Begin::Existing(record)
+                }
+                (Begin::Existing(record), false) => Begin::Existing(self.with_pending(record)),
+                (acquired, _) => acquired,
+            },
+        )
     }
 
     async fn complete(&self, id: &RecordId, token: FencingToken, completion: Completion) -> Result<(), StoreError> {
@@ -654,7 +800,7 @@ impl Store for RedisStore {
         let fields = items.next().unwrap_or_default();
         let body = items.next().unwrap_or_default();
         StoredHash::parse(fields, body)?
-            .map(|stored| stored.into_record(id.clone()))
+            .map(|stored| Ok(self.with_pending(stored.into_record(id.clone())?)))
             .transpose()
     }
 
@@ -668,11 +814,16 @@ impl Store for RedisStore {
                 script.arg(&keys.channel).arg(self.inner.publish);
             })
             .await?;
+        let unwritten = self.inner.replays.forget(id);
         let fields = items.next().unwrap_or_default();
         let body = items.next().unwrap_or_default();
-        StoredHash::parse(fields, body)?
+        let mut record = StoredHash::parse(fields, body)?
             .map(|stored| stored.into_record(id.clone()))
-            .transpose()
+            .transpose()?;
+        if let Some(record) = &mut record {
+            record.replays += unwritten;
+        }
+        Ok(record)
     }
 
     /// Reads the salt (`PREFIX:scope-salt`) with one script. If there is none, walks every node

@@ -1,8 +1,9 @@
 //! What the conformance suite cannot see: that waiters are woken by notifications rather than by
 //! polling, that a record's keys share one cluster slot, that expiry is native and relative to the
 //! caller's clock, that checkpoints expire with their record, that waiters share one subscription,
-//! that a store rides out an outage, and that the scope salt counts the records on every node (and
-//! only its prefix's), never expires and is checked when read.
+//! that a store rides out an outage, that the scope salt counts the records on every node (and
+//! only its prefix's), never expires and is checked when read, and that replay counts are written
+//! later, in batches.
 //!
 //! The notification tests set `poll_interval=60s`: the first poll would come after 15 s, so a
 //! waiter that returns within 10 s was woken by a message.
@@ -822,4 +823,127 @@ async fn a_corrupt_scope_salt_is_reported_and_a_corrupt_record_left_out() {
         .await
         .expect("scope_salt");
     assert_eq!(salt.older_records_until, Some(purge_at));
+}
+
+/// The stored `replays` field of a record, as another client reads it.
+fn stored_replays(server: Server, keys: &RecordKeys) -> Option<u64> {
+    query(server, redis::cmd("HGET").arg(&keys.record).arg("replays"))
+}
+
+/// Waits until the record's stored count is `expected` (10 s at most).
+async fn until_stored_replays(server: Server, keys: &RecordKeys, expected: u64) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let written = stored_replays(server, keys).expect("the record");
+        if written == expected {
+            return;
+        }
+        assert!(written < expected, "{written} replays written, {expected} made");
+        assert!(
+            Instant::now() < deadline,
+            "only {written} of {expected} replays were written"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn replay(store: &RedisStore, id: &RecordId, now: UnixMillis) -> u64 {
+    let request = BeginRequest {
+        id,
+        fingerprint: &fingerprint("a"),
+        now,
+        lease_until: now.plus(LEASE),
+        token: FencingToken::random(),
+    };
+    match store.begin(request).await.expect("begin") {
+        Begin::Existing(record) => record.replays,
+        other => panic!("expected the stored answer, got {other:?}"),
+    }
+}
+
+/// A replay writes nothing on its way: its count stays in the instance that answered it, which shows
+/// it at once, and reaches the record a moment later in a batch, for every instance to see. A
+/// dropped store writes what it counted last. A count for a record that is gone makes no key.
+async fn replay_counts_reach_the_record_for_every_instance(server: Server) {
+    let prefix = fresh_prefix();
+    let _cleanup = Cleanup(server, prefix.clone());
+    let (one, other) = (connect(server, &prefix, "").await, connect(server, &prefix, "").await);
+    let (id, now) = (fresh_id(), UnixMillis::now());
+    let keys = one.record_keys(&id);
+    let token = claim(&one, &id, now).await;
+    one.complete(&id, token, completion(now, DAY, 7 * DAY))
+        .await
+        .expect("complete");
+    for made in 1..=5 {
+        assert_eq!(replay(&one, &id, now).await, made, "each replay sees its own count");
+    }
+    assert_eq!(replay(&other, &id, now).await, 1);
+    assert_eq!(replay(&other, &id, now).await, 2);
+    assert_eq!(one.get(&id).await.unwrap().unwrap().replays, 5, "its own, at once");
+
+    until_stored_replays(server, &keys, 7).await;
+    assert_eq!(other.get(&id).await.unwrap().unwrap().replays, 7);
+    assert_eq!(one.get(&id).await.unwrap().unwrap().replays, 7);
+
+    replay(&one, &id, now).await;
+    drop(one);
+    until_stored_replays(server, &keys, 8).await;
+
+    // Counted, then the record is deleted behind the store's back: the count is dropped, and
+    // makes no key without an expiry.
+    replay(&other, &id, now).await;
+    let deleted: i64 = query(server, redis::cmd("DEL").arg(&keys.record));
+    assert_eq!(deleted, 1);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let exists: i64 = query(server, redis::cmd("EXISTS").arg(&keys.record));
+    assert_eq!(exists, 0, "a replay count made the record's key again");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standalone_replay_counts_reach_the_record_for_every_instance() {
+    replay_counts_reach_the_record_for_every_instance(Server::Standalone).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_replay_counts_reach_the_record_for_every_instance() {
+    replay_counts_reach_the_record_for_every_instance(Server::Cluster).await;
+}
+
+/// How many changes the server made to its data since it started (it never saves): every write
+/// command, in a script or not, adds to it.
+fn changes(url: &str) -> u64 {
+    let client = redis::Client::open(url).expect("client");
+    let mut conn = client.get_connection().expect("connection");
+    let info: String = redis::cmd("INFO").arg("persistence").query(&mut conn).expect("INFO");
+    info.lines()
+        .find_map(|line| line.strip_prefix("rdb_changes_since_last_save:"))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no rdb_changes_since_last_save in {info}"))
+}
+
+/// A replay writes nothing: on a server of its own, where nothing else writes, replays leave the
+/// server's count of changes where it was until the batch of counts is written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_writes_nothing() {
+    let redis = PrivateRedis::start(free_port());
+    let url = format!("redis://127.0.0.1:{}", redis.port);
+    let store = RedisStore::connect(&url).await.expect("connect");
+    let (id, now) = (fresh_id(), UnixMillis::now());
+    let token = claim(&store, &id, now).await;
+    store
+        .complete(&id, token, completion(now, DAY, 7 * DAY))
+        .await
+        .expect("complete");
+    // Past the flush of anything counted so far.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let before = changes(&url);
+    for made in 1..=20 {
+        assert_eq!(replay(&store, &id, now).await, made);
+    }
+    let after = changes(&url);
+    assert!(
+        after <= before + 1,
+        "20 replays made {} changes (one is allowed: a batch of counts written meanwhile)",
+        after - before
+    );
 }
