@@ -210,7 +210,9 @@ where
                 recovered: claim.recovered(),
             });
             parts.extensions.insert(Checkpoints::new(protocol.clone(), claim.clone()));
-            run(protocol, route, claim, inner, Request::from_parts(parts, full(bytes)), answer).await;
+            // Boxed: the handler's future can be large, and it is needed only when the request
+            // runs, so a replay's task is small to spawn.
+            Box::pin(run(protocol, route, claim, inner, Request::from_parts(parts, full(bytes)), answer)).await;
         });
         let answered = match decision.await {
             Ok(Decided::Respond { response, outcome, id }) => {
