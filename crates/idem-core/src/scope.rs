@@ -198,7 +198,7 @@ impl FromStr for ScopeSource {
 }
 
 /// Lower-case hex, two digits a byte (on every request's path: no formatting machinery).
-pub(crate) fn hex(bytes: &[u8]) -> String {
+pub fn hex(bytes: &[u8]) -> String {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
     let mut s = String::with_capacity(bytes.len() * 2);
     for b in bytes {

@@ -12,6 +12,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 pub use crate::replay_counts::ReplayCounts;
+pub use crate::scope::hex;
 use crate::{FencingToken, Fingerprint, Record, RecordId, RecordState, StoreError, UnixMillis, WaitOutcome};
 
 /// How long an in-flight record whose holder vanished (its lease ended and nobody retried) is

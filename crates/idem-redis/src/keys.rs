@@ -2,6 +2,7 @@
 //! and where the store's scope salt lives.
 
 use idem_core::RecordId;
+use idem_core::stored::hex;
 use sha2::{Digest, Sha256};
 
 /// The Redis names of one record: `PREFIX:{TAG}:rec`, `PREFIX:{TAG}:body`,
@@ -31,11 +32,21 @@ impl RecordKeys {
             hasher.update(part.as_bytes());
         }
         let tag = hex(&hasher.finalize());
+        // Built by hand, not with `format!`: every store operation makes these four names.
+        let name = |suffix: &str| {
+            let mut name = String::with_capacity(prefix.len() + tag.len() + suffix.len() + 4);
+            name.push_str(prefix);
+            name.push_str(":{");
+            name.push_str(&tag);
+            name.push_str("}:");
+            name.push_str(suffix);
+            name
+        };
         Self {
-            record: format!("{prefix}:{{{tag}}}:rec"),
-            body: format!("{prefix}:{{{tag}}}:body"),
-            checkpoints: format!("{prefix}:{{{tag}}}:checkpoints"),
-            channel: format!("{prefix}:{{{tag}}}:wake"),
+            record: name("rec"),
+            body: name("body"),
+            checkpoints: name("checkpoints"),
+            channel: name("wake"),
         }
     }
 }
@@ -60,15 +71,6 @@ pub(crate) fn record_pattern(prefix: &str) -> String {
     }
     pattern.push_str(":{*}:rec");
     pattern
-}
-
-pub(crate) fn hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    bytes
-        .iter()
-        .flat_map(|b| [DIGITS[usize::from(b >> 4)], DIGITS[usize::from(b & 0xf)]])
-        .map(char::from)
-        .collect()
 }
 
 #[cfg(test)]

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idem_core::stored::{ReplayCounts, StoredRecord, abandoned_purge_at, wait_for_change};
+use idem_core::stored::{ReplayCounts, StoredRecord, abandoned_purge_at, hex, wait_for_change};
 use idem_core::{
     Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, Record, RecordId, Release, ScopeSalt, Store,
     StoreError, UnixMillis, WaitOutcome,
@@ -15,7 +15,7 @@ use redis::{Pipeline, Script, Value};
 use tokio::sync::Notify;
 
 use crate::conn::{Commands, Conn, Node};
-use crate::keys::{RecordKeys, hex, record_pattern, scope_salt_key};
+use crate::keys::{RecordKeys, record_pattern, scope_salt_key};
 use crate::notify::Subscriptions;
 use crate::scripts::{
     BEGIN_SCRIPT, CHECKPOINT_SCRIPT, CHECKPOINTS_SCRIPT, COMPLETE_SCRIPT, CORRUPT, COUNT_REPLAYS_SCRIPT, DELETE_SCRIPT,
