@@ -13,7 +13,9 @@
 # Settings (environment): DURATION (10s), WARMUP (2s, discarded; 0 to skip), CONNECTIONS (32),
 # THREADS (2), REDIS_URL (redis://127.0.0.1:6379), PORT_BASE (18080: uses PORT_BASE+1 .. +6),
 # SKIP_INSTALL=1 (do not apt-get), SKIP_BUILD=1 (use the binaries already built),
-# STRICT=1 (exit 1 when a goal is missed), KEEP_TMP=1 (keep the logs and configs).
+# STRICT=1 (exit 1 when a goal is missed), KEEP_TMP=1 (keep the logs and configs); with
+# SKIP_BUILD=1, IDEM_BIN and BENCH_BIN name other builds (the idem binary, the folder of the
+# bench servers) to compare two versions of idem.
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -32,8 +34,8 @@ IDEM_ADMIN_PORT=$((PORT_BASE + 4))
 IDEMPOTENT_PORT=$((PORT_BASE + 5))
 TOWER_PORT=$((PORT_BASE + 6))
 RUN="bench-$(date +%s)-$(od -An -N4 -tx4 /dev/urandom | tr -d ' ')"
-BENCH_BIN="$HERE/target/release"
-IDEM_BIN="$ROOT/target/release/idem"
+BENCH_BIN=${BENCH_BIN:-"$HERE/target/release"}
+IDEM_BIN=${IDEM_BIN:-"$ROOT/target/release/idem"}
 
 say() { printf '\n== %s\n' "$*" >&2; }
 die() { printf '\ncompare.sh: error: %s\n' "$*" >&2; exit 1; }
@@ -150,8 +152,18 @@ warm_replays() {
     done
 }
 
-declare -A RPS=() P50=() P99=()
+declare -A RPS=() P50=() P99=() REDIS_US=() OWN_US=()
 # drive NAME PORT MODE: one wrk run; fails loudly on any error.
+# Seconds of CPU Redis has used so far (user + system).
+redis_cpu() {
+    redis-cli -u "$REDIS_URL" info cpu | awk -F: '/^used_cpu_(user|sys):/ { s += $2 } END { printf "%.6f", s }'
+}
+
+# Seconds of CPU process $1 has used so far (user + system; of its own threads, not its children).
+proc_cpu() {
+    awk -v hz="$(getconf CLK_TCK)" '{ sub(/^.*\) /, ""); printf "%.2f", ($12 + $13) / hz }' "/proc/$1/stat"
+}
+
 drive() {
     local name=$1 port=$2 mode=$3 out="$TMP/wrk-$1-$3.txt"
     if [ "$WARMUP" != 0 ] && [ "$WARMUP" != 0s ]; then
@@ -162,8 +174,13 @@ drive() {
             -- "$mode" "$warm_run" >"$out.warmup" 2>&1 || true
     fi
     say "$name, $mode keys: wrk -t$THREADS -c$CONNECTIONS -d$DURATION"
+    local cpu_before cpu_after own_before own_after
+    cpu_before=$(redis_cpu)
+    own_before=$(proc_cpu "${PID[$name]}")
     wrk -t"$THREADS" -c"$CONNECTIONS" -d"$DURATION" -s "$HERE/pay.lua" "http://127.0.0.1:$port/pay" \
         -- "$mode" "$RUN-$name" >"$out" 2>&1 || { cat "$out" >&2; die "wrk failed against $name"; }
+    cpu_after=$(redis_cpu)
+    own_after=$(proc_cpu "${PID[$name]}")
     local result
     result=$(grep '^RESULT ' "$out") || { cat "$out" >&2; die "no RESULT line from wrk against $name"; }
     val() { sed -n "s/.* $1=\([0-9.]*\).*/\1/p" <<<"$result"; }
@@ -177,6 +194,10 @@ drive() {
     RPS[$name/$mode]=$(val rps)
     P50[$name/$mode]=$(val p50_ms)
     P99[$name/$mode]=$(val p99_ms)
+    REDIS_US[$name/$mode]=$(awk -v a="$cpu_before" -v b="$cpu_after" -v n="$(val requests)" \
+        'BEGIN { printf "%.1f", (b - a) * 1e6 / n }')
+    OWN_US[$name/$mode]=$(awk -v a="$own_before" -v b="$own_after" -v n="$(val requests)" \
+        'BEGIN { printf "%.0f", (b - a) * 1e6 / n }')
     printf '%s\n' "$result" >&2
 }
 
@@ -264,8 +285,8 @@ row() {
     echo "wrk -t$THREADS -c$CONNECTIONS -d$DURATION (after a ${WARMUP} warm-up), POST /pay with a JSON body,"
     echo "\`Authorization: Bearer bench\`, an \`Idempotency-Key\` new per request or one of 64 already completed."
     echo
-    echo "| server | keys | req/s | p50 ms | p99 ms |"
-    echo "|---|---|---:|---:|---:|"
+    echo "| server | keys | req/s | p50 ms | p99 ms | server CPU µs/req | Redis CPU µs/req |"
+    echo "|---|---|---:|---:|---:|---:|---:|"
     for k in bare/new nginx/new idem/new idem/replay idempotent/new idempotent/replay tower/new tower/replay; do
         case $k in
             bare/*) label="bare axum (no idempotency)"; keys="ignored" ;;
@@ -275,7 +296,10 @@ row() {
             tower/*) label="idem-tower layer, Redis" ;;
         esac
         case $k in */replay) keys="replays" ;; idem*/new | tower/new) keys="new" ;; esac
-        printf '| %s | %s | %.0f | %s | %s |\n' "$label" "$keys" "${RPS[$k]}" "${P50[$k]}" "${P99[$k]}"
+        own=${OWN_US[$k]}
+        # nginx's work is done by its worker processes, which this does not count.
+        [ "${k%%/*}" = nginx ] && own="–"
+        printf '| %s | %s | %.0f | %s | %s | %s | %s |\n' "$label" "$keys" "${RPS[$k]}" "${P50[$k]}" "${P99[$k]}" "$own" "${REDIS_US[$k]}"
     done
     echo
     echo "| what | measured | goal | met |"
