@@ -12,15 +12,28 @@ use std::future::Future;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use crate::RecordId;
+use crate::{Record, RecordId};
 
 /// Replays counted and not yet written, by record.
 #[derive(Debug, Default)]
 pub struct ReplayCounts(Mutex<HashMap<RecordId, u64>>);
 
 impl ReplayCounts {
+    /// Counts one replay of `record` and returns it with every replay of it counted here and not
+    /// yet written added to its stored count.
+    pub fn replayed(&self, mut record: Record) -> Record {
+        record.replays += self.add(&record.id);
+        record
+    }
+
+    /// `record` with the replays of it counted here and not yet written added to its stored count.
+    pub fn with_pending(&self, mut record: Record) -> Record {
+        record.replays += self.pending(&record.id);
+        record
+    }
+
     /// Counts one replay of `id`; returns how many are counted here and not yet written.
-    pub fn add(&self, id: &RecordId) -> u64 {
+    fn add(&self, id: &RecordId) -> u64 {
         let mut counts = self.lock();
         let count = counts.entry(id.clone()).or_default();
         *count += 1;
@@ -28,7 +41,7 @@ impl ReplayCounts {
     }
 
     /// The replays of `id` counted here and not yet written.
-    pub fn pending(&self, id: &RecordId) -> u64 {
+    fn pending(&self, id: &RecordId) -> u64 {
         self.lock().get(id).copied().unwrap_or(0)
     }
 

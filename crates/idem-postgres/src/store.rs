@@ -359,12 +359,6 @@ impl PostgresStore {
         move |err| Failure::db(operation, &self.inner.target, err)
     }
 
-    /// `record` with the replays counted here and not yet written.
-    fn with_pending(&self, mut record: Record) -> Record {
-        record.replays += self.inner.replays.pending(&record.id);
-        record
-    }
-
     /// Whether `token` is still the current claim on the record.
     async fn holds(&self, id: &RecordId, token: FencingToken) -> Result<bool, StoreError> {
         let db = self.db("wait");
@@ -509,12 +503,16 @@ impl Store for PostgresStore {
             let row = StoredRow::from_row(&row, id)?;
             match row.stored.on_begin(row.digest.as_slice() == digest, now) {
                 Existing::Replay => {
-                    let mut record = row.into_record(id.clone())?;
-                    record.replays += self.inner.replays.add(id);
-                    return Ok(Begin::Existing(record));
+                    return Ok(Begin::Existing(
+                        self.inner.replays.replayed(row.into_record(id.clone())?),
+                    ));
                 }
                 // In flight, another request's, or expired: returned as read.
-                Existing::Leave => return Ok(Begin::Existing(self.with_pending(row.into_record(id.clone())?))),
+                Existing::Leave => {
+                    return Ok(Begin::Existing(
+                        self.inner.replays.with_pending(row.into_record(id.clone())?),
+                    ));
+                }
                 Existing::Replace | Existing::TakeOver => {}
             }
             // A claim on a record that exists: decided again under the row's lock. Read
@@ -557,13 +555,12 @@ impl Store for PostgresStore {
                     Begin::Acquired { recovered: true }
                 } else {
                     // A corrupt row fails here, before anything is changed.
-                    let mut record = row.into_record(id.clone())?;
-                    if action == Existing::Replay {
-                        record.replays += self.inner.replays.add(id);
+                    let record = row.into_record(id.clone())?;
+                    Begin::Existing(if action == Existing::Replay {
+                        self.inner.replays.replayed(record)
                     } else {
-                        record = self.with_pending(record);
-                    }
-                    Begin::Existing(record)
+                        self.inner.replays.with_pending(record)
+                    })
                 }
             };
             tx.commit().await.map_err(db)?;
@@ -712,7 +709,7 @@ impl Store for PostgresStore {
         let record = row
             .map(|row| StoredRow::from_row(&row, id)?.into_record(id.clone()))
             .transpose()?;
-        Ok(record.map(|record| self.with_pending(record)))
+        Ok(record.map(|record| self.inner.replays.with_pending(record)))
     }
 
     /// One statement: the row is gone when it is read, so a row that cannot be read is deleted

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idem_core::stored::{ReplayCounts, StoredRecord, abandoned_purge_at, hex, wait_for_change};
+use idem_core::stored::{Existing, ReplayCounts, StoredRecord, abandoned_purge_at, hex, wait_for_change};
 use idem_core::{
     Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, Record, RecordId, Release, ScopeSalt, Store,
     StoreError, UnixMillis, WaitOutcome,
@@ -236,12 +236,6 @@ impl RedisStore {
         args: impl FnOnce(&mut redis::ScriptInvocation<'_>),
     ) -> Result<std::vec::IntoIter<Value>, StoreError> {
         run_script(&self.inner.commands, what, script, keys, args).await
-    }
-
-    /// `record` with the replays counted here and not yet written.
-    fn with_pending(&self, mut record: Record) -> Record {
-        record.replays += self.inner.replays.pending(&record.id);
-        record
     }
 
     /// Runs a script whose payload is one integer.
@@ -580,6 +574,11 @@ impl StoredHash {
     }
 
     fn into_record(self, id: RecordId) -> Result<Record, StoreError> {
+        self.into_stored(&id)?.into_record(id)
+    }
+
+    /// The fields as a [`StoredRecord`], before they are checked.
+    fn into_stored(self, id: &RecordId) -> Result<StoredRecord, StoreError> {
         let Self { fields, body } = self;
         let corrupt = |what: &str| StoreError::Corrupt(format!("record {} {}: {what}", id.scope, id.key));
         let [
@@ -602,7 +601,7 @@ impl StoredHash {
         let state = state
             .and_then(|bytes| String::from_utf8(bytes).ok())
             .ok_or_else(|| corrupt("no state"))?;
-        let stored = StoredRecord {
+        Ok(StoredRecord {
             state,
             fingerprint: fingerprint.unwrap_or_default(),
             token,
@@ -613,8 +612,7 @@ impl StoredHash {
             expires_at: number(expires_at, "expires_at")?,
             purge_at: number(purge_at, "purge_at")?,
             replays: number(replays, "replays")?.ok_or_else(|| corrupt("no replays"))?,
-        };
-        stored.into_record(id)
+        })
     }
 }
 
@@ -663,14 +661,9 @@ fn parse_checkpoints(mut items: std::vec::IntoIter<Value>, id: &RecordId) -> Res
     Ok(checkpoints)
 }
 
-/// The reply of the `begin` script, and whether the request replays the record's answer; `digest`
-/// is the request's fingerprint digest. The script returns a body only for a completed record
-/// whose answer is live, so the request replays it if its digest is the record's.
-fn parse_begin(
-    mut items: std::vec::IntoIter<Value>,
-    id: &RecordId,
-    digest: &[u8],
-) -> Result<(Begin, bool), StoreError> {
+/// The reply of the `begin` script to `request`, and whether the request replays the record's
+/// answer (by the claim rule every store shares, [`StoredRecord::on_begin`]).
+fn parse_begin(mut items: std::vec::IntoIter<Value>, request: &BeginRequest<'_>) -> Result<(Begin, bool), StoreError> {
     let outcome = bulk(items.next().unwrap_or_default(), "the outcome of begin")?;
     match outcome.as_slice() {
         b"acquired" => {
@@ -685,8 +678,10 @@ fn parse_begin(
             let body = items.next().unwrap_or_default();
             let stored = StoredHash::parse(fields, body)?
                 .ok_or_else(|| StoreError::Corrupt("begin returned an empty record".to_owned()))?;
-            let replay = stored.body.is_some() && stored.field("digest") == Some(digest);
-            Ok((Begin::Existing(stored.into_record(id.clone())?), replay))
+            let same_request = stored.field("digest") == Some(&request.fingerprint.digest()[..]);
+            let stored = stored.into_stored(request.id)?;
+            let replay = stored.on_begin(same_request, request.now.as_i64()) == Existing::Replay;
+            Ok((Begin::Existing(stored.into_record(request.id.clone())?), replay))
         }
         other => Err(StoreError::Corrupt(format!(
             "unexpected outcome of begin {:?}",
@@ -713,16 +708,11 @@ impl Store for RedisStore {
                     .arg(self.inner.publish);
             })
             .await?;
-        Ok(
-            match parse_begin(reply, request.id, &request.fingerprint.digest()[..])? {
-                (Begin::Existing(mut record), true) => {
-                    record.replays += self.inner.replays.add(request.id);
-                    Begin::Existing(record)
-                }
-                (Begin::Existing(record), false) => Begin::Existing(self.with_pending(record)),
-                (acquired, _) => acquired,
-            },
-        )
+        Ok(match parse_begin(reply, &request)? {
+            (Begin::Existing(record), true) => Begin::Existing(self.inner.replays.replayed(record)),
+            (Begin::Existing(record), false) => Begin::Existing(self.inner.replays.with_pending(record)),
+            (acquired, _) => acquired,
+        })
     }
 
     async fn complete(&self, id: &RecordId, token: FencingToken, completion: Completion) -> Result<(), StoreError> {
@@ -800,7 +790,7 @@ impl Store for RedisStore {
         let fields = items.next().unwrap_or_default();
         let body = items.next().unwrap_or_default();
         StoredHash::parse(fields, body)?
-            .map(|stored| Ok(self.with_pending(stored.into_record(id.clone())?)))
+            .map(|stored| Ok(self.inner.replays.with_pending(stored.into_record(id.clone())?)))
             .transpose()
     }
 
