@@ -9,6 +9,8 @@
 #               and the completion (the compare-and-set UPDATE on the fencing token, RETURNING waiters,
 #               with pg_notify only when someone waits: nobody does here)
 #   replay.sql  the floor of a replay: one SELECT of a completed record by (scope, key)
+#   claim.sql   the store's own claim statement (CLAIM in crates/idem-postgres/src/store.rs) on a
+#               completed record: what a replay costs PostgreSQL, against replay.sql's floor
 # and beside each, `idem bench --store postgres://...?schema=...` at the same concurrency (the
 # idem-tower layer driven in process over the PostgreSQL store: new keys, then the same replayed).
 #
@@ -128,6 +130,28 @@ SELECT $COLUMNS
 FROM idem_records WHERE scope = $SCOPE AND key = 'r-' || :i::text;
 EOF
 
+# The store's CLAIM (crates/idem-postgres/src/store.rs) with the parameters written in; keep the two
+# in step. On a completed record it reads the record and inserts nothing.
+cat >"$TMP/claim.sql" <<EOF
+\\set i random(0, 9999)
+WITH found AS (
+    SELECT $COLUMNS
+    FROM idem_records WHERE scope = $SCOPE AND key = 'r-' || :i::text
+), claimed AS (
+    INSERT INTO idem_records
+        (scope, key, state, fingerprint, digest, token, lease_until, created_at, purge_at, replays)
+    SELECT $SCOPE, 'r-' || :i::text, 'in-flight', decode(repeat('ab', 113), 'hex'), decode(repeat('cd', 32), 'hex'),
+        '\\x00112233445566778899aabbccddeeff'::bytea, 1767225660000, 1767225600000, 1767830400000, 0
+    WHERE NOT EXISTS (SELECT 1 FROM found)
+    ON CONFLICT (scope, key) DO NOTHING
+    RETURNING 1
+)
+SELECT f.state, f.fingerprint, f.digest, f.token, f.lease_until, f.response, f.created_at, f.completed_at,
+    f.expires_at, f.purge_at, f.replays, EXISTS (SELECT 1 FROM claimed)
+FROM (SELECT 1) AS one
+LEFT JOIN found f ON true;
+EOF
+
 # pgb SCRIPT CLIENTS: transactions (one script run) per second, or dies.
 pgb() {
     local out="$TMP/pgbench-$1-$2.txt" jobs=$(( $2 < THREADS ? $2 : THREADS ))
@@ -143,9 +167,10 @@ pgb() {
 
 declare -A R=()
 for c in $CLIENTS; do
-    say "$c clients: pgbench new.sql, replay.sql (${DURATION}s each)"
+    say "$c clients: pgbench new.sql, replay.sql, claim.sql (${DURATION}s each)"
     R[pgb_new/$c]=$(pgb new "$c")
     R[pgb_replay/$c]=$(pgb replay "$c")
+    R[pgb_claim/$c]=$(pgb claim "$c")
     # The UPDATE of new.sql must have completed every claim: no record left in flight.
     left=$(psql "$PG_URL" -qAtc "SELECT count(*) FROM $PGB_SCHEMA.idem_records WHERE state <> 'completed'")
     [ "$left" = 0 ] || die "$left records of new.sql were left in flight: the script is wrong"
@@ -157,8 +182,8 @@ for c in $CLIENTS; do
     R[idem_new/$c]=$(awk '$1 == "new" { print $3 }' "$out")
     R[idem_replay/$c]=$(awk '$1 == "replay" { print $3 }' "$out")
     [ -n "${R[idem_new/$c]}" ] && [ -n "${R[idem_replay/$c]}" ] || die "cannot read req/s in idem bench's output ($out)"
-    printf 'pgbench new %s, replay %s; idem new %s, replay %s\n' "${R[pgb_new/$c]}" \
-        "${R[pgb_replay/$c]}" "${R[idem_new/$c]}" "${R[idem_replay/$c]}" >&2
+    printf 'pgbench new %s, replay %s, claim %s; idem new %s, replay %s\n' "${R[pgb_new/$c]}" \
+        "${R[pgb_replay/$c]}" "${R[pgb_claim/$c]}" "${R[idem_new/$c]}" "${R[idem_replay/$c]}" >&2
 done
 
 missed=0
@@ -177,14 +202,15 @@ pct() {
     echo "pgbench -M prepared -T $DURATION (tps = keys per second); idem bench --requests $REQUESTS (req/s)."
     echo "Goal: idem ≥ 80 % of pgbench, for new keys and for replays."
     echo
-    echo "| clients | pgbench new (INSERT; UPDATE) | idem new | idem / pgbench | pgbench replay (1 SELECT) | idem replay | idem / pgbench |"
-    echo "|---:|---:|---:|---|---:|---:|---|"
+    echo "| clients | pgbench new (INSERT; UPDATE) | idem new | idem / pgbench | pgbench replay (1 SELECT) | idem replay | idem / pgbench | pgbench claim (the store's statement) | claim / SELECT |"
+    echo "|---:|---:|---:|---|---:|---:|---|---:|---|"
     for c in $CLIENTS; do
         new_ratio=$(pct "${R[idem_new/$c]}" "${R[pgb_new/$c]}" 0.8) || missed=$((missed + 1))
         replay_ratio=$(pct "${R[idem_replay/$c]}" "${R[pgb_replay/$c]}" 0.8) || missed=$((missed + 1))
-        printf '| %s | %.0f | %.0f | %s | %.0f | %.0f | %s |\n' "$c" \
+        printf '| %s | %.0f | %.0f | %s | %.0f | %.0f | %s | %.0f | %s |\n' "$c" \
             "${R[pgb_new/$c]}" "${R[idem_new/$c]}" "$new_ratio" \
-            "${R[pgb_replay/$c]}" "${R[idem_replay/$c]}" "$replay_ratio"
+            "${R[pgb_replay/$c]}" "${R[idem_replay/$c]}" "$replay_ratio" \
+            "${R[pgb_claim/$c]}" "$(pct "${R[pgb_claim/$c]}" "${R[pgb_replay/$c]}" "")"
     done
     echo
     echo "idem bench's PostgreSQL pool is the store's default (pool_size=16) unless PG_URL sets it;"

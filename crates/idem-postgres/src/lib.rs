@@ -1,8 +1,9 @@
 //! The PostgreSQL store of idem: every record in one table, shared by every instance of a service.
 //!
-//! * **Claims** are one `INSERT ... ON CONFLICT DO NOTHING`; when the key exists, the decision
-//!   (replay, take over an expired lease, or report the record) is made in a transaction that
-//!   holds the row's lock. Complete, release and renew are compare-and-set statements on the
+//! * **Claims** are one statement that reads the record and, only when there is none, inserts it
+//!   (`INSERT ... ON CONFLICT DO NOTHING`), so a replay is a plain read. Taking over an expired
+//!   lease or replacing a purged record is decided again in a transaction that holds the row's
+//!   lock. Complete, release and renew are compare-and-set statements on the
 //!   fencing token.
 //! * **Waiters** are woken through `LISTEN`/`NOTIFY`: every change that ends a claim notifies in
 //!   its own transaction, and each store keeps one dedicated listening connection that
