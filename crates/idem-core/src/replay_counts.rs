@@ -5,7 +5,10 @@
 //! PostgreSQL, a write command inside the claim script in Redis, and the copies of a hot key
 //! queue on it. A store that uses [`ReplayCounts`] counts here instead and adds the counts to its
 //! records every so often, in one go. The counts are statistics: another instance sees them up to
-//! one interval late, and an instance that dies loses at most its last interval's.
+//! one interval late, and an instance that dies loses at most its last interval's. A write that
+//! fails is tried again with the next batch, so a blip loses nothing; a write whose reply was lost
+//! after it took effect is made again too, so such a blip counts its batch twice (at least once,
+//! never lost).
 
 use std::collections::HashMap;
 use std::future::Future;

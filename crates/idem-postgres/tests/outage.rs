@@ -10,7 +10,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{DAY, TestSchema, acquire, base_url, completion, fingerprint, fresh_id};
+use common::{DAY, TestSchema, acquire, completion, fingerprint, fresh_id, through};
 use idem_core::{Store, StoreError, UnixMillis, WaitOutcome};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
@@ -78,25 +78,6 @@ impl Drop for Proxy {
     fn drop(&mut self) {
         self.stop();
     }
-}
-
-/// The host and port of the test server, and the URL of the same database through `port`.
-fn through(port: u16, schema: &TestSchema, options: &str) -> (SocketAddr, String) {
-    let url = schema.url(options);
-    let config: tokio_postgres::Config = base_url().parse().expect("the test URL");
-    let host = match &config.get_hosts()[0] {
-        tokio_postgres::config::Host::Tcp(host) => host.clone(),
-        #[allow(unreachable_patterns)]
-        _ => panic!("the outage test needs a TCP server, not a socket path"),
-    };
-    let server_port = config.get_ports().first().copied().unwrap_or(5432);
-    let upstream = format!("{host}:{server_port}")
-        .parse()
-        .or_else(|_| format!("127.0.0.1:{server_port}").parse())
-        .unwrap();
-    let proxied = url.replacen(&format!("{host}:{server_port}"), &format!("127.0.0.1:{port}"), 1);
-    assert_ne!(proxied, url, "the test URL names host:port explicitly");
-    (upstream, proxied)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -5,8 +5,20 @@ mod common;
 
 use std::time::Duration;
 
-use common::{DAY, TestSchema, acquire, begin, completion, fingerprint, fresh_id};
-use idem_core::{Begin, Store, UnixMillis};
+use common::{DAY, TestSchema, acquire, begin, completion, fingerprint, fresh_id, through};
+use idem_core::{Begin, Fingerprint, RecordId, Store, UnixMillis};
+use idem_test_support::relay::{Fault, Relay};
+
+/// A new record, completed with an answer: its id, its fingerprint and the time of its claim.
+async fn completed(store: &dyn Store) -> (RecordId, Fingerprint, UnixMillis) {
+    let (id, fp, now) = (fresh_id(), fingerprint("{}"), UnixMillis::now());
+    let token = acquire(store, &id, &fp, now).await;
+    store
+        .complete(&id, token, completion(b"paid", now, DAY, 2 * DAY))
+        .await
+        .expect("complete");
+    (id, fp, now)
+}
 
 /// A transaction holding the record's row lock (a purge, an operator's `SELECT ... FOR UPDATE`, a
 /// stuck migration) does not hold up its replays: they are answered while the lock is held.
@@ -14,12 +26,7 @@ use idem_core::{Begin, Store, UnixMillis};
 async fn replays_are_answered_while_another_transaction_holds_the_row() {
     let schema = TestSchema::new();
     let store = schema.connect("").await;
-    let (id, fp, now) = (fresh_id(), fingerprint("{}"), UnixMillis::now());
-    let token = acquire(&store, &id, &fp, now).await;
-    store
-        .complete(&id, token, completion(b"paid", now, DAY, 2 * DAY))
-        .await
-        .expect("complete");
+    let (id, fp, now) = completed(&store).await;
 
     let mut holder = schema.client().await;
     let tx = holder.transaction().await.unwrap();
@@ -48,11 +55,7 @@ async fn replays_are_answered_while_another_transaction_holds_the_row() {
 async fn replay_counts_reach_the_row_for_every_instance() {
     let schema = TestSchema::new();
     let (one, other) = (schema.connect("").await, schema.connect("").await);
-    let (id, fp, now) = (fresh_id(), fingerprint("{}"), UnixMillis::now());
-    let token = acquire(&one, &id, &fp, now).await;
-    one.complete(&id, token, completion(b"paid", now, DAY, 2 * DAY))
-        .await
-        .expect("complete");
+    let (id, fp, now) = completed(&one).await;
     for _ in 0..5 {
         begin(&one, &id, &fp, now).await;
     }
@@ -64,14 +67,7 @@ async fn replay_counts_reach_the_row_for_every_instance() {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     let client = schema.client().await;
     loop {
-        let written: i64 = client
-            .query_one(
-                "SELECT replays FROM idem_records WHERE scope = $1 AND key = $2",
-                &[&id.scope.as_str(), &id.key.as_str()],
-            )
-            .await
-            .unwrap()
-            .get(0);
+        let written = written(&client, &id).await;
         if written == 7 {
             break;
         }
@@ -94,4 +90,63 @@ async fn replay_counts_reach_the_row_for_every_instance() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// The replays written in the record's row.
+async fn written(client: &tokio_postgres::Client, id: &RecordId) -> i64 {
+    client
+        .query_one(
+            "SELECT replays FROM idem_records WHERE scope = $1 AND key = $2",
+            &[&id.scope.as_str(), &id.key.as_str()],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// A blip while counted replays are written loses none of them: the connection is reset as the
+/// batch leaves for the server (the statement never reaches it), and the next round writes the
+/// counts, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_counts_outlive_a_reset_while_they_are_written() {
+    let schema = TestSchema::new();
+    let options = "poll_interval=60s";
+    let (upstream, _) = through(0, &schema, options);
+    let relay = Relay::start(upstream).await;
+    let (_, url) = through(relay.addr().port(), &schema, options);
+    let store = idem_postgres::PostgresStore::connect(&url)
+        .await
+        .unwrap_or_else(|err| panic!("{}", common::chain(&err)));
+    let (id, fp, now) = completed(&store).await;
+    // The batch's statement is prepared on the connection that first runs it: the reset strikes
+    // its text on its way to the server.
+    relay.arm_on(b"unnest($1::text[]", Fault::ResetBeforeForward);
+    for _ in 0..3 {
+        let (replayed, _) = begin(&store, &id, &fp, now).await;
+        assert!(matches!(replayed, Begin::Existing(_)), "{replayed:?}");
+    }
+
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while relay.faults().resets_before == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the batch of counts was never sent"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let client = schema.client().await;
+    assert_eq!(written(&client, &id).await, 0, "the reset batch reached the server");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while written(&client, &id).await != 3 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the counts were lost: {} of 3 written",
+            written(&client, &id).await
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Past two more rounds: written once, not again.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    assert_eq!(written(&client, &id).await, 3);
+    assert_eq!(store.get(&id).await.unwrap().unwrap().replays, 3);
 }

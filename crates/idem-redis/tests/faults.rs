@@ -149,6 +149,20 @@ fn is_own(known: &Known, record: &Record) -> bool {
         && matches!(&record.state, RecordState::Completed { response: Some(body), .. } if *body == known.answer)
 }
 
+/// A `begin` of `known` with its own fingerprint: a replay.
+async fn replay_of(store: &RedisStore, known: &Known) -> Result<Begin, StoreError> {
+    let now = UnixMillis::now();
+    store
+        .begin(BeginRequest {
+            id: &known.id,
+            fingerprint: &known.fingerprint,
+            now,
+            lease_until: now.plus(LEASE),
+            token: FencingToken::random(),
+        })
+        .await
+}
+
 /// Reads every known record, each from its own task, with `begin` (a replay) and `get` in turn,
 /// until `until`.
 async fn read_known_records(store: Arc<RedisStore>, known: Arc<Vec<Known>>, until: Instant) -> Tally {
@@ -161,15 +175,7 @@ async fn read_known_records(store: Arc<RedisStore>, known: Arc<Vec<Known>>, unti
                 let mut replay = true;
                 while Instant::now() < until {
                     let outcome = if replay {
-                        let now = UnixMillis::now();
-                        let request = BeginRequest {
-                            id: &known.id,
-                            fingerprint: &known.fingerprint,
-                            now,
-                            lease_until: now.plus(LEASE),
-                            token: FencingToken::random(),
-                        };
-                        store.begin(request).await.map(|begin| match begin {
+                        replay_of(&store, known).await.map(|begin| match begin {
                             Begin::Existing(record) => (is_own(known, &record), format!("begin: {record:?}")),
                             acquired => (false, format!("begin claimed a completed record: {acquired:?}")),
                         })
@@ -452,4 +458,68 @@ async fn standalone_subscriptions_live_on_their_own_connection() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_subscriptions_live_on_their_own_connection() {
     subscriptions_live_on_their_own_connection(Server::Cluster).await;
+}
+
+/// Replays of `known` through `store`, each answered with its record.
+async fn replay_known(store: &RedisStore, known: &Known, times: usize) {
+    for _ in 0..times {
+        match replay_of(store, known).await.expect("replay") {
+            Begin::Existing(record) => assert!(is_own(known, &record), "not its record: {record:?}"),
+            acquired => panic!("a replay claimed a completed record: {acquired:?}"),
+        }
+    }
+}
+
+/// A blip while counted replays are written loses none of them: the connection is reset as the
+/// batch leaves for Redis (the command never reaches it), and the next round writes the counts,
+/// once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_counts_outlive_a_reset_while_they_are_written() {
+    let fixture = fixture().await;
+    let known = &fixture.known[0];
+    // The batch's script is the only one with one key and two arguments (the nonce and the
+    // count): `EVALSHA sha 1 record nonce count`, six parts. The begin of a replay has fifteen.
+    fixture.relay.arm_on(
+        b"*6\r\n$7\r\nEVALSHA\r\n",
+        idem_test_support::relay::Fault::ResetBeforeForward,
+    );
+    replay_known(&fixture.store, known, 3).await;
+
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while fixture.relay.faults().resets_before == 0 {
+        assert!(Instant::now() < deadline, "the batch of counts was never sent");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let stored = || async {
+        fixture
+            .direct
+            .get(&known.id)
+            .await
+            .expect("get")
+            .expect("the record")
+            .replays
+    };
+    assert_eq!(stored().await, 0, "the reset batch reached Redis");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while stored().await != 3 {
+        assert!(
+            Instant::now() < deadline,
+            "the counts were lost: {} of 3 stored",
+            stored().await
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Past two more rounds: written once, not again.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    assert_eq!(stored().await, 3);
+    assert_eq!(
+        fixture
+            .store
+            .get(&known.id)
+            .await
+            .expect("get")
+            .expect("the record")
+            .replays,
+        3
+    );
 }

@@ -110,6 +110,8 @@ struct Faults {
     /// Until then, no byte moves and no new connection reaches the server.
     black_hole_until: Option<Instant>,
     hold: Option<Hold>,
+    /// Strikes once, on the next chunk that contains the trigger (before the `armed` ones).
+    armed_on: Option<Armed<Fault>>,
     /// Strikes once: writes these bytes to the client just before the connection's next reply.
     inject: Option<Armed<Vec<u8>>>,
 }
@@ -236,6 +238,16 @@ impl Relay {
             .push_back((fault, Some(Instant::now() + window)));
     }
 
+    /// Arms `fault` for the next chunk a client sends that contains `trigger`, whichever
+    /// connection sends it and however late: a fault aimed at one command, without racing the
+    /// client's other traffic. It strikes before the faults of [`Relay::arm`].
+    pub fn arm_on(&self, trigger: &[u8], fault: Fault) {
+        self.shared.faults().armed_on = Some(Armed {
+            trigger: trigger.to_vec(),
+            what: fault,
+        });
+    }
+
     /// How many armed faults have neither struck nor lapsed yet.
     pub fn armed(&self) -> usize {
         let now = Instant::now();
@@ -246,7 +258,9 @@ impl Relay {
 
     /// Takes back the faults that have not struck.
     pub fn disarm(&self) {
-        self.shared.faults().armed.clear();
+        let mut faults = self.shared.faults();
+        faults.armed.clear();
+        faults.armed_on = None;
     }
 
     /// Opens a black hole for `duration`: no byte moves either way and new connections do not
@@ -399,9 +413,17 @@ async fn requests(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, shared: Arc<S
                 shared.counters.injections.fetch_add(1, Ordering::SeqCst);
             }
             let now = Instant::now();
-            let fault = std::iter::from_fn(|| faults.armed.pop_front())
-                .find(|(_, until)| until.is_none_or(|until| now < until))
-                .map(|(fault, _)| fault);
+            let fault = if faults
+                .armed_on
+                .as_ref()
+                .is_some_and(|armed| contains(&window, &armed.trigger))
+            {
+                faults.armed_on.take().map(|armed| armed.what)
+            } else {
+                std::iter::from_fn(|| faults.armed.pop_front())
+                    .find(|(_, until)| until.is_none_or(|until| now < until))
+                    .map(|(fault, _)| fault)
+            };
             if fault == Some(Fault::ResetAfterReply) {
                 // Set before the request goes on, so that no byte of its reply gets through.
                 this.swallow = true;
@@ -582,5 +604,30 @@ mod tests {
         assert_eq!(relay.armed(), 0, "the fault lapsed");
         assert_eq!(ask(&mut socket, b"g").await.unwrap(), b"ok:g");
         assert_eq!(relay.faults().resets_before, 1);
+    }
+
+    #[tokio::test]
+    async fn a_fault_armed_on_a_trigger_waits_for_it() {
+        let (server, received) = echo_server().await;
+        let relay = Relay::start(server).await;
+        let mut socket = TcpStream::connect(relay.addr()).await.unwrap();
+        relay.arm_on(b"flush", Fault::ResetBeforeForward);
+        assert_eq!(ask(&mut socket, b"a").await.unwrap(), b"ok:a", "not the trigger");
+        assert_eq!(ask(&mut socket, b"b").await.unwrap(), b"ok:b");
+        assert!(ask(&mut socket, b"a flush").await.is_err(), "the trigger was reset");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(
+            received.load(Ordering::SeqCst),
+            2,
+            "the trigger never reached the server"
+        );
+        assert_eq!(relay.faults().resets_before, 1);
+
+        let mut socket = TcpStream::connect(relay.addr()).await.unwrap();
+        assert_eq!(
+            ask(&mut socket, b"flush").await.unwrap(),
+            b"ok:flush",
+            "it strikes once"
+        );
     }
 }

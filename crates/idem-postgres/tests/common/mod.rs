@@ -2,6 +2,7 @@
 //! (dropped afterwards), and small helpers for records.
 #![allow(dead_code)]
 
+use std::net::SocketAddr;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
@@ -87,6 +88,25 @@ impl Default for TestSchema {
     fn default() -> Self {
         Self::new()
     }
+}
+
+/// The host and port of the test server, and the URL of the same database through `port`.
+pub(crate) fn through(port: u16, schema: &TestSchema, options: &str) -> (SocketAddr, String) {
+    let url = schema.url(options);
+    let config: tokio_postgres::Config = base_url().parse().expect("the test URL");
+    let host = match &config.get_hosts()[0] {
+        tokio_postgres::config::Host::Tcp(host) => host.clone(),
+        #[allow(unreachable_patterns)]
+        _ => panic!("the fault tests need a TCP server, not a socket path"),
+    };
+    let server_port = config.get_ports().first().copied().unwrap_or(5432);
+    let upstream = format!("{host}:{server_port}")
+        .parse()
+        .or_else(|_| format!("127.0.0.1:{server_port}").parse())
+        .unwrap();
+    let proxied = url.replacen(&format!("{host}:{server_port}"), &format!("127.0.0.1:{port}"), 1);
+    assert_ne!(proxied, url, "the test URL names host:port explicitly");
+    (upstream, proxied)
 }
 
 /// A plain tokio-postgres connection to a URL that may carry this crate's `schema=NAME`.
