@@ -66,24 +66,18 @@ local function server_now()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
--- The record's hash as a table of its fields (empty if there is no record): one HGETALL.
+-- The record's fields in the order of `RECORD_FIELDS` (store.rs), then `recovered`, false where
+-- the hash has none (every one if there is no record): one HMGET, its reply used as it is.
 local function read_record()
-  local flat = redis.call('HGETALL', rec)
-  local cur = {}
-  for i = 1, #flat, 2 do
-    cur[flat[i]] = flat[i + 1]
-  end
-  return cur
+  return redis.call('HMGET', rec, 'state', 'fingerprint', 'token', 'lease_until', 'created_at', 'completed_at',
+    'expires_at', 'purge_at', 'replays', 'digest', 'recovered')
 end
--- The values of a record's fields in the order of `RECORD_FIELDS` (store.rs), false if absent.
-local FIELDS = {'state', 'fingerprint', 'token', 'lease_until', 'created_at', 'completed_at', 'expires_at',
-  'purge_at', 'replays', 'digest'}
+-- Positions in what `read_record` returns.
+local STATE, TOKEN, LEASE_UNTIL, EXPIRES_AT, PURGE_AT, DIGEST, RECOVERED = 1, 3, 4, 7, 8, 10, 11
+-- What `read_record` returned, as the scripts return a record: the fields of `RECORD_FIELDS`.
 local function fields_of(cur)
-  local values = {}
-  for i, name in ipairs(FIELDS) do
-    values[i] = cur[name] or false
-  end
-  return values
+  cur[RECOVERED] = nil
+  return cur
 end
 local function expire_at(key, at)
   set_ttl(key, at - now)
@@ -115,8 +109,8 @@ end
 /// channel, publish command. A new claim deletes whatever checkpoints an earlier record left; a
 /// takeover keeps them, with the record's new expiry.
 ///
-/// The record is read once, whole (`HGETALL`), and a replay is that read and the `GET` of its
-/// body: no write (the store counts replays itself and adds them later, see
+/// The record is read once (one `HMGET` of every field it may have), and a replay is that read and
+/// the `GET` of its body: no write (the store counts replays itself and adds them later, see
 /// [`COUNT_REPLAYS`]). Every `redis.call` costs the script several microseconds of the server's
 /// one thread, so the common paths make as few as they can.
 ///
@@ -127,12 +121,12 @@ now = num(ARGV[2], 'now')
 local lease_until, token, digest, fingerprint = ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local claim_purge_at, channel, publish = ARGV[7], ARGV[8], ARGV[9]
 local cur = read_record()
-local state = cur.state
-if state == 'in-flight' and cur.token == token then
+local state = cur[STATE]
+if state == 'in-flight' and cur[TOKEN] == token then
   -- This very claim was already made: a retry after the reply was lost.
-  return answer('acquired', tonumber(cur.recovered) or 0)
+  return answer('acquired', tonumber(cur[RECOVERED]) or 0)
 end
-if state and num(cur.purge_at, 'purge_at') <= now then
+if state and num(cur[PURGE_AT], 'purge_at') <= now then
   -- Past purge_at the record is as good as absent; whoever waits on it must look again.
   redis.call('DEL', rec)
   redis.call(publish, channel, 'replaced')
@@ -145,8 +139,8 @@ if not state then
   expire_at(rec, num(claim_purge_at, 'purge_at'))
   return answer('acquired', 0)
 end
-local same = cur.digest == digest
-if same and (state == 'unknown' or (state == 'in-flight' and num(cur.lease_until, 'lease_until') <= now)) then
+local same = cur[DIGEST] == digest
+if same and (state == 'unknown' or (state == 'in-flight' and num(cur[LEASE_UNTIL], 'lease_until') <= now)) then
   redis.call('HSET', rec, 'state', 'in-flight', 'token', token, 'lease_until', lease_until,
     'purge_at', claim_purge_at, 'recovered', 1)
   expire_at(rec, num(claim_purge_at, 'purge_at'))
@@ -156,7 +150,7 @@ if same and (state == 'unknown' or (state == 'in-flight' and num(cur.lease_until
 end
 -- An answer past expires_at is not returned, even in the moment before its key expires.
 local response = false
-if state == 'completed' and now < num(cur.expires_at, 'expires_at') then
+if state == 'completed' and now < num(cur[EXPIRES_AT], 'expires_at') then
   response = redis.call('GET', body)
 end
 return answer('existing', fields_of(cur), response)
@@ -243,11 +237,11 @@ return answer(1)
 const GET: &str = r#"
 now = server_now()
 local cur = read_record()
-if not cur.state or num(cur.purge_at, 'purge_at') <= now then
+if not cur[STATE] or num(cur[PURGE_AT], 'purge_at') <= now then
   return answer(false, false)
 end
 local response = false
-if cur.state == 'completed' and now < num(cur.expires_at, 'expires_at') then
+if cur[STATE] == 'completed' and now < num(cur[EXPIRES_AT], 'expires_at') then
   response = redis.call('GET', body)
 end
 return answer(fields_of(cur), response)
@@ -262,12 +256,12 @@ const DELETE: &str = r#"
 now = server_now()
 local channel, publish = ARGV[2], ARGV[3]
 local fields, response = false, false
-local cur = read_record()
-if next(cur) ~= nil then
-  local purge_at, expires_at = tonumber(cur.purge_at), tonumber(cur.expires_at)
-  if not cur.state or purge_at == nil or now < purge_at then
+if redis.call('EXISTS', rec) == 1 then
+  local cur = read_record()
+  local purge_at, expires_at = tonumber(cur[PURGE_AT]), tonumber(cur[EXPIRES_AT])
+  if not cur[STATE] or purge_at == nil or now < purge_at then
     fields = fields_of(cur)
-    if cur.state == 'completed' and (expires_at == nil or now < expires_at) then
+    if cur[STATE] == 'completed' and (expires_at == nil or now < expires_at) then
       response = redis.call('GET', body)
     end
   end
