@@ -3,8 +3,7 @@
 //! * **Claims** are one statement that reads the record and, only when there is none, inserts it
 //!   (`INSERT ... ON CONFLICT DO NOTHING`), so a replay is a plain read. Taking over an expired
 //!   lease or replacing a purged record is decided again in a transaction that holds the row's
-//!   lock. Complete, release and renew are compare-and-set statements on the
-//!   fencing token.
+//!   lock. Complete, release and renew are compare-and-set statements on the fencing token.
 //! * **Waiters** are woken through `LISTEN`/`NOTIFY`: every change that ends a claim notifies in
 //!   its own transaction, and each store keeps one dedicated listening connection that
 //!   reconnects by itself. Waiters also poll, backing off up to `poll_interval`, so that nothing

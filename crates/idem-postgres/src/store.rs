@@ -1,11 +1,11 @@
 //! [`PostgresStore`]: the `Store` primitives as PostgreSQL statements. A claim is one statement
 //! that reads the record and, only if there is none, inserts it (`INSERT ... ON CONFLICT DO
 //! NOTHING`); taking over or replacing a record that exists is decided again in a transaction that
-//! locks the row (`SELECT ... FOR UPDATE`). Complete, release and renew are single compare-and-set statements on
-//! the fencing token. Changes that end a claim `NOTIFY` in the same statement when someone waits on
-//! the record (a waiter marks it first), so that waiters everywhere are woken on commit, and
-//! commits nobody waits for do not queue on the lock every `NOTIFY` takes. A replay is one read:
-//! its count is written later, in batches (`replays`).
+//! locks the row (`SELECT ... FOR UPDATE`). Complete, release and renew are single compare-and-set
+//! statements on the fencing token. Changes that end a claim `NOTIFY` in the same statement when
+//! someone waits on the record (a waiter marks it first), so that waiters everywhere are woken on
+//! commit, and commits nobody waits for do not queue on the lock every `NOTIFY` takes. A replay is
+//! one read: its count is written later, in batches (`replays`).
 //!
 //! The scope salt is the one row of `idem_scope_salt`, made by the first caller with
 //! `INSERT ... ON CONFLICT DO NOTHING` and read by everyone else in a statement of its own.
