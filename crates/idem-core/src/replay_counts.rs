@@ -15,7 +15,7 @@ use std::future::Future;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use crate::{Record, RecordId};
+use crate::{Record, RecordId, StoreError};
 
 /// Replays counted and not yet written, by record.
 #[derive(Debug, Default)]
@@ -48,8 +48,25 @@ impl ReplayCounts {
         self.lock().get(id).copied().unwrap_or(0)
     }
 
-    /// Forgets the replays of `id` not yet written (its record is gone) and returns how many.
-    pub fn forget(&self, id: &RecordId) -> u64 {
+    /// Forgets the replays of `id` not yet written, as its record was just deleted, and returns
+    /// `deleted` (the record as the deletion read it, if it could) with them added to its count.
+    /// They are forgotten whatever `deleted` holds: the record is gone either way.
+    pub fn deleted(
+        &self,
+        id: &RecordId,
+        deleted: Result<Option<Record>, StoreError>,
+    ) -> Result<Option<Record>, StoreError> {
+        let unwritten = self.forget(id);
+        deleted.map(|record| {
+            record.map(|mut record| {
+                record.replays += unwritten;
+                record
+            })
+        })
+    }
+
+    /// Forgets the replays of `id` not yet written and returns how many.
+    fn forget(&self, id: &RecordId) -> u64 {
         self.lock().remove(id).unwrap_or(0)
     }
 

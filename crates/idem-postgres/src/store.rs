@@ -730,14 +730,10 @@ impl Store for PostgresStore {
             .query_opt(&stmt, &[&id.scope.as_str(), &id.key.as_str(), &payload(id)])
             .await
             .map_err(db)?;
-        let unwritten = self.inner.replays.forget(id);
-        let mut record = row
+        let record = row
             .map(|row| StoredRow::from_row(&row, id)?.into_record(id.clone()))
-            .transpose()?;
-        if let Some(record) = &mut record {
-            record.replays += unwritten;
-        }
-        Ok(record)
+            .transpose();
+        self.inner.replays.deleted(id, record)
     }
 
     async fn wait(
