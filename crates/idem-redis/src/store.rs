@@ -224,18 +224,7 @@ impl RedisStore {
         args: impl FnOnce(&mut redis::ScriptInvocation<'_>),
     ) -> Result<std::vec::IntoIter<Value>, StoreError> {
         let keys = [keys.record.as_str(), &keys.body, &keys.checkpoints];
-        self.run_on_keys(what, script, &keys, args).await
-    }
-
-    /// Runs `script` on `keys` as [`RedisStore::run`] does; the reply must name the first key.
-    async fn run_on_keys(
-        &self,
-        what: &'static str,
-        script: &Script,
-        keys: &[&str],
-        args: impl FnOnce(&mut redis::ScriptInvocation<'_>),
-    ) -> Result<std::vec::IntoIter<Value>, StoreError> {
-        run_script(&self.inner.commands, what, script, keys, args).await
+        run_script(&self.inner.commands, what, script, &keys, args).await
     }
 
     /// Runs a script whose payload is one integer.
@@ -804,16 +793,11 @@ impl Store for RedisStore {
                 script.arg(&keys.channel).arg(self.inner.publish);
             })
             .await?;
-        let unwritten = self.inner.replays.forget(id);
         let fields = items.next().unwrap_or_default();
         let body = items.next().unwrap_or_default();
-        let mut record = StoredHash::parse(fields, body)?
-            .map(|stored| stored.into_record(id.clone()))
-            .transpose()?;
-        if let Some(record) = &mut record {
-            record.replays += unwritten;
-        }
-        Ok(record)
+        let record = StoredHash::parse(fields, body)
+            .and_then(|stored| stored.map(|stored| stored.into_record(id.clone())).transpose());
+        self.inner.replays.deleted(id, record)
     }
 
     /// Reads the salt (`PREFIX:scope-salt`) with one script. If there is none, walks every node
@@ -826,25 +810,23 @@ impl Store for RedisStore {
     /// deletes it.
     async fn scope_salt(&self, candidate: ScopeSalt) -> Result<ScopeSalt, StoreError> {
         let key = scope_salt_key(&self.inner.prefix);
-        let read = self
-            .run_on_keys("scope_salt", &SCOPE_SALT_SCRIPT, &[&key], |_| {})
-            .await?;
+        let commands = &self.inner.commands;
+        let read = run_script(commands, "scope_salt", &SCOPE_SALT_SCRIPT, &[&key], |_| {}).await?;
         if let Some(salt) = parse_scope_salt(read, &key)? {
             return Ok(salt);
         }
         let older_records_until = self.latest_purge_at(&key).await?;
-        let made = self
-            .run_on_keys("scope_salt", &SCOPE_SALT_SCRIPT, &[&key], |script| {
-                script
-                    .arg(&candidate.salt[..])
-                    .arg(millis_arg(candidate.created_at))
-                    .arg(
-                        older_records_until
-                            .map(|at| millis_arg(at).to_string())
-                            .unwrap_or_default(),
-                    );
-            })
-            .await?;
+        let made = run_script(commands, "scope_salt", &SCOPE_SALT_SCRIPT, &[&key], |script| {
+            script
+                .arg(&candidate.salt[..])
+                .arg(millis_arg(candidate.created_at))
+                .arg(
+                    older_records_until
+                        .map(|at| millis_arg(at).to_string())
+                        .unwrap_or_default(),
+                );
+        })
+        .await?;
         parse_scope_salt(made, &key)?
             .ok_or_else(|| StoreError::Corrupt(format!("the scope salt {key} is missing right after it was made")))
     }
