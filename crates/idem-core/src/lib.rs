@@ -56,6 +56,8 @@ mod scope;
 #[cfg(feature = "server")]
 pub mod seal;
 #[cfg(feature = "server")]
+mod settle;
+#[cfg(feature = "server")]
 mod store;
 #[cfg(feature = "server")]
 mod store_clock;
@@ -79,7 +81,7 @@ pub use fingerprint::{Differences, Fingerprint, FingerprintDecodeError};
 #[cfg(feature = "server")]
 pub use policy::{AnonymousPolicy, AnonymousPolicyError, MissingKeyPolicy, MissingKeyPolicyError, Policy, PolicyError};
 #[cfg(feature = "server")]
-pub use protocol::{Admission, Claim, Decision, Disposition, Keyed, Outcome, Protocol};
+pub use protocol::{Admission, Claim, Decision, IdempotencyInfo, Keyed, Outcome, Protocol};
 #[cfg(feature = "server")]
 pub use response::{HOP_BY_HOP, HeaderAllowList, ResponseDecodeError, StoredResponse};
 #[cfg(feature = "server")]
@@ -90,6 +92,11 @@ pub use run::{MAX_PENDING_BYTES, PendingAnswer, RunTimedOut, Unstored};
 pub use scope::{Caller, Scope, ScopeError, ScopeSource, ScopeSourceError};
 #[cfg(feature = "server")]
 pub use seal::{Keyring, KeyringError, Unreadable};
+#[cfg(feature = "server")]
+pub use settle::{
+    IDEMPOTENCY_RECOVERED, Keep, NoAnswer, Reply, RunEnd, Settlement, body_incomplete, internal_error,
+    no_answer_problem,
+};
 #[cfg(feature = "server")]
 pub use store::{
     Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, Record, RecordId, RecordState, Release,

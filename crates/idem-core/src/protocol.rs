@@ -2,10 +2,12 @@
 //! to run it, replay it, wait for it or refuse it; then how its answer is kept.
 //!
 //! Data flows one way: [`Protocol::admit`] → (fingerprint) → [`Protocol::begin`] →
-//! run the handler → [`Protocol::finish`] / [`Protocol::abandon`].
+//! run the handler → [`Protocol::settle`] (the after-the-handler half, in `settle.rs`) →
+//! [`Protocol::finish`] / [`Protocol::release`].
 
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -147,7 +149,7 @@ impl Keyed {
 /// What to do with a keyed request.
 #[derive(Debug)]
 pub enum Decision {
-    /// Run the handler under this claim, then [`Protocol::finish`] or [`Protocol::abandon`].
+    /// Run the handler under this claim, then [`Protocol::settle`] how it ended.
     Run(Claim),
     /// Answer with this (a replay or a problem); the handler does not run.
     Respond {
@@ -174,6 +176,22 @@ pub struct Claim {
     provisional: Option<Duration>,
     /// When the run is given up (`run_timeout` after the claim).
     run_deadline: tokio::time::Instant,
+    /// Set once the run recorded a checkpoint: it has had an effect, so a release keeps the
+    /// record (and its checkpoints) for the retry to resume from. Shared by the claim's clones.
+    stepped: Arc<AtomicBool>,
+}
+
+/// What the layer tells the handler about the keyed request it runs, in the request extensions
+/// (the gateway passes `recovered` on as [`IDEMPOTENCY_RECOVERED`](crate::IDEMPOTENCY_RECOVERED)).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IdempotencyInfo {
+    /// The caller's scope.
+    pub scope: Scope,
+    /// The key (for a keyless request under `fingerprint:<window>`, the derived provisional key).
+    pub key: IdempotencyKey,
+    /// True if an earlier run of this key may have had effects (its holder crashed, or its outcome
+    /// is unknown): check before acting again.
+    pub recovered: bool,
 }
 
 impl Claim {
@@ -203,6 +221,20 @@ impl Claim {
         self.run_deadline
     }
 
+    /// True once this run recorded a checkpoint.
+    pub(crate) fn stepped(&self) -> bool {
+        self.stepped.load(Ordering::Acquire)
+    }
+
+    /// What the handler is told about its request.
+    pub fn info(&self) -> IdempotencyInfo {
+        IdempotencyInfo {
+            scope: self.id.scope.clone(),
+            key: self.id.key.clone(),
+            recovered: self.recovered,
+        }
+    }
+
     /// How the request is logged once it runs.
     pub fn outcome(&self) -> Outcome {
         if self.recovered {
@@ -211,18 +243,6 @@ impl Claim {
             Outcome::New
         }
     }
-}
-
-/// How the answer of a run is kept.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Disposition {
-    /// Store it whole if its body turns out to fit `max_stored_body` (read it up to that limit),
-    /// else compact.
-    Store,
-    /// Store only its head: the body is declared larger than `max_stored_body`.
-    StoreCompact,
-    /// Release the key so that a retry runs again (5xx, 408, 409, 425, 429).
-    Release,
 }
 
 /// The protocol engine shared by the tower layer and the gateway.
@@ -506,6 +526,7 @@ impl Protocol {
             recovered,
             provisional,
             run_deadline: tokio::time::Instant::now() + self.inner.policy.run_timeout,
+            stepped: Arc::default(),
         }
     }
 
@@ -645,18 +666,6 @@ impl Protocol {
         respond(problem, Outcome::StoreError, id)
     }
 
-    /// How to keep an answer with this status whose body is declared `body_len` bytes long
-    /// (`None`: not known in advance, as for a chunked body).
-    pub fn disposition(&self, status: http::StatusCode, body_len: Option<usize>) -> Disposition {
-        if !self.inner.policy.stores(status) {
-            Disposition::Release
-        } else if body_len.is_some_and(|len| len > self.inner.policy.max_stored_body) {
-            Disposition::StoreCompact
-        } else {
-            Disposition::Store
-        }
-    }
-
     /// The stored form of an answer (`body: None`: compact).
     pub(crate) fn capture(&self, id: &RecordId, head: &http::response::Parts, body: Option<Bytes>) -> Bytes {
         let stored = StoredResponse::capture(head.status, &head.headers, &self.inner.policy.stored_headers, body);
@@ -714,20 +723,6 @@ impl Protocol {
         }
     }
 
-    /// Gives the claim up without an answer. With `unknown_outcome`, the request may have had
-    /// effects (it was sent, no answer came back): the next run is marked recovered.
-    pub async fn abandon(&self, claim: &Claim, unknown_outcome: bool) -> Result<(), StoreError> {
-        let release = if unknown_outcome {
-            Release::Unknown {
-                purge_at: self.now().plus(self.inner.policy.ttl),
-            }
-        } else {
-            Release::Forget
-        };
-        self.bounded(self.inner.store.release(&claim.id, claim.token, release))
-            .await
-    }
-
     /// Extends the claim's lease by another `lease` from now.
     pub async fn renew(&self, claim: &Claim) -> Result<(), StoreError> {
         let lease_until = self.now().plus(self.inner.policy.lease);
@@ -738,6 +733,8 @@ impl Protocol {
     /// Records a step of the run under `claim`, so that a run taking the record over can resume
     /// after it. [`StoreError::Fenced`] if the claim was lost: the run must stop.
     pub async fn checkpoint(&self, claim: &Claim, checkpoint: Checkpoint) -> Result<(), StoreError> {
+        // Marked before the store answers: a checkpoint whose reply was lost may stand.
+        claim.stepped.store(true, Ordering::Release);
         self.bounded(self.inner.store.checkpoint(&claim.id, claim.token, checkpoint))
             .await
     }

@@ -32,5 +32,6 @@ mod service;
 
 pub use body::{Body, BoxError};
 pub use checkpoints::{CheckpointError, Checkpoints, MAX_CHECKPOINT_BYTES, MAX_CHECKPOINT_NAME};
+pub use idem_core::{IDEMPOTENCY_RECOVERED, IdempotencyInfo, NoAnswer};
 pub use layer::IdempotencyLayer;
-pub use service::{IdempotencyInfo, IdempotencyService, NoAnswer};
+pub use service::IdempotencyService;

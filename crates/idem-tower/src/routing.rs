@@ -48,6 +48,16 @@ impl Routing {
         }
     }
 
+    /// The `Retry-After` of answers made outside any route's protocol (the default policy's).
+    pub(crate) fn retry_after(&self) -> std::time::Duration {
+        self.default
+            .protocol
+            .as_ref()
+            .map_or(std::time::Duration::from_secs(1), |protocol| {
+                protocol.policy().retry_after
+            })
+    }
+
     /// The pick for a request's path.
     pub(crate) fn pick(&self, path: &str) -> &Pick {
         match self.routes.position(path) {

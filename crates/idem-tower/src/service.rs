@@ -1,6 +1,7 @@
 //! [`IdempotencyService`]: moves bytes between the caller, the protocol and the inner service.
-//! Every decision is the protocol's; this module buffers bodies, runs the handler in its own
-//! task (renewing its lease) and hands the answer back.
+//! Every decision is the protocol's (`Protocol::admit`, `begin`, then `settle` for how the run
+//! ended); this module buffers bodies, runs the handler in its own task (renewing its lease),
+//! carries the settlement out and hands the answer back.
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
@@ -15,8 +16,8 @@ use http::{HeaderMap, Request, Response, header};
 use http_body::Body as HttpBody;
 use http_body_util::{BodyExt, Limited};
 use idem_core::{
-    Admission, Claim, Decision, Disposition, Fingerprint, IdempotencyKey, Outcome, PendingAnswer, Problem, ProblemKind,
-    Protocol, RecordId, RunTimedOut, Scope, Unstored,
+    Admission, Claim, Decision, Fingerprint, Keep, NoAnswer, Outcome, PendingAnswer, Problem, ProblemKind, Protocol,
+    RecordId, Reply, RunEnd, RunTimedOut, Settlement, Unstored,
 };
 use metrics::SharedString;
 use tokio::sync::oneshot;
@@ -26,29 +27,6 @@ use tower_service::Service;
 use crate::body::{Body, BoxError, Collected, boxed, collect_up_to, full};
 use crate::checkpoints::Checkpoints;
 use crate::routing::Routing;
-
-/// What the layer tells the handler about the keyed request it runs, in the request extensions.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct IdempotencyInfo {
-    /// The caller's scope.
-    pub scope: Scope,
-    /// The key (for a keyless request under `fingerprint:<window>`, the derived provisional key).
-    pub key: IdempotencyKey,
-    /// True if an earlier run of this key may have had effects (its holder crashed, or its outcome
-    /// is unknown): check before acting again.
-    pub recovered: bool,
-}
-
-/// Put into a response's extensions by an inner service whose response is not the handler's
-/// answer, such as a proxy that could not reach its upstream. The key is released instead of
-/// storing the response.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum NoAnswer {
-    /// Nothing was sent: the request can be run again as if new.
-    NotSent,
-    /// The request was sent but no answer came back: the next run is marked recovered.
-    OutcomeUnknown,
-}
 
 /// The service made by [`IdempotencyLayer`](crate::IdempotencyLayer).
 #[derive(Clone, Debug)]
@@ -98,7 +76,8 @@ where
         let Some(protocol) = pick.protocol.clone() else {
             // A route that passes through untouched: no key is read, nothing is stored.
             let call = inner.call(request.map(boxed));
-            return Box::pin(async move { Ok(call.await?.map(boxed)) });
+            let retry_after = self.routing.retry_after();
+            return Box::pin(async move { Ok(outside_protocol(call.await?, retry_after)) });
         };
         let route = pick.route.clone();
         let handling = Handling {
@@ -150,7 +129,8 @@ where
         let keyed = match self.protocol.admit(&parts) {
             Admission::PassThrough { headers } => {
                 let response = self.inner.call(Request::from_parts(parts, boxed(body))).await?;
-                return Ok(with_headers(response.map(boxed), headers));
+                let retry_after = self.protocol.policy().retry_after;
+                return Ok(with_headers(outside_protocol(response, retry_after), headers));
             }
             Admission::Refuse(problem, outcome) => {
                 record_outcome(&self.route, None, outcome, problem.kind.status());
@@ -159,7 +139,7 @@ where
             Admission::Keyed(keyed) => keyed,
         };
 
-        let bytes = match read_body(&parts.headers, body, self.protocol.policy().max_body).await {
+        let bytes = match read_body(&self.protocol, &parts.headers, body).await {
             Ok(bytes) => bytes,
             Err(problem) => {
                 let outcome = if problem.kind == ProblemKind::BodyTooLarge {
@@ -201,14 +181,11 @@ where
                 // The caller hung up while the claim was made: nothing was sent, so the key is
                 // free again at once (no lease to wait out, no phantom recovered run).
                 tracing::info!(scope = %claim.id().scope, key = %claim.id().key, "the caller left before the request ran; releasing its claim");
-                settle(protocol.abandon(&claim, false).await, claim.id(), "release");
+                let settlement = protocol.settle(&claim, RunEnd::CallerLeft);
+                carry_out_release(&protocol, &claim, settlement.keep).await;
                 return;
             }
-            parts.extensions.insert(IdempotencyInfo {
-                scope: claim.id().scope.clone(),
-                key: claim.id().key.clone(),
-                recovered: claim.recovered(),
-            });
+            parts.extensions.insert(claim.info());
             parts.extensions.insert(Checkpoints::new(protocol.clone(), claim.clone()));
             // Boxed: the handler's future can be large, and it is needed only when the request
             // runs, so a replay's task is small to spawn.
@@ -245,16 +222,7 @@ where
             None => answered.await,
             Some(limit) => match tokio::time::timeout(limit, answered).await {
                 Ok(result) => result,
-                Err(_) => {
-                    let secs = self.protocol.policy().retry_after.as_secs().max(1);
-                    let detail = format!(
-                        "no answer within {}; the request is still running and its answer will be kept: retry in {secs} s with the same key to receive it",
-                        humantime_secs(limit)
-                    );
-                    let problem = Problem::new(ProblemKind::UpstreamTimeout, detail)
-                        .retry_after(self.protocol.policy().retry_after);
-                    Ok(problem.to_response().map(full))
-                }
+                Err(_) => Ok(self.protocol.still_running(limit).map(full)),
             },
         }
     }
@@ -308,61 +276,63 @@ async fn run<S, ResBody>(
     let response = match ran {
         Ok(Ok(Ok(response))) => response,
         Ok(Ok(Err(err))) => {
-            settle(protocol.abandon(&claim, true).await, &id, "release");
-            record_outcome(
-                &route,
-                Some(&id),
-                claim.outcome(),
-                http::StatusCode::INTERNAL_SERVER_ERROR,
-            );
+            let settlement = protocol.settle(&claim, RunEnd::HandlerFailed);
+            let status = settlement.status.unwrap_or(http::StatusCode::INTERNAL_SERVER_ERROR);
+            record_outcome(&route, Some(&id), settlement.outcome, status);
+            carry_out_release(&protocol, &claim, settlement.keep).await;
             let _ = answer.send(Err(err));
             return;
         }
         Ok(Err(panic)) => {
             // The handler may have acted before it panicked: the retry runs, marked recovered.
             tracing::error!(scope = %id.scope, key = %id.key, panic = panic_message(&*panic), "the handler panicked");
-            settle(protocol.abandon(&claim, true).await, &id, "release");
-            record_outcome(
-                &route,
-                Some(&id),
-                Outcome::Internal,
-                http::StatusCode::INTERNAL_SERVER_ERROR,
-            );
-            let _ = answer.send(Ok(internal_error()));
+            let settlement = protocol.settle(&claim, RunEnd::Panicked);
+            let _ = answer.send(Ok(settled(&protocol, &route, &claim, settlement).await));
             return;
         }
         Err(RunTimedOut) => {
-            let _ = answer.send(Ok(run_timed_out(&protocol, &route, &claim, &id).await));
+            let _ = answer.send(Ok(run_timed_out(&protocol, &route, &claim).await));
             return;
         }
     };
     let (head, body) = response.into_parts();
     let body = boxed(body);
-    let status = head.status;
-    let release = head.extensions.get::<NoAnswer>().copied();
-    let disposition = match release {
-        Some(_) => Disposition::Release,
-        None => protocol.disposition(status, body.size_hint().exact().and_then(|n| usize::try_from(n).ok())),
+    let settlement = match head.extensions.get::<NoAnswer>() {
+        Some(no_answer) => protocol.settle(&claim, RunEnd::NoAnswer(no_answer)),
+        None => protocol.settle(
+            &claim,
+            RunEnd::Answered {
+                status: head.status,
+                body_len: body.size_hint().exact().and_then(|n| usize::try_from(n).ok()),
+            },
+        ),
     };
-    record_outcome(&route, Some(&id), claim.outcome(), status);
-    let (response, pending) = match disposition {
-        Disposition::Release => {
-            let unknown = release == Some(NoAnswer::OutcomeUnknown);
-            settle(protocol.abandon(&claim, unknown).await, &id, "release");
-            (Response::from_parts(head, body), None)
+    let (response, pending) = match settlement.keep {
+        Keep::Release(_) => {
+            let status = settlement.status.unwrap_or(head.status);
+            record_outcome(&route, Some(&id), settlement.outcome, status);
+            carry_out_release(&protocol, &claim, settlement.keep).await;
+            let response = match settlement.reply {
+                Reply::Handler => Response::from_parts(head, body),
+                Reply::Problem(problem) => problem.map(full),
+            };
+            (response, None)
         }
-        Disposition::StoreCompact => {
+        Keep::StoreCompact => {
+            record_outcome(&route, Some(&id), settlement.outcome, head.status);
             let pending = kept(protocol.finish(&claim, &head, None).await, &id);
             (Response::from_parts(head, body), pending)
         }
-        Disposition::Store => {
+        Keep::Store => {
             let limit = protocol.policy().max_stored_body;
             match protocol.drive(&claim, collect_up_to(body, limit)).await {
                 Ok(Collected::Whole(bytes)) => {
+                    record_outcome(&route, Some(&id), settlement.outcome, head.status);
                     let pending = kept(protocol.finish(&claim, &head, Some(bytes.clone())).await, &id);
                     (Response::from_parts(head, full(bytes)), pending)
                 }
                 Ok(Collected::Overflow(body)) => {
+                    record_outcome(&route, Some(&id), settlement.outcome, head.status);
                     let pending = kept(protocol.finish(&claim, &head, None).await, &id);
                     (Response::from_parts(head, body), pending)
                 }
@@ -370,12 +340,10 @@ async fn run<S, ResBody>(
                     // The handler acted but its answer was lost on the way: whether it took effect
                     // is unknown, so the next run is marked recovered.
                     tracing::warn!(scope = %id.scope, key = %id.key, error = %err, "the answer's body failed before it was complete");
-                    settle(protocol.abandon(&claim, true).await, &id, "release");
-                    let detail = "the answer was lost before it was complete; retry with the same key (the retry is marked recovered)";
-                    let problem = Problem::new(ProblemKind::UpstreamFailed, detail);
-                    (problem.to_response().map(full), None)
+                    let settlement = protocol.settle(&claim, RunEnd::AnswerBroke);
+                    (settled(&protocol, &route, &claim, settlement).await, None)
                 }
-                Err(RunTimedOut) => (run_timed_out(&protocol, &route, &claim, &id).await, None),
+                Err(RunTimedOut) => (run_timed_out(&protocol, &route, &claim).await, None),
             }
         }
     };
@@ -394,21 +362,35 @@ async fn run<S, ResBody>(
     }
 }
 
-/// Gives up a run that passed the run timeout: whether it took effect is unknown, so the key is
-/// released as unknown and the retry runs, marked recovered.
-async fn run_timed_out(protocol: &Protocol, route: &SharedString, claim: &Claim, id: &RecordId) -> Response<Body> {
-    let limit = protocol.policy().run_timeout;
-    tracing::warn!(scope = %id.scope, key = %id.key, limit = ?limit, "the request ran past the run timeout and was given up");
-    settle(protocol.abandon(claim, true).await, id, "release");
-    record_outcome(route, Some(id), Outcome::RunTimedOut, http::StatusCode::GATEWAY_TIMEOUT);
-    let detail = format!(
-        "the request ran longer than {} and was given up; whether it took effect is unknown: retry with the same key (the retry is marked recovered)",
-        humantime_secs(limit)
-    );
-    Problem::new(ProblemKind::UpstreamTimeout, detail)
-        .retry_after(protocol.policy().retry_after)
-        .to_response()
-        .map(full)
+/// Gives up a run that passed the run timeout, as the protocol settles it.
+async fn run_timed_out(protocol: &Protocol, route: &SharedString, claim: &Claim) -> Response<Body> {
+    let id = claim.id();
+    tracing::warn!(scope = %id.scope, key = %id.key, limit = ?protocol.policy().run_timeout, "the request ran past the run timeout and was given up");
+    let settlement = protocol.settle(claim, RunEnd::TimedOut);
+    settled(protocol, route, claim, settlement).await
+}
+
+/// Carries out a settlement that answers with a problem: logs it, releases the record as it says,
+/// and returns the problem.
+async fn settled(protocol: &Protocol, route: &SharedString, claim: &Claim, settlement: Settlement) -> Response<Body> {
+    let status = settlement.status.unwrap_or(http::StatusCode::INTERNAL_SERVER_ERROR);
+    record_outcome(route, Some(claim.id()), settlement.outcome, status);
+    carry_out_release(protocol, claim, settlement.keep).await;
+    match settlement.reply {
+        Reply::Problem(problem) => problem.map(full),
+        // Every ending without an answer of the handler's is answered with a problem.
+        Reply::Handler => internal_error(),
+    }
+}
+
+/// Releases the record as `keep` says (nothing to do for a keep that stores: the caller stores).
+async fn carry_out_release(protocol: &Protocol, claim: &Claim, keep: Keep) {
+    if let Keep::Release(release) = keep
+        && let Err(err) = protocol.release(claim, release).await
+    {
+        // The record stays in flight until its lease ends; then a retry takes it over, marked recovered.
+        tracing::error!(scope = %claim.id().scope, key = %claim.id().key, error = %err, "could not release the record");
+    }
 }
 
 /// What became of a stored answer: `Some` if it is held to be stored again.
@@ -425,40 +407,36 @@ fn kept(result: Result<(), Unstored>, id: &RecordId) -> Option<PendingAnswer> {
     }
 }
 
-fn settle(result: Result<(), idem_core::StoreError>, id: &RecordId, operation: &str) {
-    if let Err(err) = result {
-        // The record stays in flight until its lease ends; then a retry takes it over, marked recovered.
-        tracing::error!(scope = %id.scope, key = %id.key, error = %err, operation, "could not settle the record");
-    }
-}
-
-/// Buffers a keyed request's body up to `limit`; a larger body is `413`.
-async fn read_body<B>(headers: &HeaderMap, body: B, limit: usize) -> Result<Bytes, Problem>
+/// Buffers a keyed request's body up to the policy's `max_body`; a larger body is `413`.
+async fn read_body<B>(protocol: &Protocol, headers: &HeaderMap, body: B) -> Result<Bytes, Problem>
 where
     B: HttpBody<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
-    let too_large = || {
-        Problem::new(
-            ProblemKind::BodyTooLarge,
-            format!("the body of a request with an idempotency key may be at most {limit} bytes"),
-        )
-    };
+    let limit = protocol.policy().max_body;
     let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
     if declared.is_some_and(|len| len > limit as u64) {
-        return Err(too_large());
+        return Err(protocol.body_too_large());
     }
     match Limited::new(body, limit).collect().await {
         Ok(collected) => Ok(collected.to_bytes()),
-        Err(err) if err.is::<http_body_util::LengthLimitError>() => Err(too_large()),
-        Err(err) => Err(Problem::new(
-            ProblemKind::BodyIncomplete,
-            format!(
-                "the request body broke off before it was complete ({err}); nothing was processed, send the request again"
-            ),
-        )),
+        Err(err) if err.is::<http_body_util::LengthLimitError>() => Err(protocol.body_too_large()),
+        Err(err) => Err(idem_core::body_incomplete(&err)),
+    }
+}
+
+/// A response to a request outside the protocol: the inner service's, or, when it says it has no
+/// answer ([`NoAnswer`]), the problem the protocol makes of that.
+fn outside_protocol<ResBody>(response: Response<ResBody>, retry_after: Duration) -> Response<Body>
+where
+    ResBody: HttpBody<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    match response.extensions().get::<NoAnswer>() {
+        Some(no_answer) => idem_core::no_answer_problem(no_answer, retry_after).map(full),
+        None => response.map(boxed),
     }
 }
 
@@ -469,8 +447,7 @@ fn with_headers(mut response: Response<Body>, headers: HeaderMap) -> Response<Bo
 
 /// `500 internal-error`: a bug in the request's path, said as a problem rather than an empty answer.
 fn internal_error() -> Response<Body> {
-    let detail = "the idempotency layer failed unexpectedly (a bug, logged); if the request was keyed, retry it with the same key: a run that may have had effects is marked recovered";
-    Problem::new(ProblemKind::Internal, detail).to_response().map(full)
+    idem_core::internal_error().to_response().map(full)
 }
 
 fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
@@ -495,8 +472,4 @@ fn record_outcome(route: &SharedString, id: Option<&RecordId>, outcome: Outcome,
 /// One request in `idem_requests_total`, by outcome and route.
 fn count_outcome(route: &SharedString, outcome: Outcome) {
     metrics::counter!("idem_requests_total", "outcome" => outcome.as_str(), "route" => route.clone()).increment(1);
-}
-
-fn humantime_secs(duration: Duration) -> String {
-    format!("{:.1} s", duration.as_secs_f64())
 }

@@ -1,5 +1,6 @@
 //! The gateway's inner service: forwards a request to the upstream and streams the answer back.
-//! It tells the idempotency layer, through [`NoAnswer`], when its response is not the upstream's.
+//! It tells the idempotency layer, through [`NoAnswer`], when its response is not the upstream's;
+//! what the client then gets, and what becomes of the record, is the protocol's to decide.
 //! An upstream is `http://` (HTTP/1.1, or h2c by prior knowledge when asked) or `https://`
 //! (HTTP/2 or HTTP/1.1, as ALPN decides).
 
@@ -19,14 +20,12 @@ use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use idem_core::{HOP_BY_HOP, Problem, ProblemKind};
-use idem_tower::{Body, IdempotencyInfo, NoAnswer};
+use idem_core::{HOP_BY_HOP, IDEMPOTENCY_RECOVERED as RECOVERED, IdempotencyInfo, NoAnswer};
+use idem_tower::Body;
 
 use crate::cli::Misconfigured;
 use crate::serve::ClientBodyFailed;
 use crate::serve::tls::{self, OverTls};
-
-const RECOVERED: HeaderName = HeaderName::from_static("idempotency-recovered");
 
 /// How the gateway speaks to its upstream, beyond its URL.
 #[derive(Clone, Debug, Default)]
@@ -205,43 +204,23 @@ impl Proxy {
             Ok(Err(err)) if err.is_connect() => {
                 // The causes say why (refused, a certificate not trusted, …): for the operator.
                 tracing::warn!(upstream = %self.upstream, error = %causes(&err), "upstream unreachable");
-                let detail =
-                    format!("the upstream could not be reached ({err}); nothing was sent, retry with the same key");
-                no_answer(
-                    Problem::new(ProblemKind::UpstreamUnavailable, detail),
-                    NoAnswer::NotSent,
-                )
+                no_answer(NoAnswer::NotSent { cause: err.to_string() })
             }
             Ok(Err(err)) => match client_body_failed(&err) {
                 Some(failed) => {
-                    // The client's fault, not the upstream's: no 5xx that would page someone about
-                    // the upstream. Only a request passed through gets here (a keyed body is read
-                    // whole before anything is sent), so nothing is said of what the upstream did.
+                    // Only a request passed through gets here (a keyed body is read whole before
+                    // anything is sent).
                     tracing::info!(upstream = %self.upstream, error = %failed, "a request body broke off; the forwarded request was cut off");
-                    let detail =
-                        format!("the request body broke off before it was complete ({failed}); send the request again");
-                    no_answer(
-                        Problem::new(ProblemKind::BodyIncomplete, detail),
-                        NoAnswer::OutcomeUnknown,
-                    )
+                    no_answer(NoAnswer::ClientBodyBroke {
+                        cause: failed.to_string(),
+                    })
                 }
                 None => {
                     tracing::warn!(upstream = %self.upstream, error = %causes(&err), "connection to the upstream lost after sending");
-                    let detail = "the connection to the upstream was lost after the request was sent, so whether it took effect is unknown; retry with the same key (the upstream is told the retry is a recovery)";
-                    no_answer(
-                        Problem::new(ProblemKind::UpstreamFailed, detail),
-                        NoAnswer::OutcomeUnknown,
-                    )
+                    no_answer(NoAnswer::OutcomeUnknown { cause: err.to_string() })
                 }
             },
-            Err(_) => {
-                let detail = format!(
-                    "the upstream did not answer within {}",
-                    humantime::format_duration(self.timeout)
-                );
-                let problem = Problem::new(ProblemKind::UpstreamTimeout, detail).retry_after(Duration::from_secs(1));
-                no_answer(problem, NoAnswer::OutcomeUnknown)
-            }
+            Err(_) => no_answer(NoAnswer::TimedOut { after: self.timeout }),
         }
     }
 }
@@ -260,8 +239,9 @@ fn causes(err: &(dyn std::error::Error + 'static)) -> String {
         .join(": ")
 }
 
-fn no_answer(problem: Problem, why: NoAnswer) -> Response<Body> {
-    let mut response = problem.to_response().map(Body::full);
+/// An empty response that says why it is not the upstream's answer; the layer answers it.
+fn no_answer(why: NoAnswer) -> Response<Body> {
+    let mut response = Response::new(Body::full(bytes::Bytes::new()));
     response.extensions_mut().insert(why);
     response
 }

@@ -708,6 +708,39 @@ async fn a_connection_lost_mid_answer_is_502_and_the_rerun_is_marked_recovered()
     assert_eq!(count(&upstream.state.break_once), 2);
 }
 
+/// A recovered run that cannot reach the upstream leaves the earlier run's outcome as unknown as
+/// it was: the run after it is still marked recovered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_outcome_survives_a_recovery_that_could_not_reach_the_upstream() {
+    let addr = common::reserve_port();
+    let upstream = Upstream::start_on(addr).await;
+    let gw = Gateway::start(&upstream.url(), &[]).await;
+    let key = new_key();
+    let pay = || {
+        gw.post("/break-once", PAY_BODY)
+            .header("content-type", "application/json")
+            .header("idempotency-key", key.as_str())
+    };
+
+    let lost = common::try_send(pay()).await.expect("a whole answer");
+    lost.assert_problem(502, "upstream-failed");
+    assert_eq!(count(&upstream.state.break_once), 1);
+
+    drop(upstream);
+    let down = common::try_send(pay()).await.expect("a whole answer");
+    down.assert_problem(502, "upstream-unavailable");
+
+    let upstream = Upstream::start_on(addr).await;
+    let _ = common::try_send(pay()).await;
+    let seen = upstream.state.seen("break_once");
+    assert_eq!(seen.len(), 1, "{seen:?}");
+    assert_eq!(
+        seen[0].recovered.as_deref(),
+        Some("true"),
+        "the first run's outcome is still unknown, whatever the recovery that never reached the upstream did: {seen:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_upstream_gets_504_and_its_answer_is_kept_for_the_retry() {
     let upstream = Upstream::start().await;

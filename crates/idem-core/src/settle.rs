@@ -1,0 +1,476 @@
+//! After the handler: how a run ended decides what becomes of its record and what the client gets.
+//!
+//! This is the second half of the outcome table (the first is [`Protocol::begin`]). The tower
+//! layer and the gateway only report how a run ended, as a [`RunEnd`]; [`Protocol::settle`]
+//! answers with a [`Settlement`], and they carry it out. Every problem a run can end in is made
+//! here, so a rule about releases, tombstones or checkpoints is written once.
+//!
+//! | how the run ended | the record | the client gets |
+//! |---|---|---|
+//! | answered, status stored by the policy | stored (compact if the body is over `max_stored_body`) | the answer |
+//! | answered, status released (5xx, 408, 409, 425, 429) | released | the answer |
+//! | nothing sent (the upstream refused the connection) | released | `502 upstream-unavailable` |
+//! | the caller left before anything ran | released | nothing (nobody is listening) |
+//! | sent, no answer (connection lost, body broke, handler error) | unknown | `502 upstream-failed` / the error |
+//! | the handler panicked | unknown | `500 internal-error` |
+//! | the run passed `run_timeout` | unknown | `504 upstream-timeout` + `Retry-After` |
+//!
+//! *Released* means forgotten, so that the retry runs again as new, unless the run may already
+//! have had effects that a plain re-run would repeat: a run that recorded a checkpoint, or a
+//! recovered run (the effects of the run before it are still unknown). Such a release keeps the
+//! record as *unknown* — its checkpoints with it — so the retry resumes after the last recorded
+//! step and is marked recovered.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderName, Response, StatusCode};
+
+use crate::policy::Policy;
+use crate::problem::{Problem, ProblemKind};
+use crate::protocol::{Claim, Outcome, Protocol};
+use crate::store::{Release, StoreError};
+use crate::time::UnixMillis;
+
+/// The header that tells a handler (or the gateway's upstream) that an earlier run of this key may
+/// have had effects: check before acting again.
+pub const IDEMPOTENCY_RECOVERED: HeaderName = HeaderName::from_static("idempotency-recovered");
+
+/// Put into a response's extensions by an inner service whose response is not the handler's
+/// answer, such as a proxy that could not reach its upstream; [`Protocol::settle`] (or
+/// [`no_answer_problem`] for a request outside the protocol) turns it into the client's answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NoAnswer {
+    /// Nothing was sent (the connection was refused or failed before the request went out): the
+    /// request can be run again as if new. `cause` says why, for the client's detail.
+    NotSent {
+        /// Why, in words.
+        cause: String,
+    },
+    /// The request was sent but no answer came back: whether it took effect is unknown.
+    OutcomeUnknown {
+        /// Why, in words.
+        cause: String,
+    },
+    /// The client's own body broke off while it was being forwarded (only a request outside the
+    /// protocol can get here: a keyed body is read whole before anything is sent).
+    ClientBodyBroke {
+        /// Why, in words.
+        cause: String,
+    },
+    /// No answer within `after` (the limit of a request outside the protocol).
+    TimedOut {
+        /// The limit that passed.
+        after: Duration,
+    },
+}
+
+/// How a run under a claim ended, as the layer or the gateway saw it.
+#[derive(Debug, Clone, Copy)]
+pub enum RunEnd<'a> {
+    /// The handler answered with this status; its body is `body_len` bytes long if declared.
+    Answered {
+        /// The answer's status.
+        status: StatusCode,
+        /// The body's declared length (`None`: not known in advance, as for a chunked body).
+        body_len: Option<usize>,
+    },
+    /// The inner service answered, but not with the handler's answer.
+    NoAnswer(&'a NoAnswer),
+    /// The inner service returned an error instead of a response (it may have acted).
+    HandlerFailed,
+    /// The handler panicked (it may have acted).
+    Panicked,
+    /// The run passed the policy's `run_timeout` and was given up.
+    TimedOut,
+    /// The answer's body failed before it was complete.
+    AnswerBroke,
+    /// The caller hung up after the claim was made and before anything ran.
+    CallerLeft,
+}
+
+/// What becomes of the record of a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Keep {
+    /// Store the answer whole if its body turns out to fit `max_stored_body` (read it up to that
+    /// limit), else compact.
+    Store,
+    /// Store only the answer's head: its body is declared larger than `max_stored_body`.
+    StoreCompact,
+    /// Release the record this way ([`Protocol::release`]).
+    Release(Release),
+}
+
+/// What the client gets.
+#[derive(Debug)]
+pub enum Reply {
+    /// The handler's own answer (or error).
+    Handler,
+    /// This problem instead.
+    Problem(Response<Bytes>),
+}
+
+/// What [`Protocol::settle`] decided for a run.
+#[derive(Debug)]
+#[must_use = "a settlement is carried out by the caller"]
+pub struct Settlement {
+    /// What becomes of the record.
+    pub keep: Keep,
+    /// What the client gets.
+    pub reply: Reply,
+    /// How the request is logged and counted.
+    pub outcome: Outcome,
+    /// The status the client gets (for logs), when it is not the handler's own.
+    pub status: Option<StatusCode>,
+}
+
+impl Settlement {
+    fn answer(keep: Keep, run: Run) -> Self {
+        Self {
+            keep,
+            reply: Reply::Handler,
+            outcome: run.outcome,
+            status: None,
+        }
+    }
+
+    fn problem(keep: Keep, problem: Problem, outcome: Outcome) -> Self {
+        Self {
+            keep,
+            status: Some(problem.kind.status()),
+            reply: Reply::Problem(problem.to_response()),
+            outcome,
+        }
+    }
+}
+
+/// What settling needs to know of a run besides how it ended.
+#[derive(Debug, Clone, Copy)]
+struct Run {
+    /// An earlier run of the key may have had effects.
+    recovered: bool,
+    /// This run recorded a checkpoint.
+    stepped: bool,
+    /// How the run is logged when it answered.
+    outcome: Outcome,
+}
+
+impl Protocol {
+    /// Decides, from how a run under `claim` ended, what becomes of its record and what the client
+    /// gets. Nothing is done here: the caller carries the [`Settlement`] out (stores the answer,
+    /// or [`release`](Self::release)s the record with the [`Keep::Release`] given).
+    pub fn settle(&self, claim: &Claim, end: RunEnd<'_>) -> Settlement {
+        let run = Run {
+            recovered: claim.recovered(),
+            stepped: claim.stepped(),
+            outcome: claim.outcome(),
+        };
+        decide(self.policy(), self.now(), run, end)
+    }
+
+    /// Gives the claim up as `release` says ([`Keep::Release`]).
+    pub async fn release(&self, claim: &Claim, release: Release) -> Result<(), StoreError> {
+        self.bounded(self.store().release(claim.id(), claim.token(), release))
+            .await
+    }
+
+    /// The answer to a client whose request is still running after the layer's response timeout:
+    /// `504` with `Retry-After`; the run goes on and its answer is kept for the retry.
+    pub fn still_running(&self, waited: Duration) -> Response<Bytes> {
+        let retry_after = self.policy().retry_after;
+        let detail = format!(
+            "no answer within {}; the request is still running and its answer will be kept: retry in {} s with the same key to receive it",
+            seconds(waited),
+            retry_after.as_secs().max(1)
+        );
+        Problem::new(ProblemKind::UpstreamTimeout, detail)
+            .retry_after(retry_after)
+            .to_response()
+    }
+
+    /// `413`: a keyed request's body is over `max_body`.
+    pub fn body_too_large(&self) -> Problem {
+        let limit = self.policy().max_body;
+        Problem::new(
+            ProblemKind::BodyTooLarge,
+            format!("the body of a request with an idempotency key may be at most {limit} bytes"),
+        )
+    }
+}
+
+/// The after-the-handler table (see the module's doc), as a pure function of the policy, the
+/// time on the store's clock, the run and how it ended.
+fn decide(policy: &Policy, now: UnixMillis, run: Run, end: RunEnd<'_>) -> Settlement {
+    // Kept as unknown: the next run is marked recovered; past `ttl` the key is expired.
+    let unknown = Keep::Release(Release::Unknown {
+        purge_at: now.plus(policy.ttl),
+    });
+    // A run that had no effect of its own is forgotten, so the retry runs as new — unless an
+    // effect may stand from before (a recorded checkpoint, or the unknown outcome of the run this
+    // one recovered from), which a plain re-run would repeat unflagged: then the record stays
+    // unknown, its checkpoints kept.
+    let released = if run.recovered || run.stepped {
+        unknown
+    } else {
+        Keep::Release(Release::Forget)
+    };
+    match end {
+        RunEnd::Answered { status, body_len } => {
+            let keep = if !policy.stores(status) {
+                released
+            } else if body_len.is_some_and(|len| len > policy.max_stored_body) {
+                Keep::StoreCompact
+            } else {
+                Keep::Store
+            };
+            Settlement::answer(keep, run)
+        }
+        RunEnd::NoAnswer(NoAnswer::NotSent { cause }) => Settlement::problem(released, not_sent(cause), run.outcome),
+        RunEnd::NoAnswer(NoAnswer::OutcomeUnknown { cause } | NoAnswer::ClientBodyBroke { cause }) => {
+            Settlement::problem(unknown, outcome_unknown(cause), run.outcome)
+        }
+        // Keyed runs are bounded by `run_timeout`, not by the unkeyed limit; should an inner
+        // service still give up on its own, whether the request took effect is unknown.
+        RunEnd::NoAnswer(NoAnswer::TimedOut { after }) => {
+            Settlement::problem(unknown, upstream_timed_out(*after, policy.retry_after), run.outcome)
+        }
+        RunEnd::HandlerFailed => Settlement::answer(unknown, run),
+        RunEnd::Panicked => Settlement::problem(unknown, internal_error(), Outcome::Internal),
+        RunEnd::TimedOut => {
+            let detail = format!(
+                "the request ran longer than {} and was given up; whether it took effect is unknown: retry with the same key (the retry is marked recovered)",
+                seconds(policy.run_timeout)
+            );
+            let problem = Problem::new(ProblemKind::UpstreamTimeout, detail).retry_after(policy.retry_after);
+            Settlement::problem(unknown, problem, Outcome::RunTimedOut)
+        }
+        RunEnd::AnswerBroke => {
+            let detail =
+                "the answer was lost before it was complete; retry with the same key (the retry is marked recovered)";
+            Settlement::problem(unknown, Problem::new(ProblemKind::UpstreamFailed, detail), run.outcome)
+        }
+        RunEnd::CallerLeft => Settlement::answer(released, run),
+    }
+}
+
+/// `400 body-incomplete`: a keyed request's body broke off before it was read whole; nothing was
+/// claimed.
+pub fn body_incomplete(cause: &dyn std::fmt::Display) -> Problem {
+    Problem::new(
+        ProblemKind::BodyIncomplete,
+        format!(
+            "the request body broke off before it was complete ({cause}); nothing was processed, send the request again"
+        ),
+    )
+}
+
+/// The answer to a request outside the protocol (no key, a pass-through route) whose inner
+/// service reported [`NoAnswer`]; `retry_after` is the policy's.
+pub fn no_answer_problem(no_answer: &NoAnswer, retry_after: Duration) -> Response<Bytes> {
+    match no_answer {
+        NoAnswer::NotSent { cause } => not_sent(cause),
+        NoAnswer::OutcomeUnknown { cause } => outcome_unknown(cause),
+        // The client's fault, not the upstream's: no 5xx that would page someone about the upstream.
+        NoAnswer::ClientBodyBroke { cause } => Problem::new(
+            ProblemKind::BodyIncomplete,
+            format!("the request body broke off before it was complete ({cause}); send the request again"),
+        ),
+        NoAnswer::TimedOut { after } => upstream_timed_out(*after, retry_after),
+    }
+    .to_response()
+}
+
+/// `500 internal-error`: a bug in the request's path, said as a problem rather than an empty answer.
+pub fn internal_error() -> Problem {
+    let detail = "the idempotency layer failed unexpectedly (a bug, logged); if the request was keyed, retry it with the same key: a run that may have had effects is marked recovered";
+    Problem::new(ProblemKind::Internal, detail)
+}
+
+fn not_sent(cause: &str) -> Problem {
+    Problem::new(
+        ProblemKind::UpstreamUnavailable,
+        format!("the upstream could not be reached ({cause}); nothing was sent, retry with the same key"),
+    )
+}
+
+fn outcome_unknown(cause: &str) -> Problem {
+    let detail = format!(
+        "the connection to the upstream was lost after the request was sent ({cause}), so whether it took effect is unknown; retry with the same key (the upstream is told the retry is a recovery)"
+    );
+    Problem::new(ProblemKind::UpstreamFailed, detail)
+}
+
+fn upstream_timed_out(after: Duration, retry_after: Duration) -> Problem {
+    let detail = format!("the upstream did not answer within {}", seconds(after));
+    Problem::new(ProblemKind::UpstreamTimeout, detail).retry_after(retry_after)
+}
+
+fn seconds(duration: Duration) -> String {
+    format!("{:.1} s", duration.as_secs_f64())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NOW_MS: i64 = 1_000_000;
+
+    fn run(recovered: bool, stepped: bool) -> Run {
+        Run {
+            recovered,
+            stepped,
+            outcome: if recovered { Outcome::Recovered } else { Outcome::New },
+        }
+    }
+
+    fn answered(status: u16, body_len: Option<usize>) -> RunEnd<'static> {
+        RunEnd::Answered {
+            status: StatusCode::from_u16(status).unwrap(),
+            body_len,
+        }
+    }
+
+    fn unknown(policy: &Policy) -> Keep {
+        Keep::Release(Release::Unknown {
+            purge_at: UnixMillis::from_i64(NOW_MS).plus(policy.ttl),
+        })
+    }
+
+    const FORGET: Keep = Keep::Release(Release::Forget);
+
+    #[test]
+    fn every_ending_of_a_run_is_settled_as_the_table_says() {
+        let policy = Policy::default();
+        let not_sent = NoAnswer::NotSent {
+            cause: "refused".into(),
+        };
+        let lost = NoAnswer::OutcomeUnknown { cause: "reset".into() };
+        let broke = NoAnswer::ClientBodyBroke { cause: "eof".into() };
+        let timed_out = NoAnswer::TimedOut {
+            after: Duration::from_secs(3),
+        };
+        let big = policy.max_stored_body + 1;
+        // (ending, keep for a fresh run, the client's problem status if not the handler's)
+        let table: Vec<(RunEnd<'_>, Keep, Option<u16>)> = vec![
+            (answered(200, Some(10)), Keep::Store, None),
+            (answered(201, None), Keep::Store, None),
+            (answered(404, Some(0)), Keep::Store, None),
+            (answered(200, Some(big)), Keep::StoreCompact, None),
+            (answered(500, Some(0)), FORGET, None),
+            (answered(503, None), FORGET, None),
+            (answered(408, None), FORGET, None),
+            (answered(409, None), FORGET, None),
+            (answered(425, None), FORGET, None),
+            (answered(429, None), FORGET, None),
+            (RunEnd::NoAnswer(&not_sent), FORGET, Some(502)),
+            (RunEnd::NoAnswer(&lost), unknown(&policy), Some(502)),
+            (RunEnd::NoAnswer(&broke), unknown(&policy), Some(502)),
+            (RunEnd::NoAnswer(&timed_out), unknown(&policy), Some(504)),
+            (RunEnd::HandlerFailed, unknown(&policy), None),
+            (RunEnd::Panicked, unknown(&policy), Some(500)),
+            (RunEnd::TimedOut, unknown(&policy), Some(504)),
+            (RunEnd::AnswerBroke, unknown(&policy), Some(502)),
+            (RunEnd::CallerLeft, FORGET, None),
+        ];
+        for (end, keep, status) in table {
+            let settled = decide(&policy, UnixMillis::from_i64(NOW_MS), run(false, false), end);
+            assert_eq!(settled.keep, keep, "{end:?}");
+            assert_eq!(settled.status.map(|s| s.as_u16()), status, "{end:?}");
+            match (&settled.reply, status) {
+                (Reply::Handler, None) => {}
+                (Reply::Problem(response), Some(status)) => assert_eq!(response.status().as_u16(), status),
+                (reply, _) => panic!("{end:?}: {reply:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_release_never_forgets_an_effect_that_may_stand() {
+        let policy = Policy::default();
+        let not_sent = NoAnswer::NotSent {
+            cause: "refused".into(),
+        };
+        for (recovered, stepped) in [(true, false), (false, true), (true, true)] {
+            for end in [
+                answered(500, None),
+                answered(429, None),
+                RunEnd::NoAnswer(&not_sent),
+                RunEnd::CallerLeft,
+            ] {
+                let settled = decide(&policy, UnixMillis::from_i64(NOW_MS), run(recovered, stepped), end);
+                assert_eq!(
+                    settled.keep,
+                    unknown(&policy),
+                    "recovered {recovered}, stepped {stepped}: {end:?} keeps the record unknown"
+                );
+            }
+            // What is stored is stored, whatever came before.
+            let settled = decide(
+                &policy,
+                UnixMillis::from_i64(NOW_MS),
+                run(recovered, stepped),
+                answered(200, Some(1)),
+            );
+            assert_eq!(settled.keep, Keep::Store);
+        }
+    }
+
+    #[test]
+    fn store_5xx_keeps_server_errors() {
+        let policy = Policy {
+            store_5xx: true,
+            ..Policy::default()
+        };
+        let settled = decide(
+            &policy,
+            UnixMillis::from_i64(NOW_MS),
+            run(false, false),
+            answered(500, Some(3)),
+        );
+        assert_eq!(settled.keep, Keep::Store);
+    }
+
+    #[test]
+    fn answers_outside_the_protocol_say_what_happened() {
+        let retry = Duration::from_secs(2);
+        let cases = [
+            (
+                NoAnswer::NotSent {
+                    cause: "refused".into(),
+                },
+                502,
+                "upstream-unavailable",
+            ),
+            (
+                NoAnswer::OutcomeUnknown { cause: "reset".into() },
+                502,
+                "upstream-failed",
+            ),
+            (
+                NoAnswer::ClientBodyBroke { cause: "eof".into() },
+                400,
+                "body-incomplete",
+            ),
+            (
+                NoAnswer::TimedOut {
+                    after: Duration::from_secs(3),
+                },
+                504,
+                "upstream-timeout",
+            ),
+        ];
+        for (no_answer, status, name) in cases {
+            let response = no_answer_problem(&no_answer, retry);
+            assert_eq!(response.status().as_u16(), status, "{no_answer:?}");
+            let body = String::from_utf8(response.body().to_vec()).unwrap();
+            assert!(body.contains(name), "{no_answer:?}: {body}");
+        }
+        let timed_out = no_answer_problem(
+            &NoAnswer::TimedOut {
+                after: Duration::from_secs(3),
+            },
+            retry,
+        );
+        assert_eq!(timed_out.headers()["retry-after"], "2");
+    }
+}
