@@ -48,7 +48,7 @@ impl<'a> ResponseInfo<'a> {
 }
 
 /// Decides which answers and errors are transient. Implement it to change the retry table;
-/// [`DefaultClassifier`] is DESIGN.md's.
+/// [`DefaultClassifier`] is the retry table of the design (docs/design.md).
 pub trait RetryClassifier: Send + Sync + 'static {
     /// Whether an answer is worth another attempt.
     fn classify_response(&self, response: &ResponseInfo<'_>) -> Retryable;
@@ -57,7 +57,7 @@ pub trait RetryClassifier: Send + Sync + 'static {
     fn classify_error(&self, error: &reqwest_middleware::Error) -> Retryable;
 }
 
-/// The retry table of DESIGN.md.
+/// The retry table of the design (docs/design.md, "The client").
 ///
 /// | outcome | retried | why |
 /// |---|---|---|

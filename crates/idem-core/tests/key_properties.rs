@@ -1,5 +1,5 @@
 //! Properties of the `Idempotency-Key` parser, through the public API, checked against a reference
-//! reading of the contract (DESIGN.md, "Key header"): the value is one RFC 8941 sf-string or a bare
+//! reading of the contract (docs/design.md, "What is protected"): the value is one RFC 8941 sf-string or a bare
 //! key, surrounded by nothing but optional whitespace; the key (the decoded content of the string) is
 //! 1 to 255 visible ASCII characters; a bare key has no `"`, `,` or `\`; a value that starts with `"`
 //! is a whole sf-string (no parameters, no list, nothing after it); more than one key header is refused,
@@ -20,7 +20,7 @@ const KEY_HEADER: &str = "idempotency-key";
 
 /// The key a header value carries according to the contract, or `None` when it must be refused.
 ///
-/// Written from DESIGN.md and RFC 8941 §3.3.3 / §4.2.5, not from the parser: the field value's
+/// Written from docs/design.md and RFC 8941 §3.3.3 / §4.2.5, not from the parser: the field value's
 /// surrounding whitespace (OWS: SP and HTAB) is not part of it; a value starting with `"` is exactly
 /// one sf-string (characters %x20-7E, `\` escaping only `"` and `\`) and nothing else; otherwise it is
 /// a bare key with no `"`, `,` or `\`. Either way the key is 1 to [`MAX_KEY_LEN`] visible ASCII
@@ -689,7 +689,7 @@ fn repeated_key_headers_are_refused_even_when_equal() {
     let value = |s: &'static str| HeaderValue::from_static(s);
     assert_eq!(parse_values(&[]), Ok(None));
     assert_eq!(parse_values(&[value("\"a\"")]).unwrap().unwrap().as_str(), "a");
-    // The same value twice: refused too, since two headers are "never processed" (DESIGN.md).
+    // The same value twice: refused too, since two headers are "never processed" (docs/design.md).
     assert_eq!(parse_values(&[value("\"a\""), value("\"a\"")]), Err(KeyError::Repeated));
     assert_eq!(parse_values(&[value("a"), value("a")]), Err(KeyError::Repeated));
     // The same key, written two ways.

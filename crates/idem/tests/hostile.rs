@@ -119,7 +119,7 @@ fn http_value_ok(value: &[u8]) -> bool {
         .all(|&b| b == b'\t' || (0x20..=0x7e).contains(&b) || b >= 0x80)
 }
 
-/// Whether one received key header value is a valid key (DESIGN.md, "Which requests"): after the
+/// Whether one received key header value is a valid key (docs/design.md, "What is protected"): after the
 /// optional whitespace around a field value, either one whole RFC 8941 sf-string with no
 /// parameters, or a bare key without `"`, `,` and `\`; the key itself 1 to 255 visible ASCII
 /// characters.

@@ -3,7 +3,7 @@
 //!
 //! Like a real payment provider it remembers the `Idempotency-Key` of each charge, but it only
 //! looks there when the gateway marks a run as recovered (`Idempotency-Recovered: true`: a crashed
-//! instance may have charged already), which is what DESIGN.md asks of an upstream. Every other
+//! instance may have charged already), which is what docs/design.md asks of an upstream. Every other
 //! request is charged: the service trusts its callers to send each payment once.
 
 use std::collections::HashMap;
