@@ -40,6 +40,10 @@ mod credential;
 #[cfg(feature = "server")]
 mod fingerprint;
 #[cfg(feature = "server")]
+pub mod metric_names;
+#[cfg(feature = "server")]
+mod observed;
+#[cfg(feature = "server")]
 mod policy;
 #[cfg(feature = "server")]
 mod protocol;
@@ -78,6 +82,8 @@ pub use coding::AcceptEncoding;
 pub use credential::{CredentialScopes, MIN_SECRET_LEN, ScopeHashing, ScopeSecret, ScopeSecretError, ScopeSecrets};
 #[cfg(feature = "server")]
 pub use fingerprint::{Differences, Fingerprint, FingerprintDecodeError};
+#[cfg(feature = "server")]
+pub use observed::{Observed, Observer, StoreOperation};
 #[cfg(feature = "server")]
 pub use policy::{AnonymousPolicy, AnonymousPolicyError, MissingKeyPolicy, MissingKeyPolicyError, Policy, PolicyError};
 #[cfg(feature = "server")]

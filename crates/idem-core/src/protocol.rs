@@ -18,6 +18,7 @@ use crate::coding::AcceptEncoding;
 use crate::credential::{CredentialScopes, ScopeHashing};
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, KeyError};
+use crate::metric_names;
 use crate::policy::{AnonymousPolicy, MissingKeyPolicy, Policy};
 use crate::problem::{Problem, ProblemKind};
 use crate::response::StoredResponse;
@@ -508,7 +509,7 @@ impl Protocol {
             let until = deadline.min(tokio::time::Instant::now() + lease_until.since(now) + Duration::from_millis(5));
             waited = true;
             let limit = policy.store_timeout;
-            let _waiting = Gauged::new("idem_waiters");
+            let _waiting = Gauged::new(metric_names::WAITERS);
             let waiting = tokio::time::timeout_at(until + limit, self.inner.store.wait(&id, holder, until));
             if let Err(err) = waiting
                 .await

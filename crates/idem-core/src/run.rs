@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
+use crate::metric_names;
 use crate::protocol::{Claim, Protocol};
 use crate::store::{Completion, StoreError};
 
@@ -75,7 +76,7 @@ impl Pending {
             })
             .ok()?;
         let answers = self.answers.fetch_add(1, Ordering::AcqRel) + 1;
-        metrics::gauge!("idem_pending_answers").set(answers as f64);
+        metrics::gauge!(metric_names::PENDING_ANSWERS).set(answers as f64);
         Some(Held {
             pending: self.clone(),
             bytes,
@@ -92,7 +93,7 @@ impl Drop for Held {
     fn drop(&mut self) {
         self.pending.bytes.fetch_sub(self.bytes, Ordering::AcqRel);
         let answers = self.pending.answers.fetch_sub(1, Ordering::AcqRel) - 1;
-        metrics::gauge!("idem_pending_answers").set(answers as f64);
+        metrics::gauge!(metric_names::PENDING_ANSWERS).set(answers as f64);
     }
 }
 
@@ -117,7 +118,7 @@ impl Protocol {
     /// beside it, so a slow handler never loses its record and a slow renewal never pauses the
     /// handler; after the policy's `run_timeout` (counted from the claim) the work is dropped.
     pub async fn drive<F: Future>(&self, claim: &Claim, work: F) -> Result<F::Output, RunTimedOut> {
-        let _running = Gauged::new("idem_runs_in_flight");
+        let _running = Gauged::new(metric_names::RUNS_IN_FLIGHT);
         let deadline = claim.run_deadline();
         self.renewing(claim, async move { tokio::time::timeout_at(deadline, work).await })
             .await

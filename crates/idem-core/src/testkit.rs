@@ -11,6 +11,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use http::{HeaderMap, Method};
 
+use crate::observed::{Observed, Observer, StoreOperation};
 use crate::{
     Begin, BeginRequest, Checkpoint, Completion, FencingToken, Fingerprint, IdempotencyKey, Record, RecordId,
     RecordState, Release, Scope, ScopeSalt, Store, StoreError, UnixMillis, WaitOutcome,
@@ -1081,139 +1082,45 @@ macro_rules! conformance_tests {
     };
 }
 
-/// Wraps a store and counts its operations, to prove how many round trips a request costs.
-#[derive(Debug)]
-pub struct CountingStore<S> {
-    inner: S,
-    counts: [std::sync::atomic::AtomicU64; 13],
+/// A store whose operations are counted, to prove how many round trips a request costs.
+pub type CountingStore<S> = Observed<S, Counts>;
+
+/// Counts the operations on `inner`.
+pub fn counting<S: Store>(inner: S) -> CountingStore<S> {
+    Observed::new(inner, Counts::default())
 }
 
-/// The operations [`CountingStore`] counts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Operation {
-    /// [`Store::begin`].
-    Begin,
-    /// [`Store::complete`].
-    Complete,
-    /// [`Store::release`].
-    Release,
-    /// [`Store::renew`].
-    Renew,
-    /// [`Store::get`].
-    Get,
-    /// [`Store::wait`].
-    Wait,
-    /// [`Store::purge`].
-    Purge,
-    /// [`Store::ping`].
-    Ping,
-    /// [`Store::delete`].
-    Delete,
-    /// [`Store::clock`]: measured per instance in the background, never per request, so not in
-    /// [`CountingStore::total`].
-    Clock,
-    /// [`Store::checkpoint`].
-    Checkpoint,
-    /// [`Store::checkpoints`].
-    Checkpoints,
-    /// [`Store::scope_salt`]: read once per instance, never per request, so not in
-    /// [`CountingStore::total`].
-    ScopeSalt,
+/// An [`Observer`] that counts each operation.
+#[derive(Debug, Default)]
+pub struct Counts {
+    counts: [std::sync::atomic::AtomicU64; StoreOperation::ALL.len()],
 }
 
-impl<S> CountingStore<S> {
-    /// Counts the operations on `inner`.
-    pub fn new(inner: S) -> Self {
-        Self {
-            inner,
-            counts: Default::default(),
-        }
+impl Observer for Counts {
+    fn observe(&self, operation: StoreOperation, _elapsed: Duration, _failed: bool) {
+        self.counts[operation as usize].fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     }
+}
 
-    fn bump(&self, op: Operation) {
-        self.counts[op as usize].fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-    }
-
-    /// How many times `op` ran.
-    pub fn count(&self, op: Operation) -> u64 {
-        self.counts[op as usize].load(std::sync::atomic::Ordering::SeqCst)
+impl<S> Observed<S, Counts> {
+    /// How many times `operation` ran.
+    pub fn count(&self, operation: StoreOperation) -> u64 {
+        self.observer().counts[operation as usize].load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// How many operations ran in all, the per-instance reads (clock, scope salt) aside.
     pub fn total(&self) -> u64 {
-        self.counts
-            .iter()
-            .enumerate()
-            .filter(|(op, _)| ![Operation::Clock as usize, Operation::ScopeSalt as usize].contains(op))
-            .map(|(_, c)| c.load(std::sync::atomic::Ordering::SeqCst))
+        StoreOperation::ALL
+            .into_iter()
+            .filter(|operation| !operation.per_instance())
+            .map(|operation| self.count(operation))
             .sum()
     }
 
     /// Starts counting from zero again.
     pub fn reset(&self) {
-        for count in &self.counts {
+        for count in &self.observer().counts {
             count.store(0, std::sync::atomic::Ordering::SeqCst);
         }
-    }
-}
-
-#[async_trait]
-impl<S: Store> Store for CountingStore<S> {
-    async fn begin(&self, request: BeginRequest<'_>) -> Result<Begin, StoreError> {
-        self.bump(Operation::Begin);
-        self.inner.begin(request).await
-    }
-    async fn complete(&self, id: &RecordId, token: FencingToken, completion: Completion) -> Result<(), StoreError> {
-        self.bump(Operation::Complete);
-        self.inner.complete(id, token, completion).await
-    }
-    async fn release(&self, id: &RecordId, token: FencingToken, release: Release) -> Result<(), StoreError> {
-        self.bump(Operation::Release);
-        self.inner.release(id, token, release).await
-    }
-    async fn renew(&self, id: &RecordId, token: FencingToken, lease_until: UnixMillis) -> Result<(), StoreError> {
-        self.bump(Operation::Renew);
-        self.inner.renew(id, token, lease_until).await
-    }
-    async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
-        self.bump(Operation::Get);
-        self.inner.get(id).await
-    }
-    async fn checkpoint(&self, id: &RecordId, token: FencingToken, checkpoint: Checkpoint) -> Result<(), StoreError> {
-        self.bump(Operation::Checkpoint);
-        self.inner.checkpoint(id, token, checkpoint).await
-    }
-    async fn checkpoints(&self, id: &RecordId) -> Result<Vec<Checkpoint>, StoreError> {
-        self.bump(Operation::Checkpoints);
-        self.inner.checkpoints(id).await
-    }
-    async fn wait(
-        &self,
-        id: &RecordId,
-        token: FencingToken,
-        deadline: tokio::time::Instant,
-    ) -> Result<WaitOutcome, StoreError> {
-        self.bump(Operation::Wait);
-        self.inner.wait(id, token, deadline).await
-    }
-    async fn scope_salt(&self, candidate: ScopeSalt) -> Result<ScopeSalt, StoreError> {
-        self.bump(Operation::ScopeSalt);
-        self.inner.scope_salt(candidate).await
-    }
-    async fn delete(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
-        self.bump(Operation::Delete);
-        self.inner.delete(id).await
-    }
-    async fn purge(&self, now: UnixMillis, batch: usize) -> Result<crate::Purged, StoreError> {
-        self.bump(Operation::Purge);
-        self.inner.purge(now, batch).await
-    }
-    async fn ping(&self) -> Result<(), StoreError> {
-        self.bump(Operation::Ping);
-        self.inner.ping().await
-    }
-    async fn clock(&self) -> Result<UnixMillis, StoreError> {
-        self.bump(Operation::Clock);
-        self.inner.clock().await
     }
 }

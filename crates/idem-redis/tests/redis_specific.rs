@@ -456,7 +456,7 @@ async fn a_replay_is_one_round_trip_with_the_answer() {
         .complete(&id, token, completion(now, DAY, 7 * DAY))
         .await
         .expect("complete");
-    let counting = idem_core::testkit::CountingStore::new(store);
+    let counting = idem_core::testkit::counting(store);
     let request = BeginRequest {
         id: &id,
         fingerprint: &fingerprint("a"),

@@ -3,6 +3,7 @@
 //! ended); this module buffers bodies, runs the handler in its own task (renewing its lease),
 //! carries the settlement out and hands the answer back.
 
+use idem_core::metric_names;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
@@ -194,7 +195,7 @@ where
         let answered = match decision.await {
             Ok(Decided::Respond { response, outcome, id }) => {
                 if matches!(outcome, Outcome::Waited | Outcome::InFlight) {
-                    metrics::histogram!("idem_wait_seconds").record(started.elapsed().as_secs_f64());
+                    metrics::histogram!(metric_names::WAIT_SECONDS).record(started.elapsed().as_secs_f64());
                 }
                 record_outcome(&self.route, Some(&id), outcome, response.status());
                 return Ok(response.map(full));
@@ -471,5 +472,6 @@ fn record_outcome(route: &SharedString, id: Option<&RecordId>, outcome: Outcome,
 
 /// One request in `idem_requests_total`, by outcome and route.
 fn count_outcome(route: &SharedString, outcome: Outcome) {
-    metrics::counter!("idem_requests_total", "outcome" => outcome.as_str(), "route" => route.clone()).increment(1);
+    metrics::counter!(metric_names::REQUESTS_TOTAL, "outcome" => outcome.as_str(), "route" => route.clone())
+        .increment(1);
 }

@@ -11,7 +11,8 @@ use axum::body::Body as AxumBody;
 use axum::http::{Request, StatusCode};
 use axum::routing::post;
 use http_body_util::BodyExt;
-use idem_core::testkit::{CountingStore, Operation};
+use idem_core::StoreOperation as Operation;
+use idem_core::testkit::counting;
 use idem_core::{
     Begin, BeginRequest, Checkpoint, Completion, FencingToken, ManualClock, MissingKeyPolicy, Policy, Purged, Record,
     RecordId, Release, RouteRule, Routes, Scope, ScopeSalt, ScopeSource, Store, StoreError, UnixMillis, WaitOutcome,
@@ -94,7 +95,7 @@ fn pay_as(key: &str, credential: &'static str) -> Request<AxumBody> {
 #[tokio::test]
 async fn credential_scopes_read_the_salt_once_and_look_up_older_records_only_after_an_upgrade() {
     let (store, dir) = sqlite().await;
-    let store = Arc::new(CountingStore::new(store));
+    let store = Arc::new(counting(store));
     let layer = IdempotencyLayer::from_shared(store.clone());
     let fresh = app(layer.clone(), dir);
     let mut salt_reads = Vec::new();
@@ -114,7 +115,7 @@ async fn credential_scopes_read_the_salt_once_and_look_up_older_records_only_aft
 
     // A store with a record from before the salt: the previous version's unsalted scope.
     let (old, dir) = sqlite().await;
-    let old = Arc::new(CountingStore::new(old));
+    let old = Arc::new(counting(old));
     let unsalted = {
         use sha2::Digest;
         let digest = sha2::Sha256::digest(b"Bearer alice");
@@ -156,7 +157,7 @@ async fn credential_scopes_read_the_salt_once_and_look_up_older_records_only_aft
 #[tokio::test]
 async fn a_new_request_costs_two_store_operations_and_a_replay_one() {
     let (store, dir) = sqlite().await;
-    let store = Arc::new(CountingStore::new(store));
+    let store = Arc::new(counting(store));
     let app = app(IdempotencyLayer::from_shared(store.clone()), dir);
 
     assert_eq!(
@@ -189,7 +190,7 @@ async fn a_new_request_costs_two_store_operations_and_a_replay_one() {
 #[tokio::test]
 async fn a_slow_handler_keeps_its_lease() {
     let (store, dir) = sqlite().await;
-    let store = Arc::new(CountingStore::new(store));
+    let store = Arc::new(counting(store));
     let layer = IdempotencyLayer::from_shared(store.clone()).with_lease(Duration::from_millis(300));
     let app = app(layer, dir);
 
@@ -638,7 +639,7 @@ async fn a_handler_past_the_run_timeout_is_given_up_and_its_retry_runs_recovered
 #[tokio::test]
 async fn routes_give_paths_their_own_policy_or_let_them_pass_untouched() {
     let (store, _dir) = sqlite().await;
-    let store = Arc::new(CountingStore::new(store));
+    let store = Arc::new(counting(store));
     let runs = Arc::new(AtomicUsize::new(0));
     let handler = {
         let runs = runs.clone();
@@ -734,7 +735,7 @@ fn stepped_app(layer: IdempotencyLayer, charges: Arc<AtomicUsize>, failures: Arc
 #[tokio::test]
 async fn a_recovered_run_resumes_after_the_steps_recorded_before_it() {
     let (store, _dir) = sqlite().await;
-    let store = Arc::new(CountingStore::new(store));
+    let store = Arc::new(counting(store));
     let (charges, failures) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
     let router = stepped_app(IdempotencyLayer::from_shared(store.clone()), charges.clone(), failures);
     let request = || {

@@ -16,19 +16,18 @@ use tokio::task::JoinSet;
 use tower::ServiceExt;
 
 use crate::cli::BenchArgs;
-use crate::instrumented::{Instrumented, Observer};
 use crate::stores;
 
 /// Every operation's latency samples.
 #[derive(Debug, Default)]
 struct Samples(Mutex<BTreeMap<&'static str, Vec<Duration>>>);
 
-impl Observer for Arc<Samples> {
-    fn observe(&self, operation: &'static str, elapsed: Duration, _failed: bool) {
+impl idem_core::Observer for Samples {
+    fn observe(&self, operation: idem_core::StoreOperation, elapsed: Duration, _failed: bool) {
         self.0
             .lock()
             .expect("samples lock")
-            .entry(operation)
+            .entry(operation.as_str())
             .or_default()
             .push(elapsed);
     }
@@ -50,7 +49,7 @@ struct Phase {
 
 pub(crate) async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let samples = Arc::new(Samples::default());
-    let store = Instrumented::new(stores::open(&args.store.store).await?, samples.clone());
+    let store = idem_core::Observed::new(stores::open(&args.store.store).await?, samples.clone());
     let body = "x".repeat(args.body_size);
     // Sealed at rest when IDEM_ENCRYPTION_KEYS is set, as `idem serve` would seal them.
     let keyring = crate::config::keyring_from_env()?;

@@ -4,6 +4,7 @@
 //! An upstream is `http://` (HTTP/1.1, or h2c by prior knowledge when asked) or `https://`
 //! (HTTP/2 or HTTP/1.1, as ALPN decides).
 
+use idem_core::metric_names;
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -192,7 +193,8 @@ impl Proxy {
             Err(_) => "timeout",
         };
         // Until the answer's head: its body streams on, so a slow body does not count.
-        metrics::histogram!("idem_upstream_seconds", "result" => result_label).record(started.elapsed().as_secs_f64());
+        metrics::histogram!(metric_names::UPSTREAM_SECONDS, "result" => result_label)
+            .record(started.elapsed().as_secs_f64());
         match result {
             Ok(Ok(response)) => {
                 let (mut head, body) = response.into_parts();

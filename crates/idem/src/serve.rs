@@ -18,7 +18,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::cli::ServeArgs;
 use crate::config::ServeConfig;
-use crate::instrumented::{Instrumented, Prometheus};
+use crate::instrumented::Prometheus;
 use crate::proxy::Proxy;
 use crate::{admin, stores};
 
@@ -54,7 +54,7 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
     .map_err(|err| config.place(err))?;
     let tls = tls::listener(config.tls_cert.as_deref(), config.tls_key.as_deref()).map_err(|err| config.place(err))?;
     let limits = config.limits.clone();
-    let store: Arc<dyn Store> = Arc::new(Instrumented::new(stores::open(&config.store).await?, Prometheus));
+    let store: Arc<dyn Store> = Arc::new(idem_core::Observed::new(stores::open(&config.store).await?, Prometheus));
     // Leases and expiry are judged on the store's clock: measure it before the first request.
     let clock = StoreClock::new(store.clone());
     match clock.sync().await {

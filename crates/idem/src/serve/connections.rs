@@ -4,6 +4,7 @@
 //! shutdown closes whatever is left when the grace is over. It speaks HTTP/1.1 and HTTP/2 (h2c by
 //! prior knowledge on plain TCP; over TLS, whichever ALPN settled), and TLS when given a certificate.
 
+use idem_core::metric_names;
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -119,7 +120,7 @@ pub(crate) async fn serve(
             () = &mut shutdown => break,
         };
         let _ = stream.set_nodelay(true);
-        let gauge = metrics::gauge!("idem_connections_open", "listener" => name);
+        let gauge = metrics::gauge!(metric_names::CONNECTIONS_OPEN, "listener" => name);
         gauge.increment(1.0);
         let connection = Connection {
             builder: builder.clone(),

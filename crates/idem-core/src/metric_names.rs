@@ -1,0 +1,37 @@
+//! Every metric idem exports, named once. Instances aggregate them in Prometheus: histograms and
+//! counters with their units in the name, `_total` for counters.
+
+/// Counter: keyed requests by `outcome` and `route`.
+pub const REQUESTS_TOTAL: &str = "idem_requests_total";
+/// Histogram: how long a copy waited for the run in flight (`waited` and `in-flight` outcomes).
+pub const WAIT_SECONDS: &str = "idem_wait_seconds";
+/// Gauge: copies waiting for a run in flight, now.
+pub const WAITERS: &str = "idem_waiters";
+/// Gauge: runs under a claim, now.
+pub const RUNS_IN_FLIGHT: &str = "idem_runs_in_flight";
+/// Gauge: answers held in memory because the store did not take them yet.
+pub const PENDING_ANSWERS: &str = "idem_pending_answers";
+/// Histogram: store operation latency by `operation`.
+pub const STORE_OPERATION_SECONDS: &str = "idem_store_operation_seconds";
+/// Counter: store operations that failed, by `operation`.
+pub const STORE_ERRORS_TOTAL: &str = "idem_store_errors_total";
+/// Counter: records purged (deleted or turned into tombstones).
+pub const PURGED_RECORDS_TOTAL: &str = "idem_purged_records_total";
+/// Histogram: the upstream's time to its answer's head, by `result` (gateway).
+pub const UPSTREAM_SECONDS: &str = "idem_upstream_seconds";
+/// Gauge: open connections by `listener` (gateway).
+pub const CONNECTIONS_OPEN: &str = "idem_connections_open";
+
+/// Every name above, for documentation and tests.
+pub const ALL: [&str; 10] = [
+    REQUESTS_TOTAL,
+    WAIT_SECONDS,
+    WAITERS,
+    RUNS_IN_FLIGHT,
+    PENDING_ANSWERS,
+    STORE_OPERATION_SECONDS,
+    STORE_ERRORS_TOTAL,
+    PURGED_RECORDS_TOTAL,
+    UPSTREAM_SECONDS,
+    CONNECTIONS_OPEN,
+];
