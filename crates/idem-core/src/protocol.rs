@@ -322,7 +322,7 @@ impl Protocol {
     /// Decides from the request head whether the protocol applies.
     pub fn admit(&self, parts: &Parts) -> Admission {
         let policy = &self.inner.policy;
-        if !policy.methods.contains(&parts.method) {
+        if !policy.applies_to(&parts.method) {
             return Admission::PassThrough {
                 headers: HeaderMap::new(),
             };
