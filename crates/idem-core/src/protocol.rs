@@ -59,6 +59,8 @@ pub enum Outcome {
     ScopeInvalid,
     /// A caller without an identity, under `--anonymous reject`.
     CredentialMissing,
+    /// The request's path reads as two paths under different protecting rules.
+    PathAmbiguous,
     /// A bug: something in the request's path panicked.
     Internal,
     /// The run passed the run timeout and was given up.
@@ -85,6 +87,7 @@ impl Outcome {
             Self::BodyIncomplete => "body-incomplete",
             Self::ScopeInvalid => "scope-invalid",
             Self::CredentialMissing => "credential-missing",
+            Self::PathAmbiguous => "path-ambiguous",
             Self::Internal => "internal-error",
             Self::RunTimedOut => "run-timeout",
             Self::Unreadable => "answer-unreadable",
