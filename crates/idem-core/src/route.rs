@@ -224,13 +224,12 @@ enum Piece {
 /// The pieces of one raw segment in the normalised reading: `;params` stripped if asked (before
 /// decoding, as Tomcat does, so `%3B` stays a character), every escape decoded, split at decoded
 /// slashes, empty and `.` pieces dropped, case folded if asked.
-fn normal_pieces(segment: &str, readings: PathReadings) -> impl Iterator<Item = Piece> {
+fn normal_pieces(segment: &str, readings: PathReadings) -> Vec<Piece> {
     let segment = match segment.split_once(';') {
         Some((kept, _)) if readings.strip_params => kept,
         _ => segment,
     };
-    let decoded = percent_decoded(segment);
-    let pieces: Vec<Piece> = decoded
+    percent_decoded(segment)
         .split(|&b| b == b'/')
         .filter_map(|piece| match piece {
             b"" | b"." => None,
@@ -238,8 +237,7 @@ fn normal_pieces(segment: &str, readings: PathReadings) -> impl Iterator<Item = 
             _ if readings.case_insensitive => Some(Piece::Segment(piece.to_ascii_lowercase())),
             _ => Some(Piece::Segment(piece.to_vec())),
         })
-        .collect();
-    pieces.into_iter()
+        .collect()
 }
 
 /// The normalised reading of a path: its segments as bytes, none of them empty, `.` or `..`;

@@ -11,18 +11,20 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::Router;
-use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{Method, Uri};
 use common::{Gateway, new_key};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
+/// The method and path of each request the upstream got, in order.
+type Seen = Arc<Mutex<Vec<(String, String)>>>;
+
 /// An upstream that answers every method and path `201` and keeps the method and path of each
 /// request it got.
 struct Counting {
     addr: SocketAddr,
-    seen: Arc<Mutex<Vec<(String, String)>>>,
+    seen: Seen,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -38,13 +40,11 @@ impl Counting {
         let addr = listener.local_addr().unwrap();
         let seen = Arc::new(Mutex::new(Vec::new()));
         let app = Router::new()
-            .fallback(
-                |State(seen): State<Arc<Mutex<Vec<(String, String)>>>>, method: Method, uri: Uri| async move {
-                    let mut seen = seen.lock().unwrap();
-                    seen.push((method.to_string(), uri.path().to_owned()));
-                    (axum::http::StatusCode::CREATED, format!("{{\"call\":{}}}", seen.len()))
-                },
-            )
+            .fallback(|State(seen): State<Seen>, method: Method, uri: Uri| async move {
+                let mut seen = seen.lock().unwrap();
+                seen.push((method.to_string(), uri.path().to_owned()));
+                (axum::http::StatusCode::CREATED, format!("{{\"call\":{}}}", seen.len()))
+            })
             .with_state(seen.clone());
         let task = tokio::spawn(async move { axum::serve(listener, app).await.expect("the upstream serves") });
         Self { addr, seen, task }
