@@ -91,7 +91,10 @@ pub use protocol::{Admission, Claim, Decision, IdempotencyInfo, Keyed, Outcome, 
 #[cfg(feature = "server")]
 pub use response::{HOP_BY_HOP, HeaderAllowList, ResponseDecodeError, StoredResponse};
 #[cfg(feature = "server")]
-pub use route::{Route, RouteError, RoutePattern, RoutePatternError, RouteRule, Routes};
+pub use route::{
+    PathAmbiguous, PathReadings, PathReadingsError, Route, RouteError, RoutePattern, RoutePatternError, RouteRule,
+    Routes,
+};
 #[cfg(feature = "server")]
 pub use run::{MAX_PENDING_BYTES, PendingAnswer, RunTimedOut, Unstored};
 #[cfg(feature = "server")]

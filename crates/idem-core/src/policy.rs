@@ -148,7 +148,8 @@ pub struct PolicyError {
 pub struct Policy {
     /// The key header (default `Idempotency-Key`).
     pub key_header: HeaderName,
-    /// Methods the protocol applies to (default `POST`, `PATCH`).
+    /// Methods the protocol applies to (default `POST`, `PATCH`), matched without regard to ASCII
+    /// case: see [`applies_to`](Self::applies_to).
     pub methods: Vec<Method>,
     /// Where the scope comes from (default: a hash of the credential).
     pub scope: ScopeSource,
@@ -254,6 +255,15 @@ impl Policy {
         Ok(())
     }
 
+    /// Whether the protocol applies to a request with this method. The match ignores ASCII case:
+    /// `patch` is `PATCH`, because frameworks (Django, werkzeug, Rails) uppercase the method before
+    /// they route, so a lowercase spelling would otherwise run the handler unprotected.
+    pub fn applies_to(&self, method: &Method) -> bool {
+        self.methods
+            .iter()
+            .any(|listed| listed.as_str().eq_ignore_ascii_case(method.as_str()))
+    }
+
     /// Whether an answer with this status is stored (otherwise the key is released and a retry
     /// runs again): every status below 500 except 408, 409, 425 and 429; 5xx only with `store_5xx`.
     pub fn stores(&self, status: StatusCode) -> bool {
@@ -314,6 +324,24 @@ mod tests {
         ] {
             assert!(bad.parse::<MissingKeyPolicy>().is_err(), "{bad:?} should not parse");
         }
+    }
+
+    #[test]
+    fn methods_match_in_any_case() {
+        let method = |text: &str| Method::from_bytes(text.as_bytes()).unwrap();
+        let policy = Policy::default();
+        for yes in ["POST", "post", "Post", "PATCH", "patch", "pAtCh"] {
+            assert!(policy.applies_to(&method(yes)), "{yes}");
+        }
+        for no in ["GET", "get", "PUT", "put", "POSTX", "PATC"] {
+            assert!(!policy.applies_to(&method(no)), "{no}");
+        }
+        let listed_lowercase = Policy {
+            methods: vec![method("purge")],
+            ..Policy::default()
+        };
+        assert!(listed_lowercase.applies_to(&method("PURGE")));
+        assert!(!listed_lowercase.applies_to(&Method::POST));
     }
 
     #[test]

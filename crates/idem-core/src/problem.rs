@@ -29,6 +29,9 @@ pub enum ProblemKind {
     StoreUnavailable,
     /// The keyed request's body is over the limit.
     BodyTooLarge,
+    /// The request's path reads as two paths under different protecting rules (as sent, and
+    /// decoded and normalised as many servers read it): neither is applied, nothing runs.
+    PathAmbiguous,
     /// The request's body broke off or could not be read; nothing was claimed or run.
     BodyIncomplete,
     /// Something failed inside idem itself (a bug); the answer says so instead of closing the
@@ -59,6 +62,7 @@ impl ProblemKind {
             Self::StoreUnavailable => "store-unavailable",
             Self::BodyTooLarge => "body-too-large",
             Self::BodyIncomplete => "body-incomplete",
+            Self::PathAmbiguous => "path-ambiguous",
             Self::Internal => "internal-error",
             Self::UpstreamUnavailable => "upstream-unavailable",
             Self::UpstreamFailed => "upstream-failed",
@@ -70,7 +74,9 @@ impl ProblemKind {
     /// The HTTP status.
     pub fn status(self) -> StatusCode {
         match self {
-            Self::KeyInvalid | Self::KeyMissing | Self::ScopeInvalid | Self::BodyIncomplete => StatusCode::BAD_REQUEST,
+            Self::KeyInvalid | Self::KeyMissing | Self::ScopeInvalid | Self::BodyIncomplete | Self::PathAmbiguous => {
+                StatusCode::BAD_REQUEST
+            }
             Self::CredentialMissing => StatusCode::UNAUTHORIZED,
             Self::Internal | Self::AnswerUnreadable => StatusCode::INTERNAL_SERVER_ERROR,
             Self::KeyMismatch | Self::KeyExpired => StatusCode::UNPROCESSABLE_ENTITY,
@@ -95,6 +101,7 @@ impl ProblemKind {
             Self::StoreUnavailable => "Idempotency store unavailable",
             Self::BodyTooLarge => "Request body too large",
             Self::BodyIncomplete => "Request body incomplete",
+            Self::PathAmbiguous => "Ambiguous request path",
             Self::Internal => "Internal error",
             Self::UpstreamUnavailable => "Upstream unavailable",
             Self::UpstreamFailed => "Upstream connection lost",

@@ -62,6 +62,8 @@ pub enum Outcome {
     ScopeInvalid,
     /// A caller without an identity, under `--anonymous reject`.
     CredentialMissing,
+    /// The request's path reads as two paths under different protecting rules.
+    PathAmbiguous,
     /// A bug: something in the request's path panicked.
     Internal,
     /// The run passed the run timeout and was given up.
@@ -88,6 +90,7 @@ impl Outcome {
             Self::BodyIncomplete => "body-incomplete",
             Self::ScopeInvalid => "scope-invalid",
             Self::CredentialMissing => "credential-missing",
+            Self::PathAmbiguous => "path-ambiguous",
             Self::Internal => "internal-error",
             Self::RunTimedOut => "run-timeout",
             Self::Unreadable => "answer-unreadable",
@@ -343,7 +346,7 @@ impl Protocol {
     /// Decides from the request head whether the protocol applies.
     pub fn admit(&self, parts: &Parts) -> Admission {
         let policy = &self.inner.policy;
-        if !policy.methods.contains(&parts.method) {
+        if !policy.applies_to(&parts.method) {
             return Admission::PassThrough {
                 headers: HeaderMap::new(),
             };

@@ -2,6 +2,20 @@
 //!
 //! The gateway's `[[route]]` tables and the tower layer's [`Routes`] are the same thing: the first
 //! route whose pattern matches the path wins, and a path no route matches gets the default policy.
+//!
+//! A path is matched as an upstream could read it, so that no spelling of it gets weaker
+//! protection than the route it names (see [`Routes::choose`]). Two readings are taken:
+//!
+//! * **as sent**: segment by segment, with only percent-encoded unreserved characters (`%61` for
+//!   `a`) decoded and dot segments (`/a/../b`) resolved, which RFC 3986 says change nothing;
+//! * **normalised**, as WSGI/ASGI servers, nginx, Express or Spring read it: every `%XX` decoded
+//!   (`%2F` becomes a separator), dot segments removed, repeated slashes merged and a trailing
+//!   slash ignored, so `//payments/1`, `/payments%2F1`, `/payments//1` and `/payments/1/` all
+//!   read `/payments/1`. [`PathReadings`] adds, for upstreams that route that way, ASCII
+//!   case-insensitive matching and the stripping of `;params` from each segment.
+//!
+//! One decoding only: `%252F` reads `%2F`, not `/`. The request itself is forwarded as sent; only
+//! the choice of rules uses the readings.
 
 use std::borrow::Cow;
 use std::fmt;
@@ -17,9 +31,8 @@ use crate::policy::{Policy, PolicyError};
 /// * `/webhooks/*`: a trailing `*` matches the prefix and everything below it (`/webhooks`,
 ///   `/webhooks/`, `/webhooks/github/push`), and `/*` matches every path.
 ///
-/// Paths are compared segment by segment as sent, except that percent-encoded unreserved
-/// characters (`%61` for `a`) and dot segments (`/a/../b`) are resolved first, so a request cannot
-/// reach another route's rules by spelling its path differently.
+/// A pattern is matched against each reading of a path (see the [module](self) docs): as sent,
+/// segment by segment, and normalised, with the pattern's own literals normalised the same way.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RoutePattern {
     text: Arc<str>,
@@ -64,7 +77,7 @@ impl FromStr for RoutePattern {
             if segment.contains('*') {
                 return Err(err("* may only be the whole last segment, as in /webhooks/*"));
             }
-            if segment == "." || segment == ".." {
+            if matches!(&*unreserved_decoded(segment), "." | "..") {
                 return Err(err(
                     "dot segments (. and ..) never reach the gateway; write the path they resolve to",
                 ));
@@ -105,7 +118,8 @@ impl RoutePattern {
         self.text.clone()
     }
 
-    /// Whether `path` (a request's path, without its query) matches.
+    /// Whether `path` (a request's path, without its query) matches as sent (with unreserved
+    /// escapes and dot segments resolved). [`Routes::choose`] looks at the other readings too.
     pub fn matches(&self, path: &str) -> bool {
         match normalized(path) {
             Some(segments) => self.matches_segments(&segments),
@@ -146,8 +160,143 @@ impl RoutePattern {
     }
 }
 
-/// A path's segments with unreserved characters decoded and dot segments resolved; `None` for a
-/// path that is not absolute (`*` of `OPTIONS *`).
+/// The pattern normalised as paths are under `readings`: its literals decoded, split at decoded
+/// slashes, empty and `.` pieces dropped, `..` resolved, `;params` stripped and case folded if
+/// asked.
+fn normal_form(pattern: &RoutePattern, readings: PathReadings) -> NormalPattern {
+    let mut segments = Vec::with_capacity(pattern.segments.len());
+    for segment in &pattern.segments {
+        match segment {
+            Segment::Param => segments.push(NormalSegment::Param),
+            Segment::Literal(literal) => {
+                for piece in normal_pieces(literal, readings) {
+                    match piece {
+                        Piece::Up => {
+                            segments.pop();
+                        }
+                        Piece::Segment(bytes) => segments.push(NormalSegment::Literal(bytes)),
+                    }
+                }
+            }
+        }
+    }
+    NormalPattern {
+        segments,
+        prefix: pattern.prefix,
+    }
+}
+
+/// A pattern as the normalised reading sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct NormalPattern {
+    segments: Vec<NormalSegment>,
+    prefix: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum NormalSegment {
+    Literal(Vec<u8>),
+    Param,
+}
+
+impl NormalPattern {
+    fn matches(&self, path: &[Vec<u8>]) -> bool {
+        let fits = if self.prefix {
+            path.len() >= self.segments.len()
+        } else {
+            path.len() == self.segments.len()
+        };
+        // A normalised path has no empty segments, so `{param}` matches any of them.
+        fits && self.segments.iter().zip(path).all(|(pattern, segment)| match pattern {
+            NormalSegment::Param => true,
+            NormalSegment::Literal(literal) => literal == segment,
+        })
+    }
+}
+
+/// What one raw segment contributes to the normalised reading.
+enum Piece {
+    /// A `..`: drop the segment before.
+    Up,
+    Segment(Vec<u8>),
+}
+
+/// The pieces of one raw segment in the normalised reading: `;params` stripped if asked (before
+/// decoding, as Tomcat does, so `%3B` stays a character), every escape decoded, split at decoded
+/// slashes, empty and `.` pieces dropped, case folded if asked.
+fn normal_pieces(segment: &str, readings: PathReadings) -> Vec<Piece> {
+    let segment = match segment.split_once(';') {
+        Some((kept, _)) if readings.strip_params => kept,
+        _ => segment,
+    };
+    percent_decoded(segment)
+        .split(|&b| b == b'/')
+        .filter_map(|piece| match piece {
+            b"" | b"." => None,
+            b".." => Some(Piece::Up),
+            _ if readings.case_insensitive => Some(Piece::Segment(piece.to_ascii_lowercase())),
+            _ => Some(Piece::Segment(piece.to_vec())),
+        })
+        .collect()
+}
+
+/// The normalised reading of a path: its segments as bytes, none of them empty, `.` or `..`;
+/// `None` for a path that is not absolute.
+fn normal_reading(path: &str, readings: PathReadings) -> Option<Vec<Vec<u8>>> {
+    let rest = path.strip_prefix('/')?;
+    let mut segments = Vec::new();
+    for piece in rest.split('/').flat_map(|segment| normal_pieces(segment, readings)) {
+        match piece {
+            Piece::Up => {
+                segments.pop();
+            }
+            Piece::Segment(bytes) => segments.push(bytes),
+        }
+    }
+    Some(segments)
+}
+
+/// `text` with every valid `%XX` decoded (to bytes: the result need not be UTF-8); a `%` not
+/// followed by two hex digits stays as it is.
+fn percent_decoded(text: &str) -> Vec<u8> {
+    let bytes = text.as_bytes();
+    let mut decoded = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let escaped = (bytes[i] == b'%')
+            .then(|| text.get(i + 1..i + 3))
+            .flatten()
+            .filter(|hex| hex.bytes().all(|b| b.is_ascii_hexdigit()))
+            .and_then(|hex| u8::from_str_radix(hex, 16).ok());
+        match escaped {
+            Some(b) => {
+                decoded.push(b);
+                i += 3;
+            }
+            None => {
+                decoded.push(bytes[i]);
+                i += 1;
+            }
+        }
+    }
+    decoded
+}
+
+/// Shows a normalised reading as a path, for messages.
+fn shown(segments: &[Vec<u8>]) -> String {
+    let mut text = String::new();
+    for segment in segments {
+        text.push('/');
+        text.push_str(&String::from_utf8_lossy(segment));
+    }
+    if text.is_empty() {
+        text.push('/');
+    }
+    text
+}
+
+/// A path's segments with unreserved characters decoded and dot segments resolved (the reading
+/// as sent); `None` for a path that is not absolute (`*` of `OPTIONS *`).
 fn normalized(path: &str) -> Option<Vec<Cow<'_, str>>> {
     let rest = path.strip_prefix('/')?;
     let mut segments: Vec<Cow<'_, str>> = Vec::new();
@@ -244,8 +393,94 @@ pub enum RouteError {
     },
 }
 
+/// How the upstream may read paths beyond the two readings every route table uses (as sent, and
+/// normalised: see the [module](self) docs). Both are off by default; turn on what the upstream
+/// does, so that a spelling it reads as a protected path is matched as that path.
+///
+/// Written as a flag takes it: `standard` (nothing added), or a comma-separated list of
+/// `case-insensitive` and `strip-params`.
+///
+/// ```
+/// use idem_core::PathReadings;
+///
+/// let tomcat: PathReadings = "strip-params".parse()?;
+/// assert!(tomcat.strip_params && !tomcat.case_insensitive);
+/// assert_eq!(PathReadings::default().to_string(), "standard");
+/// # Ok::<(), idem_core::PathReadingsError>(())
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct PathReadings {
+    /// The normalised reading ignores ASCII case (`/PAYMENTS/1` is `/payments/1`), as ASP.NET and
+    /// IIS route.
+    pub case_insensitive: bool,
+    /// The normalised reading drops `;params` from each segment (`/pay;jsessionid=1` is `/pay`),
+    /// as Tomcat, Jetty and Spring do.
+    pub strip_params: bool,
+}
+
+/// A [`PathReadings`] that does not parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown path reading {0:?}: use standard, or case-insensitive and/or strip-params (comma-separated)")]
+pub struct PathReadingsError(String);
+
+impl FromStr for PathReadings {
+    type Err = PathReadingsError;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let mut readings = Self::default();
+        for word in text.split(',').map(str::trim) {
+            match word {
+                "standard" => {}
+                "case-insensitive" => readings.case_insensitive = true,
+                "strip-params" => readings.strip_params = true,
+                other => return Err(PathReadingsError(other.to_owned())),
+            }
+        }
+        Ok(readings)
+    }
+}
+
+impl fmt::Display for PathReadings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match (self.case_insensitive, self.strip_params) {
+            (false, false) => f.write_str("standard"),
+            (true, false) => f.write_str("case-insensitive"),
+            (false, true) => f.write_str("strip-params"),
+            (true, true) => f.write_str("case-insensitive,strip-params"),
+        }
+    }
+}
+
+/// A path whose readings fall under two different protecting rules: which one the upstream runs
+/// depends on how it reads paths, so neither is applied and the request is refused
+/// (`400 path-ambiguous`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the path {path} falls under {as_sent} as sent, but reads as {normalised} once decoded and normalised (as many servers read it), which falls under {normalised_rules}: idem cannot tell which of the two the upstream runs, so it applies neither. Send the path as the upstream names it. The request was not processed."
+)]
+pub struct PathAmbiguous {
+    /// The path as sent.
+    pub path: String,
+    /// The rules of the reading as sent: `route PATTERN` or `the default rules (no route)`.
+    pub as_sent: String,
+    /// The normalised reading.
+    pub normalised: String,
+    /// The rules of the normalised reading.
+    pub normalised_rules: String,
+}
+
+impl PathAmbiguous {
+    /// The client's answer: `400 path-ambiguous`, the detail naming both readings.
+    pub fn to_problem(&self) -> crate::problem::Problem {
+        crate::problem::Problem::new(crate::problem::ProblemKind::PathAmbiguous, self.to_string())
+    }
+}
+
 /// Rules by path, tried in order: the first route whose pattern matches a request's path decides
 /// its policy; a path no route matches gets the default policy.
+///
+/// Each path is matched in two readings, as sent and normalised (see the [module](self) docs);
+/// [`choose`](Self::choose) says how they are reconciled.
 ///
 /// ```
 /// use std::time::Duration;
@@ -259,9 +494,13 @@ pub enum RouteError {
 ///         RouteRule::Protect(Policy { missing_key: MissingKeyPolicy::Require, ..defaults.clone() }),
 ///     )?
 ///     .with("/exports", RouteRule::Protect(Policy { ttl: Duration::from_secs(600), ..defaults }))?;
-/// assert!(matches!(routes.find("/webhooks/github").map(|r| &r.rule), Some(RouteRule::PassThrough)));
-/// assert_eq!(routes.find("/payments/p_1/capture").unwrap().pattern.as_str(), "/payments/{id}/capture");
-/// assert!(routes.find("/refunds").is_none());
+/// assert!(matches!(routes.find("/webhooks/github").unwrap().map(|r| &r.rule), Some(RouteRule::PassThrough)));
+/// let capture = routes.find("/payments/p_1/capture").unwrap().unwrap();
+/// assert_eq!(capture.pattern.as_str(), "/payments/{id}/capture");
+/// // Another spelling of the same path, as servers read it, gets the same route.
+/// let spelt = routes.find("//payments/p_1%2Fcapture/").unwrap().unwrap();
+/// assert_eq!(spelt.pattern.as_str(), "/payments/{id}/capture");
+/// assert!(routes.find("/refunds").unwrap().is_none());
 /// // A route an earlier one hides is refused.
 /// assert!(Routes::new().with("/*", RouteRule::PassThrough)?.with("/pay", RouteRule::PassThrough).is_err());
 /// # Ok::<(), idem_core::RouteError>(())
@@ -269,12 +508,31 @@ pub enum RouteError {
 #[derive(Debug, Clone, Default)]
 pub struct Routes {
     routes: Vec<Route>,
+    /// Each route's pattern as the normalised reading sees it, in the routes' order.
+    normal: Vec<NormalPattern>,
+    readings: PathReadings,
 }
 
 impl Routes {
     /// No routes: every request gets the default policy.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Reads paths as the upstream does too: case-insensitively, or with `;params` stripped.
+    pub fn with_readings(mut self, readings: PathReadings) -> Self {
+        self.readings = readings;
+        self.normal = self
+            .routes
+            .iter()
+            .map(|route| normal_form(&route.pattern, readings))
+            .collect();
+        self
+    }
+
+    /// The readings added to the standard two.
+    pub fn readings(&self) -> PathReadings {
+        self.readings
     }
 
     /// Adds a route after the others; refused if the pattern does not parse, if an earlier route
@@ -292,6 +550,7 @@ impl Routes {
                 error,
             })?;
         }
+        self.normal.push(normal_form(&pattern, self.readings));
         self.routes.push(Route { pattern, rule });
         Ok(())
     }
@@ -302,20 +561,68 @@ impl Routes {
         Ok(self)
     }
 
-    /// The first route matching `path`, if any.
-    pub fn find(&self, path: &str) -> Option<&Route> {
-        self.position(path).map(|at| &self.routes[at])
+    /// The route whose rules `path` gets (`None`: the default policy), or why it gets none.
+    /// See [`choose`](Self::choose).
+    pub fn find(&self, path: &str) -> Result<Option<&Route>, PathAmbiguous> {
+        Ok(self.choose(path)?.map(|at| &self.routes[at]))
     }
 
-    /// The index of the first route matching `path`, if any.
-    pub fn position(&self, path: &str) -> Option<usize> {
+    /// The index of the route whose rules `path` (a request's path, without its query) gets;
+    /// `None` for the default policy.
+    ///
+    /// The first route matching each reading is found. If the readings agree, that is the
+    /// choice. If they do not, no spelling may get weaker protection than a reading of it:
+    ///
+    /// * a pass-through (`enabled = false`) route never wins over protection, whether a route's
+    ///   or the default's: a spelling that reads as a protected path is protected;
+    /// * a route the normalised reading names wins over the default that the spelling as sent
+    ///   falls to (`//payments/1` is `/payments/{id}`): the default is for paths no route names;
+    /// * any other pair of protections (two routes, or a route as sent and the default once
+    ///   normalised, as with `/payments/..%2Frefunds`) is [`PathAmbiguous`].
+    ///
+    /// `*` (the asterisk form of `OPTIONS *`) gets the catch-all route `/*`, if there is one.
+    pub fn choose(&self, path: &str) -> Result<Option<usize>, PathAmbiguous> {
         if self.routes.is_empty() {
-            return None;
+            return Ok(None);
         }
-        let segments = normalized(path)?;
-        self.routes
-            .iter()
-            .position(|route| route.pattern.matches_segments(&segments))
+        if path == "*" {
+            return Ok(self
+                .routes
+                .iter()
+                .position(|route| route.pattern.prefix && route.pattern.segments.is_empty()));
+        }
+        let as_sent = normalized(path).and_then(|segments| {
+            self.routes
+                .iter()
+                .position(|route| route.pattern.matches_segments(&segments))
+        });
+        let normal = normal_reading(path, self.readings);
+        let normalised = normal
+            .as_ref()
+            .and_then(|segments| self.normal.iter().position(|pattern| pattern.matches(segments)));
+        if as_sent == normalised {
+            return Ok(as_sent);
+        }
+        let protects = |at: Option<usize>| at.is_none_or(|at| matches!(self.routes[at].rule, RouteRule::Protect(_)));
+        match (protects(as_sent), protects(normalised)) {
+            (true, false) => Ok(as_sent),
+            (false, _) => Ok(normalised),
+            (true, true) if as_sent.is_none() => Ok(normalised),
+            (true, true) => Err(PathAmbiguous {
+                path: path.to_owned(),
+                as_sent: self.rules_of(as_sent),
+                normalised: shown(normal.as_deref().unwrap_or_default()),
+                normalised_rules: self.rules_of(normalised),
+            }),
+        }
+    }
+
+    /// The rules a reading fell under, for messages.
+    fn rules_of(&self, at: Option<usize>) -> String {
+        match at {
+            Some(at) => format!("route {}", self.routes[at].pattern),
+            None => "the default rules (no route)".to_owned(),
+        }
     }
 
     /// The routes, in order.
@@ -388,7 +695,16 @@ mod tests {
     #[test]
     fn bad_patterns_say_why() {
         for bad in [
-            "payments", "/a*", "/*/x", "/a/{}", "/a/{id", "/a/x{id}", "/a?b=1", "/a/../b", "/{a-b}",
+            "payments",
+            "/a*",
+            "/*/x",
+            "/a/{}",
+            "/a/{id",
+            "/a/x{id}",
+            "/a?b=1",
+            "/a/../b",
+            "/{a-b}",
+            "/a/%2E%2e/b",
         ] {
             assert!(bad.parse::<RoutePattern>().is_err(), "{bad:?} should not parse");
         }
@@ -439,14 +755,209 @@ mod tests {
             .unwrap()
             .with("/payments/*", RouteRule::Protect(Policy::default()))
             .unwrap();
-        assert_eq!(routes.position("/payments/refunds"), Some(0));
-        assert_eq!(routes.position("/payments/p1"), Some(1));
-        assert_eq!(routes.position("/other"), None);
+        assert_eq!(routes.choose("/payments/refunds"), Ok(Some(0)));
+        assert_eq!(routes.choose("/payments/p1"), Ok(Some(1)));
+        assert_eq!(routes.choose("/other"), Ok(None));
         let bad = Policy {
             ttl: std::time::Duration::ZERO,
             ..Policy::default()
         };
         let refused = Routes::new().with("/x", RouteRule::Protect(bad)).unwrap_err();
         assert!(refused.to_string().contains("ttl"), "{refused}");
+    }
+
+    #[test]
+    fn the_normalised_reading_is_what_servers_read() {
+        let standard = PathReadings::default();
+        let both = PathReadings {
+            case_insensitive: true,
+            strip_params: true,
+        };
+        let cases: &[(&str, PathReadings, &str)] = &[
+            ("/payments/1", standard, "/payments/1"),
+            ("//payments/1", standard, "/payments/1"),
+            ("/payments//1", standard, "/payments/1"),
+            ("/payments/1/", standard, "/payments/1"),
+            ("/payments/1//", standard, "/payments/1"),
+            ("/payments%2F1", standard, "/payments/1"),
+            ("/payments%2f1", standard, "/payments/1"),
+            ("/payments/./1", standard, "/payments/1"),
+            ("/payments/x/../1", standard, "/payments/1"),
+            ("/payments/x/..%2F1", standard, "/payments/1"),
+            ("/webhooks/..%2Fpayments%2F1", standard, "/payments/1"),
+            ("/../../payments/1", standard, "/payments/1"),
+            ("/pay%6Dents/1", standard, "/payments/1"),
+            ("/", standard, "/"),
+            ("//", standard, "/"),
+            ("/a/..", standard, "/"),
+            // One decoding only, and escapes that are not two hex digits stay as they are.
+            ("/payments%252F1", standard, "/payments%2F1"),
+            ("/a%2", standard, "/a%2"),
+            ("/a%+1", standard, "/a%+1"),
+            ("/caf%C3%A9", standard, "/café"),
+            // The settings: case folded, `;params` stripped before decoding.
+            ("/PAYMENTS/1", standard, "/PAYMENTS/1"),
+            ("/PAYMENTS/1", both, "/payments/1"),
+            ("/pay;jsessionid=1", standard, "/pay;jsessionid=1"),
+            ("/pay;jsessionid=1", both, "/pay"),
+            ("/payments;a=b/1;c", both, "/payments/1"),
+            ("/pay%3Bx", both, "/pay;x"),
+        ];
+        for &(path, readings, expected) in cases {
+            let reading = normal_reading(path, readings).expect("an absolute path");
+            assert_eq!(shown(&reading), expected, "{path} under {readings}");
+        }
+        assert_eq!(normal_reading("*", standard), None);
+    }
+
+    /// `/payments/{id}` requires a key; `/payments/*` and `/webhooks/*` pass through.
+    fn payments() -> Routes {
+        let require = Policy {
+            missing_key: crate::MissingKeyPolicy::Require,
+            ..Policy::default()
+        };
+        Routes::new()
+            .with("/payments/{id}", RouteRule::Protect(require))
+            .unwrap()
+            .with("/payments/*", RouteRule::PassThrough)
+            .unwrap()
+            .with("/webhooks/*", RouteRule::PassThrough)
+            .unwrap()
+            .with("/orders/*", RouteRule::Protect(Policy::default()))
+            .unwrap()
+    }
+
+    #[test]
+    fn a_spelling_gets_the_protection_of_what_it_reads_as() {
+        let routes = payments();
+        // (path, the route chosen: None for the default)
+        let cases: &[(&str, Option<usize>)] = &[
+            ("/payments/1", Some(0)),
+            // As sent: the default; normalised: the route. The route.
+            ("//payments/1", Some(0)),
+            ("/payments%2F1", Some(0)),
+            ("/payments%2f1", Some(0)),
+            // As sent: the pass-through `/payments/*`; normalised: the route. Protection wins.
+            ("/payments//1", Some(0)),
+            ("/payments/1/", Some(0)),
+            ("/webhooks/..%2Fpayments%2F1", Some(0)),
+            // As sent: the pass-through; normalised: the default. Protection wins.
+            ("/webhooks/..%2Frefunds", None),
+            // Both readings pass through, if by different routes: the request passes.
+            ("/webhooks/..%2Fpayments%2F1%2Frefunds", Some(1)),
+            ("/payments/1/refunds", Some(1)),
+            ("/webhooks/github", Some(2)),
+            // Both readings agree.
+            ("/refunds", None),
+            ("/orders//7", Some(3)),
+            // Not absolute, and no catch-all route: the default.
+            ("*", None),
+            ("", None),
+        ];
+        for &(path, expected) in cases {
+            assert_eq!(routes.choose(path), Ok(expected), "{path}");
+        }
+    }
+
+    #[test]
+    fn a_spelling_under_two_protections_is_ambiguous() {
+        let routes = payments();
+        for (path, as_sent, normalised, normalised_rules) in [
+            (
+                "/payments/..%2Frefunds",
+                "route /payments/{id}",
+                "/refunds",
+                "the default rules (no route)",
+            ),
+            (
+                "/payments/..%2Forders%2F7",
+                "route /payments/{id}",
+                "/orders/7",
+                "route /orders/*",
+            ),
+            (
+                "/orders/..%2Fpayments%2F1",
+                "route /orders/*",
+                "/payments/1",
+                "route /payments/{id}",
+            ),
+        ] {
+            let err = routes.choose(path).unwrap_err();
+            assert_eq!(
+                (
+                    err.as_sent.as_str(),
+                    err.normalised.as_str(),
+                    err.normalised_rules.as_str()
+                ),
+                (as_sent, normalised, normalised_rules),
+                "{path}"
+            );
+            let message = err.to_string();
+            for named in [path, as_sent, normalised, normalised_rules] {
+                assert!(message.contains(named), "{message} names {named}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_asterisk_form_gets_the_catch_all() {
+        let catch_all = Routes::new()
+            .with("/pay", RouteRule::PassThrough)
+            .unwrap()
+            .with("/*", RouteRule::Protect(Policy::default()))
+            .unwrap();
+        assert_eq!(catch_all.choose("*"), Ok(Some(1)));
+        let passing = Routes::new().with("/*", RouteRule::PassThrough).unwrap();
+        assert_eq!(passing.choose("*"), Ok(Some(0)));
+        assert_eq!(payments().choose("*"), Ok(None));
+    }
+
+    #[test]
+    fn the_settings_add_what_the_upstream_reads() {
+        let pay = |readings| {
+            Routes::new()
+                .with("/Payments/{id}", RouteRule::Protect(Policy::default()))
+                .unwrap()
+                .with_readings(readings)
+        };
+        let standard = pay(PathReadings::default());
+        assert_eq!(standard.choose("/payments/1"), Ok(None));
+        assert_eq!(
+            standard.choose("/Payments/1;jsessionid=2"),
+            Ok(Some(0)),
+            "a param is a segment's text"
+        );
+        assert_eq!(standard.choose("/Payments/1/x;y"), Ok(None));
+        let aspnet = pay("case-insensitive".parse().unwrap());
+        for path in ["/payments/1", "/PAYMENTS/1", "/Payments/1/", "//pAyMeNtS%2f1"] {
+            assert_eq!(aspnet.choose(path), Ok(Some(0)), "{path}");
+        }
+        let tomcat = pay("strip-params".parse().unwrap());
+        assert_eq!(tomcat.choose("/Payments;jsessionid=1/1"), Ok(Some(0)));
+        assert_eq!(tomcat.choose("/payments/1"), Ok(None));
+        // A route added after the setting is read the same way.
+        let later = Routes::new()
+            .with_readings("case-insensitive".parse().unwrap())
+            .with("/Pay", RouteRule::Protect(Policy::default()))
+            .unwrap();
+        assert_eq!(later.choose("/pay"), Ok(Some(0)));
+    }
+
+    #[test]
+    fn path_readings_parse_and_print() {
+        for text in [
+            "standard",
+            "case-insensitive",
+            "strip-params",
+            "case-insensitive,strip-params",
+        ] {
+            let readings: PathReadings = text.parse().unwrap();
+            assert_eq!(readings.to_string(), text);
+        }
+        let both: PathReadings = "strip-params, case-insensitive".parse().unwrap();
+        assert!(both.case_insensitive && both.strip_params);
+        for bad in ["", "lowercase", "case-insensitive,"] {
+            assert!(bad.parse::<PathReadings>().is_err(), "{bad:?}");
+        }
     }
 }

@@ -1,6 +1,6 @@
 //! Which protocol a request runs under, picked by its path from the layer's [`Routes`].
 
-use idem_core::{Protocol, RouteRule, Routes};
+use idem_core::{PathAmbiguous, Protocol, RouteRule, Routes};
 use metrics::SharedString;
 
 /// The metrics label of requests no route matches.
@@ -58,11 +58,12 @@ impl Routing {
             })
     }
 
-    /// The pick for a request's path.
-    pub(crate) fn pick(&self, path: &str) -> &Pick {
-        match self.routes.position(path) {
+    /// The pick for a request's path, matched in every reading an upstream could give it; a path
+    /// whose readings fall under two different protecting rules gets none.
+    pub(crate) fn pick(&self, path: &str) -> Result<&Pick, PathAmbiguous> {
+        Ok(match self.routes.choose(path)? {
             Some(at) => &self.picks[at],
             None => &self.default,
-        }
+        })
     }
 }

@@ -27,7 +27,7 @@ use tower_service::Service;
 
 use crate::body::{Body, BoxError, Collected, boxed, collect_up_to, full};
 use crate::checkpoints::Checkpoints;
-use crate::routing::Routing;
+use crate::routing::{DEFAULT_ROUTE, Routing};
 
 /// The service made by [`IdempotencyLayer`](crate::IdempotencyLayer).
 #[derive(Clone, Debug)]
@@ -73,7 +73,16 @@ where
         // The clone that was driven to readiness is the one that serves this request.
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
-        let pick = self.routing.pick(request.uri().path());
+        let pick = match self.routing.pick(request.uri().path()) {
+            Ok(pick) => pick,
+            Err(ambiguous) => {
+                // Refused before any rule applies: no route to label it with but the default's.
+                let problem = ambiguous.to_problem();
+                let route = SharedString::const_str(DEFAULT_ROUTE);
+                record_outcome(&route, None, Outcome::PathAmbiguous, problem.kind.status());
+                return Box::pin(std::future::ready(Ok(problem.to_response().map(full))));
+            }
+        };
         let Some(protocol) = pick.protocol.clone() else {
             // A route that passes through untouched: no key is read, nothing is stored.
             let call = inner.call(request.map(boxed));

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use clap::builder::BoolishValueParser;
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
-use idem_core::{AnonymousPolicy, KeyTimeFormats, MissingKeyPolicy, ScopeSource};
+use idem_core::{AnonymousPolicy, KeyTimeFormats, MissingKeyPolicy, PathReadings, ScopeSource};
 use serde::Deserialize;
 
 use crate::config::de;
@@ -227,6 +227,13 @@ pub(crate) struct ServeSettings {
     /// The PEM private key of --tls-cert.
     #[arg(long, env = "IDEM_TLS_KEY", value_name = "FILE")]
     pub(crate) tls_key: Option<PathBuf>,
+    /// How the upstream reads paths, besides as sent and normalised (percent-decoded, dot
+    /// segments removed, slashes merged, a trailing slash ignored), which routes always match:
+    /// standard, or case-insensitive and/or strip-params (comma-separated) for upstreams that
+    /// route case-insensitively (ASP.NET) or drop `;params` (Tomcat).
+    #[arg(long, env = "IDEM_PATH_READINGS")]
+    #[serde(deserialize_with = "de::parsed")]
+    pub(crate) path_readings: Option<PathReadings>,
     /// Rules by path, in the config file only: `[[route]]` tables.
     #[arg(skip)]
     pub(crate) route: Vec<RouteSettings>,

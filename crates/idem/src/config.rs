@@ -11,7 +11,9 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::time::Duration;
 
-use idem_core::{Keyring, Policy, RouteError, RoutePattern, RouteRule, Routes, ScopeSecret, ScopeSecrets, ScopeSource};
+use idem_core::{
+    Keyring, PathReadings, Policy, RouteError, RoutePattern, RouteRule, Routes, ScopeSecret, ScopeSecrets, ScopeSource,
+};
 
 use crate::cli::{Misconfigured, RouteSettings, ServeArgs, ServeSettings};
 use crate::proxy::UpstreamOptions;
@@ -60,6 +62,7 @@ impl Defaults {
             ("max_connections", Self::MAX_CONNECTIONS.to_string()),
             ("shutdown_grace", format_duration(Self::SHUTDOWN_GRACE)),
             ("upstream_http2", Self::UPSTREAM_HTTP2.to_string()),
+            ("path_readings", PathReadings::default().to_string()),
         ]
     }
 }
@@ -182,7 +185,8 @@ impl ServeConfig {
         let routes = match &origins.file {
             Some(file) => routes(file, &settings.route, &policy)?,
             None => Routes::new(),
-        };
+        }
+        .with_readings(settings.path_readings.unwrap_or_default());
         let keyring = keyring_from_env()?;
         let scope_secrets = scope_secrets_from_env()?;
         Ok(Self {
@@ -269,6 +273,7 @@ fn merge(flags: ServeSettings, file: ServeSettings, from_file: &mut BTreeSet<Str
         upstream_http2,
         tls_cert,
         tls_key,
+        path_readings,
     )
 }
 

@@ -99,7 +99,8 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let scheme = if tls.is_some() { "https" } else { "http" };
     println!("idem listening on {scheme}://{addr} admin http://{admin_addr}");
     let routes: Vec<&str> = config.routes.iter().map(|route| route.pattern.as_str()).collect();
-    tracing::info!(%addr, %admin_addr, upstream = %config.upstream, store = %config.store, ?routes, "idem serve started");
+    let path_readings = config.routes.readings();
+    tracing::info!(%addr, %admin_addr, upstream = %config.upstream, store = %config.store, ?routes, %path_readings, "idem serve started");
 
     let shutdown = CancellationToken::new();
     let purger = gateway

@@ -131,7 +131,11 @@ async fn a_bad_config_file_stops_the_start_naming_the_setting_and_its_line() {
             &["line 1", "lease: must be at least 1s"],
         ),
         ("a size of the wrong type", "max-body = true\n", &["line 1", "max-body"]),
-        ("lowercase methods", "methods = [\"post\"]\n", &["line 1", "write POST"]),
+        (
+            "a method that is not one",
+            "methods = [\"PO ST\"]\n",
+            &["line 1", "not an HTTP method"],
+        ),
         ("not TOML", "ttl = 24h\n", &["line 1"]),
         (
             "a route behind a wider one",
