@@ -484,10 +484,7 @@ pub async fn delete_fences_the_holder(h: &impl Harness) {
         store.checkpoint(&id, token, step("late", "x")).await,
         Err(StoreError::Fenced)
     ));
-    unknown_after_delete(
-        store.get(&id).await.expect("get"),
-        "after the fenced holder's attempts",
-    );
+    unknown_after_delete(store.get(&id).await.expect("get"), "after the fenced holder's attempts");
     assert!(
         store.checkpoints(&id).await.expect("checkpoints").is_empty(),
         "delete drops the run's checkpoints"
@@ -516,7 +513,10 @@ pub async fn delete_fences_the_holder(h: &impl Harness) {
     store.delete(&id).await.expect("delete").expect("the new claim");
     let deleted = store.delete(&id).await.expect("delete").expect("the unknown record");
     assert!(matches!(deleted.state, RecordState::Unknown { .. }), "{deleted:?}");
-    assert!(store.get(&id).await.expect("get").is_none(), "a deleted unknown record is gone");
+    assert!(
+        store.get(&id).await.expect("get").is_none(),
+        "a deleted unknown record is gone"
+    );
     assert!(matches!(
         begin(&*store, &id, &fingerprint("other request"), now).await.0,
         Begin::Acquired { recovered: false }
@@ -644,7 +644,10 @@ pub async fn purge_keeps_unanswered_keys_until_purge_at(h: &impl Harness) {
         .expect("a claim whose lease runs is kept past its purge_at");
     assert!(matches!(record.state, RecordState::InFlight { .. }), "{record:?}");
     let still = existing(begin(&*store, &running, &fp, UnixMillis::now()).await.0);
-    assert!(matches!(still.state, RecordState::InFlight { .. }), "and not claimed anew");
+    assert!(
+        matches!(still.state, RecordState::InFlight { .. }),
+        "and not claimed anew"
+    );
 }
 
 /// Deleting a completed record, a tombstone or an unknown outcome returns it as it was and frees

@@ -582,8 +582,8 @@ impl Store for PostgresStore {
                         &take_over,
                         &[&scope, &key, &token, &lease_until, &purge_at, &notice, &expires_at],
                     )
-                        .await
-                        .map_err(db)?;
+                    .await
+                    .map_err(db)?;
                     Begin::Acquired { recovered: true }
                 } else {
                     // A corrupt row fails here, before anything is changed.

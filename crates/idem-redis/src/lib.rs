@@ -36,7 +36,9 @@
 //!   `digest`, `token`, `lease_until`, `recovered`, `created_at`, `completed_at`, `expires_at`,
 //!   `purge_at`, `replays` (times in Unix milliseconds; `recovered` says whether the current claim
 //!   is a takeover, so that a `begin` the client resends after losing its reply gets its own claim
-//!   back). It expires at `purge_at` (an in-flight record 7 days after its lease ends);
+//!   back). It expires at `purge_at`: the tombstone's end of the claim, or of the unknown outcome it
+//!   was released as (never before a running lease ends; a claim written before claims carried a
+//!   `purge_at` of their own, 7 days after its lease ends);
 //! * `PREFIX:{TAG}:body`, the stored answer, which expires at `expires_at`: a completed record
 //!   then remains as a tombstone (its fingerprint, no answer) until `purge_at`;
 //! * `PREFIX:{TAG}:checkpoints`, a hash of the run's checkpoints, present once one is written:

@@ -138,7 +138,16 @@ async fn a_stale_token_is_fenced_after_a_takeover() {
         Err(StoreError::Fenced)
     ));
     assert!(matches!(
-        store.release(&id, old, Release::Unknown { expires_at: later, purge_at: later }).await,
+        store
+            .release(
+                &id,
+                old,
+                Release::Unknown {
+                    expires_at: later,
+                    purge_at: later
+                }
+            )
+            .await,
         Err(StoreError::Fenced)
     ));
 
@@ -180,7 +189,14 @@ async fn releases_forget_or_remember_an_unknown_outcome() {
     let purge_at = T0.plus(Duration::from_secs(3600));
     let (_, token) = begin(&store, &unknown, &fp, T0).await;
     store
-        .release(&unknown, token, Release::Unknown { expires_at: purge_at, purge_at })
+        .release(
+            &unknown,
+            token,
+            Release::Unknown {
+                expires_at: purge_at,
+                purge_at,
+            },
+        )
         .await
         .unwrap();
     let record = store.get(&unknown).await.unwrap().unwrap();
@@ -196,7 +212,14 @@ async fn releases_forget_or_remember_an_unknown_outcome() {
     let gone = id("gone");
     let (_, token) = begin(&store, &gone, &fp, T0).await;
     store
-        .release(&gone, token, Release::Unknown { expires_at: purge_at, purge_at })
+        .release(
+            &gone,
+            token,
+            Release::Unknown {
+                expires_at: purge_at,
+                purge_at,
+            },
+        )
         .await
         .unwrap();
     let other = fingerprint(b"other");
@@ -375,7 +398,17 @@ async fn purge_takes_the_checkpoints_with_the_record() {
     };
     store.checkpoint(&id, token, step.clone()).await.unwrap();
     let purge_at = T0.plus(Duration::from_secs(60));
-    store.release(&id, token, Release::Unknown { expires_at: purge_at, purge_at }).await.unwrap();
+    store
+        .release(
+            &id,
+            token,
+            Release::Unknown {
+                expires_at: purge_at,
+                purge_at,
+            },
+        )
+        .await
+        .unwrap();
     assert_eq!(
         store.checkpoints(&id).await.unwrap(),
         vec![step],

@@ -132,7 +132,11 @@ pub(crate) async fn delete(args: RecordArgs) -> anyhow::Result<()> {
     } else {
         "the key is free for a new request"
     };
-    let mut out = format!("deleted:  the {state} record of {} {}; {effect}\n", fp.method(), fp.path());
+    let mut out = format!(
+        "deleted:  the {state} record of {} {}; {effect}\n",
+        fp.method(),
+        fp.path()
+    );
     let keyring = crate::config::keyring_from_env()?;
     out.push_str(&describe(&deleted, keyring.as_ref()));
     if let RecordState::InFlight { expires_at, .. } = deleted.state {

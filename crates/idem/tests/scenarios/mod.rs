@@ -382,7 +382,10 @@ pub(crate) async fn delete_in_flight_marks_the_next_run_recovered(store: &str) {
     );
     let third = send(request()).await;
     assert!(third.replayed(), "{third}");
-    assert_eq!(third.body, waiting.body, "the recovered run's answer was stored: {third}");
+    assert_eq!(
+        third.body, waiting.body,
+        "the recovered run's answer was stored: {third}"
+    );
     assert_eq!(count(&upstream.state.pay), 2);
     let text = String::from_utf8_lossy(&delete.stdout);
     assert!(
