@@ -131,16 +131,16 @@ FROM idem_records WHERE scope = $SCOPE AND key = 'r-' || :i::text;
 EOF
 
 # The store's own CLAIM, read from crates/idem-postgres/src/store.rs (so it never drifts from the
-# store), with the values of the store's sizes written in for $1..$8. On a completed record it
+# store), with the values of the store's sizes written in for $1..$9. On a completed record it
 # reads the record and inserts nothing.
 CLAIM_SQL=$(sed -n '/^const CLAIM: &str = "$/,/";$/p' "$ROOT/crates/idem-postgres/src/store.rs" | sed '1d;$s/";$//')
-case $CLAIM_SQL in *'$8'*) ;; *) die "cannot read CLAIM (with its parameters \$1..\$8) in crates/idem-postgres/src/store.rs" ;; esac
+case $CLAIM_SQL in *'$9'*) ;; *) die "cannot read CLAIM (with its parameters \$1..\$9) in crates/idem-postgres/src/store.rs" ;; esac
 CLAIM_VALUES=("$SCOPE" "'r-' || :i::text" "decode(repeat('ab', 113), 'hex')" "decode(repeat('cd', 32), 'hex')"
-    "'\\x00112233445566778899aabbccddeeff'::bytea" 1767225660000 1767225600000 1767830400000)
-for n in 8 7 6 5 4 3 2 1; do
+    "'\\x00112233445566778899aabbccddeeff'::bytea" 1767225660000 1767225600000 1767830400000 1767312000000)
+for n in 9 8 7 6 5 4 3 2 1; do
     CLAIM_SQL=${CLAIM_SQL//"\$$n"/${CLAIM_VALUES[$((n - 1))]}}
 done
-case $CLAIM_SQL in *'$'[0-9]*) die "CLAIM in crates/idem-postgres/src/store.rs has parameters past \$8" ;; esac
+case $CLAIM_SQL in *'$'[0-9]*) die "CLAIM in crates/idem-postgres/src/store.rs has parameters past \$9" ;; esac
 printf '\\set i random(0, 9999)\n%s;\n' "$CLAIM_SQL" >"$TMP/claim.sql"
 
 # pgb SCRIPT CLIENTS: transactions (one script run) per second, or dies.

@@ -264,6 +264,16 @@ impl Policy {
             .any(|listed| listed.as_str().eq_ignore_ascii_case(method.as_str()))
     }
 
+    /// Until when a key settled at `now` is replayed or taken over (`expires_at`), and when its
+    /// record goes (`purge_at`): the ttl, then the tombstone. A provisional key (`window`) leaves
+    /// no tombstone: after the window the same body is a new request.
+    pub(crate) fn retention(&self, now: UnixMillis, window: Option<Duration>) -> (UnixMillis, UnixMillis) {
+        match window {
+            Some(window) => (now.plus(window), now.plus(window)),
+            None => (now.plus(self.ttl), now.plus(self.tombstone_ttl.max(self.ttl))),
+        }
+    }
+
     /// Whether an answer with this status is stored (otherwise the key is released and a retry
     /// runs again): every status below 500 except 408, 409, 425 and 429; 5xx only with `store_5xx`.
     pub fn stores(&self, status: StatusCode) -> bool {

@@ -476,7 +476,7 @@ impl Protocol {
         loop {
             let now = self.now();
             let token = FencingToken::random();
-            let record = match self.claim_or_read(&id, fingerprint, now, token).await {
+            let record = match self.claim_or_read(&id, fingerprint, now, token, provisional).await {
                 Err(err) => return self.store_failed(&err, id),
                 // A key new in this scope may have been run under the caller's scope of before a
                 // change of hashing: decided on that record if there is one.
@@ -607,16 +607,9 @@ impl Protocol {
         waited: bool,
         accept: &AcceptEncoding,
     ) -> Judgement {
-        if let RecordState::Completed {
-            response,
-            expires_at,
-            completed_at,
-            ..
-        } = &record.state
-            && (now >= *expires_at || response.is_none())
-        {
+        if let Some(used_at) = expired_at(record, now) {
             let detail = format!(
-                "this key was used at {completed_at} and its answer is no longer kept; it has expired. Send the request again with a new key."
+                "this key was used at {used_at} and its answer is no longer kept; it has expired. Send the request again with a new key."
             );
             return Judgement::problem(Problem::new(ProblemKind::KeyExpired, detail), Outcome::Expired);
         }
@@ -646,7 +639,7 @@ impl Protocol {
                     Judgement::problem(Problem::new(ProblemKind::AnswerUnreadable, detail), Outcome::Unreadable)
                 }
             },
-            RecordState::InFlight { token, lease_until } => Judgement::Wait {
+            RecordState::InFlight { token, lease_until, .. } => Judgement::Wait {
                 holder: *token,
                 lease_until: *lease_until,
             },
@@ -689,10 +682,12 @@ impl Protocol {
         fingerprint: &Fingerprint,
         now: UnixMillis,
         token: FencingToken,
+        provisional: Option<Duration>,
     ) -> Result<Begin, StoreError> {
         let store = self.inner.store.clone();
         let (owned_id, owned_fingerprint) = (id.clone(), fingerprint.clone());
         let lease_until = now.plus(self.inner.policy.lease);
+        let (expires_at, purge_at) = self.inner.policy.retention(now, provisional);
         // Owned, so that it can be left to finish in the background if the store is too slow;
         // polled here otherwise, without a task of its own.
         let mut begin = Box::pin(async move {
@@ -701,6 +696,8 @@ impl Protocol {
                 fingerprint: &owned_fingerprint,
                 now,
                 lease_until,
+                expires_at,
+                purge_at,
                 token,
             };
             let begun = store.begin(request).await;
@@ -800,7 +797,28 @@ async fn give_up_claim(store: Arc<dyn Store>, id: RecordId, token: FencingToken,
 fn is_live(record: &Record, now: UnixMillis) -> bool {
     match record.state {
         RecordState::InFlight { .. } => true,
-        RecordState::Completed { purge_at, .. } | RecordState::Unknown { purge_at } => now < purge_at,
+        RecordState::Completed { purge_at, .. } | RecordState::Unknown { purge_at, .. } => now < purge_at,
+    }
+}
+
+/// When the key of `record` was used, if it has expired at `now`: an answer past its ttl (or
+/// dropped to a tombstone), an unknown outcome past its ttl, or a claim whose holder vanished
+/// (its lease ended) past its ttl. None of them runs again.
+fn expired_at(record: &Record, now: UnixMillis) -> Option<UnixMillis> {
+    match &record.state {
+        RecordState::Completed {
+            response,
+            expires_at,
+            completed_at,
+            ..
+        } => (now >= *expires_at || response.is_none()).then_some(*completed_at),
+        RecordState::Unknown { expires_at, .. } => (now >= *expires_at).then_some(record.created_at),
+        RecordState::InFlight {
+            lease_until,
+            expires_at: Some(expires_at),
+            ..
+        } => (now >= *lease_until && now >= *expires_at).then_some(record.created_at),
+        RecordState::InFlight { expires_at: None, .. } => None,
     }
 }
 

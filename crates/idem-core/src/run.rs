@@ -191,12 +191,7 @@ impl Protocol {
 
     async fn complete(&self, claim: &Claim, response: Bytes) -> Result<(), StoreError> {
         let now = self.now();
-        let policy = self.policy();
-        let (expires_at, purge_at) = match claim.provisional() {
-            // A provisional key leaves no tombstone: after the window the same body is a new request.
-            Some(window) => (now.plus(window), now.plus(window)),
-            None => (now.plus(policy.ttl), now.plus(policy.tombstone_ttl.max(policy.ttl))),
-        };
+        let (expires_at, purge_at) = self.policy().retention(now, claim.provisional());
         let completion = Completion {
             response,
             completed_at: now,

@@ -153,6 +153,8 @@ struct Run {
     stepped: bool,
     /// How the run is logged when it answered.
     outcome: Outcome,
+    /// The window of a provisional key.
+    provisional: Option<Duration>,
 }
 
 impl Protocol {
@@ -164,6 +166,7 @@ impl Protocol {
             recovered: claim.recovered(),
             stepped: claim.stepped(),
             outcome: claim.outcome(),
+            provisional: claim.provisional(),
         };
         decide(self.policy(), self.now(), run, end)
     }
@@ -201,10 +204,10 @@ impl Protocol {
 /// The after-the-handler table (see the module's doc), as a pure function of the policy, the
 /// time on the store's clock, the run and how it ended.
 fn decide(policy: &Policy, now: UnixMillis, run: Run, end: RunEnd<'_>) -> Settlement {
-    // Kept as unknown: the next run is marked recovered; past `ttl` the key is expired.
-    let unknown = Keep::Release(Release::Unknown {
-        purge_at: now.plus(policy.ttl),
-    });
+    // Kept as unknown: the next run within `ttl` is marked recovered; after it the key is
+    // expired until its tombstone ends, as an answered key is.
+    let (expires_at, purge_at) = policy.retention(now, run.provisional);
+    let unknown = Keep::Release(Release::Unknown { expires_at, purge_at });
     // A run that had no effect of its own is forgotten, so the retry runs as new — unless an
     // effect may stand from before (a recorded checkpoint, or the unknown outcome of the run this
     // one recovered from), which a plain re-run would repeat unflagged: then the record stays
@@ -320,6 +323,7 @@ mod tests {
             recovered,
             stepped,
             outcome: if recovered { Outcome::Recovered } else { Outcome::New },
+            provisional: None,
         }
     }
 
@@ -331,8 +335,10 @@ mod tests {
     }
 
     fn unknown(policy: &Policy) -> Keep {
+        let now = UnixMillis::from_i64(NOW_MS);
         Keep::Release(Release::Unknown {
-            purge_at: UnixMillis::from_i64(NOW_MS).plus(policy.ttl),
+            expires_at: now.plus(policy.ttl),
+            purge_at: now.plus(policy.tombstone_ttl.max(policy.ttl)),
         })
     }
 

@@ -65,6 +65,12 @@ pub struct BeginRequest<'a> {
     pub now: UnixMillis,
     /// When the claim's lease ends unless renewed.
     pub lease_until: UnixMillis,
+    /// Until when the key may be run again (taken over, marked recovered) if this claim ends
+    /// without an answer: the route's `ttl` from the claim. Past it such a key is expired.
+    pub expires_at: UnixMillis,
+    /// When the record is deleted if this claim ends without an answer (its lease ended too): the
+    /// longer of the route's `ttl` and `tombstone-ttl` from the claim.
+    pub purge_at: UnixMillis,
     /// A fresh token for the claim.
     pub token: FencingToken,
 }
@@ -108,6 +114,9 @@ pub enum RecordState {
         token: FencingToken,
         /// When the lease ends unless renewed.
         lease_until: UnixMillis,
+        /// Until when the claim may be taken over once its lease ended; past it the key is
+        /// expired. `None` for a claim made before records kept it: taken over until `purge_at`.
+        expires_at: Option<UnixMillis>,
     },
     /// The handler finished and its answer was stored.
     Completed {
@@ -120,9 +129,14 @@ pub enum RecordState {
         /// When the record (or its tombstone) is deleted.
         purge_at: UnixMillis,
     },
-    /// Released after the request was sent but no answer came back: whether it had effects is
-    /// unknown. The next claim with the same fingerprint is marked recovered.
+    /// Released after the request was sent but no answer came back (or deleted by an operator
+    /// while in flight): whether it had effects is unknown. Until `expires_at` the next claim with
+    /// the same fingerprint takes it over, marked recovered; from then until `purge_at` it is a
+    /// tombstone, as a completed record is.
     Unknown {
+        /// Until when the same request may run again, marked recovered (the route's `ttl` from
+        /// the release).
+        expires_at: UnixMillis,
         /// When the record is deleted.
         purge_at: UnixMillis,
     },
@@ -192,9 +206,12 @@ impl fmt::Debug for ScopeSalt {
 pub enum Release {
     /// Nothing happened (or nothing worth keeping): the record is deleted and the key may run again.
     Forget,
-    /// The request may have had effects: keep the record as [`RecordState::Unknown`] until
-    /// `purge_at`, so that the next run is marked recovered.
+    /// The request may have had effects: keep the record as [`RecordState::Unknown`], so that
+    /// the next run before `expires_at` is marked recovered and one after it is told the key
+    /// expired, until `purge_at`.
     Unknown {
+        /// Until when the same request may run again, marked recovered.
+        expires_at: UnixMillis,
         /// When the record is deleted.
         purge_at: UnixMillis,
     },
@@ -253,9 +270,11 @@ impl StoreError {
 #[async_trait]
 pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// Claims the record with `request.token`, atomically, if nobody holds it:
-    /// * no record, or one past its `purge_at`: a new claim (`recovered: false`);
+    /// * no record, or one past its `purge_at` (an in-flight one only once its lease ended too): a
+    ///   new claim (`recovered: false`);
     /// * an in-flight record whose lease ended before `now`, or an unknown-outcome record, with the
-    ///   same fingerprint digest: taken over (`recovered: true`);
+    ///   same fingerprint digest, before its `expires_at` (always, for a record that has none):
+    ///   taken over (`recovered: true`), with the request's `expires_at` and `purge_at`;
     /// * otherwise nothing changes and the record is returned. If it is completed, not expired and
     ///   has the same fingerprint digest, the replay is counted, and the record returned with it.
     ///   A store may write counts a moment later, in batches, so that a replay is a read: its own
@@ -296,11 +315,22 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// Asked once per instance, not per request.
     async fn scope_salt(&self, candidate: ScopeSalt) -> Result<ScopeSalt, StoreError>;
 
-    /// Deletes the record whatever its state, atomically, and returns it as it was (as
-    /// [`Store::get`] would have read it the moment before); `None` if there was none. An operator's
-    /// tool: a holder of the deleted claim is fenced from then on, its waiters are woken to look
-    /// again, and the key is free for a new claim. A record the store cannot read is deleted all
-    /// the same (an operator must be able to clear it) and reported as [`StoreError::Corrupt`].
+    /// An operator's tool: forgets the record, atomically, and returns it as it was (as
+    /// [`Store::get`] would have read it the moment before); `None` if there was none. What it
+    /// does depends on the record's state:
+    /// * completed (answer or tombstone) or unknown: deleted, and the key is free for a new claim;
+    /// * in flight: the key is *not* freed, since the run may have had effects. The holder is
+    ///   fenced (its renew, complete, checkpoint and release fail with [`StoreError::Fenced`]),
+    ///   the record becomes [`RecordState::Unknown`] with the claim's `expires_at` and `purge_at`
+    ///   (a claim made before records kept an `expires_at` gets its `purge_at` for both:
+    ///   [`ABANDONED_CLAIM_RETENTION`] after its lease), its checkpoints are dropped, and its
+    ///   waiters are woken: the same request then runs again marked recovered (or is told the key
+    ///   expired, past `expires_at`). Deleting it once more frees the key.
+    ///
+    /// A record the store cannot read is deleted all the same (an operator must be able to clear
+    /// it) and reported as [`StoreError::Corrupt`].
+    ///
+    /// [`ABANDONED_CLAIM_RETENTION`]: crate::stored::ABANDONED_CLAIM_RETENTION
     async fn delete(&self, id: &RecordId) -> Result<Option<Record>, StoreError>;
 
     /// Waits until the claim `token` on the record is no longer current, or until `deadline`.

@@ -15,14 +15,23 @@ pub use crate::replay_counts::ReplayCounts;
 pub use crate::scope::hex;
 use crate::{FencingToken, Fingerprint, Record, RecordId, RecordState, StoreError, UnixMillis, WaitOutcome};
 
-/// How long an in-flight record whose holder vanished (its lease ended and nobody retried) is
-/// kept before the store deletes it; until then a retry takes it over, marked recovered. One
-/// rule for every store.
+/// How long an in-flight record made before claims carried their own `purge_at` is kept once its
+/// holder vanished (its lease ended and nobody retried); until then a retry takes it over, marked
+/// recovered. Only a fallback for such old records: a claim today is kept until the `purge_at`
+/// its request gives (the route's `tombstone-ttl`). One rule for every store.
 pub const ABANDONED_CLAIM_RETENTION: Duration = Duration::from_secs(7 * 24 * 60 * 60);
 
-/// When the claim of a holder whose lease ends at `lease_until` is deleted if nobody took it over.
+/// When the old claim (one without a `purge_at` of its own) of a holder whose lease ends at
+/// `lease_until` is deleted if nobody took it over.
 pub fn abandoned_purge_at(lease_until: UnixMillis) -> UnixMillis {
     lease_until.plus(ABANDONED_CLAIM_RETENTION)
+}
+
+/// The `purge_at` a store keeps for an in-flight claim: the request's, but never before the lease
+/// ends, so that purging by `purge_at` alone never deletes a claim whose holder still runs. A
+/// renewal moves it to the new lease's end if that is later.
+pub fn claim_purge_at(purge_at: UnixMillis, lease_until: UnixMillis) -> UnixMillis {
+    purge_at.max(lease_until)
 }
 
 /// The stored word of [`RecordState::InFlight`].
@@ -49,7 +58,9 @@ pub struct StoredRecord {
     pub created_at: i64,
     /// When the handler finished (completed only).
     pub completed_at: Option<i64>,
-    /// Until when the answer is replayable (completed only).
+    /// Until when the answer is replayable (completed), or until when the same request may run
+    /// again, recovered (in flight, unknown). `None` in an in-flight or unknown record written
+    /// before records kept it.
     pub expires_at: Option<i64>,
     /// When the record is deleted (required when completed or unknown).
     pub purge_at: Option<i64>,
@@ -63,12 +74,13 @@ pub struct StoredRecord {
 pub enum Existing {
     /// Past its `purge_at`: gone in all but storage. Replace it with a new claim.
     Replace,
-    /// An in-flight claim whose lease ended, or an unknown outcome, of the same request: take it
-    /// over (`recovered: true`).
+    /// An in-flight claim whose lease ended, or an unknown outcome, of the same request, before
+    /// its `expires_at`: take it over (`recovered: true`).
     TakeOver,
     /// A live answer to the same request: count a replay and return it.
     Replay,
-    /// Anything else: return it unchanged.
+    /// Anything else (a claim whose lease runs, another request's record, a tombstone, a key
+    /// expired without an answer): return it unchanged.
     Leave,
 }
 
@@ -76,11 +88,16 @@ impl StoredRecord {
     /// The claim rule for this record at `now`; `same_request` says whether the claiming request's
     /// fingerprint digest equals the stored one.
     pub fn on_begin(&self, same_request: bool, now: i64) -> Existing {
-        if self.purge_at.is_none_or(|purge_at| purge_at <= now) {
+        let lease_ended = self.lease_until.is_some_and(|until| until <= now);
+        let lease_runs = self.state == IN_FLIGHT && !lease_ended;
+        if self.purge_at.is_none_or(|purge_at| purge_at <= now) && !lease_runs {
             return Existing::Replace;
         }
-        let lease_ended = self.lease_until.is_some_and(|until| until <= now);
-        let abandoned = (self.state == IN_FLIGHT && lease_ended) || self.state == UNKNOWN;
+        // Past its ttl a key without an answer is expired, as one with an answer is: never run
+        // again. A record written before records kept `expires_at` has none, and is taken over
+        // until its `purge_at`, as it was then.
+        let expired = self.expires_at.is_some_and(|expires| expires <= now);
+        let abandoned = ((self.state == IN_FLIGHT && lease_ended) || self.state == UNKNOWN) && !expired;
         let replayable =
             self.state == COMPLETED && self.response.is_some() && self.expires_at.is_some_and(|expires| now < expires);
         match (same_request, abandoned, replayable) {
@@ -110,6 +127,7 @@ impl StoredRecord {
                 RecordState::InFlight {
                     token: FencingToken::from_bytes(token),
                     lease_until: millis(self.lease_until, "lease_until")?,
+                    expires_at: self.expires_at.map(UnixMillis::from_i64),
                 }
             }
             COMPLETED => RecordState::Completed {
@@ -118,9 +136,15 @@ impl StoredRecord {
                 expires_at: millis(self.expires_at, "expires_at")?,
                 purge_at: millis(self.purge_at, "purge_at")?,
             },
-            UNKNOWN => RecordState::Unknown {
-                purge_at: millis(self.purge_at, "purge_at")?,
-            },
+            UNKNOWN => {
+                let purge_at = millis(self.purge_at, "purge_at")?;
+                RecordState::Unknown {
+                    // A record released before records kept `expires_at` was taken over until
+                    // its `purge_at`, which was set to the ttl's end: the same thing.
+                    expires_at: self.expires_at.map_or(purge_at, UnixMillis::from_i64),
+                    purge_at,
+                }
+            }
             other => return Err(corrupt(&format!("unknown state {other:?}"))),
         };
         Ok(Record {
@@ -232,5 +256,64 @@ mod tests {
             ..stored(COMPLETED)
         };
         assert_eq!(tombstone.on_begin(true, 100), Existing::Leave);
+    }
+
+    #[test]
+    fn a_key_without_an_answer_expires_at_its_ttl() {
+        assert_eq!(stored(UNKNOWN).on_begin(true, 199), Existing::TakeOver);
+        assert_eq!(
+            stored(UNKNOWN).on_begin(true, 200),
+            Existing::Leave,
+            "an unknown outcome past its ttl is a tombstone"
+        );
+        assert_eq!(
+            stored(IN_FLIGHT).on_begin(true, 200),
+            Existing::Leave,
+            "an abandoned claim past its ttl is a tombstone"
+        );
+        assert_eq!(stored(UNKNOWN).on_begin(true, 300), Existing::Replace, "until purge_at");
+        let old = |state| StoredRecord {
+            expires_at: None,
+            ..stored(state)
+        };
+        assert_eq!(
+            old(IN_FLIGHT).on_begin(true, 250),
+            Existing::TakeOver,
+            "a claim written without expires_at is taken over until purge_at, as before"
+        );
+        assert_eq!(old(UNKNOWN).on_begin(true, 250), Existing::TakeOver);
+        let long_run = StoredRecord {
+            lease_until: Some(400),
+            ..stored(IN_FLIGHT)
+        };
+        assert_eq!(
+            long_run.on_begin(true, 300),
+            Existing::Leave,
+            "a claim whose lease still runs is never replaced"
+        );
+    }
+
+    #[test]
+    fn an_unknown_record_without_expires_at_expires_at_its_purge_at() {
+        let id = RecordId {
+            scope: crate::Scope::shared(),
+            key: crate::IdempotencyKey::new("old").unwrap(),
+        };
+        let fingerprint = Fingerprint::of(
+            &http::Method::POST,
+            &"/pay".parse().unwrap(),
+            &http::HeaderMap::new(),
+            b"body",
+        );
+        let old = StoredRecord {
+            fingerprint: fingerprint.encode(),
+            expires_at: None,
+            ..stored(UNKNOWN)
+        };
+        let record = old.into_record(id).unwrap();
+        assert!(
+            matches!(record.state, RecordState::Unknown { expires_at, purge_at } if expires_at == purge_at && purge_at == UnixMillis(300)),
+            "{record:?}"
+        );
     }
 }

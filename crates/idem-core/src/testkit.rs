@@ -49,14 +49,28 @@ pub fn fingerprint(body: &str) -> Fingerprint {
 
 async fn begin(store: &dyn Store, id: &RecordId, fp: &Fingerprint, now: UnixMillis) -> (Begin, FencingToken) {
     let token = FencingToken::random();
-    let request = BeginRequest {
+    (store.begin(claim(id, fp, now, token)).await.expect("begin"), token)
+}
+
+/// A claim at `now` under the default lease, with a ttl of a day and a tombstone of a week.
+fn claim<'a>(id: &'a RecordId, fp: &'a Fingerprint, now: UnixMillis, token: FencingToken) -> BeginRequest<'a> {
+    BeginRequest {
         id,
         fingerprint: fp,
         now,
         lease_until: now.plus(LEASE),
+        expires_at: now.plus(DAY),
+        purge_at: now.plus(7 * DAY),
         token,
-    };
-    (store.begin(request).await.expect("begin"), token)
+    }
+}
+
+/// An unknown outcome released at `now`, with a ttl of a day and a tombstone of a week.
+fn unknown_at(now: UnixMillis) -> Release {
+    Release::Unknown {
+        expires_at: now.plus(DAY),
+        purge_at: now.plus(7 * DAY),
+    }
 }
 
 async fn acquire(store: &dyn Store, id: &RecordId, fp: &Fingerprint, now: UnixMillis) -> FencingToken {
@@ -400,16 +414,7 @@ pub async fn release_forgets_or_remembers(h: &impl Harness) {
         "a forgotten record is gone"
     );
     let token = acquire(&*store, &id, &fp, now).await;
-    store
-        .release(
-            &id,
-            token,
-            Release::Unknown {
-                purge_at: now.plus(DAY),
-            },
-        )
-        .await
-        .expect("release");
+    store.release(&id, token, unknown_at(now)).await.expect("release");
     let record = store
         .get(&id)
         .await
@@ -427,12 +432,18 @@ pub async fn release_forgets_or_remembers(h: &impl Harness) {
     ));
 }
 
-/// Deleting an in-flight record returns it and fences its holder: the old token can no longer
-/// complete, release or renew, and the key is free for a new claim.
+/// Deleting an in-flight record returns it, fences its holder and leaves the key unknown (the run
+/// may have had effects): the old token can no longer complete, release, renew or checkpoint, the
+/// run's checkpoints are gone, and the same request then runs again marked recovered, another
+/// request not at all. Deleting the unknown record then frees the key.
 pub async fn delete_fences_the_holder(h: &impl Harness) {
     let store = h.open().await;
     let (id, fp, now) = (fresh_id(), fingerprint("a"), UnixMillis::now());
     let token = acquire(&*store, &id, &fp, now).await;
+    store
+        .checkpoint(&id, token, step("charged", "ch_1"))
+        .await
+        .expect("checkpoint");
     let deleted = store
         .delete(&id)
         .await
@@ -441,7 +452,16 @@ pub async fn delete_fences_the_holder(h: &impl Harness) {
     assert_eq!(deleted.id, id);
     assert_eq!(deleted.fingerprint, fp, "the deleted record keeps its fingerprint");
     assert_eq!(in_flight_token(&deleted), token, "the claim that was deleted");
-    assert!(store.get(&id).await.expect("get").is_none(), "a deleted record is gone");
+    let unknown_after_delete = |record: Option<Record>, what: &str| {
+        let record = record.unwrap_or_else(|| panic!("{what}: the key is left unknown, not freed"));
+        assert!(
+            matches!(record.state, RecordState::Unknown { expires_at, purge_at }
+                if expires_at == now.plus(DAY) && purge_at == now.plus(7 * DAY)),
+            "{what}: unknown, with the claim's expires_at and purge_at: {record:?}"
+        );
+        assert_eq!(record.fingerprint, fp);
+    };
+    unknown_after_delete(store.get(&id).await.expect("get"), "after delete");
     assert!(
         matches!(
             store.complete(&id, token, completion(b"x", now, DAY, 7 * DAY)).await,
@@ -454,29 +474,31 @@ pub async fn delete_fences_the_holder(h: &impl Harness) {
         Err(StoreError::Fenced)
     ));
     assert!(matches!(
-        store
-            .release(
-                &id,
-                token,
-                Release::Unknown {
-                    purge_at: now.plus(DAY)
-                }
-            )
-            .await,
+        store.release(&id, token, unknown_at(now)).await,
         Err(StoreError::Fenced)
     ));
     assert!(matches!(
         store.renew(&id, token, now.plus(LEASE)).await,
         Err(StoreError::Fenced)
     ));
+    assert!(matches!(
+        store.checkpoint(&id, token, step("late", "x")).await,
+        Err(StoreError::Fenced)
+    ));
+    unknown_after_delete(store.get(&id).await.expect("get"), "after the fenced holder's attempts");
     assert!(
-        store.get(&id).await.expect("get").is_none(),
-        "nothing the fenced holder tried brought the record back"
+        store.checkpoints(&id).await.expect("checkpoints").is_empty(),
+        "delete drops the run's checkpoints"
     );
-    let (claimed, new_token) = begin(&*store, &id, &fingerprint("other request"), now).await;
+    let other = existing(begin(&*store, &id, &fingerprint("other request"), now).await.0);
     assert!(
-        matches!(claimed, Begin::Acquired { recovered: false }),
-        "the key is free for any request, as new: {claimed:?}"
+        matches!(other.state, RecordState::Unknown { .. }),
+        "another request does not claim the key: {other:?}"
+    );
+    let (claimed, new_token) = begin(&*store, &id, &fp, now).await;
+    assert!(
+        matches!(claimed, Begin::Acquired { recovered: true }),
+        "the same request runs again, marked recovered: {claimed:?}"
     );
     assert!(
         matches!(
@@ -487,6 +509,146 @@ pub async fn delete_fences_the_holder(h: &impl Harness) {
     );
     let record = store.get(&id).await.expect("get").expect("the new claim");
     assert_eq!(in_flight_token(&record), new_token);
+
+    // Deleted again while in flight, then once more as unknown: the key is free.
+    store.delete(&id).await.expect("delete").expect("the new claim");
+    let deleted = store.delete(&id).await.expect("delete").expect("the unknown record");
+    assert!(matches!(deleted.state, RecordState::Unknown { .. }), "{deleted:?}");
+    assert!(
+        store.get(&id).await.expect("get").is_none(),
+        "a deleted unknown record is gone"
+    );
+    assert!(matches!(
+        begin(&*store, &id, &fingerprint("other request"), now).await.0,
+        Begin::Acquired { recovered: false }
+    ));
+}
+
+/// An unknown outcome is taken over by the same request only until its `expires_at`: past it the
+/// key is expired (the record is returned unchanged, for a `key-expired` answer), as a completed
+/// one is, until its `purge_at`.
+pub async fn unknown_outcome_expires_at_its_ttl(h: &impl Harness) {
+    let store = h.open().await;
+    let (id, fp) = (fresh_id(), fingerprint("a"));
+    let base = UnixMillis::now().minus(DAY * 20);
+    let token = acquire(&*store, &id, &fp, base).await;
+    let (expires_at, purge_at) = (base.plus(Duration::from_secs(60)), base.plus(DAY));
+    store
+        .release(&id, token, Release::Unknown { expires_at, purge_at })
+        .await
+        .expect("release");
+    for at in [expires_at, base.plus(Duration::from_secs(3600))] {
+        let record = existing(begin(&*store, &id, &fp, at).await.0);
+        assert!(
+            matches!(record.state, RecordState::Unknown { expires_at: e, purge_at: p } if e == expires_at && p == purge_at),
+            "past its ttl an unknown outcome is not taken over: {record:?}"
+        );
+    }
+    let (taken, _) = begin(&*store, &id, &fp, base.plus(Duration::from_secs(59))).await;
+    assert!(
+        matches!(taken, Begin::Acquired { recovered: true }),
+        "within its ttl it is: {taken:?}"
+    );
+}
+
+/// A claim whose holder vanished (its lease ended) is taken over only until the claim's
+/// `expires_at`; past it the record is returned unchanged, in flight, until its `purge_at`.
+pub async fn abandoned_claim_expires_at_its_ttl(h: &impl Harness) {
+    let store = h.open().await;
+    let fp = fingerprint("a");
+    let base = UnixMillis::now().minus(DAY * 21);
+    let claim_with_ttl = |id, ttl| BeginRequest {
+        expires_at: base.plus(ttl),
+        purge_at: base.plus(DAY),
+        ..claim(id, &fp, base, FencingToken::random())
+    };
+    let (expired, live) = (fresh_id(), fresh_id());
+    for (id, ttl) in [(&expired, LEASE * 2), (&live, LEASE * 10)] {
+        let begun = store.begin(claim_with_ttl(id, ttl)).await.expect("begin");
+        assert!(matches!(begun, Begin::Acquired { recovered: false }), "{begun:?}");
+    }
+    let later = base.plus(LEASE * 5);
+    let record = existing(begin(&*store, &expired, &fp, later).await.0);
+    assert!(
+        matches!(record.state, RecordState::InFlight { expires_at: Some(e), lease_until, .. }
+            if e == base.plus(LEASE * 2) && lease_until == base.plus(LEASE)),
+        "past its ttl an abandoned claim is not taken over: {record:?}"
+    );
+    let (taken, _) = begin(&*store, &live, &fp, later).await;
+    assert!(
+        matches!(taken, Begin::Acquired { recovered: true }),
+        "within its ttl it is: {taken:?}"
+    );
+}
+
+/// Retention keeps an unknown outcome and an abandoned claim until their `purge_at`, not their
+/// `expires_at`, and never deletes a claim whose lease still runs; past `purge_at` they are gone
+/// and the key is new.
+///
+/// On real time, as [`expiry_leaves_a_tombstone`] (a store may expire records natively).
+pub async fn purge_keeps_unanswered_keys_until_purge_at(h: &impl Harness) {
+    let store = h.open().await;
+    let fp = fingerprint("a");
+    let keep = Duration::from_millis(1500);
+    let start = UnixMillis::now();
+    let (unknown, abandoned, running) = (fresh_id(), fresh_id(), fresh_id());
+
+    let token = acquire(&*store, &unknown, &fp, start).await;
+    let released = UnixMillis::now();
+    let release = Release::Unknown {
+        expires_at: released,
+        purge_at: released.plus(keep),
+    };
+    store.release(&unknown, token, release).await.expect("release");
+    // Claimed two minutes ago: its lease and its ttl have ended, its purge_at has not.
+    let then = start.minus(LEASE * 2);
+    let begun = store
+        .begin(BeginRequest {
+            expires_at: then.plus(LEASE),
+            purge_at: start.plus(keep),
+            ..claim(&abandoned, &fp, then, FencingToken::random())
+        })
+        .await
+        .expect("begin");
+    assert!(matches!(begun, Begin::Acquired { recovered: false }), "{begun:?}");
+    // A claim whose ttl and purge_at are shorter than its lease (a handler still running).
+    let begun = store
+        .begin(BeginRequest {
+            expires_at: start.plus(keep / 4),
+            purge_at: start.plus(keep / 2),
+            ..claim(&running, &fp, start, FencingToken::random())
+        })
+        .await
+        .expect("begin");
+    assert!(matches!(begun, Begin::Acquired { recovered: false }), "{begun:?}");
+
+    store.purge(UnixMillis::now(), 1000).await.expect("purge");
+    for id in [&unknown, &abandoned, &running] {
+        assert!(
+            store.get(id).await.expect("get").is_some(),
+            "kept until purge_at, past expires_at"
+        );
+    }
+    sleep_until(start.plus(keep + Duration::from_millis(300))).await;
+    store.purge(UnixMillis::now(), 1000).await.expect("purge");
+    for id in [&unknown, &abandoned] {
+        assert!(store.get(id).await.expect("get").is_none(), "deleted at purge_at");
+        assert!(matches!(
+            begin(&*store, id, &fp, UnixMillis::now()).await.0,
+            Begin::Acquired { recovered: false }
+        ));
+    }
+    let record = store
+        .get(&running)
+        .await
+        .expect("get")
+        .expect("a claim whose lease runs is kept past its purge_at");
+    assert!(matches!(record.state, RecordState::InFlight { .. }), "{record:?}");
+    let still = existing(begin(&*store, &running, &fp, UnixMillis::now()).await.0);
+    assert!(
+        matches!(still.state, RecordState::InFlight { .. }),
+        "and not claimed anew"
+    );
 }
 
 /// Deleting a completed record, a tombstone or an unknown outcome returns it as it was and frees
@@ -545,16 +707,7 @@ pub async fn delete_frees_the_key_in_every_state(h: &impl Harness) {
 
     let unknown = fresh_id();
     let token = acquire(&*store, &unknown, &fp, now).await;
-    store
-        .release(
-            &unknown,
-            token,
-            Release::Unknown {
-                purge_at: now.plus(DAY),
-            },
-        )
-        .await
-        .expect("release");
+    store.release(&unknown, token, unknown_at(now)).await.expect("release");
     let deleted = store
         .delete(&unknown)
         .await
@@ -583,7 +736,11 @@ pub async fn delete_of_a_missing_key_is_none(h: &impl Harness) {
         key: id.key.clone(),
     };
     let token = acquire(&*store, &other_scope, &fp, now).await;
-    acquire(&*store, &id, &fp, now).await;
+    let completed = acquire(&*store, &id, &fp, now).await;
+    store
+        .complete(&id, completed, completion(b"x", now, DAY, 7 * DAY))
+        .await
+        .expect("complete");
     assert!(store.delete(&id).await.expect("delete").is_some());
     assert!(
         store.delete(&id).await.expect("delete").is_none(),
@@ -901,10 +1058,7 @@ pub async fn checkpoints_survive_a_takeover_and_end_with_the_run(h: &impl Harnes
 
     // Released as unknown: the next run resumes from both.
     let now = UnixMillis::now();
-    let unknown = Release::Unknown {
-        purge_at: now.plus(DAY),
-    };
-    store.release(&id, token, unknown).await.expect("release");
+    store.release(&id, token, unknown_at(now)).await.expect("release");
     assert_eq!(store.checkpoints(&id).await.expect("checkpoints").len(), 2);
     let (again, token) = begin(&*store, &id, &fp, now).await;
     assert!(matches!(again, Begin::Acquired { recovered: true }), "{again:?}");
@@ -923,7 +1077,8 @@ pub async fn checkpoints_survive_a_takeover_and_end_with_the_run(h: &impl Harnes
         "gone on completion"
     );
 
-    // Forgotten, and deleted: gone with the record.
+    // Forgotten, and deleted: gone with the run (a deleted claim leaves the key unknown, so the
+    // next run is a recovered one, without checkpoints).
     for end in ["forget", "delete"] {
         let id = fresh_id();
         let token = acquire(&*store, &id, &fp, now).await;
@@ -939,7 +1094,8 @@ pub async fn checkpoints_survive_a_takeover_and_end_with_the_run(h: &impl Harnes
             store.checkpoints(&id).await.expect("checkpoints").is_empty(),
             "gone on {end}"
         );
-        acquire(&*store, &id, &fp, now).await;
+        let (again, _) = begin(&*store, &id, &fp, now).await;
+        assert!(matches!(again, Begin::Acquired { .. }), "{again:?}");
         assert!(
             store.checkpoints(&id).await.expect("checkpoints").is_empty(),
             "a new claim after {end}"
@@ -959,6 +1115,7 @@ pub async fn a_new_claim_never_sees_old_checkpoints(h: &impl Harness) {
         .await
         .expect("checkpoint");
     let unknown = Release::Unknown {
+        expires_at: old.plus(Duration::from_secs(60)),
         purge_at: old.plus(Duration::from_secs(60)),
     };
     store.release(&id, token, unknown).await.expect("release");
@@ -1065,7 +1222,8 @@ macro_rules! conformance_tests {
             takeover_needs_the_same_fingerprint, renewal_keeps_the_claim, wait_wakes_on_completion,
             wait_wakes_on_release, wait_wakes_on_delete, wait_checks_before_sleeping,
             release_forgets_or_remembers, delete_fences_the_holder, delete_frees_the_key_in_every_state,
-            delete_of_a_missing_key_is_none,
+            delete_of_a_missing_key_is_none, unknown_outcome_expires_at_its_ttl,
+            abandoned_claim_expires_at_its_ttl, purge_keeps_unanswered_keys_until_purge_at,
             expiry_leaves_a_tombstone, purge_time_frees_the_key_without_purge, purge_in_batches,
             scopes_are_isolated, large_bodies, records_survive_reopen, tells_its_time,
             checkpoints_belong_to_the_current_claim, checkpoints_survive_a_takeover_and_end_with_the_run,

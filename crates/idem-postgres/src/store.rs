@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
-use idem_core::stored::{Existing, ReplayCounts, StoredRecord, wait_for_change};
+use idem_core::stored::{Existing, ReplayCounts, StoredRecord, claim_purge_at, wait_for_change};
 use idem_core::{
     Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, Record, RecordId, Release, ScopeSalt, Store,
     StoreError, UnixMillis, WaitOutcome,
@@ -60,8 +60,8 @@ WITH found AS (
     FROM idem_records WHERE scope = $1 AND key = $2
 ), claimed AS (
     INSERT INTO idem_records
-        (scope, key, state, fingerprint, digest, token, lease_until, created_at, purge_at, replays)
-    SELECT $1, $2, 'in-flight', $3, $4, $5, $6, $7, $8, 0
+        (scope, key, state, fingerprint, digest, token, lease_until, created_at, purge_at, expires_at, replays)
+    SELECT $1, $2, 'in-flight', $3, $4, $5, $6, $7, $8, $9, 0
     WHERE NOT EXISTS (SELECT 1 FROM found)
     ON CONFLICT (scope, key) DO NOTHING
     RETURNING 1
@@ -86,18 +86,18 @@ const REPLACE: &str = "
 WITH replaced AS (
     UPDATE idem_records
     SET state = 'in-flight', fingerprint = $3, digest = $4, token = $5, lease_until = $6,
-        response = NULL, created_at = $7, completed_at = NULL, expires_at = NULL,
+        response = NULL, created_at = $7, completed_at = NULL, expires_at = $10,
         purge_at = $8, replays = 0, checkpoint_names = '{}', checkpoint_values = '{}'
     WHERE scope = $1 AND key = $2
     RETURNING waiters
 )
 SELECT (SELECT pg_notify('idem_records', $9) WHERE replaced.waiters > 0) FROM replaced";
 
-/// The checkpoints stay: the new run resumes from them.
+/// The checkpoints stay: the new run resumes from them. The new run has a ttl of its own.
 const TAKE_OVER: &str = "
 WITH taken AS (
     UPDATE idem_records
-    SET state = 'in-flight', token = $3, lease_until = $4, purge_at = $5
+    SET state = 'in-flight', token = $3, lease_until = $4, purge_at = $5, expires_at = $7
     WHERE scope = $1 AND key = $2
     RETURNING waiters
 )
@@ -128,25 +128,43 @@ SELECT (SELECT pg_notify('idem_records', $4) WHERE forgotten.waiters > 0) FROM f
 const RELEASE_UNKNOWN: &str = "
 WITH released AS (
     UPDATE idem_records
-    SET state = 'unknown', token = NULL, lease_until = NULL, purge_at = $4
+    SET state = 'unknown', token = NULL, lease_until = NULL, purge_at = $4, expires_at = $6
     WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in-flight'
     RETURNING waiters
 )
 SELECT (SELECT pg_notify('idem_records', $5) WHERE released.waiters > 0) FROM released";
 
-/// Deletes whatever the record holds and returns it; waiters on it are woken to look again.
+/// Returns the record as it was and, as `Store::delete` says, deletes it, or, for a claim in
+/// flight, fences it (no token) and leaves the key unknown with the claim's retention, its
+/// checkpoints dropped; waiters on it are woken to look again. The row is locked as it is read,
+/// so the change is made to the row returned. A claim too damaged to have a token or a lease is
+/// deleted, so that an operator can always clear it.
 const DELETE: &str = "
-WITH deleted AS (
-    DELETE FROM idem_records WHERE scope = $1 AND key = $2
-    RETURNING state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays,
-        waiters
+WITH found AS (
+    SELECT state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays,
+        waiters, state = 'in-flight' AND token IS NOT NULL AND lease_until IS NOT NULL AS in_flight
+    FROM idem_records WHERE scope = $1 AND key = $2
+    FOR UPDATE
+), fenced AS (
+    UPDATE idem_records r
+    SET state = 'unknown', token = NULL, lease_until = NULL, expires_at = COALESCE(r.expires_at, r.purge_at),
+        checkpoint_names = '{}', checkpoint_values = '{}'
+    FROM found
+    WHERE r.scope = $1 AND r.key = $2 AND found.in_flight
+), deleted AS (
+    DELETE FROM idem_records r
+    USING found
+    WHERE r.scope = $1 AND r.key = $2 AND NOT found.in_flight
 )
 SELECT state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays,
-    (SELECT pg_notify('idem_records', $3) WHERE deleted.waiters > 0)
-FROM deleted";
+    (SELECT pg_notify('idem_records', $3) WHERE found.waiters > 0)
+FROM found";
 
+/// Renewing moves the `purge_at` of the claim to the new lease's end if that is later; a claim
+/// made before claims carried a `purge_at` of their own (no `expires_at`) keeps the old rule, $5.
 const RENEW: &str = "
-UPDATE idem_records SET lease_until = $4, purge_at = $5
+UPDATE idem_records
+SET lease_until = $4, purge_at = CASE WHEN expires_at IS NULL THEN $5 ELSE GREATEST(purge_at, $4) END
 WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in-flight'";
 
 /// Records a checkpoint under the claim, as a compare-and-set on the token. A name already written
@@ -478,7 +496,8 @@ impl Store for PostgresStore {
         let token = &request.token.as_bytes()[..];
         let now = request.now.as_i64();
         let lease_until = request.lease_until.as_i64();
-        let purge_at = abandoned_purge_at(request.lease_until);
+        let purge_at = claim_purge_at(request.purge_at, request.lease_until).as_i64();
+        let expires_at = request.expires_at.as_i64();
         let notice = payload(id);
         let mut client = self.client("begin").await?;
         for _ in 0..BEGIN_ATTEMPTS {
@@ -497,6 +516,7 @@ impl Store for PostgresStore {
                         &lease_until,
                         &now,
                         &purge_at,
+                        &expires_at,
                     ],
                 )
                 .await
@@ -549,6 +569,7 @@ impl Store for PostgresStore {
                         &now,
                         &purge_at,
                         &notice,
+                        &expires_at,
                     ],
                 )
                 .await
@@ -557,9 +578,12 @@ impl Store for PostgresStore {
             } else {
                 if action == Existing::TakeOver {
                     let take_over = tx.prepare_cached(TAKE_OVER).await.map_err(db)?;
-                    tx.query(&take_over, &[&scope, &key, &token, &lease_until, &purge_at, &notice])
-                        .await
-                        .map_err(db)?;
+                    tx.query(
+                        &take_over,
+                        &[&scope, &key, &token, &lease_until, &purge_at, &notice, &expires_at],
+                    )
+                    .await
+                    .map_err(db)?;
                     Begin::Acquired { recovered: true }
                 } else {
                     // A corrupt row fails here, before anything is changed.
@@ -615,10 +639,11 @@ impl Store for PostgresStore {
                 let stmt = client.prepare_cached(FORGET).await.map_err(db)?;
                 client.query(&stmt, &[&scope, &key, &token, &notice]).await
             }
-            Release::Unknown { purge_at } => {
+            Release::Unknown { expires_at, purge_at } => {
                 let stmt = client.prepare_cached(RELEASE_UNKNOWN).await.map_err(db)?;
+                let (expires_at, purge_at) = (expires_at.as_i64(), purge_at.as_i64());
                 client
-                    .query(&stmt, &[&scope, &key, &token, &purge_at.as_i64(), &notice])
+                    .query(&stmt, &[&scope, &key, &token, &purge_at, &notice, &expires_at])
                     .await
             }
         }
@@ -965,9 +990,6 @@ mod tests {
         const COLUMNS: &str = "state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays";
         assert!(SELECT.contains(COLUMNS));
         assert!(SELECT_FOR_UPDATE.contains(COLUMNS));
-        assert!(
-            DELETE.contains(&format!("RETURNING {COLUMNS}")) && DELETE.contains(&format!("SELECT {COLUMNS},")),
-            "{DELETE}"
-        );
+        assert_eq!(DELETE.matches(&format!("SELECT {COLUMNS},")).count(), 2, "{DELETE}");
     }
 }

@@ -93,6 +93,7 @@ async fn release_and_takeover_wake_waiters() {
     let token = acquire(&holder, &id, &fp, now).await;
     let task = start_waiting(&waiter, &id, token).await;
     let unknown = Release::Unknown {
+        expires_at: now.plus(DAY),
         purge_at: now.plus(DAY),
     };
     holder.release(&id, token, unknown).await.expect("release");
@@ -231,6 +232,7 @@ async fn only_changes_someone_waits_on_notify() {
             "forget" => holder.release(&id, token, Release::Forget).await,
             "unknown" => {
                 let release = Release::Unknown {
+                    expires_at: now.plus(DAY),
                     purge_at: now.plus(DAY),
                 };
                 holder.release(&id, token, release).await

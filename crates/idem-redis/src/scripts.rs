@@ -106,8 +106,11 @@ end
 "#;
 
 /// `begin`. ARGV: nonce, now, lease_until, token, digest, fingerprint, purge_at of the claim,
-/// channel, publish command. A new claim deletes whatever checkpoints an earlier record left; a
-/// takeover keeps them, with the record's new expiry.
+/// channel, publish command, expires_at of the claim. A new claim deletes whatever checkpoints an
+/// earlier record left; a takeover keeps them, with the record's new expiry. The claim rule is
+/// `StoredRecord::on_begin`'s (idem-core), kept in step with it: a record past its purge_at is
+/// replaced unless it is a claim whose lease still runs; an abandoned claim or unknown outcome of
+/// the same request is taken over only before its expires_at (always, for one written without).
 ///
 /// The record is read once (one `HMGET` of every field it may have), and a replay is that read and
 /// the `GET` of its body: no write (the store counts replays itself and adds them later, see
@@ -119,14 +122,15 @@ end
 const BEGIN: &str = r#"
 now = num(ARGV[2], 'now')
 local lease_until, token, digest, fingerprint = ARGV[3], ARGV[4], ARGV[5], ARGV[6]
-local claim_purge_at, channel, publish = ARGV[7], ARGV[8], ARGV[9]
+local claim_purge_at, channel, publish, claim_expires_at = ARGV[7], ARGV[8], ARGV[9], ARGV[10]
 local cur = read_record()
 local state = cur[STATE]
 if state == 'in-flight' and cur[TOKEN] == token then
   -- This very claim was already made: a retry after the reply was lost.
   return answer('acquired', tonumber(cur[RECOVERED]) or 0)
 end
-if state and num(cur[PURGE_AT], 'purge_at') <= now then
+local lease_ended = state == 'in-flight' and num(cur[LEASE_UNTIL], 'lease_until') <= now
+if state and num(cur[PURGE_AT], 'purge_at') <= now and (state ~= 'in-flight' or lease_ended) then
   -- Past purge_at the record is as good as absent; whoever waits on it must look again.
   redis.call('DEL', rec)
   redis.call(publish, channel, 'replaced')
@@ -135,14 +139,17 @@ end
 if not state then
   redis.call('DEL', body, steps)
   redis.call('HSET', rec, 'fingerprint', fingerprint, 'digest', digest, 'created_at', ARGV[2], 'replays', 0,
-    'state', 'in-flight', 'token', token, 'lease_until', lease_until, 'purge_at', claim_purge_at, 'recovered', 0)
+    'state', 'in-flight', 'token', token, 'lease_until', lease_until, 'expires_at', claim_expires_at,
+    'purge_at', claim_purge_at, 'recovered', 0)
   expire_at(rec, num(claim_purge_at, 'purge_at'))
   return answer('acquired', 0)
 end
 local same = cur[DIGEST] == digest
-if same and (state == 'unknown' or (state == 'in-flight' and num(cur[LEASE_UNTIL], 'lease_until') <= now)) then
+-- Past its ttl a key without an answer is expired, as an answered one is: never run again.
+local expired = cur[EXPIRES_AT] and num(cur[EXPIRES_AT], 'expires_at') <= now
+if same and not expired and (state == 'unknown' or lease_ended) then
   redis.call('HSET', rec, 'state', 'in-flight', 'token', token, 'lease_until', lease_until,
-    'purge_at', claim_purge_at, 'recovered', 1)
+    'expires_at', claim_expires_at, 'purge_at', claim_purge_at, 'recovered', 1)
   expire_at(rec, num(claim_purge_at, 'purge_at'))
   expire_steps_with_record()
   redis.call(publish, channel, 'taken-over')
@@ -193,7 +200,7 @@ return answer(1)
 "#;
 
 /// `release`. ARGV: nonce, token, `forget` or `unknown`, purge_at (for `unknown`), channel,
-/// publish command. `forget` deletes the checkpoints with the record; `unknown` keeps them for the
+/// publish command, expires_at (for `unknown`). `forget` deletes the checkpoints with the record; `unknown` keeps them for the
 /// next run, with the record's new expiry. Returns `{rec, nonce, 1}`, or `{rec, nonce, 0}` if
 /// fenced.
 const RELEASE: &str = r#"
@@ -207,7 +214,7 @@ if mode == 'forget' then
 else
   local purge_at = num(ARGV[4], 'purge_at')
   redis.call('HDEL', rec, 'token', 'lease_until', 'recovered')
-  redis.call('HSET', rec, 'state', 'unknown', 'purge_at', ARGV[4])
+  redis.call('HSET', rec, 'state', 'unknown', 'expires_at', ARGV[7], 'purge_at', ARGV[4])
   redis.call('DEL', body)
   shift_expiry(rec, cur[3], purge_at, server_now())
   expire_steps_with_record()
@@ -216,16 +223,25 @@ redis.call(publish, channel, 'released')
 return answer(1)
 "#;
 
-/// `renew`. ARGV: nonce, token, lease_until, purge_at of the claim. Moves the checkpoints' expiry
-/// with the record's. Returns `{rec, nonce, 1}`, or `{rec, nonce, 0}` if fenced.
+/// `renew`. ARGV: nonce, token, lease_until, purge_at for a claim written without an expires_at
+/// (the old rule). A claim with one keeps its purge_at, moved to the new lease's end if that is
+/// later. Moves the checkpoints' expiry with the record's. Returns `{rec, nonce, 1}`, or
+/// `{rec, nonce, 0}` if fenced.
 const RENEW: &str = r#"
 local token = ARGV[2]
-local cur = redis.call('HMGET', rec, 'state', 'token', 'purge_at')
+local cur = redis.call('HMGET', rec, 'state', 'token', 'purge_at', 'expires_at')
 if cur[1] ~= 'in-flight' or cur[2] ~= token then
   return answer(0)
 end
-local purge_at = num(ARGV[4], 'purge_at')
-redis.call('HSET', rec, 'lease_until', ARGV[3], 'purge_at', ARGV[4])
+local new_purge_at = ARGV[4]
+if cur[4] then
+  new_purge_at = cur[3]
+  if num(ARGV[3], 'lease_until') > num(cur[3], 'purge_at') then
+    new_purge_at = ARGV[3]
+  end
+end
+local purge_at = num(new_purge_at, 'purge_at')
+redis.call('HSET', rec, 'lease_until', ARGV[3], 'purge_at', new_purge_at)
 shift_expiry(rec, cur[3], purge_at, server_now())
 expire_steps_with_record()
 return answer(1)
@@ -247,11 +263,13 @@ end
 return answer(fields_of(cur), response)
 "#;
 
-/// `delete`. ARGV: nonce, channel, publish command. Deletes the record, its body and its
-/// checkpoints whatever they hold and returns `{rec, nonce, the record's fields or nil, body or
-/// nil}` as they were, judged at that clock as `get` judges them (a record past purge_at was
-/// already absent). A record whose fields cannot be read is deleted all the same and returned as
-/// it is, for the caller to report. Wakes whoever waits on the record.
+/// `delete`. ARGV: nonce, channel, publish command. Returns `{rec, nonce, the record's fields or
+/// nil, body or nil}` as they were, judged at that clock as `get` judges them (a record past
+/// purge_at was already absent), and, as `Store::delete` says, deletes the record, its body and its
+/// checkpoints, or, for a claim in flight, fences it (no token) and leaves it unknown with the
+/// claim's expires_at (its purge_at for a claim written without one) and its expiry, its
+/// checkpoints deleted. A record whose fields cannot be read is deleted all the same and returned
+/// as it is, for the caller to report. Wakes whoever waits on the record.
 const DELETE: &str = r#"
 now = server_now()
 local channel, publish = ARGV[2], ARGV[3]
@@ -259,13 +277,20 @@ local fields, response = false, false
 if redis.call('EXISTS', rec) == 1 then
   local cur = read_record()
   local purge_at, expires_at = tonumber(cur[PURGE_AT]), tonumber(cur[EXPIRES_AT])
-  if not cur[STATE] or purge_at == nil or now < purge_at then
+  local live = not cur[STATE] or purge_at == nil or now < purge_at
+  if live then
     fields = fields_of(cur)
     if cur[STATE] == 'completed' and (expires_at == nil or now < expires_at) then
       response = redis.call('GET', body)
     end
   end
   redis.call(publish, channel, 'deleted')
+  if live and cur[STATE] == 'in-flight' and cur[TOKEN] and purge_at ~= nil then
+    redis.call('HDEL', rec, 'token', 'lease_until', 'recovered')
+    redis.call('HSET', rec, 'state', 'unknown', 'expires_at', cur[EXPIRES_AT] or cur[PURGE_AT])
+    redis.call('DEL', body, steps)
+    return answer(fields, response)
+  end
 end
 redis.call('DEL', rec, body, steps)
 return answer(fields, response)

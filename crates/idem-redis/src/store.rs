@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idem_core::stored::{Existing, ReplayCounts, StoredRecord, abandoned_purge_at, hex, wait_for_change};
+use idem_core::stored::{
+    Existing, ReplayCounts, StoredRecord, abandoned_purge_at, claim_purge_at, hex, wait_for_change,
+};
 use idem_core::{
     Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, Record, RecordId, Release, ScopeSalt, Store,
     StoreError, UnixMillis, WaitOutcome,
@@ -683,7 +685,7 @@ fn parse_begin(mut items: std::vec::IntoIter<Value>, request: &BeginRequest<'_>)
 impl Store for RedisStore {
     async fn begin(&self, request: BeginRequest<'_>) -> Result<Begin, StoreError> {
         let keys = self.record_keys(request.id);
-        let claim_purge_at = abandoned_purge_at(request.lease_until);
+        let claim_purge_at = claim_purge_at(request.purge_at, request.lease_until);
         let reply = self
             .run("begin", &BEGIN_SCRIPT, &keys, |script| {
                 script
@@ -694,7 +696,8 @@ impl Store for RedisStore {
                     .arg(request.fingerprint.encode())
                     .arg(millis_arg(claim_purge_at))
                     .arg(&keys.channel)
-                    .arg(self.inner.publish);
+                    .arg(self.inner.publish)
+                    .arg(millis_arg(request.expires_at));
             })
             .await?;
         Ok(match parse_begin(reply, &request)? {
@@ -721,9 +724,9 @@ impl Store for RedisStore {
 
     async fn release(&self, id: &RecordId, token: FencingToken, release: Release) -> Result<(), StoreError> {
         let keys = self.record_keys(id);
-        let (mode, purge_at) = match release {
-            Release::Forget => ("forget", UnixMillis(0)),
-            Release::Unknown { purge_at } => ("unknown", purge_at),
+        let (mode, expires_at, purge_at) = match release {
+            Release::Forget => ("forget", UnixMillis(0), UnixMillis(0)),
+            Release::Unknown { expires_at, purge_at } => ("unknown", expires_at, purge_at),
         };
         self.compare_and_set("release", &RELEASE_SCRIPT, &keys, |script| {
             script
@@ -731,7 +734,8 @@ impl Store for RedisStore {
                 .arg(mode)
                 .arg(millis_arg(purge_at))
                 .arg(&keys.channel)
-                .arg(self.inner.publish);
+                .arg(self.inner.publish)
+                .arg(millis_arg(expires_at));
         })
         .await
     }
@@ -852,7 +856,8 @@ impl Store for RedisStore {
 
     /// Does nothing and returns [`Purged::default()`]: Redis expires records by itself. An
     /// answer's key expires at its `expires_at`, leaving the record as a tombstone, and the record
-    /// expires at its `purge_at` (an abandoned claim 7 days after its lease ended). Every script
+    /// expires at its `purge_at` (an unknown outcome or abandoned claim too: the tombstone of its
+    /// route, and never before a running lease ends). Every script
     /// also compares the stored times with the caller's `now`, so a record is never treated as
     /// live after its time even before Redis evicts it.
     async fn purge(&self, _now: UnixMillis, _batch: usize) -> Result<Purged, StoreError> {

@@ -118,6 +118,8 @@ async fn claim(store: &dyn Store, id: &RecordId, fingerprint: &Fingerprint) -> F
         fingerprint,
         now,
         lease_until: now.plus(LEASE),
+        expires_at: now.plus(std::time::Duration::from_secs(24 * 3600)),
+        purge_at: now.plus(std::time::Duration::from_secs(7 * 24 * 3600)),
         token,
     };
     match store.begin(request).await.expect("begin") {
@@ -158,6 +160,8 @@ async fn replay_of(store: &RedisStore, known: &Known) -> Result<Begin, StoreErro
             fingerprint: &known.fingerprint,
             now,
             lease_until: now.plus(LEASE),
+            expires_at: now.plus(std::time::Duration::from_secs(24 * 3600)),
+            purge_at: now.plus(std::time::Duration::from_secs(7 * 24 * 3600)),
             token: FencingToken::random(),
         })
         .await

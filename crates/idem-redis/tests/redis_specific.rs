@@ -45,6 +45,8 @@ async fn claim(store: &dyn Store, id: &RecordId, now: UnixMillis) -> FencingToke
         fingerprint: &fingerprint("a"),
         now,
         lease_until: now.plus(LEASE),
+        expires_at: now.plus(std::time::Duration::from_secs(24 * 3600)),
+        purge_at: now.plus(std::time::Duration::from_secs(7 * 24 * 3600)),
         token,
     };
     match store.begin(request).await.expect("begin") {
@@ -145,6 +147,8 @@ async fn takeover_wakes_a_waiter(server: Server) {
         fingerprint: &fingerprint("a"),
         now: later,
         lease_until: later.plus(LEASE),
+        expires_at: later.plus(std::time::Duration::from_secs(24 * 3600)),
+        purge_at: later.plus(std::time::Duration::from_secs(7 * 24 * 3600)),
         token,
     };
     assert!(matches!(
@@ -216,9 +220,14 @@ async fn expiry_is_native_and_relative(server: Server) {
     let id = fresh_id();
     let keys = store.record_keys(&id);
     let token = claim(&store, &id, base).await;
-    assert_ttl_near(server, &keys.record, 7 * DAY + LEASE);
+    assert_ttl_near(server, &keys.record, 7 * DAY);
+    // A claim is kept until the purge_at it was made with: a renewal whose lease ends before it
+    // leaves it where it is.
     store.renew(&id, token, base.plus(LEASE * 2)).await.expect("renew");
-    assert_ttl_near(server, &keys.record, 7 * DAY + LEASE * 2);
+    assert_ttl_near(server, &keys.record, 7 * DAY);
+    // A lease renewed past it (a handler running for days) moves it to the lease's end.
+    store.renew(&id, token, base.plus(DAY * 8)).await.expect("renew");
+    assert_ttl_near(server, &keys.record, 8 * DAY);
     let done = base.plus(Duration::from_secs(10));
     store
         .complete(&id, token, completion(done, HOUR, 2 * HOUR))
@@ -235,6 +244,7 @@ async fn expiry_is_native_and_relative(server: Server) {
             &id,
             token,
             Release::Unknown {
+                expires_at: base.plus(DAY),
                 purge_at: base.plus(DAY),
             },
         )
@@ -334,11 +344,11 @@ async fn checkpoints_expire_with_their_record(server: Server) {
         .await
         .expect("checkpoint");
     assert_checkpoints_expire_with_the_record(server, &keys);
-    assert_ttl_near(server, &keys.checkpoints, 7 * DAY + LEASE);
+    assert_ttl_near(server, &keys.checkpoints, 7 * DAY);
 
     store.renew(&id, token, base.plus(LEASE * 2)).await.expect("renew");
     assert_checkpoints_expire_with_the_record(server, &keys);
-    assert_ttl_near(server, &keys.checkpoints, 7 * DAY + LEASE * 2);
+    assert_ttl_near(server, &keys.checkpoints, 7 * DAY);
 
     let later = base.plus(LEASE * 3);
     let token = FencingToken::random();
@@ -347,16 +357,19 @@ async fn checkpoints_expire_with_their_record(server: Server) {
         fingerprint: &fp,
         now: later,
         lease_until: later.plus(LEASE),
+        expires_at: later.plus(std::time::Duration::from_secs(24 * 3600)),
+        purge_at: later.plus(std::time::Duration::from_secs(7 * 24 * 3600)),
         token,
     };
     let taken = store.begin(request).await.expect("begin");
     assert!(matches!(taken, Begin::Acquired { recovered: true }), "{taken:?}");
     assert_checkpoints_expire_with_the_record(server, &keys);
-    assert_ttl_near(server, &keys.checkpoints, 7 * DAY + LEASE);
+    assert_ttl_near(server, &keys.checkpoints, 7 * DAY);
 
     // Released as unknown: the record's expiry moves a week closer, the checkpoints' with it.
     store.checkpoint(&id, token, step("charged")).await.expect("checkpoint");
     let unknown = Release::Unknown {
+        expires_at: later.plus(DAY),
         purge_at: later.plus(DAY),
     };
     store.release(&id, token, unknown).await.expect("release");
@@ -462,6 +475,8 @@ async fn a_replay_is_one_round_trip_with_the_answer() {
         fingerprint: &fingerprint("a"),
         now,
         lease_until: now.plus(LEASE),
+        expires_at: now.plus(std::time::Duration::from_secs(24 * 3600)),
+        purge_at: now.plus(std::time::Duration::from_secs(7 * 24 * 3600)),
         token: FencingToken::random(),
     };
     let Begin::Existing(record) = counting.begin(request).await.expect("begin") else {
@@ -617,6 +632,8 @@ async fn a_resent_begin_gets_its_own_claim_back() {
         fingerprint: &fp,
         now,
         lease_until: now.plus(LEASE),
+        expires_at: now.plus(std::time::Duration::from_secs(24 * 3600)),
+        purge_at: now.plus(std::time::Duration::from_secs(7 * 24 * 3600)),
         token,
     };
     let first = FencingToken::random();
@@ -661,6 +678,8 @@ async fn corrupt_records_are_reported_as_corrupt() {
         fingerprint: &fingerprint("a"),
         now,
         lease_until: now.plus(LEASE),
+        expires_at: now.plus(std::time::Duration::from_secs(24 * 3600)),
+        purge_at: now.plus(std::time::Duration::from_secs(7 * 24 * 3600)),
         token: FencingToken::random(),
     };
     let err = store.begin(request).await.expect_err("no purge_at");
@@ -853,6 +872,8 @@ async fn replay(store: &RedisStore, id: &RecordId, now: UnixMillis) -> u64 {
         fingerprint: &fingerprint("a"),
         now,
         lease_until: now.plus(LEASE),
+        expires_at: now.plus(std::time::Duration::from_secs(24 * 3600)),
+        purge_at: now.plus(std::time::Duration::from_secs(7 * 24 * 3600)),
         token: FencingToken::random(),
     };
     match store.begin(request).await.expect("begin") {

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idem_core::stored::{Existing, StoredRecord, wait_for_change};
+use idem_core::stored::{Existing, IN_FLIGHT, StoredRecord, claim_purge_at, wait_for_change};
 use idem_core::{
     Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, Record, RecordId, Release, ScopeSalt, Store,
     StoreError, UnixMillis, WaitOutcome,
@@ -268,6 +268,20 @@ fn abandoned_purge_at(lease_until: UnixMillis) -> i64 {
     idem_core::stored::abandoned_purge_at(lease_until).as_i64()
 }
 
+/// Renewing moves an in-flight record's `purge_at` to the new lease's end if that is later; a claim
+/// made before claims carried a `purge_at` of their own (no `expires_at`) keeps the old rule.
+const RENEW: &str = "UPDATE idem_records
+     SET lease_until = ?4,
+         purge_at = CASE WHEN expires_at IS NULL THEN ?5 ELSE max(purge_at, ?4) END
+     WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in-flight'";
+
+/// An operator's delete of a claim in flight: the holder is fenced (no token), the key is left
+/// unknown with the claim's retention, and the run's checkpoints go (see `Store::delete`).
+const DELETE_IN_FLIGHT: &str = "UPDATE idem_records
+     SET state = 'unknown', token = NULL, lease_until = NULL, expires_at = COALESCE(expires_at, purge_at),
+         checkpoints = NULL
+     WHERE scope = ?1 AND key = ?2 AND state = 'in-flight'";
+
 const COLUMNS: &str =
     "state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays";
 
@@ -320,15 +334,19 @@ fn begin_in(tx: &Transaction<'_>, id: RecordId, request: OwnedBegin) -> Result<(
         digest,
         now,
         lease_until,
+        expires_at,
+        purge_at,
         token,
     } = request;
     let (scope, key) = (id.scope.as_str(), id.key.as_str());
-    let purge_at = abandoned_purge_at(lease_until);
+    let purge_at = claim_purge_at(purge_at, lease_until).as_i64();
+    let expires_at = expires_at.as_i64();
     let inserted = tx
         .prepare_cached(
             "INSERT INTO idem_records
-                 (scope, key, state, fingerprint, digest, token, lease_until, created_at, purge_at, replays)
-             VALUES (?1, ?2, 'in-flight', ?3, ?4, ?5, ?6, ?7, ?8, 0)
+                 (scope, key, state, fingerprint, digest, token, lease_until, created_at, expires_at, purge_at,
+                  replays)
+             VALUES (?1, ?2, 'in-flight', ?3, ?4, ?5, ?6, ?7, ?9, ?8, 0)
              ON CONFLICT (scope, key) DO NOTHING
              RETURNING 1",
         )
@@ -342,7 +360,8 @@ fn begin_in(tx: &Transaction<'_>, id: RecordId, request: OwnedBegin) -> Result<(
                     &token.as_bytes()[..],
                     lease_until.as_i64(),
                     now.as_i64(),
-                    purge_at
+                    purge_at,
+                    expires_at
                 ],
                 |_| Ok(()),
             )
@@ -361,7 +380,7 @@ fn begin_in(tx: &Transaction<'_>, id: RecordId, request: OwnedBegin) -> Result<(
         tx.prepare_cached(
             "UPDATE idem_records
              SET state = 'in-flight', fingerprint = ?3, digest = ?4, token = ?5, lease_until = ?6,
-                 response = NULL, created_at = ?7, completed_at = NULL, expires_at = NULL,
+                 response = NULL, created_at = ?7, completed_at = NULL, expires_at = ?9,
                  purge_at = ?8, replays = 0, checkpoints = NULL
              WHERE scope = ?1 AND key = ?2",
         )
@@ -374,17 +393,18 @@ fn begin_in(tx: &Transaction<'_>, id: RecordId, request: OwnedBegin) -> Result<(
                 &token.as_bytes()[..],
                 lease_until.as_i64(),
                 now,
-                purge_at
+                purge_at,
+                expires_at
             ])
         })
         .map_err(db_error)?;
         return Ok((Begin::Acquired { recovered: false }, true));
     }
     if action == Existing::TakeOver {
-        // The checkpoints stay: the new run resumes from them.
+        // The checkpoints stay: the new run resumes from them. The new run has a ttl of its own.
         tx.prepare_cached(
             "UPDATE idem_records
-             SET state = 'in-flight', token = ?3, lease_until = ?4, purge_at = ?5
+             SET state = 'in-flight', token = ?3, lease_until = ?4, purge_at = ?5, expires_at = ?6
              WHERE scope = ?1 AND key = ?2",
         )
         .and_then(|mut stmt| {
@@ -393,7 +413,8 @@ fn begin_in(tx: &Transaction<'_>, id: RecordId, request: OwnedBegin) -> Result<(
                 key,
                 &token.as_bytes()[..],
                 lease_until.as_i64(),
-                purge_at
+                purge_at,
+                expires_at
             ])
         })
         .map_err(db_error)?;
@@ -419,6 +440,8 @@ struct OwnedBegin {
     digest: [u8; 32],
     now: UnixMillis,
     lease_until: UnixMillis,
+    expires_at: UnixMillis,
+    purge_at: UnixMillis,
     token: FencingToken,
 }
 
@@ -501,6 +524,8 @@ impl Store for SqliteStore {
             digest: *request.fingerprint.digest(),
             now: request.now,
             lease_until: request.lease_until,
+            expires_at: request.expires_at,
+            purge_at: request.purge_at,
             token: request.token,
         };
         let (begun, changed_hands) = self.write(move |tx| begin_in(tx, id, owned)).await?;
@@ -552,13 +577,15 @@ impl Store for SqliteStore {
                     .and_then(|mut stmt| stmt.execute(params![scope, key, token])),
                 // The fingerprint and the checkpoints stay: only the same request may take the
                 // record over, and it resumes where this run stopped.
-                Release::Unknown { purge_at } => tx
+                Release::Unknown { expires_at, purge_at } => tx
                     .prepare_cached(
                         "UPDATE idem_records
-                         SET state = 'unknown', token = NULL, lease_until = NULL, purge_at = ?4
+                         SET state = 'unknown', token = NULL, lease_until = NULL, expires_at = ?4, purge_at = ?5
                          WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in-flight'",
                     )
-                    .and_then(|mut stmt| stmt.execute(params![scope, key, token, purge_at.as_i64()])),
+                    .and_then(|mut stmt| {
+                        stmt.execute(params![scope, key, token, expires_at.as_i64(), purge_at.as_i64()])
+                    }),
             }
             .map_err(db_error)?;
             fenced(changed)
@@ -572,10 +599,7 @@ impl Store for SqliteStore {
         let id = id.clone();
         self.write(move |tx| {
             let changed = tx
-                .prepare_cached(
-                    "UPDATE idem_records SET lease_until = ?4, purge_at = ?5
-                     WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in-flight'",
-                )
+                .prepare_cached(RENEW)
                 .and_then(|mut stmt| {
                     stmt.execute(params![
                         id.scope.as_str(),
@@ -618,18 +642,29 @@ impl Store for SqliteStore {
         let owned = id.clone();
         let deleted = self
             .write(move |tx| {
+                let (scope, key) = (owned.scope.as_str(), owned.key.as_str());
                 // A row that cannot be read is deleted all the same (the inner error): only a
-                // failure of the statement itself rolls back.
-                tx.prepare_cached(&format!(
-                    "DELETE FROM idem_records WHERE scope = ?1 AND key = ?2 RETURNING {COLUMNS}"
-                ))
-                .and_then(|mut stmt| {
-                    stmt.query_row(params![owned.scope.as_str(), owned.key.as_str()], |row| {
-                        Ok(StoredRow::from_row(row))
+                // failure of a statement itself rolls back.
+                let found = tx
+                    .prepare_cached(&format!(
+                        "SELECT {COLUMNS} FROM idem_records WHERE scope = ?1 AND key = ?2"
+                    ))
+                    .and_then(|mut stmt| {
+                        stmt.query_row(params![scope, key], |row| Ok(StoredRow::from_row(row)))
+                            .optional()
                     })
-                    .optional()
-                })
-                .map_err(db_error)
+                    .map_err(db_error)?;
+                // The write lock is held since BEGIN IMMEDIATE: the row read is the row changed.
+                let in_flight = matches!(&found, Some(Ok(row)) if row.stored.state == IN_FLIGHT);
+                let statement = if in_flight {
+                    DELETE_IN_FLIGHT
+                } else {
+                    "DELETE FROM idem_records WHERE scope = ?1 AND key = ?2"
+                };
+                tx.prepare_cached(statement)
+                    .and_then(|mut stmt| stmt.execute(params![scope, key]))
+                    .map_err(db_error)?;
+                Ok(found)
             })
             .await?;
         let Some(row) = deleted else {
@@ -751,6 +786,8 @@ mod tests {
             fingerprint: &fingerprint,
             now,
             lease_until: now,
+            expires_at: UnixMillis(100_000),
+            purge_at: UnixMillis(1_000_000),
             token,
         };
         holder.begin(request).await.unwrap();

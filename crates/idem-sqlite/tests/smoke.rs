@@ -39,6 +39,8 @@ async fn begin(store: &SqliteStore, id: &RecordId, fp: &Fingerprint, now: UnixMi
             fingerprint: fp,
             now,
             lease_until: now.plus(LEASE),
+            expires_at: now.plus(Duration::from_secs(24 * 3600)),
+            purge_at: now.plus(Duration::from_secs(7 * 24 * 3600)),
             token,
         })
         .await
@@ -72,7 +74,7 @@ async fn a_new_key_is_claimed_then_replayed_and_counted() {
     assert_eq!(record.fingerprint, fp);
     assert_eq!(record.created_at, T0);
     assert!(
-        matches!(record.state, RecordState::InFlight { token: t, lease_until } if t == token && lease_until == T0.plus(LEASE))
+        matches!(record.state, RecordState::InFlight { token: t, lease_until, .. } if t == token && lease_until == T0.plus(LEASE))
     );
 
     // In flight and within its lease: nobody else gets it.
@@ -136,7 +138,16 @@ async fn a_stale_token_is_fenced_after_a_takeover() {
         Err(StoreError::Fenced)
     ));
     assert!(matches!(
-        store.release(&id, old, Release::Unknown { purge_at: later }).await,
+        store
+            .release(
+                &id,
+                old,
+                Release::Unknown {
+                    expires_at: later,
+                    purge_at: later
+                }
+            )
+            .await,
         Err(StoreError::Fenced)
     ));
 
@@ -178,11 +189,18 @@ async fn releases_forget_or_remember_an_unknown_outcome() {
     let purge_at = T0.plus(Duration::from_secs(3600));
     let (_, token) = begin(&store, &unknown, &fp, T0).await;
     store
-        .release(&unknown, token, Release::Unknown { purge_at })
+        .release(
+            &unknown,
+            token,
+            Release::Unknown {
+                expires_at: purge_at,
+                purge_at,
+            },
+        )
         .await
         .unwrap();
     let record = store.get(&unknown).await.unwrap().unwrap();
-    assert!(matches!(record.state, RecordState::Unknown { purge_at: p } if p == purge_at));
+    assert!(matches!(record.state, RecordState::Unknown { purge_at: p, .. } if p == purge_at));
     assert_eq!(record.fingerprint, fp);
     // Only the same request takes it over, and it is told that the first run may have had effects.
     let (begun, _) = begin(&store, &unknown, &fingerprint(b"other"), T0).await;
@@ -194,7 +212,14 @@ async fn releases_forget_or_remember_an_unknown_outcome() {
     let gone = id("gone");
     let (_, token) = begin(&store, &gone, &fp, T0).await;
     store
-        .release(&gone, token, Release::Unknown { purge_at })
+        .release(
+            &gone,
+            token,
+            Release::Unknown {
+                expires_at: purge_at,
+                purge_at,
+            },
+        )
         .await
         .unwrap();
     let other = fingerprint(b"other");
@@ -373,7 +398,17 @@ async fn purge_takes_the_checkpoints_with_the_record() {
     };
     store.checkpoint(&id, token, step.clone()).await.unwrap();
     let purge_at = T0.plus(Duration::from_secs(60));
-    store.release(&id, token, Release::Unknown { purge_at }).await.unwrap();
+    store
+        .release(
+            &id,
+            token,
+            Release::Unknown {
+                expires_at: purge_at,
+                purge_at,
+            },
+        )
+        .await
+        .unwrap();
     assert_eq!(
         store.checkpoints(&id).await.unwrap(),
         vec![step],
@@ -580,7 +615,7 @@ async fn a_file_of_schema_version_2_is_upgraded_and_its_salt_says_how_long_its_r
         "the older records live until the latest of their purge times"
     );
     let record = store.get(&id("old-2")).await.unwrap().expect("an old record");
-    assert!(matches!(record.state, RecordState::Unknown { purge_at } if purge_at == latest));
+    assert!(matches!(record.state, RecordState::Unknown { purge_at, .. } if purge_at == latest));
 
     // Retention takes the older records and leaves the salt; reopening changes nothing either.
     assert_eq!(store.purge(latest, 100).await.unwrap().deleted, kept.len() as u64);
@@ -689,4 +724,53 @@ async fn two_processes_and_this_one_claim_once() {
         acquired += count.parse::<usize>().unwrap();
     }
     assert_eq!(acquired, 1, "75 claims in three processes");
+}
+
+/// Records written before claims carried a ttl of their own (no `expires_at`) keep the rules they
+/// were written under: an abandoned claim is taken over, marked recovered, until its `purge_at`
+/// (7 days after its lease), and an operator's delete of such a claim leaves it unknown until then.
+#[tokio::test]
+async fn records_written_without_a_ttl_keep_their_old_rules() {
+    let (dir, store) = temp_store().await;
+    let fp = fingerprint(b"body");
+    let insert_old_claim = |key: &str| {
+        let conn = rusqlite::Connection::open(dir.path().join("idem.db")).unwrap();
+        let id = id(key);
+        conn.execute(
+            "INSERT INTO idem_records
+                 (scope, key, state, fingerprint, digest, token, lease_until, created_at, purge_at)
+             VALUES (?1, ?2, 'in-flight', ?3, ?4, ?5, ?6, ?7, ?8)",
+            rusqlite::params![
+                id.scope.as_str(),
+                id.key.as_str(),
+                fp.encode(),
+                &fp.digest()[..],
+                &FencingToken::random().as_bytes()[..],
+                T0.plus(LEASE).as_i64(),
+                T0.as_i64(),
+                idem_core::stored::abandoned_purge_at(T0.plus(LEASE)).as_i64()
+            ],
+        )
+        .unwrap();
+        id
+    };
+    let day = Duration::from_secs(24 * 3600);
+
+    let abandoned = insert_old_claim("old-abandoned");
+    let (taken, _) = begin(&store, &abandoned, &fp, T0.plus(day * 6)).await;
+    assert!(
+        matches!(taken, Begin::Acquired { recovered: true }),
+        "taken over days later, as before: {taken:?}"
+    );
+
+    let deleted = insert_old_claim("old-deleted");
+    store.delete(&deleted).await.unwrap().expect("the old claim");
+    let purge_at = idem_core::stored::abandoned_purge_at(T0.plus(LEASE));
+    let record = store.get(&deleted).await.unwrap().expect("left unknown");
+    assert!(
+        matches!(record.state, RecordState::Unknown { expires_at, purge_at: p } if expires_at == purge_at && p == purge_at),
+        "{record:?}"
+    );
+    let (taken, _) = begin(&store, &deleted, &fp, T0.plus(day * 6)).await;
+    assert!(matches!(taken, Begin::Acquired { recovered: true }), "{taken:?}");
 }

@@ -283,6 +283,87 @@ async fn answers_expire_to_tombstones_then_disappear() {
     );
 }
 
+/// A key whose run ended without an answer (a panic: outcome unknown) expires at its ttl as an
+/// answered key does: past it the retry is `422 key-expired` until the tombstone's end, never a
+/// run without `recovered`.
+#[tokio::test]
+async fn an_unknown_outcome_expires_at_its_ttl_and_keeps_a_tombstone() {
+    let (store, dir) = sqlite().await;
+    let clock = ManualClock::starting_now();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counter = runs.clone();
+    let router = Router::new()
+        .route(
+            "/pay",
+            post(move |info: axum::Extension<idem_tower::IdempotencyInfo>| {
+                let counter = counter.clone();
+                async move {
+                    let run = counter.fetch_add(1, Ordering::SeqCst) + 1;
+                    assert!(run > 1, "the handler's first run panics after it may have acted");
+                    (StatusCode::CREATED, format!("run {run} recovered={}", info.recovered))
+                }
+            }),
+        )
+        .layer(
+            IdempotencyLayer::new(store)
+                .with_clock(Arc::new(clock.clone()))
+                .with_ttl(Duration::from_secs(3600))
+                .with_tombstone_ttl(Duration::from_secs(7200)),
+        );
+
+    let (status, _, body) = send(&router, pay("k", "")).await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{body}");
+    clock.advance(Duration::from_secs(3601));
+    let (status, _, body) = send(&router, pay("k", "")).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    assert!(body.contains("key-expired") && body.contains("new key"), "{body}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "not run again past the ttl");
+    clock.advance(Duration::from_secs(3600));
+    assert_eq!(
+        send(&router, pay("k", "")).await,
+        (StatusCode::CREATED, false, "run 2 recovered=false".into()),
+        "past the tombstone the key is new"
+    );
+    drop(dir);
+}
+
+/// A claim whose holder vanished (its lease ended: here an instance whose clock is three hours
+/// behind) is taken over only within its ttl: past it the key is `422 key-expired`.
+#[tokio::test]
+async fn an_abandoned_claim_past_its_ttl_is_key_expired() {
+    let (store, dir) = sqlite().await;
+    let now = UnixMillis::now();
+    let behind = ManualClock::new(now.minus(Duration::from_secs(3 * 3600)));
+    let layer = |clock: ManualClock| {
+        IdempotencyLayer::new(store.clone())
+            .with_clock(Arc::new(clock))
+            .with_ttl(Duration::from_secs(3600))
+    };
+    let holder = app(layer(behind), dir);
+    let hung = tokio::spawn({
+        let router = holder.router.clone();
+        async move { send(&router, pay("k", "?ms=3000")).await }
+    });
+    // The holder's claim is made (an anonymous caller's), under its lease of 60 s on its clock.
+    let id = RecordId {
+        scope: Scope::anonymous(),
+        key: idem_core::IdempotencyKey::new("k").unwrap(),
+    };
+    for attempt in 0.. {
+        if store.get(&id).await.unwrap().is_some() {
+            break;
+        }
+        assert!(attempt < 500, "the holder never claimed the key");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let retry = app(layer(ManualClock::new(now)), tempfile::tempdir().unwrap());
+    let (status, _, body) = send(&retry.router, pay("k", "?ms=3000")).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    assert!(body.contains("key-expired"), "{body}");
+    assert_eq!(retry.runs.load(Ordering::SeqCst), 0, "not run again past the ttl");
+    hung.abort();
+}
+
 #[tokio::test]
 async fn provisional_keys_dedupe_a_double_tap_and_leave_no_tombstone() {
     let (store, dir) = sqlite().await;

@@ -49,8 +49,11 @@ pub(crate) enum Command {
     /// Show one record: when, which method and path, its state, its stored status, its replays.
     /// A key without a record exits 1, with a message on stderr (with --json too).
     Inspect(InspectArgs),
-    /// Forget one record, whatever its state, and show what was deleted; the key is free for a new
-    /// request. A key without a record exits 1, with a message on stderr.
+    /// Forget one record and show what it was. A completed record, a tombstone or an unknown outcome
+    /// is deleted: the key is free for a new request. A record in flight is not freed, as its run
+    /// may have had effects: the run is fenced (its answer is not stored) and the key left unknown,
+    /// so the same request runs again marked `Idempotency-Recovered: true` (delete it again to free
+    /// the key). A key without a record exits 1, with a message on stderr.
     Delete(RecordArgs),
     /// Delete expired answers and records now (the gateway also does this in the background).
     Purge(StoreArgs),

@@ -97,8 +97,10 @@ impl Answer {
     }
 }
 
-/// `idem delete`: deletes one record whatever its state and prints what it was; fails (exit 1, a
-/// message on stderr) when there is none.
+/// `idem delete`: forgets one record and prints what it was; fails (exit 1, a message on stderr)
+/// when there is none. A completed record, a tombstone or an unknown outcome is deleted and the key
+/// is free; a record in flight is fenced and left unknown (see `Store::delete`), since its run may
+/// have had effects: the same request then runs again marked recovered.
 pub(crate) async fn delete(args: RecordArgs) -> anyhow::Result<()> {
     let (store, id) = open_record(&args).await?;
     let deleted = match store.delete(&id).await {
@@ -125,17 +127,26 @@ pub(crate) async fn delete(args: RecordArgs) -> anyhow::Result<()> {
         RecordState::Unknown { .. } => "outcome-unknown",
     };
     let fp = &deleted.fingerprint;
+    let effect = if matches!(deleted.state, RecordState::InFlight { .. }) {
+        "its run is fenced and the key is left unknown"
+    } else {
+        "the key is free for a new request"
+    };
     let mut out = format!(
-        "deleted:  the {state} record of {} {}; the key is free for a new request\n",
+        "deleted:  the {state} record of {} {}; {effect}\n",
         fp.method(),
         fp.path()
     );
     let keyring = crate::config::keyring_from_env()?;
     out.push_str(&describe(&deleted, keyring.as_ref()));
-    if matches!(deleted.state, RecordState::InFlight { .. }) {
-        out.push_str(
-            "note:     it was in flight: if that run is still going its answer will not be stored, and a \
-             retry runs the request again\n",
+    if let RecordState::InFlight { expires_at, .. } = deleted.state {
+        let until = expires_at.map(|at| format!(" until {at}")).unwrap_or_default();
+        let _ = writeln!(
+            out,
+            "note:     it was in flight and may have had effects: if that run is still going its answer \
+             will not be stored; the same request runs again marked Idempotency-Recovered: true{until} \
+             (then answers key-expired), and another request with this key is refused. Delete the key \
+             again to free it"
         );
     }
     print!("{out}");
@@ -184,10 +195,11 @@ fn describe(record: &Record, keyring: Option<&Keyring>) -> String {
                 }
             }
         }
-        RecordState::Unknown { purge_at } => {
+        RecordState::Unknown { expires_at, purge_at } => {
             let _ = writeln!(
                 out,
-                "state:    outcome unknown (the next run is marked recovered; kept until {purge_at})"
+                "state:    outcome unknown (the same request runs again marked recovered until {expires_at}, \
+                 then answers key-expired; kept until {purge_at})"
             );
         }
     }
@@ -209,7 +221,8 @@ struct RecordJson<'a> {
     /// In flight: when the holder's lease ends unless renewed.
     lease_until: Option<String>,
     completed_at: Option<String>,
-    /// Completed: until when the answer is replayable.
+    /// Completed: until when the answer is replayable. Unknown: until when the same request runs
+    /// again, marked recovered (after it: `key-expired`).
     expires_at: Option<String>,
     /// Completed or unknown: when the record is deleted.
     purge_at: Option<String>,
@@ -270,8 +283,9 @@ impl<'a> RecordJson<'a> {
                     None => "expired",
                 });
             }
-            RecordState::Unknown { purge_at } => {
+            RecordState::Unknown { expires_at, purge_at } => {
                 json.state = UNKNOWN;
+                json.expires_at = Some(expires_at.to_string());
                 json.purge_at = Some(purge_at.to_string());
             }
         }
@@ -384,6 +398,7 @@ mod tests {
         let in_flight = to_json(RecordState::InFlight {
             token: FencingToken::random(),
             lease_until: UnixMillis(5_000),
+            expires_at: Some(UnixMillis(5_500)),
         });
         assert_eq!(in_flight["state"], "in-flight");
         assert_eq!(in_flight["lease_until"], "1970-01-01T00:00:05.000Z");
@@ -403,9 +418,11 @@ mod tests {
         );
 
         let unknown = to_json(RecordState::Unknown {
+            expires_at: UnixMillis(5_500),
             purge_at: UnixMillis(6_000),
         });
         assert_eq!(unknown["state"], "unknown");
+        assert_eq!(unknown["expires_at"], "1970-01-01T00:00:05.500Z");
         assert_eq!(unknown["purge_at"], "1970-01-01T00:00:06.000Z");
         assert_eq!(unknown["answer"], Value::Null);
     }

@@ -742,6 +742,31 @@ async fn an_unknown_outcome_survives_a_recovery_that_could_not_reach_the_upstrea
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_outcome_past_its_ttl_is_key_expired_until_its_tombstone_ends() {
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&upstream.url(), &["--ttl", "1s", "--tombstone-ttl", "1h"]).await;
+    let key = new_key();
+
+    let request = gw
+        .post("/break-once", PAY_BODY)
+        .header("content-type", "application/json")
+        .header("idempotency-key", key.as_str());
+    let broken = common::try_send(request)
+        .await
+        .unwrap_or_else(|err| panic!("expected a whole 502 upstream-failed answer; {err}"));
+    broken.assert_problem(502, "upstream-failed");
+
+    // Past the ttl the outcome is as expired as an answer would be: the upstream is not run again
+    // (as it was, unflagged, when an unknown outcome was kept only for the ttl).
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let late = gw.post_json("/break-once", Some(&key), PAY_BODY).await;
+    late.assert_problem(422, "key-expired");
+    let other = gw.post_json("/break-once", Some(&key), r#"{"amount":1}"#).await;
+    other.assert_problem(422, "key-expired");
+    assert_eq!(count(&upstream.state.break_once), 1, "the upstream ran once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_upstream_gets_504_and_its_answer_is_kept_for_the_retry() {
     let upstream = Upstream::start().await;
     let gw = Gateway::start(&upstream.url(), &["--upstream-timeout", "300ms"]).await;

@@ -61,6 +61,8 @@ async fn write_as_before(store: &dyn Store, token: &str, key: &str) {
         fingerprint: &fingerprint,
         now,
         lease_until: now.plus(Duration::from_secs(60)),
+        expires_at: now.plus(std::time::Duration::from_secs(24 * 3600)),
+        purge_at: now.plus(std::time::Duration::from_secs(7 * 24 * 3600)),
         token,
     };
     assert!(matches!(

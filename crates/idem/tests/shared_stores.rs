@@ -71,6 +71,16 @@ async fn redis_cluster_operator_commands_work() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_deleting_a_key_in_flight_marks_the_next_run_recovered() {
+    scenarios::delete_in_flight_marks_the_next_run_recovered(&servers::postgres_url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_deleting_a_key_in_flight_marks_the_next_run_recovered() {
+    scenarios::delete_in_flight_marks_the_next_run_recovered(&servers::redis_url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_outage_fails_closed_and_recovers() {
     let server = tokio::task::spawn_blocking(PrivatePostgres::start)
         .await

@@ -221,6 +221,8 @@ pub(crate) async fn begin(
         fingerprint: fp,
         now,
         lease_until: now.plus(LEASE),
+        expires_at: now.plus(std::time::Duration::from_secs(24 * 3600)),
+        purge_at: now.plus(std::time::Duration::from_secs(7 * 24 * 3600)),
         token,
     };
     (store.begin(request).await.expect("begin"), token)

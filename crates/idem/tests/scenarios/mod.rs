@@ -303,7 +303,8 @@ pub(crate) async fn operator_commands_work(store: &str) {
         describe(&twice)
     );
 
-    // An in-flight record: its run's answer is not stored, and a retry runs again.
+    // An in-flight record: its run's answer is not stored, and a retry runs again, marked recovered
+    // (the key was left unknown, not freed).
     let running = new_key();
     let slow = |gateway: &Gateway| {
         gateway
@@ -326,6 +327,7 @@ pub(crate) async fn operator_commands_work(store: &str) {
     let retry = send(slow(&gateway)).await;
     assert_eq!(retry.status, 201, "{retry}");
     assert!(!retry.replayed(), "the deleted run's answer was not stored: {retry}");
+    assert_eq!(retry.header("x-seen-recovered").as_deref(), Some("true"), "{retry}");
     assert_eq!(count(&upstream.state.pay), 4);
 
     for command in ["purge", "migrate"] {
@@ -341,4 +343,53 @@ async fn inspect_json(store: &str, key: &str) -> serde_json::Value {
     let text = String::from_utf8_lossy(&output.stdout);
     assert_eq!(text.lines().count(), 1, "one line:\n{text}");
     serde_json::from_str(&text).unwrap_or_else(|err| panic!("inspect --json prints JSON ({err}):\n{text}"))
+}
+
+/// `idem delete` of a key in flight while a copy of the request waits for it: the holder is
+/// fenced and the key left unknown, so the copy's run (the upstream's second) carries
+/// `Idempotency-Recovered: true`, and a third copy is the replay of that run.
+pub(crate) async fn delete_in_flight_marks_the_next_run_recovered(store: &str) {
+    let upstream = Upstream::start().await;
+    let gateway = Gateway::start_on_store(&upstream.url(), store, &["--wait", "20s"]).await;
+    let key = new_key();
+    let request = || {
+        gateway
+            .post("/pay?delay=3000", r#"{"amount":3}"#)
+            .header("content-type", "application/json")
+            .header("idempotency-key", key.as_str())
+    };
+    let first = tokio::spawn(send(request()));
+    wait_for_count(&upstream.state.pay, 1, Duration::from_secs(10)).await;
+    let waiting = tokio::spawn(send(request()));
+    // Long enough for the copy to find the key in flight and wait; the holder runs 3 s.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(count(&upstream.state.pay), 1, "the copy waits");
+
+    let delete = run_idem(&["delete", "--store", store, &key], Duration::from_secs(60)).await;
+    assert!(delete.status.success(), "delete:\n{}", describe(&delete));
+
+    let (first, waiting) = (first.await.expect("task"), waiting.await.expect("task"));
+    assert_eq!(first.status, 201, "the fenced run still answers its client: {first}");
+    assert_eq!(waiting.status, 201, "{waiting}");
+    assert!(!waiting.replayed(), "the copy ran: {waiting}");
+    let seen = upstream.state.seen("pay");
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    assert_eq!(seen[0].recovered, None, "{seen:?}");
+    assert_eq!(
+        seen[1].recovered.as_deref(),
+        Some("true"),
+        "the run after the delete may repeat the deleted one, and says so: {seen:?}"
+    );
+    let third = send(request()).await;
+    assert!(third.replayed(), "{third}");
+    assert_eq!(
+        third.body, waiting.body,
+        "the recovered run's answer was stored: {third}"
+    );
+    assert_eq!(count(&upstream.state.pay), 2);
+    let text = String::from_utf8_lossy(&delete.stdout);
+    assert!(
+        text.contains("in-flight") && text.contains("left unknown"),
+        "delete says the key is left unknown:\n{text}"
+    );
 }
