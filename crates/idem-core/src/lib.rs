@@ -44,6 +44,8 @@ mod policy;
 #[cfg(feature = "server")]
 mod protocol;
 #[cfg(feature = "server")]
+mod redact;
+#[cfg(feature = "server")]
 mod replay_counts;
 #[cfg(feature = "server")]
 mod response;
@@ -80,6 +82,8 @@ pub use fingerprint::{Differences, Fingerprint, FingerprintDecodeError};
 pub use policy::{AnonymousPolicy, AnonymousPolicyError, MissingKeyPolicy, MissingKeyPolicyError, Policy, PolicyError};
 #[cfg(feature = "server")]
 pub use protocol::{Admission, Claim, Decision, Disposition, Keyed, Outcome, Protocol};
+#[cfg(feature = "server")]
+pub use redact::redact_url;
 #[cfg(feature = "server")]
 pub use response::{HOP_BY_HOP, HeaderAllowList, ResponseDecodeError, StoredResponse};
 #[cfg(feature = "server")]

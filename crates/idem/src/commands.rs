@@ -301,7 +301,7 @@ pub(crate) async fn purge(args: StoreArgs) -> anyhow::Result<()> {
 /// `idem migrate`: opening the store creates or upgrades its schema.
 pub(crate) async fn migrate(args: StoreArgs) -> anyhow::Result<()> {
     stores::open(&args.store).await?;
-    println!("schema of {} is up to date", args.store);
+    println!("schema of {} is up to date", idem_core::redact_url(&args.store));
     Ok(())
 }
 

@@ -8,6 +8,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -42,6 +43,8 @@ pub(crate) struct UpstreamOptions {
 pub(crate) struct Proxy {
     client: Client<HttpsConnector<HttpConnector>, Body>,
     upstream: Uri,
+    /// The upstream as logs show it: any password in it masked.
+    shown: Arc<str>,
     timeout: Duration,
 }
 
@@ -70,7 +73,8 @@ impl Proxy {
                 return Err(Misconfigured {
                     flag: "upstream",
                     reason: format!(
-                        "must be an absolute http:// or https:// URL such as http://127.0.0.1:3000, not {upstream}"
+                        "must be an absolute http:// or https:// URL such as http://127.0.0.1:3000, not {}",
+                        idem_core::redact_url(&upstream.to_string())
                     ),
                 });
             }
@@ -78,7 +82,10 @@ impl Proxy {
         if upstream.authority().is_none() {
             return Err(Misconfigured {
                 flag: "upstream",
-                reason: format!("must name a host, such as http://127.0.0.1:3000, not {upstream}"),
+                reason: format!(
+                    "must name a host, such as http://127.0.0.1:3000, not {}",
+                    idem_core::redact_url(&upstream.to_string())
+                ),
             });
         }
         if !https && options.ca.is_some() {
@@ -122,6 +129,7 @@ impl Proxy {
             .build(connector);
         Ok(Self {
             client,
+            shown: idem_core::redact_url(&upstream.to_string()).into(),
             upstream,
             timeout,
         })
@@ -204,7 +212,7 @@ impl Proxy {
             }
             Ok(Err(err)) if err.is_connect() => {
                 // The causes say why (refused, a certificate not trusted, …): for the operator.
-                tracing::warn!(upstream = %self.upstream, error = %causes(&err), "upstream unreachable");
+                tracing::warn!(upstream = %self.shown, error = %causes(&err), "upstream unreachable");
                 let detail =
                     format!("the upstream could not be reached ({err}); nothing was sent, retry with the same key");
                 no_answer(
@@ -217,7 +225,7 @@ impl Proxy {
                     // The client's fault, not the upstream's: no 5xx that would page someone about
                     // the upstream. Only a request passed through gets here (a keyed body is read
                     // whole before anything is sent), so nothing is said of what the upstream did.
-                    tracing::info!(upstream = %self.upstream, error = %failed, "a request body broke off; the forwarded request was cut off");
+                    tracing::info!(upstream = %self.shown, error = %failed, "a request body broke off; the forwarded request was cut off");
                     let detail =
                         format!("the request body broke off before it was complete ({failed}); send the request again");
                     no_answer(
@@ -226,7 +234,7 @@ impl Proxy {
                     )
                 }
                 None => {
-                    tracing::warn!(upstream = %self.upstream, error = %causes(&err), "connection to the upstream lost after sending");
+                    tracing::warn!(upstream = %self.shown, error = %causes(&err), "connection to the upstream lost after sending");
                     let detail = "the connection to the upstream was lost after the request was sent, so whether it took effect is unknown; retry with the same key (the upstream is told the retry is a recovery)";
                     no_answer(
                         Problem::new(ProblemKind::UpstreamFailed, detail),
