@@ -213,8 +213,15 @@ impl Proxy {
             Ok(Err(err)) if err.is_connect() => {
                 // The causes say why (refused, a certificate not trusted, …): for the operator.
                 tracing::warn!(upstream = %self.shown, error = %causes(&err), "upstream unreachable");
-                let detail =
-                    format!("the upstream could not be reached ({err}); nothing was sent, retry with the same key");
+                let detail = match tls_failure(&err) {
+                    Some(tls @ rustls::Error::InvalidCertificate(_)) => format!(
+                        "the upstream's TLS certificate was rejected ({tls}); nothing was sent, retry with the same key once the upstream's certificate or --upstream-ca is put right"
+                    ),
+                    Some(tls) => format!(
+                        "the TLS handshake with the upstream failed ({tls}); nothing was sent, retry with the same key"
+                    ),
+                    None => format!("the upstream could not be reached ({err}); nothing was sent, retry with the same key"),
+                };
                 no_answer(
                     Problem::new(ProblemKind::UpstreamUnavailable, detail),
                     NoAnswer::NotSent,
@@ -258,6 +265,23 @@ impl Proxy {
 /// waiting too long for it, or it broke off.
 fn client_body_failed<'a>(err: &'a (dyn std::error::Error + 'static)) -> Option<&'a ClientBodyFailed> {
     std::iter::successors(Some(err), |err| err.source()).find_map(|err| err.downcast_ref::<ClientBodyFailed>())
+}
+
+/// The TLS error that stopped a connection to the upstream, if that is why it failed: a client
+/// should learn that the upstream's certificate was refused, and why, not just "Connect".
+fn tls_failure<'a>(err: &'a (dyn std::error::Error + 'static)) -> Option<&'a rustls::Error> {
+    // tokio-rustls wraps it in an `io::Error`, and hyper-rustls that in another: an `io::Error`'s
+    // `source` skips what it wraps, so each is opened by `get_ref`.
+    let unwrapped = |err: &'a (dyn std::error::Error + 'static)| {
+        std::iter::successors(Some(err), |err| {
+            err.downcast_ref::<std::io::Error>()
+                .and_then(std::io::Error::get_ref)
+                .map(|inner| inner as &(dyn std::error::Error + 'static))
+        })
+    };
+    std::iter::successors(Some(err), |err| err.source())
+        .flat_map(unwrapped)
+        .find_map(|err| err.downcast_ref::<rustls::Error>())
 }
 
 /// An error and its causes, `: `-separated.
