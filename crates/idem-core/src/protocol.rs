@@ -348,7 +348,9 @@ impl Protocol {
             // A provisional key is (scope, fingerprint): in the anonymous scope it would hand one
             // person's answer to another who happens to post the same body. Passed through as
             // under `allow`, the request is at worst run twice, as it would be without idem.
-            tracing::debug!("keyless request from an anonymous caller passed through: no provisional key spans two callers");
+            tracing::debug!(
+                "keyless request from an anonymous caller passed through: no provisional key spans two callers"
+            );
             return Admission::PassThrough {
                 headers: HeaderMap::new(),
             };

@@ -80,10 +80,16 @@ mod tests {
             ("redis://:hunter2@host:1/0", "redis://:***@host:1/0"),
             ("redis://user:hunter2@host", "redis://user:***@host"),
             ("redis://token@host", "redis://***@host"),
-            ("redis+cluster://u:pw@h1:1,h2:2/?prefix=p", "redis+cluster://u:***@h1:1,h2:2/?prefix=p"),
+            (
+                "redis+cluster://u:pw@h1:1,h2:2/?prefix=p",
+                "redis+cluster://u:***@h1:1,h2:2/?prefix=p",
+            ),
             ("redis://host:1?prefix=a@b", "redis://host:1?prefix=a@b"),
             ("sqlite:///tmp/idem.db", "sqlite:///tmp/idem.db"),
-            ("https://user:pw@upstream:8443/api", "https://user:***@upstream:8443/api"),
+            (
+                "https://user:pw@upstream:8443/api",
+                "https://user:***@upstream:8443/api",
+            ),
             ("not a url", "not a url"),
         ] {
             assert_eq!(redact_url(url), shown, "{url}");

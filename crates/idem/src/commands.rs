@@ -428,8 +428,8 @@ mod tests {
         );
 
         // Past its expiry on the store's clock, a stored answer is no longer replayable.
-        let due = RecordJson::of(&record(completed(answer(Some(b"12345")))), None, UnixMillis(3_000));
-        let due = serde_json::to_value(due).unwrap();
+        let kept = record(completed(answer(Some(b"12345"))));
+        let due = serde_json::to_value(RecordJson::of(&kept, None, UnixMillis(3_000))).unwrap();
         assert_eq!(due["answer"], "expired");
         assert_eq!((&due["status"], &due["body_bytes"]), (&Value::Null, &Value::Null));
 

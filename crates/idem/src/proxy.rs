@@ -220,7 +220,9 @@ impl Proxy {
                     Some(tls) => format!(
                         "the TLS handshake with the upstream failed ({tls}); nothing was sent, retry with the same key"
                     ),
-                    None => format!("the upstream could not be reached ({err}); nothing was sent, retry with the same key"),
+                    None => {
+                        format!("the upstream could not be reached ({err}); nothing was sent, retry with the same key")
+                    }
                 };
                 no_answer(
                     Problem::new(ProblemKind::UpstreamUnavailable, detail),

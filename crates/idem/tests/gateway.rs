@@ -422,7 +422,10 @@ async fn the_fingerprint_policy_never_merges_two_anonymous_callers() {
     let a = gw.post_json("/pay", None, PAY_BODY).await;
     let b = gw.post_json("/pay", None, PAY_BODY).await;
     assert_eq!((a.status, b.status), (201, 201), "{a}\n{b}");
-    assert!(!a.replayed() && !b.replayed(), "no answer is another caller's: {a}\n{b}");
+    assert!(
+        !a.replayed() && !b.replayed(),
+        "no answer is another caller's: {a}\n{b}"
+    );
     assert_ne!(a.charge(), b.charge(), "each ran");
     assert_eq!(count(&upstream.state.pay), 2, "the upstream ran twice");
 

@@ -29,7 +29,11 @@ async fn commands_on_a_clock_days_ahead_change_nothing(store: &str) {
         let inspect = run_idem_skewed(&["inspect", "--store", store, "--json", &key], ahead, LIMIT).await;
         assert!(inspect.status.success(), "inspect {ahead}: {}", describe(&inspect));
         let json = String::from_utf8_lossy(&inspect.stdout).into_owned();
-        assert_eq!(json_field(&json, "state").as_deref(), Some("completed"), "{ahead}: {json}");
+        assert_eq!(
+            json_field(&json, "state").as_deref(),
+            Some("completed"),
+            "{ahead}: {json}"
+        );
         assert_eq!(
             json_field(&json, "answer").as_deref(),
             Some("whole"),

@@ -156,9 +156,15 @@ async fn a_malformed_sealing_key_is_refused_without_echoing_it() {
         )
         .await;
         let stderr = String::from_utf8_lossy(&output.stderr);
-        assert!(stderr.contains("IDEM_ENCRYPTION_KEYS"), "{keys}: names the variable: {stderr}");
+        assert!(
+            stderr.contains("IDEM_ENCRYPTION_KEYS"),
+            "{keys}: names the variable: {stderr}"
+        );
         for secret in [key, &key[..20], &key[8..28], other, &other[8..28]] {
-            assert!(!stderr.contains(secret), "{keys}: the error echoes key material:\n{stderr}");
+            assert!(
+                !stderr.contains(secret),
+                "{keys}: the error echoes key material:\n{stderr}"
+            );
         }
         let dir = tempfile::tempdir().expect("a temp dir");
         let store = common::store_url_in(dir.path());

@@ -375,12 +375,7 @@ fn openssl_self_signed_for(dir: &Path, name: &str, san: &str) -> Issued {
         .arg(&issued.key)
         .arg("-out")
         .arg(&issued.cert)
-        .args([
-            "-subj",
-            "/CN=localhost",
-            "-addext",
-            &format!("subjectAltName={san}"),
-        ])
+        .args(["-subj", "/CN=localhost", "-addext", &format!("subjectAltName={san}")])
         .output()
         .expect("run openssl, which this test needs to make its certificate (apt-get install openssl)");
     assert!(output.status.success(), "openssl req -x509: {}", describe(&output));
