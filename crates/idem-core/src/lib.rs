@@ -48,6 +48,8 @@ mod policy;
 #[cfg(feature = "server")]
 mod protocol;
 #[cfg(feature = "server")]
+mod redact;
+#[cfg(feature = "server")]
 mod replay_counts;
 #[cfg(feature = "server")]
 mod response;
@@ -88,6 +90,8 @@ pub use observed::{Observed, Observer, StoreOperation};
 pub use policy::{AnonymousPolicy, AnonymousPolicyError, MissingKeyPolicy, MissingKeyPolicyError, Policy, PolicyError};
 #[cfg(feature = "server")]
 pub use protocol::{Admission, Claim, Decision, IdempotencyInfo, Keyed, Outcome, Protocol};
+#[cfg(feature = "server")]
+pub use redact::redact_url;
 #[cfg(feature = "server")]
 pub use response::{HOP_BY_HOP, HeaderAllowList, ResponseDecodeError, StoredResponse};
 #[cfg(feature = "server")]

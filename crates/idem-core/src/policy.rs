@@ -28,7 +28,9 @@ pub enum MissingKeyPolicy {
         until: UnixMillis,
     },
     /// Derive a provisional key from (scope, fingerprint) and deduplicate for `window`; the
-    /// provisional key leaves no tombstone.
+    /// provisional key leaves no tombstone. It never spans two callers: an anonymous request is
+    /// passed through as under `Allow`, and [`Policy::validate`] refuses it with
+    /// [`ScopeSource::None`], where every caller shares one scope.
     Fingerprint {
         /// How long an identical keyless request counts as a copy.
         window: Duration,
@@ -246,6 +248,12 @@ impl Policy {
         if self.methods.is_empty() {
             return fail("methods", "must name at least one method");
         }
+        if matches!(self.missing_key, MissingKeyPolicy::Fingerprint { .. }) && self.scope == ScopeSource::None {
+            return fail(
+                "missing-key",
+                "fingerprint: derives a provisional key from the caller's scope and the request, and with --scope none every caller shares one scope, so two callers posting the same body would get one run and one answer; use --scope credential or header:NAME, or another --missing-key",
+            );
+        }
         if self.anonymous == AnonymousPolicy::Reject && self.scope == ScopeSource::None {
             return fail(
                 "anonymous",
@@ -288,6 +296,26 @@ impl Policy {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_provisional_key_over_one_shared_scope_is_refused() {
+        let fingerprint = MissingKeyPolicy::Fingerprint {
+            window: Duration::from_secs(5),
+        };
+        let shared = Policy {
+            missing_key: fingerprint,
+            scope: ScopeSource::None,
+            ..Policy::default()
+        };
+        let err = shared.validate().unwrap_err();
+        assert_eq!(err.setting, "missing-key");
+        assert!(err.reason.contains("--scope none"), "{err}");
+        let per_caller = Policy {
+            missing_key: fingerprint,
+            ..Policy::default()
+        };
+        assert_eq!(per_caller.validate(), Ok(()));
+    }
 
     #[test]
     fn parses_missing_key_policies() {

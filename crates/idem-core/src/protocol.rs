@@ -368,6 +368,17 @@ impl Protocol {
                 return Admission::Refuse(Problem::new(ProblemKind::ScopeInvalid, detail), Outcome::ScopeInvalid);
             }
         };
+        if matches!(key, KeySource::Provisional(_)) && caller.is_anonymous() {
+            // A provisional key is (scope, fingerprint): in the anonymous scope it would hand one
+            // person's answer to another who happens to post the same body. Passed through as
+            // under `allow`, the request is at worst run twice, as it would be without idem.
+            tracing::debug!(
+                "keyless request from an anonymous caller passed through: no provisional key spans two callers"
+            );
+            return Admission::PassThrough {
+                headers: HeaderMap::new(),
+            };
+        }
         if caller.is_anonymous() && policy.anonymous == AnonymousPolicy::Reject {
             let detail = format!(
                 "this endpoint keeps stored answers per caller and this request names none ({}); send it with your credential. The request was not processed.",

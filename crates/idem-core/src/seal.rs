@@ -72,16 +72,25 @@ impl std::str::FromStr for Keyring {
     fn from_str(text: &str) -> Result<Self, Self::Err> {
         use base64::Engine as _;
         let mut keys: Vec<(String, XChaCha20Poly1305)> = Vec::new();
+        // An error names an entry by its place and a key by its id, and shows nothing else of
+        // the text: an entry written the wrong way round (`base64:id`, `id=base64:x`) has its
+        // key where the id should be.
         for (n, entry) in text.split(',').map(str::trim).enumerate() {
+            let n = n + 1;
             let (id, encoded) = entry
                 .split_once(':')
-                .ok_or_else(|| KeyringError(format!("entry {} has no id: write id:base64", n + 1)))?;
+                .ok_or_else(|| KeyringError(format!("entry {n} has no id: write id:base64")))?;
             let valid_id = !id.is_empty()
                 && id.len() <= MAX_ID_LEN
                 && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
             if !valid_id {
+                let hint = if looks_like_a_key(id) {
+                    "; what is there looks like a key: write the id first, then ':' and the key"
+                } else {
+                    ""
+                };
                 return Err(KeyringError(format!(
-                    "key id {id:?} must be 1 to {MAX_ID_LEN} letters, digits, - or _"
+                    "entry {n}: its id (the text before the first ':', not shown here) must be 1 to {MAX_ID_LEN} letters, digits, - or _{hint}"
                 )));
             }
             if keys.iter().any(|(known, _)| known == id) {
@@ -89,13 +98,26 @@ impl std::str::FromStr for Keyring {
             }
             let bytes = base64::engine::general_purpose::STANDARD
                 .decode(encoded.trim())
-                .map_err(|_| KeyringError(format!("key {id:?} is not base64")))?;
+                .map_err(|_| KeyringError(format!("key {id:?} (entry {n}) is not base64")))?;
             let key = <[u8; 32]>::try_from(bytes.as_slice())
-                .map_err(|_| KeyringError(format!("key {id:?} has {} bytes, not 32", bytes.len())))?;
+                .map_err(|_| KeyringError(format!("key {id:?} (entry {n}) has {} bytes, not 32", bytes.len())))?;
             keys.push((id.to_owned(), XChaCha20Poly1305::new(&Key::from(key))));
         }
         Ok(Self { keys })
     }
+}
+
+/// Whether `text` ends in what a key in base64 is (44 characters that decode to 32 bytes), to
+/// tell an operator who wrote an entry the wrong way round.
+fn looks_like_a_key(text: &str) -> bool {
+    use base64::Engine as _;
+    // Not at a character boundary: not base64 either.
+    let Some(tail) = text.get(text.len().saturating_sub(44)..) else {
+        return false;
+    };
+    base64::engine::general_purpose::STANDARD
+        .decode(tail)
+        .is_ok_and(|bytes| bytes.len() == 32)
 }
 
 impl Keyring {
@@ -279,10 +301,27 @@ mod tests {
             "a:AAEC",
             "a b:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=",
             &format!("{A},{A}"),
+            // Written the wrong way round, or with a stray separator: the key is where the id
+            // should be, and must not come back in the error.
+            "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=:a",
+            "a=AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=:x",
+            "b:HxwdHhsaGRgXFhUUExIREA8ODQwLCgkIBwYFBAMCAQA=,AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=:a",
+            "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8",
+            "ééééééééééééééééééééééééééééééééééééééééééééééé:AAEC",
         ] {
             let err = bad.parse::<Keyring>().unwrap_err().to_string();
-            assert!(!err.contains("AAECAwQF"), "{err}");
+            for part in ["AAECAwQF", "ODxAREhMUFRYX", "HxwdHhsaGRgX"] {
+                assert!(!err.contains(part), "{bad:?}: {err}");
+            }
         }
+        let backwards = "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=:a"
+            .parse::<Keyring>()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            backwards.contains("entry 1") && backwards.contains("id first"),
+            "says which entry and what is wrong: {backwards}"
+        );
         let ring: Keyring = format!("{A}, {B}").parse().unwrap();
         assert_eq!(ring.ids().collect::<Vec<_>>(), ["a", "b"]);
         assert!(!format!("{ring:?}").contains("AAEC"));

@@ -6,8 +6,9 @@ use std::time::Duration;
 
 use tokio_postgres::config::Host;
 
+use idem_core::redact_url;
+
 use crate::PostgresError;
-use crate::error::redact;
 
 /// Connections in the pool unless `pool_size` says otherwise.
 pub(crate) const DEFAULT_POOL_SIZE: usize = 16;
@@ -45,7 +46,7 @@ impl Settings {
     /// Parses `postgres://user[:password]@host[:port]/database[?options]` (or `postgresql://`).
     pub(crate) fn parse(url: &str) -> Result<Self, PostgresError> {
         let invalid = |reason: String| PostgresError::InvalidUrl {
-            url: redact(url),
+            url: redact_url(url),
             reason,
         };
         let scheme = url.split_once("://").map(|(scheme, _)| scheme);

@@ -9,6 +9,8 @@ use std::time::Duration;
 
 use redis::{ConnectionInfo, IntoConnectionInfo, ProtocolVersion};
 
+use idem_core::redact_url;
+
 use crate::RedisError;
 
 /// The key prefix when the URL names none.
@@ -38,7 +40,7 @@ pub(crate) struct Config {
 
 /// Parses a store URL.
 pub(crate) fn parse(url: &str) -> Result<Config, RedisError> {
-    let display = redact(url);
+    let display = redact_url(url);
     let invalid = |reason: String| RedisError::InvalidUrl {
         url: display.clone(),
         reason,
@@ -151,27 +153,6 @@ fn connection_info(url: &str, invalid: &impl Fn(String) -> RedisError) -> Result
     Ok(info.set_redis_settings(settings))
 }
 
-/// The URL with its password replaced by `***`.
-pub(crate) fn redact(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_owned();
-    };
-    let end = rest.find(['/', '?']).unwrap_or(rest.len());
-    let (authority, tail) = rest.split_at(end);
-    match authority.rsplit_once('@') {
-        Some((userinfo, hosts)) => {
-            let user = userinfo.split_once(':').map_or(userinfo, |(user, _)| user);
-            let hidden = if userinfo.contains(':') {
-                format!("{user}:***")
-            } else {
-                "***".to_owned()
-            };
-            format!("{scheme}://{hidden}@{hosts}{tail}")
-        }
-        None => url.to_owned(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use redis::ConnectionAddr;
@@ -253,10 +234,10 @@ mod tests {
 
     #[test]
     fn passwords_stay_out_of_messages() {
-        assert_eq!(redact("redis://:hunter2@host:1/0"), "redis://:***@host:1/0");
-        assert_eq!(redact("redis://user:hunter2@host"), "redis://user:***@host");
-        assert_eq!(redact("redis://token@host"), "redis://***@host");
-        assert_eq!(redact("redis://host:1?prefix=a@b"), "redis://host:1?prefix=a@b");
+        assert_eq!(redact_url("redis://:hunter2@host:1/0"), "redis://:***@host:1/0");
+        assert_eq!(redact_url("redis://user:hunter2@host"), "redis://user:***@host");
+        assert_eq!(redact_url("redis://token@host"), "redis://***@host");
+        assert_eq!(redact_url("redis://host:1?prefix=a@b"), "redis://host:1?prefix=a@b");
         let err = parse("redis://user:hunter2@host?nope=1").unwrap_err().to_string();
         assert!(!err.contains("hunter2"), "{err}");
     }

@@ -3,7 +3,6 @@
 //! ended); this module buffers bodies, runs the handler in its own task (renewing its lease),
 //! carries the settlement out and hands the answer back.
 
-use idem_core::metric_names;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
@@ -18,7 +17,7 @@ use http_body::Body as HttpBody;
 use http_body_util::{BodyExt, Limited};
 use idem_core::{
     Admission, Claim, Decision, Fingerprint, Keep, NoAnswer, Outcome, PendingAnswer, Problem, ProblemKind, Protocol,
-    RecordId, Reply, RunEnd, RunTimedOut, Settlement, Unstored,
+    RecordId, Reply, RunEnd, RunTimedOut, Settlement, Unstored, metric_names,
 };
 use metrics::SharedString;
 use tokio::sync::oneshot;

@@ -374,8 +374,10 @@ async fn provisional_keys_dedupe_a_double_tap_and_leave_no_tombstone() {
             window: Duration::from_secs(5),
         });
     let app = app(layer, dir);
+    // One caller's double tap: a provisional key is per caller, and an anonymous one has none.
     let tap = || {
         Request::post("/pay")
+            .header("authorization", "Bearer alice")
             .body(AxumBody::from("amount=10"))
             .expect("request")
     };
@@ -390,6 +392,7 @@ async fn provisional_keys_dedupe_a_double_tap_and_leave_no_tombstone() {
         "the double tap is caught"
     );
     let other = Request::post("/pay")
+        .header("authorization", "Bearer alice")
         .body(AxumBody::from("amount=11"))
         .expect("request");
     assert_eq!(
@@ -401,6 +404,21 @@ async fn provisional_keys_dedupe_a_double_tap_and_leave_no_tombstone() {
         send(&app.router, tap()).await,
         (StatusCode::CREATED, false, "run 3".into()),
         "after the window the same body is a new request, not key-expired"
+    );
+    // Without a credential nothing tells two callers apart: their requests pass through.
+    let anonymous = || {
+        Request::post("/pay")
+            .body(AxumBody::from("amount=12"))
+            .expect("request")
+    };
+    assert_eq!(
+        send(&app.router, anonymous()).await,
+        (StatusCode::CREATED, false, "run 4".into())
+    );
+    assert_eq!(
+        send(&app.router, anonymous()).await,
+        (StatusCode::CREATED, false, "run 5".into()),
+        "two anonymous callers never share an answer"
     );
 }
 

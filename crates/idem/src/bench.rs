@@ -89,7 +89,12 @@ pub(crate) async fn run(args: BenchArgs) -> anyhow::Result<()> {
     }
     print!(
         "{}",
-        report(&args.store.store, args.concurrency, sealing.as_deref(), &phases)
+        report(
+            &idem_core::redact_url(&args.store.store),
+            args.concurrency,
+            sealing.as_deref(),
+            &phases
+        )
     );
     Ok(())
 }

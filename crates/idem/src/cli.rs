@@ -216,7 +216,9 @@ pub(crate) struct ServeSettings {
     #[arg(long, env = "IDEM_SHUTDOWN_GRACE", value_parser = parse_duration)]
     #[serde(deserialize_with = "de::duration")]
     pub(crate) shutdown_grace: Option<Duration>,
-    /// A PEM bundle of CA certificates trusted for an https:// upstream, besides the system's.
+    /// A PEM bundle of CA certificates trusted for an https:// upstream, besides the system's; a
+    /// server certificate that is one of them byte for byte is accepted as pinned (a self-signed
+    /// `openssl req -x509` certificate), if it names the upstream and is valid now.
     #[arg(long, env = "IDEM_UPSTREAM_CA", value_name = "FILE")]
     pub(crate) upstream_ca: Option<PathBuf>,
     /// Speak HTTP/2 by prior knowledge (h2c) to an http:// upstream. Over https:// HTTP/2 is

@@ -1,4 +1,6 @@
-//! The operator's commands: `inspect`, `delete`, `purge` and `migrate`.
+//! The operator's commands: `inspect`, `delete`, `purge` and `migrate`. Those that judge time
+//! (what is expired, what is due for purging) judge it on the store's clock, as `idem serve`
+//! does, never on this machine's.
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -7,8 +9,8 @@ use anyhow::Context as _;
 use bytes::Bytes;
 use idem_core::stored::{COMPLETED, IN_FLIGHT, UNKNOWN};
 use idem_core::{
-    CredentialScopes, IdempotencyKey, Keyring, Policy, Protocol, Record, RecordId, RecordState, Scope, Store,
-    StoreError, StoredResponse, UnixMillis,
+    Clock as _, CredentialScopes, IdempotencyKey, Keyring, Policy, Protocol, Record, RecordId, RecordState, Scope,
+    Store, StoreClock, StoreError, StoredResponse, UnixMillis,
 };
 use serde::Serialize;
 
@@ -18,26 +20,44 @@ use crate::stores;
 /// The batch size of `idem purge`.
 const PURGE_BATCH: usize = 1000;
 
-/// Opens the store and names the record the arguments point at.
-async fn open_record(args: &RecordArgs) -> anyhow::Result<(Arc<dyn Store>, RecordId)> {
+/// The store's clock, measured now. A machine whose clock is days off (a stopped NTP daemon, a
+/// VM resumed from a pause) would otherwise purge live answers, or show them expired; a store
+/// whose clock cannot be read stops the command rather than let this machine's stand in.
+async fn store_clock(store: &Arc<dyn Store>) -> anyhow::Result<Arc<StoreClock>> {
+    let clock = StoreClock::new(store.clone());
+    clock
+        .sync()
+        .await
+        .context("cannot read the store's clock, on which expiry is judged; nothing was done")?;
+    Ok(clock)
+}
+
+/// Opens the store, reads its clock and names the record the arguments point at.
+async fn open_record(args: &RecordArgs) -> anyhow::Result<(Arc<dyn Store>, Arc<StoreClock>, RecordId)> {
     let key = IdempotencyKey::new(&args.key).with_context(|| format!("{:?} is not a valid key", args.key))?;
     let store = stores::open(&args.store.store).await?;
+    let clock = store_clock(&store).await?;
     let id = match &args.authorization {
-        Some(credential) => credential_record(&*store, credential, key).await?,
+        Some(credential) => credential_record(&*store, credential, key, clock.now()).await?,
         None => RecordId {
             scope: Scope::from_stored(args.scope.as_str()),
             key,
         },
     };
-    Ok((store, id))
+    Ok((store, clock, id))
 }
 
 /// The record of `key` in the scope of callers presenting `credential`, hashed as the gateway
 /// hashes it (the store's salt, `IDEM_SCOPE_SECRET`): under the current form, or an earlier one
 /// if the record was stored before a change of hashing.
-async fn credential_record(store: &dyn Store, credential: &str, key: IdempotencyKey) -> anyhow::Result<RecordId> {
+async fn credential_record(
+    store: &dyn Store,
+    credential: &str,
+    key: IdempotencyKey,
+    now: UnixMillis,
+) -> anyhow::Result<RecordId> {
     let secrets = crate::config::scope_secrets_from_env()?;
-    let scopes = CredentialScopes::load(store, &secrets, UnixMillis::now())
+    let scopes = CredentialScopes::load(store, &secrets, now)
         .await
         .context("cannot read the store's scope salt")?;
     let forms = scopes.every_form(credential.as_bytes());
@@ -67,17 +87,21 @@ fn no_record(id: &RecordId) -> anyhow::Error {
 /// `idem inspect`: prints one record, as text or as one JSON object; fails (exit 1, a message on
 /// stderr, nothing on stdout) when there is none.
 pub(crate) async fn inspect(args: InspectArgs) -> anyhow::Result<()> {
-    let (store, id) = open_record(&args.record).await?;
+    let (store, clock, id) = open_record(&args.record).await?;
     let keyring = crate::config::keyring_from_env()?;
     let record = store
         .get(&id)
         .await
         .context("cannot read the record")?
         .ok_or_else(|| no_record(&id))?;
+    let now = clock.now();
     if args.json {
-        println!("{}", serde_json::to_string(&RecordJson::of(&record, keyring.as_ref()))?);
+        println!(
+            "{}",
+            serde_json::to_string(&RecordJson::of(&record, keyring.as_ref(), now))?
+        );
     } else {
-        print!("{}", describe(&record, keyring.as_ref()));
+        print!("{}", describe(&record, keyring.as_ref(), now));
     }
     Ok(())
 }
@@ -102,7 +126,7 @@ impl Answer {
 /// is free; a record in flight is fenced and left unknown (see `Store::delete`), since its run may
 /// have had effects: the same request then runs again marked recovered.
 pub(crate) async fn delete(args: RecordArgs) -> anyhow::Result<()> {
-    let (store, id) = open_record(&args).await?;
+    let (store, clock, id) = open_record(&args).await?;
     let deleted = match store.delete(&id).await {
         Ok(deleted) => deleted.ok_or_else(|| no_record(&id))?,
         // The store deletes a record it cannot read all the same: make sure, then say so.
@@ -138,7 +162,7 @@ pub(crate) async fn delete(args: RecordArgs) -> anyhow::Result<()> {
         fp.path()
     );
     let keyring = crate::config::keyring_from_env()?;
-    out.push_str(&describe(&deleted, keyring.as_ref()));
+    out.push_str(&describe(&deleted, keyring.as_ref(), clock.now()));
     if let RecordState::InFlight { expires_at, .. } = deleted.state {
         let until = expires_at.map(|at| format!(" until {at}")).unwrap_or_default();
         let _ = writeln!(
@@ -153,7 +177,8 @@ pub(crate) async fn delete(args: RecordArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn describe(record: &Record, keyring: Option<&Keyring>) -> String {
+/// `record` as text, its times judged against `now` on the store's clock.
+fn describe(record: &Record, keyring: Option<&Keyring>, now: UnixMillis) -> String {
     let mut out = String::new();
     let fp = &record.fingerprint;
     let _ = writeln!(out, "scope:    {}", record.id.scope);
@@ -161,6 +186,12 @@ fn describe(record: &Record, keyring: Option<&Keyring>) -> String {
     let _ = writeln!(out, "request:  {} {}", fp.method(), fp.path());
     let _ = writeln!(out, "created:  {}", record.created_at);
     match &record.state {
+        RecordState::InFlight { lease_until, .. } if now >= *lease_until => {
+            let _ = writeln!(
+                out,
+                "state:    in-flight, its lease ended at {lease_until} (the next copy takes it over, marked recovered)"
+            );
+        }
         RecordState::InFlight { lease_until, .. } => {
             let _ = writeln!(out, "state:    in-flight (lease until {lease_until})");
         }
@@ -168,13 +199,24 @@ fn describe(record: &Record, keyring: Option<&Keyring>) -> String {
             response,
             completed_at,
             expires_at,
-            ..
+            purge_at,
         } => {
-            let _ = writeln!(
-                out,
-                "state:    completed at {completed_at}, replayable until {expires_at}"
-            );
-            let answer = response.as_ref().map(|bytes| Answer::read(&record.id, bytes, keyring));
+            let expired = now >= *expires_at;
+            if expired {
+                let _ = writeln!(
+                    out,
+                    "state:    completed at {completed_at}, expired at {expires_at} (answers key-expired until {purge_at})"
+                );
+            } else {
+                let _ = writeln!(
+                    out,
+                    "state:    completed at {completed_at}, replayable until {expires_at}"
+                );
+            }
+            let answer = response
+                .as_ref()
+                .filter(|_| !expired)
+                .map(|bytes| Answer::read(&record.id, bytes, keyring));
             if let Some(key) = answer.as_ref().and_then(|answer| answer.sealed_by.as_deref()) {
                 let _ = writeln!(out, "sealed:   by key {key}");
             }
@@ -227,7 +269,8 @@ struct RecordJson<'a> {
     /// Completed or unknown: when the record is deleted.
     purge_at: Option<String>,
     /// Completed: what is kept of the answer: `whole`, `status` (the body was too large to keep:
-    /// compact), `expired` (a tombstone) or `unreadable`.
+    /// compact), `expired` (a tombstone, or past `expires_at` on the store's clock: the key
+    /// answers key-expired) or `unreadable`.
     answer: Option<&'static str>,
     /// The stored answer's status, when it is kept.
     status: Option<u16>,
@@ -240,7 +283,8 @@ struct RecordJson<'a> {
 }
 
 impl<'a> RecordJson<'a> {
-    fn of(record: &'a Record, keyring: Option<&Keyring>) -> Self {
+    /// `record`'s facts, its answer judged against `now` on the store's clock.
+    fn of(record: &'a Record, keyring: Option<&Keyring>, now: UnixMillis) -> Self {
         let fp = &record.fingerprint;
         let mut json = Self {
             scope: record.id.scope.as_str(),
@@ -271,7 +315,10 @@ impl<'a> RecordJson<'a> {
                 json.completed_at = Some(completed_at.to_string());
                 json.expires_at = Some(expires_at.to_string());
                 json.purge_at = Some(purge_at.to_string());
-                let answer = response.as_ref().map(|bytes| Answer::read(&record.id, bytes, keyring));
+                let answer = response
+                    .as_ref()
+                    .filter(|_| now < *expires_at)
+                    .map(|bytes| Answer::read(&record.id, bytes, keyring));
                 json.sealed_by = answer.as_ref().and_then(|answer| answer.sealed_by.clone());
                 json.answer = Some(match answer.map(|answer| answer.stored) {
                     Some(Ok(stored)) => {
@@ -296,7 +343,8 @@ impl<'a> RecordJson<'a> {
 /// `idem purge`: runs every due batch of retention work now.
 pub(crate) async fn purge(args: StoreArgs) -> anyhow::Result<()> {
     let store = stores::open(&args.store).await?;
-    let purged = Protocol::new(store, Policy::default())
+    let clock = store_clock(&store).await?;
+    let purged = Protocol::with_clock(store, Policy::default(), clock)
         .purge(PURGE_BATCH)
         .await
         .context("purge failed")?;
@@ -315,7 +363,7 @@ pub(crate) async fn purge(args: StoreArgs) -> anyhow::Result<()> {
 /// `idem migrate`: opening the store creates or upgrades its schema.
 pub(crate) async fn migrate(args: StoreArgs) -> anyhow::Result<()> {
     stores::open(&args.store).await?;
-    println!("schema of {} is up to date", args.store);
+    println!("schema of {} is up to date", idem_core::redact_url(&args.store));
     Ok(())
 }
 
@@ -341,8 +389,9 @@ mod tests {
         }
     }
 
+    /// The JSON form as seen at 2.5 s: after completion, before expiry.
     fn to_json(state: RecordState) -> Value {
-        serde_json::to_value(RecordJson::of(&record(state), None)).unwrap()
+        serde_json::to_value(RecordJson::of(&record(state), None, UnixMillis(2_500))).unwrap()
     }
 
     fn completed(response: Option<Bytes>) -> RecordState {
@@ -391,6 +440,16 @@ mod tests {
             (&tombstone["status"], &tombstone["body_bytes"]),
             (&Value::Null, &Value::Null)
         );
+
+        // Past its expiry on the store's clock, a stored answer is no longer replayable.
+        let kept = record(completed(answer(Some(b"12345"))));
+        let due = serde_json::to_value(RecordJson::of(&kept, None, UnixMillis(3_000))).unwrap();
+        assert_eq!(due["answer"], "expired");
+        assert_eq!((&due["status"], &due["body_bytes"]), (&Value::Null, &Value::Null));
+
+        let text = describe(&record(completed(answer(Some(b"12345")))), None, UnixMillis(3_000));
+        assert!(text.contains("expired at") && text.contains("key-expired"), "{text}");
+        assert!(!text.contains("replayable"), "{text}");
 
         let unreadable = to_json(completed(Some(Bytes::from_static(b"not an answer"))));
         assert_eq!(unreadable["answer"], "unreadable");

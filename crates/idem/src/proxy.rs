@@ -4,12 +4,12 @@
 //! An upstream is `http://` (HTTP/1.1, or h2c by prior knowledge when asked) or `https://`
 //! (HTTP/2 or HTTP/1.1, as ALPN decides).
 
-use idem_core::metric_names;
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -21,7 +21,7 @@ use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use idem_core::{HOP_BY_HOP, IDEMPOTENCY_RECOVERED as RECOVERED, IdempotencyInfo, NoAnswer};
+use idem_core::{HOP_BY_HOP, IDEMPOTENCY_RECOVERED as RECOVERED, IdempotencyInfo, NoAnswer, metric_names};
 use idem_tower::Body;
 
 use crate::cli::Misconfigured;
@@ -42,6 +42,8 @@ pub(crate) struct UpstreamOptions {
 pub(crate) struct Proxy {
     client: Client<HttpsConnector<HttpConnector>, Body>,
     upstream: Uri,
+    /// The upstream as logs show it: any password in it masked.
+    shown: Arc<str>,
     timeout: Duration,
 }
 
@@ -70,7 +72,8 @@ impl Proxy {
                 return Err(Misconfigured {
                     flag: "upstream",
                     reason: format!(
-                        "must be an absolute http:// or https:// URL such as http://127.0.0.1:3000, not {upstream}"
+                        "must be an absolute http:// or https:// URL such as http://127.0.0.1:3000, not {}",
+                        idem_core::redact_url(&upstream.to_string())
                     ),
                 });
             }
@@ -78,7 +81,10 @@ impl Proxy {
         if upstream.authority().is_none() {
             return Err(Misconfigured {
                 flag: "upstream",
-                reason: format!("must name a host, such as http://127.0.0.1:3000, not {upstream}"),
+                reason: format!(
+                    "must name a host, such as http://127.0.0.1:3000, not {}",
+                    idem_core::redact_url(&upstream.to_string())
+                ),
             });
         }
         if !https && options.ca.is_some() {
@@ -122,6 +128,7 @@ impl Proxy {
             .build(connector);
         Ok(Self {
             client,
+            shown: idem_core::redact_url(&upstream.to_string()).into(),
             upstream,
             timeout,
         })
@@ -205,20 +212,27 @@ impl Proxy {
             }
             Ok(Err(err)) if err.is_connect() => {
                 // The causes say why (refused, a certificate not trusted, …): for the operator.
-                tracing::warn!(upstream = %self.upstream, error = %causes(&err), "upstream unreachable");
-                no_answer(NoAnswer::NotSent { cause: err.to_string() })
+                tracing::warn!(upstream = %self.shown, error = %causes(&err), "upstream unreachable");
+                let cause = match tls_failure(&err) {
+                    Some(tls @ rustls::Error::InvalidCertificate(_)) => format!(
+                        "its TLS certificate was rejected: {tls}; put the upstream's certificate or --upstream-ca right"
+                    ),
+                    Some(tls) => format!("the TLS handshake failed: {tls}"),
+                    None => err.to_string(),
+                };
+                no_answer(NoAnswer::NotSent { cause })
             }
             Ok(Err(err)) => match client_body_failed(&err) {
                 Some(failed) => {
                     // Only a request passed through gets here (a keyed body is read whole before
                     // anything is sent).
-                    tracing::info!(upstream = %self.upstream, error = %failed, "a request body broke off; the forwarded request was cut off");
+                    tracing::info!(upstream = %self.shown, error = %failed, "a request body broke off; the forwarded request was cut off");
                     no_answer(NoAnswer::ClientBodyBroke {
                         cause: failed.to_string(),
                     })
                 }
                 None => {
-                    tracing::warn!(upstream = %self.upstream, error = %causes(&err), "connection to the upstream lost after sending");
+                    tracing::warn!(upstream = %self.shown, error = %causes(&err), "connection to the upstream lost after sending");
                     no_answer(NoAnswer::OutcomeUnknown { cause: err.to_string() })
                 }
             },
@@ -231,6 +245,23 @@ impl Proxy {
 /// waiting too long for it, or it broke off.
 fn client_body_failed<'a>(err: &'a (dyn std::error::Error + 'static)) -> Option<&'a ClientBodyFailed> {
     std::iter::successors(Some(err), |err| err.source()).find_map(|err| err.downcast_ref::<ClientBodyFailed>())
+}
+
+/// The TLS error that stopped a connection to the upstream, if that is why it failed: a client
+/// should learn that the upstream's certificate was refused, and why, not just "Connect".
+fn tls_failure<'a>(err: &'a (dyn std::error::Error + 'static)) -> Option<&'a rustls::Error> {
+    // tokio-rustls wraps it in an `io::Error`, and hyper-rustls that in another: an `io::Error`'s
+    // `source` skips what it wraps, so each is opened by `get_ref`.
+    let unwrapped = |err: &'a (dyn std::error::Error + 'static)| {
+        std::iter::successors(Some(err), |err| {
+            err.downcast_ref::<std::io::Error>()
+                .and_then(std::io::Error::get_ref)
+                .map(|inner| inner as &(dyn std::error::Error + 'static))
+        })
+    };
+    std::iter::successors(Some(err), |err| err.source())
+        .flat_map(unwrapped)
+        .find_map(|err| err.downcast_ref::<rustls::Error>())
 }
 
 /// An error and its causes, `: `-separated.

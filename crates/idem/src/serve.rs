@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use std::sync::Arc;
 
-use idem_core::{Keyring, Policy, Protocol, Routes, ScopeSecrets, Store, StoreClock};
+use idem_core::{Keyring, Policy, Protocol, Routes, ScopeSecrets, Store, StoreClock, redact_url};
 use idem_tower::IdempotencyLayer;
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
@@ -100,7 +100,15 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
     println!("idem listening on {scheme}://{addr} admin http://{admin_addr}");
     let routes: Vec<&str> = config.routes.iter().map(|route| route.pattern.as_str()).collect();
     let path_readings = config.routes.readings();
-    tracing::info!(%addr, %admin_addr, upstream = %config.upstream, store = %config.store, ?routes, %path_readings, "idem serve started");
+    tracing::info!(
+        %addr,
+        %admin_addr,
+        upstream = %redact_url(&config.upstream.to_string()),
+        store = %redact_url(&config.store),
+        ?routes,
+        %path_readings,
+        "idem serve started"
+    );
 
     let shutdown = CancellationToken::new();
     let purger = gateway

@@ -1,9 +1,10 @@
-//! Opens the store a URL names.
+//! Opens the store a URL names. A URL is only ever shown through `redact_url`: it may carry a
+//! password.
 
 use std::sync::Arc;
 
 use anyhow::Context as _;
-use idem_core::Store;
+use idem_core::{Store, redact_url};
 use idem_postgres::PostgresStore;
 use idem_redis::RedisStore;
 use idem_sqlite::SqliteStore;
@@ -18,7 +19,7 @@ pub(crate) async fn open(url: &str) -> anyhow::Result<Arc<dyn Store>> {
         "sqlite" => {
             let store = SqliteStore::from_url(url)
                 .await
-                .with_context(|| format!("cannot open the store {url}"))?;
+                .with_context(|| format!("cannot open the store {}", redact_url(url)))?;
             Ok(Arc::new(store))
         }
         "postgres" | "postgresql" => {
@@ -32,7 +33,8 @@ pub(crate) async fn open(url: &str) -> anyhow::Result<Arc<dyn Store>> {
             Ok(Arc::new(store))
         }
         _ => anyhow::bail!(
-            "unknown store URL {url:?}: use sqlite://PATH, postgres://…, redis://HOST:PORT or redis+cluster://H1:P1,H2:P2,…"
+            "unknown store URL {:?}: use sqlite://PATH, postgres://…, redis://HOST:PORT or redis+cluster://H1:P1,H2:P2,…",
+            redact_url(url)
         ),
     }
 }

@@ -163,6 +163,11 @@ async fn a_bad_config_file_stops_the_start_naming_the_setting_and_its_line() {
             &["line 2", "\"/pay\"", "run-timeout"],
         ),
         (
+            "a provisional key over one scope shared by every caller",
+            "[[route]]\npath = \"/pay\"\nscope = \"none\"\nmissing-key = \"fingerprint:5s\"\n",
+            &["line 2", "\"/pay\"", "missing-key", "--scope none"],
+        ),
+        (
             "settings on a route that passes through",
             "[[route]]\npath = \"/hooks/*\"\nenabled = false\nttl = \"1h\"\n",
             &["line 2", "enabled = false", "ttl"],

@@ -387,21 +387,81 @@ async fn a_keyless_post_passes_through_by_default() {
 async fn the_fingerprint_policy_catches_a_keyless_double_tap() {
     let upstream = Upstream::start().await;
     let gw = Gateway::start(&upstream.url(), &["--missing-key", "fingerprint:10s"]).await;
+    // The double tap of one caller: the same credential, the same body.
+    let tap = |body: &'static str| {
+        send(
+            gw.post("/pay", body)
+                .header("content-type", "application/json")
+                .header("authorization", "Bearer alice"),
+        )
+    };
 
-    let a = gw.post_json("/pay", None, PAY_BODY).await;
+    let a = tap(PAY_BODY).await;
     assert_eq!(a.status, 201, "{a}");
     assert!(!a.replayed(), "{a}");
-    let b = gw.post_json("/pay", None, PAY_BODY).await;
+    let b = tap(PAY_BODY).await;
     assert_eq!(b.status, 201, "{b}");
     assert!(b.replayed(), "the double tap is replayed: {b}");
     assert_eq!(b.body, a.body);
     assert_eq!(count(&upstream.state.pay), 1, "the upstream ran once");
 
     // Another body is another request.
-    let c = gw.post_json("/pay", None, r#"{"amount":5}"#).await;
+    let c = tap(r#"{"amount":5}"#).await;
     assert_eq!(c.status, 201, "{c}");
     assert!(!c.replayed(), "{c}");
     assert_eq!(count(&upstream.state.pay), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fingerprint_policy_never_merges_two_anonymous_callers() {
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&upstream.url(), &["--missing-key", "fingerprint:10s"]).await;
+
+    // Two people without a credential who post the same body: nothing tells them apart, so
+    // neither may get the other's answer.
+    let a = gw.post_json("/pay", None, PAY_BODY).await;
+    let b = gw.post_json("/pay", None, PAY_BODY).await;
+    assert_eq!((a.status, b.status), (201, 201), "{a}\n{b}");
+    assert!(
+        !a.replayed() && !b.replayed(),
+        "no answer is another caller's: {a}\n{b}"
+    );
+    assert_ne!(a.charge(), b.charge(), "each ran");
+    assert_eq!(count(&upstream.state.pay), 2, "the upstream ran twice");
+
+    // Two callers with credentials of their own are two scopes: each runs once.
+    let as_caller = |who: &'static str| {
+        send(
+            gw.post("/pay", PAY_BODY)
+                .header("content-type", "application/json")
+                .header("authorization", who),
+        )
+    };
+    let alice = as_caller("Bearer alice").await;
+    let bob = as_caller("Bearer bob").await;
+    assert!(!alice.replayed() && !bob.replayed(), "{alice}\n{bob}");
+    assert_eq!(count(&upstream.state.pay), 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fingerprint_with_one_shared_scope_is_refused_at_start() {
+    let output = common::serve_refusing(
+        &[
+            "--upstream",
+            "http://127.0.0.1:9",
+            "--scope",
+            "none",
+            "--missing-key",
+            "fingerprint:5s",
+        ],
+        &[],
+    )
+    .await;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("--missing-key") && stderr.contains("--scope none"),
+        "names both settings: {stderr}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

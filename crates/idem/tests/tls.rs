@@ -343,6 +343,10 @@ async fn an_upstream_whose_certificate_is_not_trusted_is_502_and_nothing_runs() 
     let first = gw.post_json("/pay", Some(&key), PAY_BODY).await;
     first.assert_problem(502, "upstream-unavailable");
     // Nothing was sent, so the key was released: the retry tries again instead of waiting.
+    assert!(
+        first.detail().contains("TLS certificate was rejected") && first.detail().contains("UnknownIssuer"),
+        "the detail names the certificate problem: {first}"
+    );
     let again = gw.post_json("/pay", Some(&key), PAY_BODY).await;
     again.assert_problem(502, "upstream-unavailable");
     assert_eq!(upstream.counts.pay(), 0, "nothing reached the upstream");
@@ -351,6 +355,80 @@ async fn an_upstream_whose_certificate_is_not_trusted_is_502_and_nothing_runs() 
         stderr.contains("certificate"),
         "the log says the certificate is why:\n{stderr}"
     );
+}
+
+/// A self-signed certificate for `localhost` and `127.0.0.1` made as most people make one for a
+/// test upstream: `openssl req -x509` (CA:TRUE, its own leaf), in `dir` as `NAME.crt`/`NAME.key`.
+fn openssl_self_signed(dir: &Path, name: &str) -> Issued {
+    openssl_self_signed_for(dir, name, "DNS:localhost,IP:127.0.0.1")
+}
+
+/// [`openssl_self_signed`] for the names `san` (`subjectAltName` syntax).
+fn openssl_self_signed_for(dir: &Path, name: &str, san: &str) -> Issued {
+    let issued = Issued {
+        cert: dir.join(format!("{name}.crt")),
+        key: dir.join(format!("{name}.key")),
+    };
+    let output = std::process::Command::new("openssl")
+        .args(["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2"])
+        .arg("-keyout")
+        .arg(&issued.key)
+        .arg("-out")
+        .arg(&issued.cert)
+        .args(["-subj", "/CN=localhost", "-addext", &format!("subjectAltName={san}")])
+        .output()
+        .expect("run openssl, which this test needs to make its certificate (apt-get install openssl)");
+    assert!(output.status.success(), "openssl req -x509: {}", describe(&output));
+    issued
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_openssl_self_signed_certificate_given_as_upstream_ca_is_accepted_as_pinned() {
+    let dir = tempfile::tempdir().unwrap();
+    let cert = openssl_self_signed(dir.path(), "upstream");
+    let upstream = TestUpstream::start(Some(acceptor(&cert, &[b"h2", b"http/1.1"]))).await;
+    let gw = Gateway::start(&upstream.https_url(), &["--upstream-ca", cert.cert.to_str().unwrap()]).await;
+
+    runs_once_and_replays(&gw.client, &gw.url("/pay"), &upstream, Version::HTTP_11).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_self_signed_certificate_that_is_not_pinned_is_502_naming_the_certificate_problem() {
+    let dir = tempfile::tempdir().unwrap();
+    let pinned = openssl_self_signed(dir.path(), "pinned");
+    let other = openssl_self_signed(dir.path(), "other");
+    let upstream = TestUpstream::start(Some(acceptor(&other, &[b"http/1.1"]))).await;
+    let gw = Gateway::start(&upstream.https_url(), &["--upstream-ca", pinned.cert.to_str().unwrap()]).await;
+
+    let reply = gw.post_json("/pay", Some(&new_key()), PAY_BODY).await;
+    reply.assert_problem(502, "upstream-unavailable");
+    let detail = reply.detail();
+    assert!(
+        detail.contains("TLS certificate") && detail.contains("rejected"),
+        "the detail says the upstream's certificate was rejected: {detail}"
+    );
+    assert!(
+        detail.contains("CA certificate") && detail.contains("--upstream-ca"),
+        "and why: {detail}"
+    );
+    assert_eq!(upstream.counts.pay(), 0, "nothing reached the upstream");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pinned_certificate_still_has_to_name_the_upstream() {
+    let dir = tempfile::tempdir().unwrap();
+    // Pinned, but made for another host than the one the gateway dials (127.0.0.1).
+    let cert = openssl_self_signed_for(dir.path(), "elsewhere", "DNS:elsewhere.example");
+    let upstream = TestUpstream::start(Some(acceptor(&cert, &[b"http/1.1"]))).await;
+    let gw = Gateway::start(&upstream.https_url(), &["--upstream-ca", cert.cert.to_str().unwrap()]).await;
+
+    let reply = gw.post_json("/pay", Some(&new_key()), PAY_BODY).await;
+    reply.assert_problem(502, "upstream-unavailable");
+    assert!(
+        reply.detail().contains("TLS certificate") && reply.detail().contains("not valid for name"),
+        "{reply}"
+    );
+    assert_eq!(upstream.counts.pay(), 0, "nothing reached the upstream");
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -125,7 +125,7 @@ pub(crate) async fn run(args: DemoArgs) -> anyhow::Result<()> {
         clients: plan.clients,
         drop_rate: plan.faults.drop_rate,
         reset_rate: plan.faults.reset_rate,
-        store: report::redact(&plan.store),
+        store: idem_core::redact_url(&plan.store),
         seconds: started.elapsed().as_secs_f64(),
         rows,
     };

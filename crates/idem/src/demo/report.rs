@@ -147,39 +147,9 @@ fn percent(rate: f64) -> String {
     format!("{}%", (rate * 1000.0).round() / 10.0)
 }
 
-/// The URL without the password of its user, if it has one.
-pub(super) fn redact(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_owned();
-    };
-    let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
-    let (authority, tail) = rest.split_at(authority_end);
-    match authority.rsplit_once('@') {
-        Some((user_info, host)) if user_info.contains(':') => {
-            let user = user_info.split(':').next().unwrap_or("");
-            format!("{scheme}://{user}:***@{host}{tail}")
-        }
-        _ => url.to_owned(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn passwords_are_not_printed() {
-        assert_eq!(
-            redact("postgres://app:secret@db:5432/idem?schema=x"),
-            "postgres://app:***@db:5432/idem?schema=x"
-        );
-        assert_eq!(
-            redact("postgres://postgres@127.0.0.1:5432/test"),
-            "postgres://postgres@127.0.0.1:5432/test"
-        );
-        assert_eq!(redact("sqlite:///tmp/a.db"), "sqlite:///tmp/a.db");
-        assert_eq!(redact("redis://:pw@host:6379/"), "redis://:***@host:6379/");
-    }
 
     #[test]
     fn percentages() {

@@ -4,7 +4,6 @@
 //! shutdown closes whatever is left when the grace is over. It speaks HTTP/1.1 and HTTP/2 (h2c by
 //! prior knowledge on plain TCP; over TLS, whichever ALPN settled), and TLS when given a certificate.
 
-use idem_core::metric_names;
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -13,6 +12,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
+
+use idem_core::metric_names;
 
 use axum::extract::ConnectInfo;
 use bytes::Bytes;

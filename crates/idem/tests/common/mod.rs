@@ -424,30 +424,11 @@ impl Gateway {
     }
 
     /// Starts `idem serve` on an existing store URL with its wall clock skewed by `offset`
-    /// (libfaketime's syntax: `+45s`, `-2m`); its monotonic clock, which timers use, is left alone.
-    /// The library is preloaded into idem itself, not through the `faketime` wrapper, which would
-    /// run idem as a child of its own that outlives the wrapper when the test kills it.
+    /// ([`skewed_clock`]).
     pub(crate) async fn start_skewed(upstream: &str, store: &str, offset: &str, args: &[&str]) -> Self {
-        let library = [
-            "/usr/lib/x86_64-linux-gnu/faketime",
-            "/usr/lib/aarch64-linux-gnu/faketime",
-            "/usr/lib/faketime",
-        ]
-        .iter()
-        .map(|dir| Path::new(dir).join("libfaketimeMT.so.1"))
-        .find(|path| path.exists())
-        .unwrap_or_else(|| {
-            panic!(
-                "this test runs a gateway on a skewed clock with libfaketime, which is not installed: \
-                     run `bash .ci/services` (or `apt-get install faketime`)"
-            )
-        });
         let dir = tempfile::tempdir().expect("a temp dir");
         let mut command = Command::new(IDEM);
-        command
-            .env("LD_PRELOAD", library)
-            .env("FAKETIME", offset)
-            .env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
+        command.envs(skewed_clock(offset));
         Self::spawn_command(command, upstream, store.to_owned(), dir, args).await
     }
 
@@ -595,6 +576,40 @@ fn parse_listening_line(line: &str) -> Option<(String, String)> {
         base.trim_end_matches('/').to_owned(),
         admin.trim_end_matches('/').to_owned(),
     ))
+}
+
+/// The environment that runs idem with its wall clock skewed by `offset` (libfaketime's syntax:
+/// `+45s`, `-2m`, `+2d`); its monotonic clock, which timers use, is left alone. The library is
+/// preloaded into idem itself, not through the `faketime` wrapper, which would run idem as a
+/// child of its own that outlives the wrapper when the test kills it.
+pub(crate) fn skewed_clock(offset: &str) -> [(&'static str, String); 3] {
+    let library = [
+        "/usr/lib/x86_64-linux-gnu/faketime",
+        "/usr/lib/aarch64-linux-gnu/faketime",
+        "/usr/lib/faketime",
+    ]
+    .iter()
+    .map(|dir| Path::new(dir).join("libfaketimeMT.so.1"))
+    .find(|path| path.exists())
+    .unwrap_or_else(|| {
+        panic!(
+            "this test runs idem on a skewed clock with libfaketime, which is not installed: \
+                 run `bash .ci/services` (or `apt-get install faketime`)"
+        )
+    });
+    [
+        ("LD_PRELOAD", library.display().to_string()),
+        ("FAKETIME", offset.to_owned()),
+        ("FAKETIME_DONT_FAKE_MONOTONIC", "1".to_owned()),
+    ]
+}
+
+/// Runs `idem ARGS` to completion (at most `limit`) with its wall clock skewed by `offset`
+/// ([`skewed_clock`]).
+pub(crate) async fn run_idem_skewed(args: &[&str], offset: &str, limit: Duration) -> Output {
+    let env = skewed_clock(offset);
+    let env: Vec<(&str, &str)> = env.iter().map(|(name, value)| (*name, value.as_str())).collect();
+    run_idem_with_env(args, &env, limit).await
 }
 
 /// Runs `idem ARGS` to completion (at most `limit`).

@@ -1,0 +1,98 @@
+//! [`redact_url`]: a URL as it may be shown, in a log line, an error or a command's output,
+//! with its password masked. Every store crate and the gateway show URLs through it, so that no
+//! two of them disagree on what a password is.
+
+/// What stands in for a password.
+const MASK: &str = "***";
+
+/// `url` with every password masked by `***`: the password of its user info
+/// (`postgres://user:secret@host` → `postgres://user:***@host`), a `password=` query option,
+/// and, in a `redis…://` URL, a bare user info (`redis://secret@host`, which Redis users write
+/// for a password as often as for a user name).
+///
+/// The user info ends at the last `@` before the query, so a password that holds an unescaped
+/// `/` or `@` is masked whole. Text that is not a URL is returned as it is.
+///
+/// ```
+/// assert_eq!(
+///     idem_core::redact_url("postgres://idem:s3cr3t@db:5432/app?pool_size=4"),
+///     "postgres://idem:***@db:5432/app?pool_size=4"
+/// );
+/// assert_eq!(idem_core::redact_url("redis://:s3cr3t@cache:6379/"), "redis://:***@cache:6379/");
+/// ```
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let query_at = rest.find(['?', '#']).unwrap_or(rest.len());
+    let (before_query, query) = rest.split_at(query_at);
+    let mut out = format!("{scheme}://");
+    match before_query.rsplit_once('@') {
+        Some((userinfo, hosts)) => {
+            match userinfo.split_once(':') {
+                Some((user, _password)) => out.push_str(&format!("{user}:{MASK}")),
+                None if scheme.to_ascii_lowercase().starts_with("redis") => out.push_str(MASK),
+                None => out.push_str(userinfo),
+            }
+            out.push('@');
+            out.push_str(hosts);
+        }
+        None => out.push_str(before_query),
+    }
+    out.push_str(&redact_query(query));
+    out
+}
+
+/// `query` (with its leading `?`, or empty) with the value of every `password=` option masked.
+fn redact_query(query: &str) -> String {
+    let Some(options) = query.strip_prefix('?') else {
+        return query.to_owned();
+    };
+    let (options, fragment) = options.split_at(options.find('#').unwrap_or(options.len()));
+    let options: Vec<String> = options
+        .split('&')
+        .map(|pair| match pair.split_once('=') {
+            Some((name, _)) if name.eq_ignore_ascii_case("password") => format!("{name}={MASK}"),
+            _ => pair.to_owned(),
+        })
+        .collect();
+    format!("?{}{fragment}", options.join("&"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::redact_url;
+
+    #[test]
+    fn masks_every_password_and_nothing_else() {
+        for (url, shown) in [
+            (
+                "postgres://idem:s3cr3t@db:5432/app?pool_size=4",
+                "postgres://idem:***@db:5432/app?pool_size=4",
+            ),
+            ("postgres://idem@db/app", "postgres://idem@db/app"),
+            (
+                "postgres://db/app?user=idem&password=s3cr3t",
+                "postgres://db/app?user=idem&password=***",
+            ),
+            ("postgres://a:b:c@d@host/app", "postgres://a:***@host/app"),
+            ("postgres://a:pa/ss@host/app", "postgres://a:***@host/app"),
+            ("redis://:hunter2@host:1/0", "redis://:***@host:1/0"),
+            ("redis://user:hunter2@host", "redis://user:***@host"),
+            ("redis://token@host", "redis://***@host"),
+            (
+                "redis+cluster://u:pw@h1:1,h2:2/?prefix=p",
+                "redis+cluster://u:***@h1:1,h2:2/?prefix=p",
+            ),
+            ("redis://host:1?prefix=a@b", "redis://host:1?prefix=a@b"),
+            ("sqlite:///tmp/idem.db", "sqlite:///tmp/idem.db"),
+            (
+                "https://user:pw@upstream:8443/api",
+                "https://user:***@upstream:8443/api",
+            ),
+            ("not a url", "not a url"),
+        ] {
+            assert_eq!(redact_url(url), shown, "{url}");
+        }
+    }
+}
