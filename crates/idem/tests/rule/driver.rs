@@ -234,12 +234,14 @@ impl Driver {
         }
     }
 
-    async fn delete(&mut self, id: &RecordId) -> String {
+    /// Runs `idem delete`; returns whether it deleted (exit 0: a refusal or a missing record
+    /// changes nothing) and what it said.
+    async fn delete(&mut self, id: &RecordId) -> (bool, String) {
         let mut args = vec!["delete".to_owned()];
         args.extend(Self::record_args(id));
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let (code, text) = self.idem(&args).await;
-        format!("delete exit {code:?}: {text}")
+        (code == Some(0), format!("delete exit {code:?}: {text}"))
     }
 
     /// Waits until no run hangs at the upstream and the records of `ids` are no longer in
@@ -344,8 +346,11 @@ impl Driver {
                     // delete the record at rest.
                     let first = sent(n, plan, task.await.expect("the request's task"));
                     self.judge(std::slice::from_ref(&first), Vec::new(), false);
-                    notes = self.delete(&id).await;
-                    self.apply(Event::Deleted(id, None), self.now());
+                    let deleted;
+                    (deleted, notes) = self.delete(&id).await;
+                    if deleted {
+                        self.apply(Event::Deleted(id, None), self.now());
+                    }
                     earlier.push(first);
                     (Vec::new(), false)
                 } else {
@@ -354,10 +359,13 @@ impl Driver {
                     // Give the waiter time to reach its wait (not asserted: any order is judged).
                     tokio::time::sleep(Duration::from_millis(300)).await;
                     let at = self.upstream.arrived();
-                    notes = self.delete(&id).await;
+                    let deleted;
+                    (deleted, notes) = self.delete(&id).await;
                     let protection = Protection::of(&plan.shape.method, &plan.shape.target);
-                    let in_flight = protection.protected().then(|| (plan.shape.clone(), protection));
-                    events.push((at, Event::Deleted(id.clone(), in_flight)));
+                    if deleted {
+                        let in_flight = protection.protected().then(|| (plan.shape.clone(), protection));
+                        events.push((at, Event::Deleted(id.clone(), in_flight)));
+                    }
                     let first = sent(n, plan, task.await.expect("the request's task"));
                     let second = sent(waiter_n, waiter, waiter_task.await.expect("the waiter's task"));
                     self.settle_records(&[id]).await;
@@ -365,8 +373,11 @@ impl Driver {
                 }
             }
             Step::Delete(id) => {
-                notes = self.delete(id).await;
-                events.push((self.upstream.arrived(), Event::Deleted(id.clone(), None)));
+                let deleted;
+                (deleted, notes) = self.delete(id).await;
+                if deleted {
+                    events.push((self.upstream.arrived(), Event::Deleted(id.clone(), None)));
+                }
                 (Vec::new(), false)
             }
             Step::Purge => {

@@ -178,10 +178,14 @@ fn percent_decode(text: &str) -> String {
 pub(crate) struct Protection {
     /// The routes of the readings under which the protocol applies (empty: it applies under none).
     pub(crate) protecting: Vec<&'static Route>,
+    /// The routes of both readings (one if they agree): where they differ, which one's ttl the
+    /// stricter reading takes is the gateway's choice.
+    readings: Vec<&'static Route>,
     /// A keyless request must be refused (`require` under some protecting reading).
     pub(crate) require: bool,
-    /// The raw and the normalised readings fall under different routes: refusing the spelling
-    /// with a `400` is allowed.
+    /// Refusing the request with a `400` problem is allowed: the raw and the normalised readings
+    /// fall under different routes, or the method is not spelt in upper case (the issue lets a
+    /// gateway refuse a non-canonical spelling of a method instead of matching it).
     pub(crate) may_refuse: bool,
     /// Both readings' route names, for the step log.
     pub(crate) routes: String,
@@ -198,10 +202,16 @@ impl Protection {
                 protecting.push(route);
             }
         }
+        let readings = if raw.name == normal.name {
+            vec![raw]
+        } else {
+            vec![raw, normal]
+        };
         Self {
             require: protecting.iter().any(|route| route.require),
             protecting,
-            may_refuse: raw.name != normal.name,
+            readings,
+            may_refuse: raw.name != normal.name || method != method.to_ascii_uppercase(),
             routes: if raw.name == normal.name {
                 raw.name.to_owned()
             } else {
@@ -215,11 +225,11 @@ impl Protection {
         !self.protecting.is_empty()
     }
 
-    /// The ttls and tombstone-ttls the record may get (one per protecting route).
+    /// The ttls and tombstone-ttls the record may get (one per reading's route).
     pub(crate) fn retention(&self) -> (Vec<Duration>, Vec<Duration>) {
         (
-            self.protecting.iter().map(|r| r.ttl).collect(),
-            self.protecting.iter().map(|r| r.tombstone_ttl).collect(),
+            self.readings.iter().map(|r| r.ttl).collect(),
+            self.readings.iter().map(|r| r.tombstone_ttl).collect(),
         )
     }
 }
@@ -247,5 +257,6 @@ fn the_readings_are_what_an_upstream_reads() {
     assert!(Protection::of("put", "/orders/1").protected());
     assert!(Protection::of("POST", "*").protected());
     assert!(!Protection::of("POST", "/payments/1").may_refuse);
+    assert!(Protection::of("post", "/payments/1").may_refuse);
     assert!(Protection::of("POST", "/payments%2F1").may_refuse);
 }
