@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use idem_test_support::seed::Rng;
 
 use super::generator::{Generator, Plan, SCOPES, Step};
-use super::oracle::{Model, Outcome, RecordId, Shape, judge_own_answer};
+use super::oracle::{Model, Outcome, Record, RecordId, Shape, judge_own_answer};
 use super::routes::{CONFIG, Protection};
 use super::upstream::{self, Arrival, Upstream};
 use super::wire::{self, Answer};
@@ -307,6 +307,8 @@ impl Driver {
         let mut notes = String::new();
         // Requests judged before the step's end (logged with the others).
         let mut earlier: Vec<Sent> = Vec::new();
+        // The upstream refused connections during the step.
+        let mut refused = false;
         let (sent, in_flight_possible) = match step {
             Step::Send(plan) => {
                 let n = self.number();
@@ -345,7 +347,7 @@ impl Driver {
                     // It never ran (a replay, a mismatch): judge it on the record as it was, then
                     // delete the record at rest.
                     let first = sent(n, plan, task.await.expect("the request's task"));
-                    self.judge(std::slice::from_ref(&first), Vec::new(), false);
+                    self.judge(std::slice::from_ref(&first), Vec::new(), false, false);
                     let deleted;
                     (deleted, notes) = self.delete(&id).await;
                     if deleted {
@@ -361,9 +363,17 @@ impl Driver {
                     let at = self.upstream.arrived();
                     let deleted;
                     (deleted, notes) = self.delete(&id).await;
+                    // On a slow machine the run may have ended before the delete: then it
+                    // deleted the answer, and says so.
+                    let said_in_flight = {
+                        let text = notes.to_ascii_lowercase();
+                        text.contains("in-flight") || text.contains("in flight")
+                    };
+                    let still_running = self.upstream.open() > 0;
                     let protection = Protection::of(&plan.shape.method, &plan.shape.target);
                     if deleted {
-                        let in_flight = protection.protected().then(|| (plan.shape.clone(), protection));
+                        let in_flight = (protection.protected() && said_in_flight && still_running)
+                            .then(|| (plan.shape.clone(), protection));
                         events.push((at, Event::Deleted(id.clone(), in_flight)));
                     }
                     let first = sent(n, plan, task.await.expect("the request's task"));
@@ -391,6 +401,19 @@ impl Driver {
                 std::fs::write(&self.clock_file, format!("+{}", self.offset.as_secs())).expect("move the clock");
                 (Vec::new(), false)
             }
+            Step::Refused(plan) => {
+                self.upstream.stop_listening().await;
+                // Connections the gateway opened ahead (its pool races a new connection against an
+                // idle one) and the upstream had not accepted are reset with the listener: give
+                // the gateway a moment to notice, so that it finds the upstream refusing. Any
+                // order is judged all the same.
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let n = self.number();
+                let answer = self.send(n, plan).await;
+                self.upstream.listen_again().await;
+                refused = true;
+                (vec![sent(n, plan, answer)], false)
+            }
             Step::Kill { instance, during } => {
                 let mut out = Vec::new();
                 let mut task = None;
@@ -407,6 +430,11 @@ impl Driver {
                     }
                     task = Some((n, plan, handle));
                 }
+                // The run must still hang at the upstream when its gateway dies (it does for
+                // 2.5 s; only a very slow machine could miss it, and then nothing is claimed).
+                if self.upstream.open() == 0 {
+                    events.retain(|(_, event)| !matches!(event, Event::Killed(..)));
+                }
                 self.gateways[*instance].kill().await;
                 let restarted = self.start_gateway().await;
                 self.gateways[*instance] = restarted;
@@ -419,7 +447,7 @@ impl Driver {
                 (out, true)
             }
         };
-        self.judge(&sent, events, in_flight_possible);
+        self.judge(&sent, events, in_flight_possible, refused);
         let answers: Vec<String> = earlier
             .iter()
             .chain(&sent)
@@ -440,7 +468,7 @@ impl Driver {
 
     /// Hands the step's runs (in order of arrival, with the step's events between them) and its
     /// answers to the oracle.
-    fn judge(&mut self, sent: &[Sent], events: Vec<(usize, Event)>, in_flight_possible: bool) {
+    fn judge(&mut self, sent: &[Sent], events: Vec<(usize, Event)>, in_flight_possible: bool, refused: bool) {
         let arrivals = self.upstream.arrivals();
         let by_n: HashMap<u64, &Sent> = sent.iter().map(|s| (s.n, s)).collect();
         let mut runs: HashMap<u64, Vec<u64>> = HashMap::new();
@@ -467,7 +495,22 @@ impl Driver {
             self.apply(event, now);
         }
         for s in sent {
+            // A connection reset under a request already sent (one the gateway opened before the
+            // upstream went down) is an unknown outcome for the gateway: the key is unknown then.
+            if refused
+                && let Ok(answer) = &s.answer
+                && answer.status == 502
+                && answer.problem().as_deref() == Some("upstream-failed")
+                && let Some(id) = s.plan.id()
+            {
+                let protection = Protection::of(&s.plan.shape.method, &s.plan.shape.target);
+                if protection.protected() && matches!(self.model.record(&id), Record::Fresh) {
+                    self.model
+                        .ran(&id, 0, Outcome::Unknown, &s.plan.shape, &protection, now);
+                }
+            }
             if let Err(err) = self.judge_answer(
+                refused,
                 s,
                 runs.get(&s.n).map_or(&[][..], Vec::as_slice),
                 &arrivals,
@@ -486,10 +529,7 @@ impl Driver {
             Event::Deleted(id, None) => {
                 // A record whose dead holder may still hold it is in flight: deleting it leaves
                 // the key unknown.
-                if !matches!(
-                    self.model.record(&id),
-                    super::oracle::Record::Unknown { held: true, .. }
-                ) {
+                if !matches!(self.model.record(&id), Record::Unknown { held: true, .. }) {
                     self.model.deleted(&id, None, now);
                 }
             }
@@ -540,6 +580,7 @@ impl Driver {
 
     fn judge_answer(
         &self,
+        refused: bool,
         s: &Sent,
         runs: &[u64],
         arrivals: &[Arrival],
@@ -580,6 +621,21 @@ impl Driver {
         }
         let protection = Protection::of(&s.plan.shape.method, &s.plan.shape.target);
         let refused_spelling = answer.status == 400 && protection.may_refuse;
+        // Nothing was sent: 502 upstream-unavailable, and the record is as it was (an answer
+        // still replays; an unknown outcome stays unknown).
+        let problem = answer.problem();
+        if refused
+            && answer.status == 502
+            && matches!(problem.as_deref(), Some("upstream-unavailable" | "upstream-failed"))
+        {
+            return match s.plan.id().filter(|_| protection.protected()) {
+                // Only a key that could have run (flagged) may find the upstream down.
+                Some(id) => self.model.judge_run(&id, true, now).map_err(|err| {
+                    format!("answered 502 (the upstream down) where the key could not run: it would have {err}")
+                }),
+                None => Ok(()),
+            };
+        }
         match s.plan.id() {
             None if protection.require => {
                 if answer.status == 400 {

@@ -79,6 +79,8 @@ pub(crate) enum Step {
     Jump(Duration),
     /// A gateway killed (kill -9) and started again; with a run of `Some` hanging at the upstream.
     Kill { instance: usize, during: Option<Plan> },
+    /// A request sent while the upstream refuses connections.
+    Refused(Plan),
 }
 
 impl fmt::Display for Step {
@@ -97,6 +99,7 @@ impl fmt::Display for Step {
                 Some(plan) => write!(f, "kill -9 gw{instance} during {plan}"),
                 None => write!(f, "kill -9 gw{instance} (idle)"),
             },
+            Self::Refused(plan) => write!(f, "upstream down: {plan}"),
         }
     }
 }
@@ -285,7 +288,7 @@ impl Generator {
 
     /// The next step.
     pub(crate) fn next(&mut self) -> Step {
-        let weights = [30, 7, 12, 5, 3, 5, 3, 4, if self.can_jump { 9 } else { 0 }, 2, 2];
+        let weights = [30, 7, 12, 5, 3, 5, 3, 4, if self.can_jump { 9 } else { 0 }, 2, 2, 3];
         match self.rng.weighted(&weights) {
             0 => {
                 let behaviour = self.behaviour();
@@ -344,13 +347,14 @@ impl Generator {
                 instance: self.below(self.instances),
                 during: None,
             },
-            _ => {
+            10 => {
                 let plan = self.keyed(Behaviour::HangThenCreated(2500));
                 Step::Kill {
                     instance: plan.instance,
                     during: Some(plan),
                 }
             }
+            _ => Step::Refused(self.keyed(Behaviour::Status(201))),
         }
     }
 }

@@ -110,16 +110,32 @@ impl Upstream {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind the upstream");
         let addr = listener.local_addr().unwrap();
         let log = Arc::new(Log::default());
-        let shared = log.clone();
-        let task = tokio::spawn(async move {
-            loop {
-                let Ok((stream, _)) = listener.accept().await else {
-                    continue;
-                };
-                tokio::spawn(serve(stream, shared.clone()));
-            }
-        });
+        let task = accept(listener, log.clone());
         Self { addr, log, task }
+    }
+
+    /// Closes the listening socket: connections are refused until [`Self::listen_again`].
+    pub(crate) async fn stop_listening(&mut self) {
+        self.task.abort();
+        // The listener is closed once the aborted task is dropped.
+        let _ = (&mut self.task).await;
+    }
+
+    /// Listens again on the same address.
+    pub(crate) async fn listen_again(&mut self) {
+        let mut tries = 0;
+        let listener = loop {
+            match TcpListener::bind(self.addr).await {
+                Ok(listener) => break listener,
+                Err(err) if tries < 100 => {
+                    tries += 1;
+                    let _ = err;
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Err(err) => panic!("the upstream cannot listen on {} again: {err}", self.addr),
+            }
+        };
+        self.task = accept(listener, self.log.clone());
     }
 
     /// `http://127.0.0.1:PORT`.
@@ -141,6 +157,17 @@ impl Upstream {
     pub(crate) fn open(&self) -> usize {
         self.log.open.load(Ordering::SeqCst)
     }
+}
+
+fn accept(listener: TcpListener, log: Arc<Log>) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            tokio::spawn(serve(stream, log.clone()));
+        }
+    })
 }
 
 /// Serves the requests of one connection, each answered with `Connection: close`.
