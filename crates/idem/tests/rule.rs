@@ -31,7 +31,7 @@
 //! * upstream behaviours: 200/201 and stored 4xx (404, 422), released statuses (500, 503, 408,
 //!   409, 425, 429), the connection dropped after the request was read, a hang past
 //!   `--upstream-timeout` that then answers (with a retry sent meanwhile), a hang past
-//!   `--run-timeout`;
+//!   `--run-timeout`, the upstream refusing connections;
 //! * copies of one request sent at once to different instances;
 //! * `idem delete` of a key at rest, of a key whose run hangs at the upstream while a copy waits
 //!   on another instance, of a key whose holder was killed; `idem purge`;
