@@ -56,13 +56,9 @@ mod response;
 #[cfg(feature = "server")]
 mod route;
 #[cfg(feature = "server")]
-mod run;
-#[cfg(feature = "server")]
 mod scope;
 #[cfg(feature = "server")]
 pub mod seal;
-#[cfg(feature = "server")]
-mod settle;
 #[cfg(feature = "server")]
 mod store;
 #[cfg(feature = "server")]
@@ -89,7 +85,11 @@ pub use observed::{Observed, Observer, StoreOperation};
 #[cfg(feature = "server")]
 pub use policy::{AnonymousPolicy, AnonymousPolicyError, MissingKeyPolicy, MissingKeyPolicyError, Policy, PolicyError};
 #[cfg(feature = "server")]
-pub use protocol::{Admission, Claim, Decision, IdempotencyInfo, Keyed, Outcome, Protocol};
+pub use protocol::{
+    Admission, Claim, Decision, IDEMPOTENCY_RECOVERED, IdempotencyInfo, Keep, Keyed, MAX_PENDING_BYTES, NoAnswer,
+    Outcome, PendingAnswer, Protocol, Reply, RunEnd, RunTimedOut, Settlement, Unstored, body_incomplete,
+    internal_error, no_answer_problem,
+};
 #[cfg(feature = "server")]
 pub use redact::redact_url;
 #[cfg(feature = "server")]
@@ -100,16 +100,9 @@ pub use route::{
     Routes,
 };
 #[cfg(feature = "server")]
-pub use run::{MAX_PENDING_BYTES, PendingAnswer, RunTimedOut, Unstored};
-#[cfg(feature = "server")]
 pub use scope::{Caller, Scope, ScopeError, ScopeSource, ScopeSourceError};
 #[cfg(feature = "server")]
 pub use seal::{Keyring, KeyringError, Unreadable};
-#[cfg(feature = "server")]
-pub use settle::{
-    IDEMPOTENCY_RECOVERED, Keep, NoAnswer, Reply, RunEnd, Settlement, body_incomplete, internal_error,
-    no_answer_problem,
-};
 #[cfg(feature = "server")]
 pub use store::{
     Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, Record, RecordId, RecordState, Release,

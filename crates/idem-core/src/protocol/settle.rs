@@ -26,9 +26,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderName, Response, StatusCode};
 
+use super::{Claim, Outcome, Protocol};
 use crate::policy::Policy;
 use crate::problem::{Problem, ProblemKind};
-use crate::protocol::{Claim, Outcome, Protocol};
 use crate::store::{Release, StoreError};
 use crate::time::UnixMillis;
 
