@@ -190,7 +190,9 @@ mod tests {
     fn an_existing_record_is_judged_as_the_outcome_table_says() {
         let live = NOW + 1;
         let past = NOW - 1;
-        let cases: Vec<(&str, RecordState, &str, bool, &str, Option<u16>)> = vec![
+        // (case, the record's state, the request's body, waited, outcome, status)
+        type Case = (&'static str, RecordState, &'static str, bool, &'static str, Option<u16>);
+        let cases: Vec<Case> = vec![
             (
                 "completed, same request",
                 completed(Some(answer()), live),
