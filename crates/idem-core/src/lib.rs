@@ -32,13 +32,13 @@ mod time;
 #[cfg(feature = "server")]
 mod canonical_json;
 #[cfg(feature = "server")]
-mod codec;
-#[cfg(feature = "server")]
-mod coding;
+mod content_coding;
 #[cfg(feature = "server")]
 mod credential;
 #[cfg(feature = "server")]
 mod fingerprint;
+#[cfg(feature = "server")]
+mod length_prefixed;
 #[cfg(feature = "server")]
 pub mod metric_names;
 #[cfg(feature = "server")]
@@ -69,13 +69,13 @@ pub mod stored;
 #[cfg(feature = "testkit")]
 pub mod testkit;
 
-pub use headers::{IDEMPOTENCY_KEY, REPLAY, REPLAYED};
+pub use headers::{IDEMPOTENCY_KEY, IDEMPOTENCY_RECOVERED, IDEMPOTENCY_REPLAY, IDEMPOTENCY_REPLAYED};
 pub use key::{IdempotencyKey, KeyError, KeyTimeFormats, KeyTimeFormatsError, MAX_KEY_LEN};
 pub use problem::{Problem, ProblemKind};
 pub use time::{Clock, ManualClock, SystemClock, UnixMillis};
 
 #[cfg(feature = "server")]
-pub use coding::AcceptEncoding;
+pub use content_coding::AcceptEncoding;
 #[cfg(feature = "server")]
 pub use credential::{CredentialScopes, MIN_SECRET_LEN, ScopeHashing, ScopeSecret, ScopeSecretError, ScopeSecrets};
 #[cfg(feature = "server")]
@@ -86,9 +86,8 @@ pub use observed::{Observed, Observer, StoreOperation};
 pub use policy::{AnonymousPolicy, AnonymousPolicyError, MissingKeyPolicy, MissingKeyPolicyError, Policy, PolicyError};
 #[cfg(feature = "server")]
 pub use protocol::{
-    Admission, Claim, Decision, IDEMPOTENCY_RECOVERED, IdempotencyInfo, Keep, Keyed, MAX_PENDING_BYTES, NoAnswer,
-    Outcome, PendingAnswer, Protocol, Reply, RunEnd, RunTimedOut, Settlement, Unstored, body_incomplete,
-    internal_error, no_answer_problem,
+    Admission, Claim, Decision, IdempotencyInfo, Keep, Keyed, MAX_PENDING_BYTES, NoAnswer, Outcome, PendingAnswer,
+    Protocol, Reply, RunEnd, RunTimedOut, Settlement, Unstored, body_incomplete, internal_error, no_answer_problem,
 };
 #[cfg(feature = "server")]
 pub use redact::redact_url;

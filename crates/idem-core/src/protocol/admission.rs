@@ -7,7 +7,7 @@ use http::request::Parts;
 use http::{HeaderMap, HeaderValue};
 
 use super::{Outcome, Protocol};
-use crate::coding::AcceptEncoding;
+use crate::content_coding::AcceptEncoding;
 use crate::key::{IdempotencyKey, KeyError};
 use crate::policy::{AnonymousPolicy, MissingKeyPolicy};
 use crate::problem::{Problem, ProblemKind};

@@ -6,7 +6,7 @@ use bytes::Bytes;
 use http::Response;
 
 use super::Outcome;
-use crate::coding::AcceptEncoding;
+use crate::content_coding::AcceptEncoding;
 use crate::fingerprint::Fingerprint;
 use crate::problem::{Problem, ProblemKind};
 use crate::seal::Keyring;

@@ -41,10 +41,7 @@ mod settle;
 pub use admission::{Admission, Keyed};
 pub(crate) use bounded::StoreTimedOut;
 pub use lease::{MAX_PENDING_BYTES, PendingAnswer, RunTimedOut, Unstored};
-pub use settle::{
-    IDEMPOTENCY_RECOVERED, Keep, NoAnswer, Reply, RunEnd, Settlement, body_incomplete, internal_error,
-    no_answer_problem,
-};
+pub use settle::{Keep, NoAnswer, Reply, RunEnd, Settlement, body_incomplete, internal_error, no_answer_problem};
 
 use lease::Pending;
 
