@@ -4,7 +4,7 @@
 use std::time::{Duration, SystemTime};
 
 use http::{Extensions, HeaderName, Method};
-use idem_core::{IDEMPOTENCY_KEY, IdempotencyKey, REPLAYED};
+use idem_core::{IDEMPOTENCY_KEY, IDEMPOTENCY_REPLAYED, IdempotencyKey};
 use rand::Rng;
 use reqwest::{Request, Response};
 use reqwest_middleware::{Middleware, Next};
@@ -217,7 +217,7 @@ fn never_sent(error: &reqwest_middleware::Error) -> bool {
 fn replayed(response: &Response) -> bool {
     response
         .headers()
-        .get(REPLAYED)
+        .get(IDEMPOTENCY_REPLAYED)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.trim().eq_ignore_ascii_case("true") || v.trim() == "?1")
 }

@@ -117,7 +117,7 @@ impl Fingerprint {
 
     /// Decodes [`Fingerprint::encode`]'s output.
     pub fn decode(bytes: &[u8]) -> Result<Self, FingerprintDecodeError> {
-        let mut reader = crate::codec::Reader::new(bytes);
+        let mut reader = crate::length_prefixed::Reader::new(bytes);
         let decoded = (|| {
             if reader.u8()? != VERSION {
                 return None;

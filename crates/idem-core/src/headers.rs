@@ -6,8 +6,12 @@ use http::HeaderName;
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 
 /// The header that marks a replayed answer.
-pub const REPLAYED: HeaderName = HeaderName::from_static("idempotency-replayed");
+pub const IDEMPOTENCY_REPLAYED: HeaderName = HeaderName::from_static("idempotency-replayed");
 
 /// The header that marks a replay whose body was not kept (`Idempotency-Replay: omitted`): the
 /// answer was over `max-stored-body`, so an empty replay body does not mean an empty answer.
-pub const REPLAY: HeaderName = HeaderName::from_static("idempotency-replay");
+pub const IDEMPOTENCY_REPLAY: HeaderName = HeaderName::from_static("idempotency-replay");
+
+/// The header that tells a handler (or the gateway's upstream) that an earlier run of this key may
+/// have had effects: check before acting again.
+pub const IDEMPOTENCY_RECOVERED: HeaderName = HeaderName::from_static("idempotency-recovered");

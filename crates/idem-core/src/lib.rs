@@ -32,13 +32,13 @@ mod time;
 #[cfg(feature = "server")]
 mod canonical_json;
 #[cfg(feature = "server")]
-mod codec;
-#[cfg(feature = "server")]
-mod coding;
+mod content_coding;
 #[cfg(feature = "server")]
 mod credential;
 #[cfg(feature = "server")]
 mod fingerprint;
+#[cfg(feature = "server")]
+mod length_prefixed;
 #[cfg(feature = "server")]
 pub mod metric_names;
 #[cfg(feature = "server")]
@@ -56,13 +56,9 @@ mod response;
 #[cfg(feature = "server")]
 mod route;
 #[cfg(feature = "server")]
-mod run;
-#[cfg(feature = "server")]
 mod scope;
 #[cfg(feature = "server")]
 pub mod seal;
-#[cfg(feature = "server")]
-mod settle;
 #[cfg(feature = "server")]
 mod store;
 #[cfg(feature = "server")]
@@ -73,13 +69,13 @@ pub mod stored;
 #[cfg(feature = "testkit")]
 pub mod testkit;
 
-pub use headers::{IDEMPOTENCY_KEY, REPLAY, REPLAYED};
+pub use headers::{IDEMPOTENCY_KEY, IDEMPOTENCY_RECOVERED, IDEMPOTENCY_REPLAY, IDEMPOTENCY_REPLAYED};
 pub use key::{IdempotencyKey, KeyError, KeyTimeFormats, KeyTimeFormatsError, MAX_KEY_LEN};
 pub use problem::{Problem, ProblemKind};
 pub use time::{Clock, ManualClock, SystemClock, UnixMillis};
 
 #[cfg(feature = "server")]
-pub use coding::AcceptEncoding;
+pub use content_coding::AcceptEncoding;
 #[cfg(feature = "server")]
 pub use credential::{CredentialScopes, MIN_SECRET_LEN, ScopeHashing, ScopeSecret, ScopeSecretError, ScopeSecrets};
 #[cfg(feature = "server")]
@@ -89,7 +85,10 @@ pub use observed::{Observed, Observer, StoreOperation};
 #[cfg(feature = "server")]
 pub use policy::{AnonymousPolicy, AnonymousPolicyError, MissingKeyPolicy, MissingKeyPolicyError, Policy, PolicyError};
 #[cfg(feature = "server")]
-pub use protocol::{Admission, Claim, Decision, IdempotencyInfo, Keyed, Outcome, Protocol};
+pub use protocol::{
+    Admission, Claim, Decision, IdempotencyInfo, Keep, Keyed, MAX_PENDING_BYTES, NoAnswer, Outcome, PendingAnswer,
+    Protocol, Reply, RunEnd, RunTimedOut, Settlement, Unstored, body_incomplete, internal_error, no_answer_problem,
+};
 #[cfg(feature = "server")]
 pub use redact::redact_url;
 #[cfg(feature = "server")]
@@ -100,16 +99,9 @@ pub use route::{
     Routes,
 };
 #[cfg(feature = "server")]
-pub use run::{MAX_PENDING_BYTES, PendingAnswer, RunTimedOut, Unstored};
-#[cfg(feature = "server")]
 pub use scope::{Caller, Scope, ScopeError, ScopeSource, ScopeSourceError};
 #[cfg(feature = "server")]
 pub use seal::{Keyring, KeyringError, Unreadable};
-#[cfg(feature = "server")]
-pub use settle::{
-    IDEMPOTENCY_RECOVERED, Keep, NoAnswer, Reply, RunEnd, Settlement, body_incomplete, internal_error,
-    no_answer_problem,
-};
 #[cfg(feature = "server")]
 pub use store::{
     Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, Record, RecordId, RecordState, Release,

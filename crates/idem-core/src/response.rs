@@ -5,9 +5,9 @@ use bytes::Bytes;
 use http::header::{self, HeaderName, HeaderValue};
 use http::{HeaderMap, Response, StatusCode};
 
-use crate::codec::{Reader, put_bytes};
-use crate::coding::{self, AcceptEncoding, MAX_DECODED};
-use crate::headers::{REPLAY, REPLAYED};
+use crate::content_coding::{self, AcceptEncoding, MAX_DECODED};
+use crate::headers::{IDEMPOTENCY_REPLAY, IDEMPOTENCY_REPLAYED};
+use crate::length_prefixed::{Reader, put_bytes};
 
 /// The headers a stored response keeps. `Set-Cookie` and hop-by-hop headers are never kept, even
 /// when configured: a replay must not hand one caller's session to a retry.
@@ -45,7 +45,14 @@ pub const HOP_BY_HOP: [HeaderName; 9] = [
 /// Never stored, whatever the configuration: one caller's session, the framing of one answer, and
 /// the replay markers themselves.
 fn never_stored(name: &HeaderName) -> bool {
-    HOP_BY_HOP.contains(name) || [header::SET_COOKIE, header::CONTENT_LENGTH, REPLAYED, REPLAY].contains(name)
+    HOP_BY_HOP.contains(name)
+        || [
+            header::SET_COOKIE,
+            header::CONTENT_LENGTH,
+            IDEMPOTENCY_REPLAYED,
+            IDEMPOTENCY_REPLAY,
+        ]
+        .contains(name)
 }
 
 impl HeaderAllowList {
@@ -138,11 +145,11 @@ impl StoredResponse {
                 {
                     headers.insert(header::CONTENT_LOCATION, location);
                 }
-                headers.insert(REPLAY, HeaderValue::from_static("omitted"));
+                headers.insert(IDEMPOTENCY_REPLAY, HeaderValue::from_static("omitted"));
                 Bytes::new()
             }
         };
-        headers.insert(REPLAYED, HeaderValue::from_static("true"));
+        headers.insert(IDEMPOTENCY_REPLAYED, HeaderValue::from_static("true"));
         let mut response = Response::new(body);
         *response.status_mut() = self.status;
         *response.headers_mut() = headers;
@@ -239,11 +246,11 @@ impl StoredResponse {
 /// The body of a full replay, decoded when the client does not accept its codings (adjusting
 /// `headers` to match).
 fn replay_body(body: &Bytes, headers: &mut HeaderMap, accept: &AcceptEncoding) -> Bytes {
-    let codings = coding::content_codings(headers);
+    let codings = content_coding::content_codings(headers);
     if accept.accepts_all(&codings) {
         return body.clone();
     }
-    match coding::decode(&codings, body, MAX_DECODED) {
+    match content_coding::decode(&codings, body, MAX_DECODED) {
         Ok(decoded) => {
             headers.remove(header::CONTENT_ENCODING);
             weaken_etags(headers);
@@ -323,7 +330,7 @@ mod tests {
     fn keeps_only_allowed_headers_and_never_cookies() {
         let allow = HeaderAllowList::default()
             .with(header::SET_COOKIE)
-            .with(REPLAY)
+            .with(IDEMPOTENCY_REPLAY)
             .with(HeaderName::from_static("x-request-id"));
         let stored = StoredResponse::capture(StatusCode::CREATED, &headers(), &allow, Some(Bytes::from_static(b"{}")));
         let names: Vec<_> = stored.headers.iter().map(|(n, _)| n.as_str()).collect();
@@ -331,9 +338,9 @@ mod tests {
         let replay = stored.to_replay(&identity_only());
         assert_eq!(replay.status(), StatusCode::CREATED);
         assert!(replay.headers().get(header::SET_COOKIE).is_none());
-        assert_eq!(replay.headers()[REPLAYED], "true");
+        assert_eq!(replay.headers()[IDEMPOTENCY_REPLAYED], "true");
         assert!(
-            replay.headers().get(REPLAY).is_none(),
+            replay.headers().get(IDEMPOTENCY_REPLAY).is_none(),
             "a whole answer is not marked omitted"
         );
         assert_eq!(replay.headers()[header::LOCATION], "/orders/7");
@@ -379,8 +386,8 @@ mod tests {
         let replay = stored.to_replay(&accepting("gzip"));
         assert_eq!(replay.status(), StatusCode::CREATED);
         assert!(replay.body().is_empty());
-        assert_eq!(replay.headers()[REPLAY], "omitted");
-        assert_eq!(replay.headers()[REPLAYED], "true");
+        assert_eq!(replay.headers()[IDEMPOTENCY_REPLAY], "omitted");
+        assert_eq!(replay.headers()[IDEMPOTENCY_REPLAYED], "true");
         assert_eq!(replay.headers()[header::CONTENT_LOCATION], "/orders/7");
         assert_eq!(replay.headers()[header::LOCATION], "/orders/7");
         assert_eq!(replay.headers()[header::VARY], "Accept-Encoding");
@@ -393,7 +400,7 @@ mod tests {
     fn compact_replays_without_a_location_are_still_marked() {
         let stored = StoredResponse::capture(StatusCode::OK, &HeaderMap::new(), &HeaderAllowList::default(), None);
         let replay = stored.to_replay(&identity_only());
-        assert_eq!(replay.headers()[REPLAY], "omitted");
+        assert_eq!(replay.headers()[IDEMPOTENCY_REPLAY], "omitted");
         assert!(replay.headers().get(header::CONTENT_LOCATION).is_none());
     }
 

@@ -7,7 +7,7 @@ use std::io::Write;
 use bytes::Bytes;
 use http::header::{self, HeaderName, HeaderValue};
 use http::{HeaderMap, StatusCode};
-use idem_core::{AcceptEncoding, HeaderAllowList, REPLAY, REPLAYED, StoredResponse};
+use idem_core::{AcceptEncoding, HeaderAllowList, IDEMPOTENCY_REPLAY, IDEMPOTENCY_REPLAYED, StoredResponse};
 use proptest::prelude::*;
 use proptest::sample::Index;
 
@@ -233,8 +233,8 @@ proptest! {
                 let replay = stored.to_replay(&client);
                 prop_assert_eq!(replay.body().as_ref(), data.as_slice(), "{:?} for {:?}", coding, client);
                 prop_assert!(replay.headers().get(header::CONTENT_ENCODING).is_none());
-                prop_assert_eq!(&replay.headers()[REPLAYED], "true");
-                prop_assert!(replay.headers().get(REPLAY).is_none());
+                prop_assert_eq!(&replay.headers()[IDEMPOTENCY_REPLAYED], "true");
+                prop_assert!(replay.headers().get(IDEMPOTENCY_REPLAY).is_none());
                 prop_assert_eq!(replay.status(), StatusCode::CREATED);
             }
         }
@@ -249,7 +249,7 @@ proptest! {
                 let replay = stored.to_replay(&client);
                 prop_assert_eq!(replay.body().as_ref(), encoded.as_slice(), "{:?} for {:?}", coding, client);
                 prop_assert_eq!(&replay.headers()[header::CONTENT_ENCODING], coding.name());
-                prop_assert_eq!(&replay.headers()[REPLAYED], "true");
+                prop_assert_eq!(&replay.headers()[IDEMPOTENCY_REPLAYED], "true");
             }
         }
     }

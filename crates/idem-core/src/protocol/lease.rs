@@ -1,7 +1,7 @@
-//! A run under a claim, driven as the protocol wants it: the lease renewed *beside* the work (a
-//! slow renewal never pauses it), the run given up after `run_timeout`, every store operation
-//! bounded in time, and an answer that the store failed to take kept and retried until it is
-//! stored or the claim is fenced.
+//! The run under a claim, driven as the protocol wants it: the lease renewed *beside* the work (a
+//! slow renewal never pauses it), the run given up after `run_timeout`, checkpoints recorded under
+//! the claim, and an answer stored — or, when the store failed to take it, held and stored again
+//! until it is stored or the claim is fenced.
 
 use std::future::Future;
 use std::pin::pin;
@@ -11,8 +11,10 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
+use super::{Claim, Protocol};
 use crate::metric_names;
-use crate::protocol::{Claim, Protocol};
+use crate::response::StoredResponse;
+use crate::store::{Checkpoint, RecordId};
 use crate::store::{Completion, StoreError};
 
 /// The most answer bytes held in memory while the store refuses them; beyond it an answer is
@@ -28,11 +30,6 @@ const MAX_RETRY_PAUSE: Duration = Duration::from_secs(2);
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("the run took longer than its run timeout")]
 pub struct RunTimedOut;
-
-/// A store operation did not answer within the policy's `store_timeout`.
-#[derive(Debug, thiserror::Error)]
-#[error("the store did not answer within {0:?}")]
-pub(crate) struct StoreTimedOut(pub(crate) Duration);
 
 /// An answer the store did not take when the run finished: it is held (within
 /// [`MAX_PENDING_BYTES`]) until [`PendingAnswer::store`] stores it or the claim is fenced.
@@ -202,18 +199,6 @@ impl Protocol {
         self.bounded(store.complete(claim.id(), claim.token(), completion))
             .await
     }
-
-    /// Bounds a store operation by the policy's `store_timeout`: a store that hangs (a half-open
-    /// connection, a held lock) is a store that failed.
-    pub(crate) async fn bounded<T>(
-        &self,
-        operation: impl Future<Output = Result<T, StoreError>>,
-    ) -> Result<T, StoreError> {
-        let limit = self.policy().store_timeout;
-        tokio::time::timeout(limit, operation)
-            .await
-            .unwrap_or_else(|_| Err(StoreError::unavailable(StoreTimedOut(limit))))
-    }
 }
 
 impl PendingAnswer {
@@ -244,5 +229,48 @@ impl PendingAnswer {
             }
         };
         protocol.renewing(&claim, retries).await
+    }
+}
+
+impl Protocol {
+    /// The stored form of an answer (`body: None`: compact).
+    pub(crate) fn capture(&self, id: &RecordId, head: &http::response::Parts, body: Option<Bytes>) -> Bytes {
+        let stored = StoredResponse::capture(head.status, &head.headers, &self.inner.policy.stored_headers, body);
+        let encoded = stored.encode();
+        match &self.inner.keyring {
+            Some(keyring) => keyring.seal(id, &encoded),
+            None => encoded.into(),
+        }
+    }
+
+    /// Extends the claim's lease by another `lease` from now.
+    pub async fn renew(&self, claim: &Claim) -> Result<(), StoreError> {
+        let lease_until = self.now().plus(self.inner.policy.lease);
+        self.bounded(self.inner.store.renew(&claim.id, claim.token, lease_until))
+            .await
+    }
+
+    /// Records a step of the run under `claim`, so that a run taking the record over can resume
+    /// after it. [`StoreError::Fenced`] if the claim was lost: the run must stop.
+    pub async fn checkpoint(&self, claim: &Claim, checkpoint: Checkpoint) -> Result<(), StoreError> {
+        // Marked before the store answers: a checkpoint whose reply was lost may stand.
+        claim.stepped.store(true, Ordering::Release);
+        self.bounded(self.inner.store.checkpoint(&claim.id, claim.token, checkpoint))
+            .await
+    }
+
+    /// The steps recorded by the runs of this record before `claim`: none for a new claim (no
+    /// store operation), those of the crashed or given-up run for a recovered one.
+    pub async fn checkpoints(&self, claim: &Claim) -> Result<Vec<Checkpoint>, StoreError> {
+        if !claim.recovered {
+            return Ok(Vec::new());
+        }
+        self.bounded(self.inner.store.checkpoints(&claim.id)).await
+    }
+
+    /// How often a running claim renews its lease: a third of it, so two renewals can fail first.
+    pub fn renew_every(&self) -> Duration {
+        // Never zero, which no timer accepts: a policy that was not validated must not panic here.
+        (self.inner.policy.lease / 3).max(Duration::from_millis(1))
     }
 }

@@ -24,17 +24,13 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderName, Response, StatusCode};
+use http::{Response, StatusCode};
 
+use super::{Claim, Outcome, Protocol};
 use crate::policy::Policy;
 use crate::problem::{Problem, ProblemKind};
-use crate::protocol::{Claim, Outcome, Protocol};
 use crate::store::{Release, StoreError};
 use crate::time::UnixMillis;
-
-/// The header that tells a handler (or the gateway's upstream) that an earlier run of this key may
-/// have had effects: check before acting again.
-pub const IDEMPOTENCY_RECOVERED: HeaderName = HeaderName::from_static("idempotency-recovered");
 
 /// Put into a response's extensions by an inner service whose response is not the handler's
 /// answer, such as a proxy that could not reach its upstream; [`Protocol::settle`] (or

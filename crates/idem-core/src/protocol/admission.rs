@@ -1,0 +1,166 @@
+//! Admission: from a request's head alone, whether the protocol applies, and if it does, the key,
+//! the caller and what the client accepts — or the problem that refuses it before anything runs.
+
+use std::time::Duration;
+
+use http::request::Parts;
+use http::{HeaderMap, HeaderValue};
+
+use super::{Outcome, Protocol};
+use crate::content_coding::AcceptEncoding;
+use crate::key::{IdempotencyKey, KeyError};
+use crate::policy::{AnonymousPolicy, MissingKeyPolicy};
+use crate::problem::{Problem, ProblemKind};
+use crate::scope::{Caller, Scope, ScopeSource};
+
+/// How a request enters the protocol.
+#[derive(Debug)]
+pub enum Admission {
+    /// Not subject to the protocol: pass it on, adding `headers` to the answer.
+    PassThrough {
+        /// Headers for the answer (`Deprecation`/`Sunset` in a grace period).
+        headers: HeaderMap,
+    },
+    /// Keyed: buffer the body (up to `max_body`), fingerprint it and call [`Protocol::begin`].
+    Keyed(Keyed),
+    /// Refused before anything ran.
+    Refuse(Problem, Outcome),
+}
+
+/// A request that the protocol applies to.
+#[derive(Debug, Clone)]
+pub struct Keyed {
+    pub(super) caller: Caller,
+    pub(super) key: KeySource,
+    /// What this request's client accepts: a replay is decoded for it when needed.
+    pub(super) accept: AcceptEncoding,
+}
+
+#[derive(Debug, Clone)]
+pub(super) enum KeySource {
+    Client(IdempotencyKey),
+    /// A keyless request under `fingerprint:<window>`: the key is derived from the fingerprint.
+    Provisional(Duration),
+}
+
+impl Keyed {
+    /// The caller's scope, if known before [`Protocol::begin`]: a credential's is hashed there,
+    /// with the store's salt.
+    pub fn scope(&self) -> Option<&Scope> {
+        self.caller.scope()
+    }
+
+    /// The client's key; `None` for a provisional key derived from the fingerprint.
+    pub fn key(&self) -> Option<&IdempotencyKey> {
+        match &self.key {
+            KeySource::Client(key) => Some(key),
+            KeySource::Provisional(_) => None,
+        }
+    }
+}
+
+impl Protocol {
+    /// Decides from the request head whether the protocol applies.
+    pub fn admit(&self, parts: &Parts) -> Admission {
+        let policy = &self.inner.policy;
+        if !policy.applies_to(&parts.method) {
+            return Admission::PassThrough {
+                headers: HeaderMap::new(),
+            };
+        }
+        let key = match IdempotencyKey::from_headers(parts.headers.get_all(&policy.key_header)) {
+            Ok(Some(key)) => KeySource::Client(key),
+            Ok(None) => match self.admit_keyless() {
+                Ok(window) => KeySource::Provisional(window),
+                Err(admission) => return admission,
+            },
+            Err(err) => return Admission::Refuse(self.invalid_key(&err), Outcome::Invalid),
+        };
+        // The scope is needed only once the request is keyed: a keyless request passes through
+        // whatever its headers say.
+        let caller = match policy.scope.caller_of(parts) {
+            Ok(caller) => caller,
+            Err(err) => {
+                let detail = format!("{err}: the caller's scope is taken from it. The request was not processed.");
+                return Admission::Refuse(Problem::new(ProblemKind::ScopeInvalid, detail), Outcome::ScopeInvalid);
+            }
+        };
+        if matches!(key, KeySource::Provisional(_)) && caller.is_anonymous() {
+            // A provisional key is (scope, fingerprint): in the anonymous scope it would hand one
+            // person's answer to another who happens to post the same body. Passed through as
+            // under `allow`, the request is at worst run twice, as it would be without idem.
+            tracing::debug!(
+                "keyless request from an anonymous caller passed through: no provisional key spans two callers"
+            );
+            return Admission::PassThrough {
+                headers: HeaderMap::new(),
+            };
+        }
+        if caller.is_anonymous() && policy.anonymous == AnonymousPolicy::Reject {
+            let detail = format!(
+                "this endpoint keeps stored answers per caller and this request names none ({}); send it with your credential. The request was not processed.",
+                self.identity()
+            );
+            return Admission::Refuse(
+                Problem::new(ProblemKind::CredentialMissing, detail),
+                Outcome::CredentialMissing,
+            );
+        }
+        Admission::Keyed(Keyed {
+            caller,
+            key,
+            accept: AcceptEncoding::from_headers(&parts.headers),
+        })
+    }
+
+    /// What identifies a caller under this policy, for messages.
+    fn identity(&self) -> String {
+        match &self.inner.policy.scope {
+            ScopeSource::Credential => "no Authorization header".to_owned(),
+            ScopeSource::Header(name) => format!("no {name} header"),
+            ScopeSource::Extension => "no scope from the application's authentication".to_owned(),
+            ScopeSource::None => "every caller shares one scope".to_owned(),
+        }
+    }
+
+    fn invalid_key(&self, err: &KeyError) -> Problem {
+        Problem::new(
+            ProblemKind::KeyInvalid,
+            format!("{err}. The request was not processed."),
+        )
+    }
+
+    /// A keyless request: the provisional window under `fingerprint:<window>`, else how it is
+    /// passed through or refused.
+    fn admit_keyless(&self) -> Result<Duration, Admission> {
+        let header = &self.inner.policy.key_header;
+        let required = || {
+            let detail = format!(
+                "this endpoint requires an {header} header; send a unique key (a UUIDv7 is a good choice) and reuse it on every retry of the same request"
+            );
+            Err(Admission::Refuse(
+                Problem::new(ProblemKind::KeyMissing, detail),
+                Outcome::Missing,
+            ))
+        };
+        match self.inner.policy.missing_key {
+            MissingKeyPolicy::Allow => Err(Admission::PassThrough {
+                headers: HeaderMap::new(),
+            }),
+            MissingKeyPolicy::Require => required(),
+            MissingKeyPolicy::Grace { until } if self.now() >= until => required(),
+            MissingKeyPolicy::Grace { until } => {
+                tracing::warn!(sunset = %until, "keyless request accepted during the grace period; keys become required at the sunset");
+                let mut headers = HeaderMap::new();
+                headers.insert("deprecation", HeaderValue::from_static("true"));
+                let sunset = httpdate::fmt_http_date(until.to_system_time());
+                headers.insert(
+                    "sunset",
+                    HeaderValue::from_str(&sunset).expect("an HTTP date is a valid header value"),
+                );
+                Err(Admission::PassThrough { headers })
+            }
+            MissingKeyPolicy::Fingerprint { window } => Ok(window),
+        }
+    }
+}

@@ -1,0 +1,292 @@
+//! Begin: the atomic claim of a keyed request's record, and what is done when the record exists —
+//! judged (`judge.rs`), waited on, or answered — or when the store fails.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::admission::KeySource;
+use super::judge::{Judgement, judge};
+use super::lease::Gauged;
+use super::{Claim, Decision, Keyed, Outcome, Protocol, StoreTimedOut};
+use crate::credential::CredentialScopes;
+use crate::fingerprint::Fingerprint;
+use crate::key::IdempotencyKey;
+use crate::metric_names;
+use crate::problem::{Problem, ProblemKind};
+use crate::scope::{Caller, Scope, hex};
+use crate::store::{Begin, BeginRequest, FencingToken, Record, RecordId, RecordState, Release, Store, StoreError};
+use crate::time::UnixMillis;
+
+impl Protocol {
+    /// Claims the record for a keyed request, or decides the answer without running the handler.
+    ///
+    /// A copy that finds the key in flight waits (woken by the store) for up to `wait`, then gets
+    /// the stored answer, or `409 key-in-flight` with `Retry-After`.
+    pub async fn begin(&self, keyed: Keyed, fingerprint: &Fingerprint) -> Decision {
+        let policy = &self.inner.policy;
+        let (key, provisional) = match keyed.key {
+            KeySource::Client(key) => (key, None),
+            KeySource::Provisional(window) => {
+                let derived = format!("fp:{}", hex(fingerprint.digest()));
+                (
+                    IdempotencyKey::new(&derived).expect("a hex digest is a valid key"),
+                    Some(window),
+                )
+            }
+        };
+        let (scope, mut earlier) = match self.scope_of(keyed.caller).await {
+            Ok(scopes) => scopes,
+            Err(err) => {
+                let scope = Scope::from_stored("cred-mac:(the store's salt could not be read)");
+                return self.store_failed(&err, RecordId { scope, key });
+            }
+        };
+        let mut id = RecordId { scope, key };
+        if provisional.is_none()
+            && let Some(created) = id.key.timestamp(policy.expire_by_key_time)
+            && self.now().since(created) > policy.ttl
+        {
+            let detail = format!(
+                "this key was created at {created}, longer ago than the {} for which answers are kept; it has expired. Send the request again with a new key.",
+                humantime::format_duration(policy.ttl)
+            );
+            return respond(Problem::new(ProblemKind::KeyExpired, detail), Outcome::Expired, id);
+        }
+
+        let mut deadline = None;
+        let mut waited = false;
+        loop {
+            let now = self.now();
+            let token = FencingToken::random();
+            let record = match self.claim_or_read(&id, fingerprint, now, token, provisional).await {
+                Err(err) => return self.store_failed(&err, id),
+                // A key new in this scope may have been run under the caller's scope of before a
+                // change of hashing: decided on that record if there is one.
+                Ok(Begin::Acquired { recovered }) if !earlier.is_empty() => {
+                    match self.adopt_earlier(&id, token, &std::mem::take(&mut earlier), now).await {
+                        Ok(None) => return Decision::Run(self.claimed(id, token, recovered, provisional)),
+                        Ok(Some(adopted)) => {
+                            id = adopted;
+                            continue;
+                        }
+                        Err(err) => return self.store_failed(&err, id),
+                    }
+                }
+                Ok(Begin::Acquired { recovered }) => {
+                    return Decision::Run(self.claimed(id, token, recovered, provisional));
+                }
+                Ok(Begin::Existing(record)) => record,
+            };
+            let (holder, lease_until) = match judge(
+                &record,
+                fingerprint,
+                now,
+                waited,
+                self.inner.keyring.as_deref(),
+                &keyed.accept,
+            ) {
+                Judgement::Answer(response, outcome) => return Decision::Respond { response, outcome, id },
+                Judgement::Wait { holder, lease_until } => (holder, lease_until),
+            };
+            let deadline = *deadline.get_or_insert_with(|| tokio::time::Instant::now() + policy.wait);
+            if tokio::time::Instant::now() >= deadline {
+                let secs = policy.retry_after.as_secs().max(1);
+                let detail = format!(
+                    "a request with this key is still being processed; retry in {secs} s (with the same key) to receive its answer"
+                );
+                let problem = Problem::new(ProblemKind::KeyInFlight, detail).retry_after(policy.retry_after);
+                return respond(problem, Outcome::InFlight, id);
+            }
+            // Wake at the latest when the holder's lease runs out, to take over from a crashed holder.
+            let until = deadline.min(tokio::time::Instant::now() + lease_until.since(now) + Duration::from_millis(5));
+            waited = true;
+            let limit = policy.store_timeout;
+            let _waiting = Gauged::new(metric_names::WAITERS);
+            let waiting = tokio::time::timeout_at(until + limit, self.inner.store.wait(&id, holder, until));
+            if let Err(err) = waiting
+                .await
+                .unwrap_or_else(|_| Err(StoreError::unavailable(StoreTimedOut(limit))))
+            {
+                return self.store_failed(&err, id);
+            }
+        }
+    }
+
+    fn claimed(&self, id: RecordId, token: FencingToken, recovered: bool, provisional: Option<Duration>) -> Claim {
+        Claim {
+            id,
+            token,
+            recovered,
+            provisional,
+            run_deadline: tokio::time::Instant::now() + self.inner.policy.run_timeout,
+            stepped: Arc::default(),
+        }
+    }
+
+    /// The scope of `caller`, and the scopes its records may have been stored under before a
+    /// change of how credentials are hashed (none for other sources).
+    async fn scope_of(&self, caller: Caller) -> Result<(Scope, Vec<Scope>), StoreError> {
+        match caller {
+            Caller::Scope(scope) => Ok((scope, Vec::new())),
+            Caller::Credential(credential) => {
+                let scopes = self.credential_scopes().await?;
+                let policy = &self.inner.policy;
+                let retention = policy.ttl + policy.tombstone_ttl;
+                let earlier = scopes.earlier(credential.as_bytes(), self.now(), retention);
+                Ok((scopes.scope(credential.as_bytes()), earlier))
+            }
+        }
+    }
+
+    /// How credential scopes are hashed in this store: its salt is read (made, the first time
+    /// ever) at the first call, and kept; a failed read is tried again at the next.
+    pub async fn credential_scopes(&self) -> Result<&CredentialScopes, StoreError> {
+        let credentials = &self.inner.credentials;
+        credentials
+            .loaded
+            .get_or_try_init(|| {
+                self.bounded(CredentialScopes::load(
+                    &*self.inner.store,
+                    &credentials.secrets,
+                    self.now(),
+                ))
+            })
+            .await
+    }
+
+    /// Gives up the new claim `token` on `id` if the key has a live record under one of the
+    /// `earlier` scopes, and returns that record's id, for the request to be decided on it;
+    /// `None` (the claim stands) if it has none. A record is never run under two scopes: if the
+    /// claim cannot be given up, the request fails (`503`) and the claim is released later.
+    async fn adopt_earlier(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        earlier: &[Scope],
+        now: UnixMillis,
+    ) -> Result<Option<RecordId>, StoreError> {
+        let store = &self.inner.store;
+        let give_up = |err: StoreError| {
+            let limit = self.inner.policy.store_timeout;
+            tokio::spawn(give_up_claim(store.clone(), id.clone(), token, limit));
+            err
+        };
+        for scope in earlier {
+            let older = RecordId {
+                scope: scope.clone(),
+                key: id.key.clone(),
+            };
+            let found = self.bounded(store.get(&older)).await.map_err(give_up)?;
+            if found.is_some_and(|record| is_live(&record, now)) {
+                self.bounded(store.release(id, token, Release::Forget))
+                    .await
+                    .map_err(give_up)?;
+                tracing::info!(scope = %older.scope, key = %older.key, "the key was first used before a change of how credential scopes are hashed; its record is used");
+                return Ok(Some(older));
+            }
+        }
+        Ok(None)
+    }
+
+    fn store_failed(&self, err: &StoreError, id: RecordId) -> Decision {
+        tracing::error!(scope = %id.scope, key = %id.key, error = %err, "idempotency store failed");
+        if self.inner.policy.fail_open {
+            return Decision::PassThrough { id };
+        }
+        let detail =
+            "the idempotency store cannot be reached, so the request was not processed; retry with the same key";
+        let problem = Problem::new(ProblemKind::StoreUnavailable, detail).retry_after(self.inner.policy.retry_after);
+        respond(problem, Outcome::StoreError, id)
+    }
+
+    /// One `begin` in the store, run to its end whatever becomes of this request: if it does not
+    /// answer within `store_timeout`, the request is told the store failed, and a claim that the
+    /// store makes later is released at once (nothing was sent).
+    async fn claim_or_read(
+        &self,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        now: UnixMillis,
+        token: FencingToken,
+        provisional: Option<Duration>,
+    ) -> Result<Begin, StoreError> {
+        let store = self.inner.store.clone();
+        let (owned_id, owned_fingerprint) = (id.clone(), fingerprint.clone());
+        let lease_until = now.plus(self.inner.policy.lease);
+        let (expires_at, purge_at) = self.inner.policy.retention(now, provisional);
+        // Owned, so that it can be left to finish in the background if the store is too slow;
+        // polled here otherwise, without a task of its own.
+        let mut begin = Box::pin(async move {
+            let request = BeginRequest {
+                id: &owned_id,
+                fingerprint: &owned_fingerprint,
+                now,
+                lease_until,
+                expires_at,
+                purge_at,
+                token,
+            };
+            let begun = store.begin(request).await;
+            (begun, owned_id, store)
+        });
+        let limit = self.inner.policy.store_timeout;
+        match tokio::time::timeout(limit, begin.as_mut()).await {
+            // The store may have made the claim and lost only its reply (a connection reset after
+            // the command ran): nothing will run under it, so it is given up rather than left to
+            // answer 409 until its lease ends and then run marked recovered.
+            Ok((Err(err @ StoreError::Unavailable(_)), id, store)) => {
+                tokio::spawn(give_up_claim(store, id, token, limit));
+                Err(err)
+            }
+            Ok((begun, _, _)) => begun,
+            Err(_) => {
+                tokio::spawn(async move {
+                    if let (Ok(Begin::Acquired { .. }) | Err(StoreError::Unavailable(_)), id, store) = begin.await {
+                        give_up_claim(store, id, token, limit).await;
+                    }
+                });
+                Err(StoreError::unavailable(StoreTimedOut(limit)))
+            }
+        }
+    }
+}
+
+/// Releases the claim `token` may hold on `id`, made by a `begin` whose request was answered
+/// `503` (its reply was lost, or came too late): a few tries, each bounded by `limit`, stopping as
+/// soon as the store says the claim is gone or was never made (`Fenced`).
+async fn give_up_claim(store: Arc<dyn Store>, id: RecordId, token: FencingToken, limit: Duration) {
+    for pause in [
+        Duration::ZERO,
+        Duration::from_millis(200),
+        Duration::from_secs(1),
+        Duration::from_secs(5),
+    ] {
+        tokio::time::sleep(pause).await;
+        match tokio::time::timeout(limit, store.release(&id, token, Release::Forget)).await {
+            Ok(Ok(())) => {
+                tracing::info!(scope = %id.scope, key = %id.key, "released a claim whose begin was answered 503");
+                return;
+            }
+            Ok(Err(StoreError::Fenced)) => return,
+            Ok(Err(_)) | Err(_) => {}
+        }
+    }
+    tracing::warn!(scope = %id.scope, key = %id.key, "could not release a claim whose begin was answered 503; it is taken over when its lease ends");
+}
+
+/// Whether a record still stands for its key: anything but one past its `purge_at`, which a claim
+/// would treat as absent.
+fn is_live(record: &Record, now: UnixMillis) -> bool {
+    match record.state {
+        RecordState::InFlight { .. } => true,
+        RecordState::Completed { purge_at, .. } | RecordState::Unknown { purge_at, .. } => now < purge_at,
+    }
+}
+
+fn respond(problem: Problem, outcome: Outcome, id: RecordId) -> Decision {
+    Decision::Respond {
+        response: problem.to_response(),
+        outcome,
+        id,
+    }
+}
