@@ -1,4 +1,4 @@
-//! DESIGN's rule, checked generatively: no key runs again at the upstream unless its last answer
+//! The rule, checked generatively: no key runs again at the upstream unless its last answer
 //! was released (5xx, 408, 409, 425, 429, or nothing sent) or the run carries
 //! `Idempotency-Recovered: true`; no caller gets another caller's answer; an answer replays until
 //! its ttl, then answers `422 key-expired` until its tombstone-ttl, and so does an unknown outcome.
@@ -7,7 +7,7 @@
 //! file, one alone on SQLite, two on one PostgreSQL schema), a scripted upstream in this process
 //! that records every request it reads, and the operator's commands run as processes. Each step
 //! is drawn by [`rule::generator`], run by [`rule::driver`], and judged by [`rule::oracle`], which is
-//! written from DESIGN.md, not from idem's code. The seed is printed at the start and with any
+//! written from the design (docs/design.md), not from idem's code. The seed is printed at the start and with any
 //! failure, with every step so far.
 //!
 //! * `IDEM_RULE_SEED=N` replays a run (decimal or `0x` hex);
@@ -104,7 +104,7 @@ async fn check(setup: Setup) {
     driver::run(&mut driver, &mut generator, steps(), keep_going).await;
     if !driver.violations.is_empty() {
         panic!(
-            "DESIGN's rule broken in set-up {name} (seed {}; replay with {SEED_VAR}={}):\n  {}\nsteps:\n{}",
+            "The rule broken in set-up {name} (seed {}; replay with {SEED_VAR}={}):\n  {}\nsteps:\n{}",
             seed.0,
             seed.0,
             driver.violations.join("\n  "),

@@ -1,7 +1,7 @@
-//! The oracle: what DESIGN.md says each key's record is, and what it allows a run and an answer
-//! to be. It is written from DESIGN alone (retention, the outcomes table, the upstream's side,
-//! `idem delete`), never from idem's code, and it only forbids what DESIGN rules out: where
-//! DESIGN leaves a choice (a copy that waited may get `409 key-in-flight`, a spelling read two
+//! The oracle: what the design (docs/design.md) says each key's record is, and what it allows a run and an answer
+//! to be. It is written from the design alone (retention, the outcomes table, the upstream's side,
+//! `idem delete`), never from idem's code, and it only forbids what the design rules out: where
+//! the design leaves a choice (a copy that waited may get `409 key-in-flight`, a spelling read two
 //! ways may be refused with a `400`), every choice passes.
 
 use std::collections::HashMap;
@@ -36,7 +36,7 @@ impl Shape {
     }
 }
 
-/// What DESIGN says the store holds for one key.
+/// What the design says the store holds for one key.
 #[derive(Debug, Clone)]
 pub(crate) enum Record {
     /// Nothing: never used, released (a released status or nothing sent), or deleted.
@@ -60,7 +60,7 @@ pub(crate) enum Record {
         /// a copy may get `409 key-in-flight` meanwhile.
         held: bool,
         /// Its holder crashed: the record stays in flight until a copy takes it over, flagged
-        /// recovered (DESIGN's outcomes table sets no ttl on that).
+        /// recovered (the outcomes table sets no ttl on that).
         crashed: bool,
     },
 }
@@ -99,7 +99,7 @@ pub(crate) enum Outcome {
 }
 
 impl Outcome {
-    /// The outcome DESIGN gives a run the upstream treats with `behaviour`.
+    /// The outcome the design gives a run the upstream treats with `behaviour`.
     pub(crate) fn of(behaviour: Behaviour) -> Self {
         match behaviour {
             Behaviour::Status(code) if code >= 500 || matches!(code, 408 | 409 | 425 | 429) => Self::Released,
@@ -110,7 +110,7 @@ impl Outcome {
     }
 }
 
-/// Every key's record, as DESIGN says it is.
+/// Every key's record, as the design says it is.
 #[derive(Debug, Default)]
 pub(crate) struct Model {
     records: HashMap<RecordId, Record>,

@@ -1,4 +1,4 @@
-//! The test's reading of its own config file, written from DESIGN.md: which route a path falls
+//! The test's reading of its own config file, written from the design (docs/design.md): which route a path falls
 //! under as an upstream could read it, and what that route asks of a request. The gateway's
 //! matching code is never consulted.
 
@@ -51,7 +51,7 @@ enum Pattern {
     Prefix(&'static str),
 }
 
-/// One `[[route]]` of [`CONFIG`], as DESIGN says it acts.
+/// One `[[route]]` of [`CONFIG`], as the design says it acts.
 #[derive(Debug)]
 pub(crate) struct Route {
     pub(crate) name: &'static str,
@@ -173,7 +173,7 @@ fn percent_decode(text: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-/// What DESIGN asks of one request, from its method and target read both ways.
+/// What the design asks of one request, from its method and target read both ways.
 #[derive(Debug, Clone)]
 pub(crate) struct Protection {
     /// The routes of the readings under which the protocol applies (empty: it applies under none).
