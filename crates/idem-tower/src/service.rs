@@ -16,8 +16,8 @@ use http::{HeaderMap, Request, Response, header};
 use http_body::Body as HttpBody;
 use http_body_util::{BodyExt, Limited};
 use idem_core::{
-    Admission, Claim, Decision, Fingerprint, Keep, NoAnswer, Outcome, PendingAnswer, Problem, ProblemKind, Protocol,
-    RecordId, Reply, RunEnd, RunTimedOut, Settlement, Unstored, metric_names,
+    Admission, Claim, Decision, Fingerprint, Keep, NoAnswer, Outcome, PendingAnswer, Problem, Protocol, RecordId,
+    Reply, RunEnd, RunTimedOut, Settlement, Unstored, metric_names,
 };
 use metrics::SharedString;
 use tokio::sync::oneshot;
@@ -104,7 +104,7 @@ where
                 .map(move |handled| {
                     handled.unwrap_or_else(|panic| {
                         tracing::error!(panic = panic_message(&*panic), "the idempotency layer panicked");
-                        record_outcome(&route, None, Outcome::Internal, http::StatusCode::INTERNAL_SERVER_ERROR);
+                        record_outcome(&route, None, Outcome::Internal, internal_status());
                         Ok(internal_error())
                     })
                 }),
@@ -150,12 +150,7 @@ where
 
         let bytes = match read_body(&self.protocol, &parts.headers, body).await {
             Ok(bytes) => bytes,
-            Err(problem) => {
-                let outcome = if problem.kind == ProblemKind::BodyTooLarge {
-                    Outcome::TooLarge
-                } else {
-                    Outcome::BodyIncomplete
-                };
+            Err((problem, outcome)) => {
                 tracing::info!(scope = keyed.scope().map(|s| s.as_str()), key = keyed.key().map(|k| k.as_str()), outcome = %outcome, status = problem.kind.status().as_u16(), route = %self.route, "idempotency");
                 count_outcome(&self.route, outcome);
                 return Ok(problem.to_response().map(full));
@@ -211,12 +206,7 @@ where
             Ok(Decided::Running(answered)) => answered,
             // The task panicked before it decided (logged by the runtime).
             Err(_) => {
-                record_outcome(
-                    &self.route,
-                    None,
-                    Outcome::Internal,
-                    http::StatusCode::INTERNAL_SERVER_ERROR,
-                );
+                record_outcome(&self.route, None, Outcome::Internal, internal_status());
                 return Ok(internal_error());
             }
         };
@@ -286,7 +276,7 @@ async fn run<S, ResBody>(
         Ok(Ok(Ok(response))) => response,
         Ok(Ok(Err(err))) => {
             let settlement = protocol.settle(&claim, RunEnd::HandlerFailed);
-            let status = settlement.status.unwrap_or(http::StatusCode::INTERNAL_SERVER_ERROR);
+            let status = settlement.status.unwrap_or(internal_status());
             record_outcome(&route, Some(&id), settlement.outcome, status);
             carry_out_release(&protocol, &claim, settlement.keep).await;
             let _ = answer.send(Err(err));
@@ -382,7 +372,7 @@ async fn run_timed_out(protocol: &Protocol, route: &SharedString, claim: &Claim)
 /// Carries out a settlement that answers with a problem: logs it, releases the record as it says,
 /// and returns the problem.
 async fn settled(protocol: &Protocol, route: &SharedString, claim: &Claim, settlement: Settlement) -> Response<Body> {
-    let status = settlement.status.unwrap_or(http::StatusCode::INTERNAL_SERVER_ERROR);
+    let status = settlement.status.unwrap_or(internal_status());
     record_outcome(route, Some(claim.id()), settlement.outcome, status);
     carry_out_release(protocol, claim, settlement.keep).await;
     match settlement.reply {
@@ -417,7 +407,7 @@ fn kept(result: Result<(), Unstored>, id: &RecordId) -> Option<PendingAnswer> {
 }
 
 /// Buffers a keyed request's body up to the policy's `max_body`; a larger body is `413`.
-async fn read_body<B>(protocol: &Protocol, headers: &HeaderMap, body: B) -> Result<Bytes, Problem>
+async fn read_body<B>(protocol: &Protocol, headers: &HeaderMap, body: B) -> Result<Bytes, (Problem, Outcome)>
 where
     B: HttpBody<Data = Bytes>,
     B::Error: Into<BoxError>,
@@ -452,6 +442,11 @@ where
 fn with_headers(mut response: Response<Body>, headers: HeaderMap) -> Response<Body> {
     response.headers_mut().extend(headers);
     response
+}
+
+/// The status of [`internal_error`], for logs.
+fn internal_status() -> http::StatusCode {
+    idem_core::internal_error().kind.status()
 }
 
 /// `500 internal-error`: a bug in the request's path, said as a problem rather than an empty answer.

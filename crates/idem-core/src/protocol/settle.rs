@@ -187,13 +187,14 @@ impl Protocol {
             .to_response()
     }
 
-    /// `413`: a keyed request's body is over `max_body`.
-    pub fn body_too_large(&self) -> Problem {
+    /// `413`: a keyed request's body is over `max_body`; nothing was claimed.
+    pub fn body_too_large(&self) -> (Problem, Outcome) {
         let limit = self.policy().max_body;
-        Problem::new(
+        let problem = Problem::new(
             ProblemKind::BodyTooLarge,
             format!("the body of a request with an idempotency key may be at most {limit} bytes"),
-        )
+        );
+        (problem, Outcome::TooLarge)
     }
 }
 
@@ -254,13 +255,14 @@ fn decide(policy: &Policy, now: UnixMillis, run: Run, end: RunEnd<'_>) -> Settle
 
 /// `400 body-incomplete`: a keyed request's body broke off before it was read whole; nothing was
 /// claimed.
-pub fn body_incomplete(cause: &dyn std::fmt::Display) -> Problem {
-    Problem::new(
+pub fn body_incomplete(cause: &dyn std::fmt::Display) -> (Problem, Outcome) {
+    let problem = Problem::new(
         ProblemKind::BodyIncomplete,
         format!(
             "the request body broke off before it was complete ({cause}); nothing was processed, send the request again"
         ),
-    )
+    );
+    (problem, Outcome::BodyIncomplete)
 }
 
 /// The answer to a request outside the protocol (no key, a pass-through route) whose inner
