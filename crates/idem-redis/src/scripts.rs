@@ -108,7 +108,8 @@ end
 /// `begin`. ARGV: nonce, now, lease_until, token, digest, fingerprint, purge_at of the claim,
 /// channel, publish command, expires_at of the claim. A new claim deletes whatever checkpoints an
 /// earlier record left; a takeover keeps them, with the record's new expiry. The claim rule is
-/// `StoredRecord::on_begin`'s (idem-core), kept in step with it: a record past its purge_at is
+/// `StoredRecord::on_begin`'s (idem-core), kept in step with it by `tests/claim_rules.rs`, which runs
+/// the rule's table (`claim_rule_cases`) against this script: a record past its purge_at is
 /// replaced unless it is a claim whose lease still runs; an abandoned claim or unknown outcome of
 /// the same request is taken over only before its expires_at (always, for one written without).
 ///
