@@ -1,6 +1,6 @@
-//! The statements of the store's operations, in the order the operations come in `store.rs`. The
-//! schema they run on is in `schema.rs`; every parameter is numbered (`?1` is always the scope and
-//! `?2` the key of a record).
+//! The statements of the store's operations, as `store.rs` runs them. The schema they run on is
+//! `schema.rs`'s; every parameter is numbered, and a record's statements take the scope as `?1`
+//! and the key as `?2`.
 
 /// The record's columns that [`crate::decode::StoredRow`] reads, in its order, for a key.
 pub(crate) const SELECT_RECORD: &str =
