@@ -66,7 +66,7 @@ local function server_now()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
--- The record's fields in the order of `RECORD_FIELDS` (store.rs), then `recovered`, false where
+-- The record's fields in the order of `RECORD_FIELDS` (decode.rs), then `recovered`, false where
 -- the hash has none (every one if there is no record): one HMGET, its reply used as it is.
 local function read_record()
   return redis.call('HMGET', rec, 'state', 'fingerprint', 'token', 'lease_until', 'created_at', 'completed_at',
