@@ -9,7 +9,7 @@
 #               and the completion (the compare-and-set UPDATE on the fencing token, RETURNING waiters,
 #               with pg_notify only when someone waits: nobody does here)
 #   replay.sql  the floor of a replay: one SELECT of a completed record by (scope, key)
-#   claim.sql   the store's own claim statement (CLAIM, read from crates/idem-postgres/src/store.rs)
+#   claim.sql   the store's own claim statement (CLAIM, read from crates/idem-postgres/src/sql.rs)
 #               on a completed record: what a replay costs PostgreSQL, against replay.sql's floor
 # and beside each, `idem bench --store postgres://...?schema=...` at the same concurrency (the
 # idem-tower layer driven in process over the PostgreSQL store: new keys, then the same replayed).
@@ -130,17 +130,17 @@ SELECT $COLUMNS
 FROM idem_records WHERE scope = $SCOPE AND key = 'r-' || :i::text;
 EOF
 
-# The store's own CLAIM, read from crates/idem-postgres/src/store.rs (so it never drifts from the
+# The store's own CLAIM, read from crates/idem-postgres/src/sql.rs (so it never drifts from the
 # store), with the values of the store's sizes written in for $1..$9. On a completed record it
 # reads the record and inserts nothing.
-CLAIM_SQL=$(sed -n '/^const CLAIM: &str = "$/,/";$/p' "$ROOT/crates/idem-postgres/src/store.rs" | sed '1d;$s/";$//')
-case $CLAIM_SQL in *'$9'*) ;; *) die "cannot read CLAIM (with its parameters \$1..\$9) in crates/idem-postgres/src/store.rs" ;; esac
+CLAIM_SQL=$(sed -n '/^pub(crate) const CLAIM: &str = "$/,/";$/p' "$ROOT/crates/idem-postgres/src/sql.rs" | sed '1d;$s/";$//')
+case $CLAIM_SQL in *'$9'*) ;; *) die "cannot read CLAIM (with its parameters \$1..\$9) in crates/idem-postgres/src/sql.rs" ;; esac
 CLAIM_VALUES=("$SCOPE" "'r-' || :i::text" "decode(repeat('ab', 113), 'hex')" "decode(repeat('cd', 32), 'hex')"
     "'\\x00112233445566778899aabbccddeeff'::bytea" 1767225660000 1767225600000 1767830400000 1767312000000)
 for n in 9 8 7 6 5 4 3 2 1; do
     CLAIM_SQL=${CLAIM_SQL//"\$$n"/${CLAIM_VALUES[$((n - 1))]}}
 done
-case $CLAIM_SQL in *'$'[0-9]*) die "CLAIM in crates/idem-postgres/src/store.rs has parameters past \$9" ;; esac
+case $CLAIM_SQL in *'$'[0-9]*) die "CLAIM in crates/idem-postgres/src/sql.rs has parameters past \$9" ;; esac
 printf '\\set i random(0, 9999)\n%s;\n' "$CLAIM_SQL" >"$TMP/claim.sql"
 
 # pgb SCRIPT CLIENTS: transactions (one script run) per second, or dies.

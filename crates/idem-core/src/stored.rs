@@ -1,5 +1,6 @@
 //! What the store implementations share: the stored form of a record (its state as a word, its
-//! times as integers) checked into a [`Record`], the loop that waits for a claim to change, and
+//! times as integers) checked into a [`Record`], the claim rule ([`StoredRecord::on_begin`]) and
+//! its table of cases ([`claim_rule_cases`]), the loop that waits for a claim to change, and
 //! [`ReplayCounts`], which keeps a replay from being a write.
 //! Stores still do their own atomic primitives; this only keeps them from writing the same
 //! decoding and waiting three times.
@@ -157,6 +158,158 @@ impl StoredRecord {
     }
 }
 
+/// One row of the claim rule's table: a record as a store keeps it, who claims its key and when,
+/// and what [`StoredRecord::on_begin`] decides.
+///
+/// [`claim_rule_cases`] is the table, written once. idem-core's unit test holds `on_begin` to it,
+/// and a store that runs the rule in its own language (the Redis store's `BEGIN` script) holds its
+/// copy to the same rows, so the two cannot drift apart.
+#[derive(Debug, Clone)]
+pub struct ClaimRuleCase {
+    /// What the row shows, for failure messages.
+    pub why: &'static str,
+    /// The record as stored. Well formed, so that a store can write it as it is and read it
+    /// back: its fingerprint is [`claim_rule_fingerprint`]'s, an in-flight record has a token and a
+    /// lease, a completed one its `completed_at`, and none has been replayed yet.
+    pub record: StoredRecord,
+    /// Whether the claiming request is the record's own (its fingerprint digest is the stored
+    /// one); if not, it is another request under the same key.
+    pub same_request: bool,
+    /// The claim's `now`, in Unix milliseconds.
+    pub now: i64,
+    /// What `begin` does with the record.
+    pub expected: Existing,
+}
+
+/// The fingerprint of every record in [`claim_rule_cases`], for claiming as the same request.
+pub fn claim_rule_fingerprint() -> Fingerprint {
+    Fingerprint::of(
+        &http::Method::POST,
+        &http::Uri::from_static("/pay"),
+        &http::HeaderMap::new(),
+        b"claim rule",
+    )
+}
+
+/// The claim rule of [`Store::begin`](crate::Store::begin) as a table: every row a record, who
+/// claims it and when, and what must happen (see [`ClaimRuleCase`]).
+///
+/// The records share one timeline: a lease that ends at 100, an answer or a ttl that runs until
+/// 200, and deletion at 300 (Unix milliseconds), claimed just before, at or after each of them.
+pub fn claim_rule_cases() -> Vec<ClaimRuleCase> {
+    let fingerprint = claim_rule_fingerprint().encode();
+    let record = |state: &str| {
+        let (in_flight, completed) = (state == IN_FLIGHT, state == COMPLETED);
+        StoredRecord {
+            state: state.to_owned(),
+            fingerprint: fingerprint.clone(),
+            token: in_flight.then(|| vec![7; 16]),
+            lease_until: in_flight.then_some(100),
+            response: completed.then(|| b"answer".to_vec()),
+            created_at: 0,
+            completed_at: completed.then_some(50),
+            expires_at: Some(200),
+            purge_at: Some(300),
+            replays: 0,
+        }
+    };
+    // Written before records kept `expires_at`.
+    let old = |state: &str| StoredRecord {
+        expires_at: None,
+        ..record(state)
+    };
+    let tombstone = StoredRecord {
+        response: None,
+        ..record(COMPLETED)
+    };
+    let long_run = StoredRecord {
+        lease_until: Some(400),
+        ..record(IN_FLIGHT)
+    };
+    let case = |why, record, same_request, now, expected| ClaimRuleCase {
+        why,
+        record,
+        same_request,
+        now,
+        expected,
+    };
+    use Existing::{Leave, Replace, Replay, TakeOver};
+    vec![
+        case("past purge_at, whoever asks", record(IN_FLIGHT), true, 300, Replace),
+        case("past purge_at, another request", record(COMPLETED), false, 300, Replace),
+        case("an unknown outcome until purge_at", record(UNKNOWN), true, 300, Replace),
+        case("the lease ended", record(IN_FLIGHT), true, 100, TakeOver),
+        case("the lease still runs", record(IN_FLIGHT), true, 99, Leave),
+        case("another request never takes over", record(IN_FLIGHT), false, 150, Leave),
+        case(
+            "an unknown outcome of the same request",
+            record(UNKNOWN),
+            true,
+            0,
+            TakeOver,
+        ),
+        case(
+            "an unknown outcome just before its ttl ends",
+            record(UNKNOWN),
+            true,
+            199,
+            TakeOver,
+        ),
+        case(
+            "an unknown outcome of another request",
+            record(UNKNOWN),
+            false,
+            0,
+            Leave,
+        ),
+        case(
+            "an unknown outcome past its ttl is a tombstone",
+            record(UNKNOWN),
+            true,
+            200,
+            Leave,
+        ),
+        case(
+            "an abandoned claim past its ttl is a tombstone",
+            record(IN_FLIGHT),
+            true,
+            200,
+            Leave,
+        ),
+        case(
+            "a live answer to the same request",
+            record(COMPLETED),
+            true,
+            199,
+            Replay,
+        ),
+        case("an expired answer is no replay", record(COMPLETED), true, 200, Leave),
+        case("a mismatch is no replay", record(COMPLETED), false, 100, Leave),
+        case("a tombstone is no replay", tombstone, true, 100, Leave),
+        case(
+            "a claim written without expires_at is taken over until purge_at, as before",
+            old(IN_FLIGHT),
+            true,
+            250,
+            TakeOver,
+        ),
+        case(
+            "an unknown outcome written without expires_at, likewise",
+            old(UNKNOWN),
+            true,
+            250,
+            TakeOver,
+        ),
+        case(
+            "a claim whose lease still runs is never replaced",
+            long_run,
+            true,
+            300,
+            Leave,
+        ),
+    ]
+}
+
 /// The waiting loop of [`Store::wait`](crate::Store::wait): until `holds()` says the claim is no
 /// longer current, or `deadline`.
 ///
@@ -217,80 +370,34 @@ mod tests {
 
     #[test]
     fn the_claim_rules_of_begin() {
-        assert_eq!(
-            stored(IN_FLIGHT).on_begin(true, 300),
-            Existing::Replace,
-            "past purge_at, whoever asks"
-        );
-        assert_eq!(stored(COMPLETED).on_begin(false, 300), Existing::Replace);
-        assert_eq!(
-            stored(IN_FLIGHT).on_begin(true, 100),
-            Existing::TakeOver,
-            "the lease ended"
-        );
-        assert_eq!(
-            stored(IN_FLIGHT).on_begin(true, 99),
-            Existing::Leave,
-            "the lease still runs"
-        );
-        assert_eq!(
-            stored(IN_FLIGHT).on_begin(false, 150),
-            Existing::Leave,
-            "another request never takes over"
-        );
-        assert_eq!(stored(UNKNOWN).on_begin(true, 0), Existing::TakeOver);
-        assert_eq!(stored(UNKNOWN).on_begin(false, 0), Existing::Leave);
-        assert_eq!(stored(COMPLETED).on_begin(true, 199), Existing::Replay);
-        assert_eq!(
-            stored(COMPLETED).on_begin(true, 200),
-            Existing::Leave,
-            "an expired answer is no replay"
-        );
-        assert_eq!(
-            stored(COMPLETED).on_begin(false, 100),
-            Existing::Leave,
-            "a mismatch is no replay"
-        );
-        let tombstone = StoredRecord {
-            response: None,
-            ..stored(COMPLETED)
-        };
-        assert_eq!(tombstone.on_begin(true, 100), Existing::Leave);
+        let cases = claim_rule_cases();
+        for expected in [Existing::Replace, Existing::TakeOver, Existing::Replay, Existing::Leave] {
+            assert!(
+                cases.iter().any(|case| case.expected == expected),
+                "the table shows {expected:?}"
+            );
+        }
+        for case in cases {
+            assert_eq!(
+                case.record.on_begin(case.same_request, case.now),
+                case.expected,
+                "{}: {:?}",
+                case.why,
+                case.record
+            );
+        }
     }
 
     #[test]
-    fn a_key_without_an_answer_expires_at_its_ttl() {
-        assert_eq!(stored(UNKNOWN).on_begin(true, 199), Existing::TakeOver);
-        assert_eq!(
-            stored(UNKNOWN).on_begin(true, 200),
-            Existing::Leave,
-            "an unknown outcome past its ttl is a tombstone"
-        );
-        assert_eq!(
-            stored(IN_FLIGHT).on_begin(true, 200),
-            Existing::Leave,
-            "an abandoned claim past its ttl is a tombstone"
-        );
-        assert_eq!(stored(UNKNOWN).on_begin(true, 300), Existing::Replace, "until purge_at");
-        let old = |state| StoredRecord {
-            expires_at: None,
-            ..stored(state)
-        };
-        assert_eq!(
-            old(IN_FLIGHT).on_begin(true, 250),
-            Existing::TakeOver,
-            "a claim written without expires_at is taken over until purge_at, as before"
-        );
-        assert_eq!(old(UNKNOWN).on_begin(true, 250), Existing::TakeOver);
-        let long_run = StoredRecord {
-            lease_until: Some(400),
-            ..stored(IN_FLIGHT)
-        };
-        assert_eq!(
-            long_run.on_begin(true, 300),
-            Existing::Leave,
-            "a claim whose lease still runs is never replaced"
-        );
+    fn the_records_of_the_claim_rules_are_well_formed() {
+        for case in claim_rule_cases() {
+            let id = RecordId {
+                scope: crate::Scope::shared(),
+                key: crate::IdempotencyKey::new("rule").unwrap(),
+            };
+            let record = case.record.clone().into_record(id);
+            assert!(record.is_ok(), "{}: {record:?}", case.why);
+        }
     }
 
     #[test]

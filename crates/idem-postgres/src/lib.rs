@@ -33,10 +33,12 @@
 //! | `schema=NAME` | the `search_path` | the PostgreSQL schema of the tables, created if missing |
 #![forbid(unsafe_code)]
 
+mod decode;
 mod error;
 mod listener;
 mod replays;
 mod schema;
+mod sql;
 mod store;
 mod url;
 

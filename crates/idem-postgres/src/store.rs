@@ -14,6 +14,8 @@
 //! `checkpoint_values`): writing one is a compare-and-set like the others, a takeover or a release
 //! as unknown leaves them, and the statements that end the run or start a new one empty them
 //! (deleting the row takes them with it).
+//!
+//! The statements are in `sql.rs` and rows are read in `decode.rs`: this module is the operations.
 
 use std::fmt;
 use std::sync::Arc;
@@ -21,220 +23,28 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
-use idem_core::stored::{Existing, ReplayCounts, StoredRecord, claim_purge_at, wait_for_change};
+use idem_core::stored::{Existing, ReplayCounts, claim_purge_at, wait_for_change};
 use idem_core::{
     Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, Record, RecordId, Release, ScopeSalt, Store,
     StoreError, UnixMillis, WaitOutcome,
 };
-use tokio_postgres::{NoTls, Row};
+use tokio_postgres::NoTls;
 
-use crate::error::{Failure, describe};
+use crate::decode::{StoredRow, checkpoints_from_row, scope_salt_from_row};
+use crate::error::Failure;
 use crate::listener::{Listener, payload};
 use crate::url::Settings;
-use crate::{PostgresError, replays, schema};
+use crate::{PostgresError, replays, schema, sql};
 
 /// How many times `begin` tries again when the record it conflicted with is gone before it could
 /// be read (deleted by a release or a purge in between). Each try is a new statement with a new
 /// snapshot; running out means the key is being claimed and released in a tight loop.
 const BEGIN_ATTEMPTS: usize = 32;
 
-/// The key of the advisory lock that lets one purger at a time work on a schema (`"idem"`, and
-/// the hash of the schema's name as the second key).
-const PURGE_LOCK_CLASS: i32 = 0x6964_656d;
-
 /// How long an operation waits for a free pooled connection.
 const POOL_WAIT_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long checking a returned connection may take.
 const POOL_RECYCLE_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// A new key's claim, or else the record as it stands, in one statement: one round trip for a
-/// new key and for a replay. The record is read first, and the insert only runs when the read
-/// found nothing: a replay is a plain index read, without the insert's conflict check (measured
-/// in `bench/README.md`). The read is in the statement's snapshot, which misses a row committed
-/// after it began: then the insert conflicts with that row and does nothing, neither column set
-/// is there, and the claim is tried again.
-const CLAIM: &str = "
-WITH found AS (
-    SELECT state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at,
-        purge_at, replays
-    FROM idem_records WHERE scope = $1 AND key = $2
-), claimed AS (
-    INSERT INTO idem_records
-        (scope, key, state, fingerprint, digest, token, lease_until, created_at, purge_at, expires_at, replays)
-    SELECT $1, $2, 'in-flight', $3, $4, $5, $6, $7, $8, $9, 0
-    WHERE NOT EXISTS (SELECT 1 FROM found)
-    ON CONFLICT (scope, key) DO NOTHING
-    RETURNING 1
-)
-SELECT f.state, f.fingerprint, f.digest, f.token, f.lease_until, f.response, f.created_at, f.completed_at,
-    f.expires_at, f.purge_at, f.replays, EXISTS (SELECT 1 FROM claimed)
-FROM (SELECT 1) AS one
-LEFT JOIN found f ON true";
-
-const SELECT: &str = "
-SELECT state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays
-FROM idem_records WHERE scope = $1 AND key = $2";
-
-const SELECT_FOR_UPDATE: &str = "
-SELECT state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays
-FROM idem_records WHERE scope = $1 AND key = $2
-FOR UPDATE";
-
-/// A record past its `purge_at` is claimed anew, as if it were absent: nothing of it is kept,
-/// its checkpoints included.
-const REPLACE: &str = "
-WITH replaced AS (
-    UPDATE idem_records
-    SET state = 'in-flight', fingerprint = $3, digest = $4, token = $5, lease_until = $6,
-        response = NULL, created_at = $7, completed_at = NULL, expires_at = $10,
-        purge_at = $8, replays = 0, checkpoint_names = '{}', checkpoint_values = '{}'
-    WHERE scope = $1 AND key = $2
-    RETURNING waiters
-)
-SELECT (SELECT pg_notify('idem_records', $9) WHERE replaced.waiters > 0) FROM replaced";
-
-/// The checkpoints stay: the new run resumes from them. The new run has a ttl of its own.
-const TAKE_OVER: &str = "
-WITH taken AS (
-    UPDATE idem_records
-    SET state = 'in-flight', token = $3, lease_until = $4, purge_at = $5, expires_at = $7
-    WHERE scope = $1 AND key = $2
-    RETURNING waiters
-)
-SELECT (SELECT pg_notify('idem_records', $6) WHERE taken.waiters > 0) FROM taken";
-
-/// The run is over, and so are its checkpoints.
-const COMPLETE: &str = "
-WITH completed AS (
-    UPDATE idem_records
-    SET state = 'completed', token = NULL, lease_until = NULL, response = $4,
-        completed_at = $5, expires_at = $6, purge_at = $7,
-        checkpoint_names = '{}', checkpoint_values = '{}'
-    WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in-flight'
-    RETURNING waiters
-)
-SELECT (SELECT pg_notify('idem_records', $8) WHERE completed.waiters > 0) FROM completed";
-
-const FORGET: &str = "
-WITH forgotten AS (
-    DELETE FROM idem_records
-    WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in-flight'
-    RETURNING waiters
-)
-SELECT (SELECT pg_notify('idem_records', $4) WHERE forgotten.waiters > 0) FROM forgotten";
-
-/// The fingerprint stays: only the same request may take the record over. So do the
-/// checkpoints, for the run that takes it over.
-const RELEASE_UNKNOWN: &str = "
-WITH released AS (
-    UPDATE idem_records
-    SET state = 'unknown', token = NULL, lease_until = NULL, purge_at = $4, expires_at = $6
-    WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in-flight'
-    RETURNING waiters
-)
-SELECT (SELECT pg_notify('idem_records', $5) WHERE released.waiters > 0) FROM released";
-
-/// Returns the record as it was and, as `Store::delete` says, deletes it, or, for a claim in
-/// flight, fences it (no token) and leaves the key unknown with the claim's retention, its
-/// checkpoints dropped; waiters on it are woken to look again. The row is locked as it is read,
-/// so the change is made to the row returned. A claim too damaged to have a token or a lease is
-/// deleted, so that an operator can always clear it.
-const DELETE: &str = "
-WITH found AS (
-    SELECT state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays,
-        waiters, state = 'in-flight' AND token IS NOT NULL AND lease_until IS NOT NULL AS in_flight
-    FROM idem_records WHERE scope = $1 AND key = $2
-    FOR UPDATE
-), fenced AS (
-    UPDATE idem_records r
-    SET state = 'unknown', token = NULL, lease_until = NULL, expires_at = COALESCE(r.expires_at, r.purge_at),
-        checkpoint_names = '{}', checkpoint_values = '{}'
-    FROM found
-    WHERE r.scope = $1 AND r.key = $2 AND found.in_flight
-), deleted AS (
-    DELETE FROM idem_records r
-    USING found
-    WHERE r.scope = $1 AND r.key = $2 AND NOT found.in_flight
-)
-SELECT state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays,
-    (SELECT pg_notify('idem_records', $3) WHERE found.waiters > 0)
-FROM found";
-
-/// Renewing moves the `purge_at` of the claim to the new lease's end if that is later; a claim
-/// made before claims carried a `purge_at` of their own (no `expires_at`) keeps the old rule, $5.
-const RENEW: &str = "
-UPDATE idem_records
-SET lease_until = $4, purge_at = CASE WHEN expires_at IS NULL THEN $5 ELSE GREATEST(purge_at, $4) END
-WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in-flight'";
-
-/// Records a checkpoint under the claim, as a compare-and-set on the token. A name already written
-/// keeps its position and takes the new value; a new name goes after the others. Both arrays are
-/// assigned at the same position, computed (twice, alike) from the row as it was before the
-/// statement; assigning one past the end appends.
-const CHECKPOINT: &str = "
-UPDATE idem_records
-SET checkpoint_names[COALESCE(array_position(checkpoint_names, $4::text), cardinality(checkpoint_names) + 1)] = $4::text,
-    checkpoint_values[COALESCE(array_position(checkpoint_names, $4::text), cardinality(checkpoint_names) + 1)] = $5::bytea
-WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in-flight'";
-
-/// A completed record has none (completing empties them); the state is checked all the same.
-const CHECKPOINTS: &str = "
-SELECT checkpoint_names, checkpoint_values
-FROM idem_records WHERE scope = $1 AND key = $2 AND state IN ('in-flight', 'unknown')";
-
-/// Makes the scope salt from the candidate unless there is one; returns it only if made here.
-/// `max(purge_at)` reads the end of the `purge_at` index, as of the statement's snapshot: a
-/// record committed while it runs is not counted, like one written later by an instance not yet
-/// upgraded, and the protocol looks back one retention past this time for both.
-const SCOPE_SALT_INSERT: &str = "
-INSERT INTO idem_scope_salt (id, salt, created_at, older_records_until)
-SELECT 1, $1::bytea, $2::bigint, (SELECT max(purge_at) FROM idem_records)
-ON CONFLICT (id) DO NOTHING
-RETURNING salt, created_at, older_records_until";
-
-/// A statement of its own after [`SCOPE_SALT_INSERT`] found the row taken: under read committed it
-/// sees the row that a concurrent caller committed, which the insert's snapshot may not.
-const SCOPE_SALT_SELECT: &str = "SELECT salt, created_at, older_records_until FROM idem_scope_salt WHERE id = 1";
-
-/// A waiter's mark on the claim it waits on, so that the change that ends the claim notifies
-/// (changes of records nobody waits on do not: a `NOTIFY` takes a lock that serialises every
-/// notifying commit in the database). Marks no row if the claim is no longer current.
-const WAIT_ON: &str = "
-UPDATE idem_records SET waiters = waiters + 1
-WHERE scope = $1 AND key = $2 AND state = 'in-flight' AND token = $3";
-
-const HOLDS: &str = "
-SELECT EXISTS (
-    SELECT 1 FROM idem_records
-    WHERE scope = $1 AND key = $2 AND state = 'in-flight' AND token = $3
-)";
-
-/// Keyed on the schema that holds the tables, so that stores in different schemas of one
-/// database do not keep each other from purging.
-const PURGE_LOCK: &str = "SELECT pg_try_advisory_xact_lock($1, hashtext(COALESCE(current_schema(), '')))";
-
-/// Deletes by `ctid` (a TID scan) the rows that the sub-select found through the `purge_at` index
-/// and locked; rows locked by a running claim are skipped, not waited for. The outer statement
-/// repeats no condition: the rows are locked, so they still meet it, and a condition here would
-/// tempt the planner into scanning every due row through the index for each batch.
-pub(crate) const PURGE_DELETE: &str = "
-DELETE FROM idem_records
-WHERE ctid = ANY (ARRAY (
-    SELECT ctid FROM idem_records
-    WHERE purge_at <= $1
-    LIMIT $2
-    FOR UPDATE SKIP LOCKED
-))";
-
-/// Drops expired answers, found through the partial `expires_at` index.
-pub(crate) const PURGE_TOMBSTONE: &str = "
-UPDATE idem_records SET response = NULL
-WHERE ctid = ANY (ARRAY (
-    SELECT ctid FROM idem_records
-    WHERE response IS NOT NULL AND expires_at <= $1
-    LIMIT $2
-    FOR UPDATE SKIP LOCKED
-))";
 
 /// An idempotency store in a PostgreSQL database, shared by every instance of a service.
 ///
@@ -389,100 +199,13 @@ impl PostgresStore {
     async fn holds(&self, id: &RecordId, token: FencingToken) -> Result<bool, StoreError> {
         let db = self.db("wait");
         let client = self.client("wait").await?;
-        let stmt = client.prepare_cached(HOLDS).await.map_err(db)?;
+        let stmt = client.prepare_cached(sql::HOLDS).await.map_err(db)?;
         let row = client
             .query_one(&stmt, &[&id.scope.as_str(), &id.key.as_str(), &&token.as_bytes()[..]])
             .await
             .map_err(db)?;
         row.try_get(0).map_err(db)
     }
-}
-
-fn abandoned_purge_at(lease_until: UnixMillis) -> i64 {
-    idem_core::stored::abandoned_purge_at(lease_until).as_i64()
-}
-
-/// A compare-and-set that changed nothing lost its claim.
-fn fenced(changed: usize) -> Result<(), StoreError> {
-    if changed == 0 { Err(StoreError::Fenced) } else { Ok(()) }
-}
-
-/// A row as stored: the record's fields, and the digest the claim rules compare.
-struct StoredRow {
-    digest: Vec<u8>,
-    stored: StoredRecord,
-}
-
-impl StoredRow {
-    /// Reads the columns of [`SELECT`], in order; a value of the wrong type is a corrupt record.
-    fn from_row(row: &Row, id: &RecordId) -> Result<Self, StoreError> {
-        let read = || -> Result<Self, tokio_postgres::Error> {
-            Ok(Self {
-                digest: row.try_get(2)?,
-                stored: StoredRecord {
-                    state: row.try_get(0)?,
-                    fingerprint: row.try_get(1)?,
-                    token: row.try_get(3)?,
-                    lease_until: row.try_get(4)?,
-                    response: row.try_get(5)?,
-                    created_at: row.try_get(6)?,
-                    completed_at: row.try_get(7)?,
-                    expires_at: row.try_get(8)?,
-                    purge_at: Some(row.try_get(9)?),
-                    replays: row.try_get(10)?,
-                },
-            })
-        };
-        read().map_err(|err| StoreError::Corrupt(format!("record {} {}: {}", id.scope, id.key, describe(&err))))
-    }
-
-    fn into_record(self, id: RecordId) -> Result<Record, StoreError> {
-        self.stored.into_record(id)
-    }
-}
-
-/// Reads the columns of [`CHECKPOINTS`]; values of the wrong type (or `NULL`s) and arrays that do
-/// not line up are a corrupt record.
-fn checkpoints_from_row(row: &Row, id: &RecordId) -> Result<Vec<Checkpoint>, StoreError> {
-    let corrupt = |detail: String| StoreError::Corrupt(format!("record {} {}: {detail}", id.scope, id.key));
-    let names: Vec<String> = row.try_get(0).map_err(|err| corrupt(describe(&err)))?;
-    let values: Vec<Vec<u8>> = row.try_get(1).map_err(|err| corrupt(describe(&err)))?;
-    pair_checkpoints(names, values).map_err(corrupt)
-}
-
-/// Reads the columns of [`SCOPE_SALT_SELECT`]; values of the wrong type and a salt of the wrong
-/// length are a corrupt store.
-fn scope_salt_from_row(row: &Row) -> Result<ScopeSalt, StoreError> {
-    let corrupt = |detail: String| StoreError::Corrupt(format!("the scope salt: {detail}"));
-    let salt: Vec<u8> = row.try_get(0).map_err(|err| corrupt(describe(&err)))?;
-    let created_at: i64 = row.try_get(1).map_err(|err| corrupt(describe(&err)))?;
-    let older_records_until: Option<i64> = row.try_get(2).map_err(|err| corrupt(describe(&err)))?;
-    let salt = <[u8; 32]>::try_from(salt.as_slice())
-        .map_err(|_| corrupt(format!("{} bytes where 32 were expected", salt.len())))?;
-    Ok(ScopeSalt {
-        salt,
-        created_at: UnixMillis::from_i64(created_at),
-        older_records_until: older_records_until.map(UnixMillis::from_i64),
-    })
-}
-
-/// Pairs each name with the value at its position.
-fn pair_checkpoints(names: Vec<String>, values: Vec<Vec<u8>>) -> Result<Vec<Checkpoint>, String> {
-    if names.len() != values.len() {
-        return Err(format!(
-            "{} checkpoint names but {} checkpoint values",
-            names.len(),
-            values.len()
-        ));
-    }
-    Ok(names
-        .into_iter()
-        .zip(values)
-        .map(|(name, value)| Checkpoint {
-            name,
-            value: value.into(),
-        })
-        .collect())
 }
 
 #[async_trait]
@@ -503,7 +226,7 @@ impl Store for PostgresStore {
         for _ in 0..BEGIN_ATTEMPTS {
             // A new key and a replay, the common cases, are this one statement. No transaction
             // around it: it is atomic by itself, and a replay changes nothing but a count.
-            let claim = client.prepare_cached(CLAIM).await.map_err(db)?;
+            let claim = client.prepare_cached(sql::CLAIM).await.map_err(db)?;
             let row = client
                 .query_one(
                     &claim,
@@ -547,7 +270,7 @@ impl Store for PostgresStore {
             // committed is enough, as every statement sees what was committed before it, and
             // the lock keeps the row still.
             let tx = client.transaction().await.map_err(db)?;
-            let select = tx.prepare_cached(SELECT_FOR_UPDATE).await.map_err(db)?;
+            let select = tx.prepare_cached(sql::SELECT_FOR_UPDATE).await.map_err(db)?;
             let Some(row) = tx.query_opt(&select, &[&scope, &key]).await.map_err(db)? else {
                 // Deleted between the two statements: try again from the insert.
                 tx.rollback().await.map_err(db)?;
@@ -556,7 +279,7 @@ impl Store for PostgresStore {
             let row = StoredRow::from_row(&row, id)?;
             let action = row.stored.on_begin(row.digest.as_slice() == digest, now);
             let begun = if action == Existing::Replace {
-                let replace = tx.prepare_cached(REPLACE).await.map_err(db)?;
+                let replace = tx.prepare_cached(sql::REPLACE).await.map_err(db)?;
                 tx.query(
                     &replace,
                     &[
@@ -577,7 +300,7 @@ impl Store for PostgresStore {
                 Begin::Acquired { recovered: false }
             } else {
                 if action == Existing::TakeOver {
-                    let take_over = tx.prepare_cached(TAKE_OVER).await.map_err(db)?;
+                    let take_over = tx.prepare_cached(sql::TAKE_OVER).await.map_err(db)?;
                     tx.query(
                         &take_over,
                         &[&scope, &key, &token, &lease_until, &purge_at, &notice, &expires_at],
@@ -609,7 +332,7 @@ impl Store for PostgresStore {
     async fn complete(&self, id: &RecordId, token: FencingToken, completion: Completion) -> Result<(), StoreError> {
         let db = self.db("complete");
         let client = self.client("complete").await?;
-        let stmt = client.prepare_cached(COMPLETE).await.map_err(db)?;
+        let stmt = client.prepare_cached(sql::COMPLETE).await.map_err(db)?;
         let response: &[u8] = &completion.response;
         let rows = client
             .query(
@@ -636,11 +359,11 @@ impl Store for PostgresStore {
         let (scope, key, token, notice) = (id.scope.as_str(), id.key.as_str(), &token.as_bytes()[..], payload(id));
         let rows = match release {
             Release::Forget => {
-                let stmt = client.prepare_cached(FORGET).await.map_err(db)?;
+                let stmt = client.prepare_cached(sql::FORGET).await.map_err(db)?;
                 client.query(&stmt, &[&scope, &key, &token, &notice]).await
             }
             Release::Unknown { expires_at, purge_at } => {
-                let stmt = client.prepare_cached(RELEASE_UNKNOWN).await.map_err(db)?;
+                let stmt = client.prepare_cached(sql::RELEASE_UNKNOWN).await.map_err(db)?;
                 let (expires_at, purge_at) = (expires_at.as_i64(), purge_at.as_i64());
                 client
                     .query(&stmt, &[&scope, &key, &token, &purge_at, &notice, &expires_at])
@@ -654,7 +377,7 @@ impl Store for PostgresStore {
     async fn renew(&self, id: &RecordId, token: FencingToken, lease_until: UnixMillis) -> Result<(), StoreError> {
         let db = self.db("renew");
         let client = self.client("renew").await?;
-        let stmt = client.prepare_cached(RENEW).await.map_err(db)?;
+        let stmt = client.prepare_cached(sql::RENEW).await.map_err(db)?;
         let changed = client
             .execute(
                 &stmt,
@@ -675,7 +398,7 @@ impl Store for PostgresStore {
     async fn checkpoint(&self, id: &RecordId, token: FencingToken, checkpoint: Checkpoint) -> Result<(), StoreError> {
         let db = self.db("checkpoint");
         let client = self.client("checkpoint").await?;
-        let stmt = client.prepare_cached(CHECKPOINT).await.map_err(db)?;
+        let stmt = client.prepare_cached(sql::CHECKPOINT).await.map_err(db)?;
         let value: &[u8] = &checkpoint.value;
         let changed = client
             .execute(
@@ -696,7 +419,7 @@ impl Store for PostgresStore {
     async fn checkpoints(&self, id: &RecordId) -> Result<Vec<Checkpoint>, StoreError> {
         let db = self.db("checkpoints");
         let client = self.client("checkpoints").await?;
-        let stmt = client.prepare_cached(CHECKPOINTS).await.map_err(db)?;
+        let stmt = client.prepare_cached(sql::CHECKPOINTS).await.map_err(db)?;
         let row = client
             .query_opt(&stmt, &[&id.scope.as_str(), &id.key.as_str()])
             .await
@@ -710,7 +433,7 @@ impl Store for PostgresStore {
     async fn scope_salt(&self, candidate: ScopeSalt) -> Result<ScopeSalt, StoreError> {
         let db = self.db("scope_salt");
         let client = self.client("scope_salt").await?;
-        let insert = client.prepare_cached(SCOPE_SALT_INSERT).await.map_err(db)?;
+        let insert = client.prepare_cached(sql::SCOPE_SALT_INSERT).await.map_err(db)?;
         let made = client
             .query_opt(&insert, &[&&candidate.salt[..], &candidate.created_at.as_i64()])
             .await
@@ -718,7 +441,7 @@ impl Store for PostgresStore {
         if let Some(row) = made {
             return scope_salt_from_row(&row);
         }
-        let select = client.prepare_cached(SCOPE_SALT_SELECT).await.map_err(db)?;
+        let select = client.prepare_cached(sql::SCOPE_SALT_SELECT).await.map_err(db)?;
         match client.query_opt(&select, &[]).await.map_err(db)? {
             Some(row) => scope_salt_from_row(&row),
             // Nothing deletes the row: only someone emptying the table by hand in between.
@@ -734,7 +457,7 @@ impl Store for PostgresStore {
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         let db = self.db("get");
         let client = self.client("get").await?;
-        let stmt = client.prepare_cached(SELECT).await.map_err(db)?;
+        let stmt = client.prepare_cached(sql::SELECT).await.map_err(db)?;
         let row = client
             .query_opt(&stmt, &[&id.scope.as_str(), &id.key.as_str()])
             .await
@@ -750,7 +473,7 @@ impl Store for PostgresStore {
     async fn delete(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         let db = self.db("delete");
         let client = self.client("delete").await?;
-        let stmt = client.prepare_cached(DELETE).await.map_err(db)?;
+        let stmt = client.prepare_cached(sql::DELETE).await.map_err(db)?;
         let row = client
             .query_opt(&stmt, &[&id.scope.as_str(), &id.key.as_str(), &payload(id)])
             .await
@@ -779,7 +502,7 @@ impl Store for PostgresStore {
         if subscription.is_some() {
             let db = self.db("wait");
             let client = self.client("wait").await?;
-            let stmt = client.prepare_cached(WAIT_ON).await.map_err(db)?;
+            let stmt = client.prepare_cached(sql::WAIT_ON).await.map_err(db)?;
             let marked = client
                 .execute(&stmt, &[&id.scope.as_str(), &id.key.as_str(), &&token.as_bytes()[..]])
                 .await
@@ -799,9 +522,9 @@ impl Store for PostgresStore {
         let now = now.as_i64();
         let mut client = self.client("purge").await?;
         let tx = client.transaction().await.map_err(db)?;
-        let lock = tx.prepare_cached(PURGE_LOCK).await.map_err(db)?;
+        let lock = tx.prepare_cached(sql::PURGE_LOCK).await.map_err(db)?;
         let locked: bool = tx
-            .query_one(&lock, &[&PURGE_LOCK_CLASS])
+            .query_one(&lock, &[&sql::PURGE_LOCK_CLASS])
             .await
             .map_err(db)?
             .try_get(0)
@@ -811,9 +534,9 @@ impl Store for PostgresStore {
             tx.rollback().await.map_err(db)?;
             return Ok(Purged::default());
         }
-        let delete = tx.prepare_cached(PURGE_DELETE).await.map_err(db)?;
+        let delete = tx.prepare_cached(sql::PURGE_DELETE).await.map_err(db)?;
         let deleted = tx.execute(&delete, &[&now, &limit]).await.map_err(db)?;
-        let tombstone = tx.prepare_cached(PURGE_TOMBSTONE).await.map_err(db)?;
+        let tombstone = tx.prepare_cached(sql::PURGE_TOMBSTONE).await.map_err(db)?;
         let tombstoned = tx.execute(&tombstone, &[&now, &limit]).await.map_err(db)?;
         tx.commit().await.map_err(db)?;
         Ok(Purged { deleted, tombstoned })
@@ -822,17 +545,14 @@ impl Store for PostgresStore {
     async fn ping(&self) -> Result<(), StoreError> {
         let db = self.db("ping");
         let client = self.client("ping").await?;
-        let stmt = client.prepare_cached("SELECT 1").await.map_err(db)?;
+        let stmt = client.prepare_cached(sql::PING).await.map_err(db)?;
         client.query_one(&stmt, &[]).await.map(drop).map_err(db)
     }
 
     async fn clock(&self) -> Result<UnixMillis, StoreError> {
         let db = self.db("clock");
         let client = self.client("clock").await?;
-        let stmt = client
-            .prepare_cached("SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint")
-            .await
-            .map_err(db)?;
+        let stmt = client.prepare_cached(sql::CLOCK).await.map_err(db)?;
         let millis: i64 = client.query_one(&stmt, &[]).await.map_err(db)?.get(0);
         u64::try_from(millis)
             .map(UnixMillis)
@@ -840,17 +560,22 @@ impl Store for PostgresStore {
     }
 }
 
+fn abandoned_purge_at(lease_until: UnixMillis) -> i64 {
+    idem_core::stored::abandoned_purge_at(lease_until).as_i64()
+}
+
+/// A compare-and-set that changed nothing lost its claim.
+fn fenced(changed: usize) -> Result<(), StoreError> {
+    if changed == 0 { Err(StoreError::Fenced) } else { Ok(()) }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::listener::CHANNEL;
-
-    #[test]
-    fn every_notification_goes_to_the_listened_channel() {
-        for sql in [REPLACE, TAKE_OVER, COMPLETE, FORGET, RELEASE_UNKNOWN, DELETE] {
-            assert!(sql.contains(&format!("pg_notify('{CHANNEL}', $")), "{sql}");
-        }
-    }
+    use crate::error::describe;
+    use crate::sql::{
+        CHECKPOINT, CHECKPOINTS, PURGE_DELETE, PURGE_TOMBSTONE, SCOPE_SALT_INSERT, SELECT, SELECT_FOR_UPDATE,
+    };
 
     /// The plans of the lookups, of purging and of making the scope salt on a table of 20 000
     /// records, 100 of them due: indexes, never a scan of the whole table. Runs against the test
@@ -945,51 +670,5 @@ mod tests {
             .batch_execute(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
             .await
             .unwrap();
-    }
-
-    #[test]
-    fn ending_a_run_or_starting_a_new_one_empties_the_checkpoints() {
-        for sql in [REPLACE, COMPLETE] {
-            assert!(
-                sql.contains("checkpoint_names = '{}', checkpoint_values = '{}'"),
-                "{sql}"
-            );
-        }
-        for sql in [TAKE_OVER, RELEASE_UNKNOWN, RENEW] {
-            assert!(!sql.contains("checkpoint"), "{sql}");
-        }
-    }
-
-    #[test]
-    fn checkpoints_pair_names_and_values_by_position() {
-        let pairs = pair_checkpoints(
-            vec!["reserved".to_owned(), "charged".to_owned()],
-            vec![b"order 8".to_vec(), vec![0, 0xff]],
-        )
-        .unwrap();
-        assert_eq!(
-            pairs,
-            vec![
-                Checkpoint {
-                    name: "reserved".to_owned(),
-                    value: bytes::Bytes::from_static(b"order 8"),
-                },
-                Checkpoint {
-                    name: "charged".to_owned(),
-                    value: bytes::Bytes::from_static(&[0, 0xff]),
-                },
-            ]
-        );
-        assert!(pair_checkpoints(Vec::new(), Vec::new()).unwrap().is_empty());
-        let err = pair_checkpoints(vec!["charged".to_owned()], Vec::new()).unwrap_err();
-        assert_eq!(err, "1 checkpoint names but 0 checkpoint values");
-    }
-
-    #[test]
-    fn the_selects_read_the_columns_in_order() {
-        const COLUMNS: &str = "state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays";
-        assert!(SELECT.contains(COLUMNS));
-        assert!(SELECT_FOR_UPDATE.contains(COLUMNS));
-        assert_eq!(DELETE.matches(&format!("SELECT {COLUMNS},")).count(), 2, "{DELETE}");
     }
 }

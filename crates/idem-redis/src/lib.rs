@@ -29,7 +29,9 @@
 //! noeviction`, or a restart or eviction loses records, and a lost record is a lost protection.
 #![forbid(unsafe_code)]
 
+mod call;
 mod conn;
+mod decode;
 mod error;
 mod keys;
 mod notify;

@@ -66,7 +66,7 @@ local function server_now()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
--- The record's fields in the order of `RECORD_FIELDS` (store.rs), then `recovered`, false where
+-- The record's fields in the order of `RECORD_FIELDS` (decode.rs), then `recovered`, false where
 -- the hash has none (every one if there is no record): one HMGET, its reply used as it is.
 local function read_record()
   return redis.call('HMGET', rec, 'state', 'fingerprint', 'token', 'lease_until', 'created_at', 'completed_at',
@@ -108,7 +108,8 @@ end
 /// `begin`. ARGV: nonce, now, lease_until, token, digest, fingerprint, purge_at of the claim,
 /// channel, publish command, expires_at of the claim. A new claim deletes whatever checkpoints an
 /// earlier record left; a takeover keeps them, with the record's new expiry. The claim rule is
-/// `StoredRecord::on_begin`'s (idem-core), kept in step with it: a record past its purge_at is
+/// `StoredRecord::on_begin`'s (idem-core), kept in step with it by `tests/claim_rules.rs`, which runs
+/// the rule's table (`claim_rule_cases`) against this script: a record past its purge_at is
 /// replaced unless it is a claim whose lease still runs; an abandoned claim or unknown outcome of
 /// the same request is taken over only before its expires_at (always, for one written without).
 ///

@@ -1,4 +1,7 @@
 //! [`RedisStore`]: the `Store` primitives as Lua scripts, one round trip each.
+//!
+//! The scripts are in `scripts.rs`, their replies are read in `decode.rs`, and `call.rs` checks
+//! that a reply answers the call it reached: this module is the operations.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -6,9 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idem_core::stored::{
-    Existing, ReplayCounts, StoredRecord, abandoned_purge_at, claim_purge_at, hex, wait_for_change,
-};
+use idem_core::stored::{ReplayCounts, abandoned_purge_at, claim_purge_at, wait_for_change};
 use idem_core::{
     Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, Record, RecordId, Release, ScopeSalt, Store,
     StoreError, UnixMillis, WaitOutcome,
@@ -16,11 +17,13 @@ use idem_core::{
 use redis::{Pipeline, Script, Value};
 use tokio::sync::Notify;
 
+use crate::call::{Call, run_script};
 use crate::conn::{Commands, Conn, Node};
+use crate::decode::{StoredHash, parse_begin, parse_checkpoints, parse_millis, parse_scan, parse_scope_salt};
 use crate::keys::{RecordKeys, record_pattern, scope_salt_key};
 use crate::notify::Subscriptions;
 use crate::scripts::{
-    BEGIN_SCRIPT, CHECKPOINT_SCRIPT, CHECKPOINTS_SCRIPT, COMPLETE_SCRIPT, CORRUPT, COUNT_REPLAYS_SCRIPT, DELETE_SCRIPT,
+    BEGIN_SCRIPT, CHECKPOINT_SCRIPT, CHECKPOINTS_SCRIPT, COMPLETE_SCRIPT, COUNT_REPLAYS_SCRIPT, DELETE_SCRIPT,
     GET_SCRIPT, HOLDS_SCRIPT, RELEASE_SCRIPT, RENEW_SCRIPT, SCOPE_SALT_SCRIPT,
 };
 use crate::{RedisError, url};
@@ -70,91 +73,9 @@ impl fmt::Debug for RedisStore {
     }
 }
 
-/// A reply that answers another call than the one it reached: the connection's replies are
-/// shifted (a reply too many, or one missing, before it).
-#[derive(Debug, thiserror::Error)]
-#[error(
-    "Redis answered {what} on {record} (call {nonce}) with the reply of another command: {got}; \
-     the connection is out of step and is being replaced"
-)]
-struct MisroutedReply {
-    what: &'static str,
-    record: String,
-    nonce: String,
-    /// The start of what came instead.
-    got: String,
-}
-
-/// One call to Redis: what it is, the record it is about and its nonce.
-struct Call<'a> {
-    what: &'static str,
-    record: &'a str,
-    nonce: String,
-}
-
-impl<'a> Call<'a> {
-    fn new(what: &'static str, record: &'a str) -> Self {
-        Self {
-            what,
-            record,
-            nonce: hex(FencingToken::random().as_bytes()),
-        }
-    }
-
-    fn misrouted(&self, got: &dyn fmt::Debug) -> StoreError {
-        let mut got = format!("{got:?}");
-        if got.len() > 200 {
-            let mut end = 200;
-            while !got.is_char_boundary(end) {
-                end -= 1;
-            }
-            got.truncate(end);
-            got.push('…');
-        }
-        StoreError::unavailable(MisroutedReply {
-            what: self.what,
-            record: self.record.to_owned(),
-            nonce: self.nonce.clone(),
-            got,
-        })
-    }
-
-    /// The payload of a script's reply, after the record and nonce it names, if they are this
-    /// call's; the whole reply otherwise.
-    fn open(&self, reply: Value) -> Result<std::vec::IntoIter<Value>, Value> {
-        let Value::Array(items) = reply else {
-            return Err(reply);
-        };
-        if !(names(items.first(), self.record) && names(items.get(1), &self.nonce)) {
-            return Err(Value::Array(items));
-        }
-        let mut items = items.into_iter();
-        items.nth(1);
-        Ok(items)
-    }
-
-    /// A Redis error: `Ok` with the store's error for this call (the scripts' complaint about a
-    /// record they cannot read, or the store being unavailable), `Err` if it is a complaint about
-    /// another record or call, which came here out of step.
-    fn error(&self, err: redis::RedisError) -> Result<StoreError, StoreError> {
-        if err.code() != Some(CORRUPT) {
-            return Ok(StoreError::unavailable(err));
-        }
-        let about = err
-            .detail()
-            .and_then(|detail| detail.strip_prefix(self.nonce.as_str()))
-            .and_then(|rest| rest.strip_prefix(' '))
-            .filter(|about| {
-                about
-                    .strip_prefix(self.record)
-                    .is_some_and(|rest| rest.starts_with(' '))
-            });
-        match about {
-            Some(about) => Ok(StoreError::Corrupt(about.to_owned())),
-            None => Err(self.misrouted(&err)),
-        }
-    }
-}
+/// How many keys one `SCAN` step looks at, at most (a hint to the server): the `purge_at` of the
+/// records it finds are then read in one pipeline.
+const SCAN_BATCH: usize = 1000;
 
 impl RedisStore {
     /// Connects to the store named by `url`:
@@ -346,338 +267,6 @@ impl RedisStore {
             0 => Err(StoreError::Fenced),
             other => Err(StoreError::Corrupt(format!("unexpected reply of {what}: {other}"))),
         }
-    }
-}
-
-/// Runs `script` (the operation `what`) on `keys` with a fresh nonce and `args`; returns the reply
-/// after the key and nonce it names. A reply that names another key or call, or is not a script's
-/// reply at all, is an error, and the connection it came on is replaced.
-async fn run_script(
-    commands: &Arc<Commands>,
-    what: &'static str,
-    script: &Script,
-    keys: &[&str],
-    args: impl FnOnce(&mut redis::ScriptInvocation<'_>),
-) -> Result<std::vec::IntoIter<Value>, StoreError> {
-    let call = Call::new(what, keys[0]);
-    let mut invocation = script.prepare_invoke();
-    for key in keys {
-        invocation.key(*key);
-    }
-    invocation.arg(&call.nonce);
-    args(&mut invocation);
-    let (mut conn, generation) = commands.get();
-    let out_of_step = |err| {
-        tracing::warn!(error = %err, "a Redis reply reached the wrong command");
-        commands.out_of_step(generation);
-        err
-    };
-    match invocation.invoke_async::<Value>(&mut conn).await {
-        Ok(reply) => call.open(reply).map_err(|other| out_of_step(call.misrouted(&other))),
-        Err(err) => Err(call.error(err).unwrap_or_else(out_of_step)),
-    }
-}
-
-/// Adds `counts` to their records, one script each, all sent at once (they pipeline on the
-/// multiplexed connection; on a cluster each goes to its record's node). A record that is gone
-/// takes no count. Returns the counts that could not be written, to try again.
-async fn write_replays(
-    commands: Arc<Commands>,
-    prefix: String,
-    counts: HashMap<RecordId, u64>,
-) -> HashMap<RecordId, u64> {
-    let writes = counts.into_iter().map(|(id, n)| {
-        let commands = &commands;
-        let keys = RecordKeys::new(&prefix, &id);
-        async move {
-            let written = run_script(
-                commands,
-                "count replays",
-                &COUNT_REPLAYS_SCRIPT,
-                &[keys.record.as_str()],
-                |script| {
-                    script.arg(n);
-                },
-            )
-            .await;
-            (id, n, written.err())
-        }
-    });
-    let mut unwritten = HashMap::new();
-    let mut error = None;
-    for (id, n, failed) in futures_util::future::join_all(writes).await {
-        match failed {
-            None => {}
-            // Not written: kept for the next round.
-            Some(err @ StoreError::Unavailable(_)) => {
-                error.get_or_insert(err);
-                unwritten.insert(id, n);
-            }
-            // A record the script cannot count on: no later round would do better.
-            Some(err) => tracing::warn!(error = %err, replays = n, "replays not counted"),
-        }
-    }
-    if let Some(err) = error {
-        tracing::warn!(error = %err, records = unwritten.len(), "could not write replay counts; trying again");
-    }
-    unwritten
-}
-
-/// How many keys one `SCAN` step looks at, at most (a hint to the server): the `purge_at` of the
-/// records it finds are then read in one pipeline.
-const SCAN_BATCH: usize = 1000;
-
-/// The next cursor and the keys of a `SCAN` step, from the replies of its pipeline.
-fn parse_scan(replies: Vec<Value>) -> Result<(Vec<u8>, Vec<Vec<u8>>), StoreError> {
-    let mut parts = match replies.into_iter().next() {
-        Some(Value::Array(parts)) if parts.len() == 2 => parts.into_iter(),
-        other => return Err(StoreError::Corrupt(format!("unexpected reply of SCAN: {other:?}"))),
-    };
-    let cursor = bulk(parts.next().unwrap_or_default(), "the cursor of SCAN")?;
-    let keys = array(parts.next().unwrap_or_default(), "the keys SCAN found")?
-        .into_iter()
-        .map(|key| bulk(key, "a key SCAN found"))
-        .collect::<Result<_, _>>()?;
-    Ok((cursor, keys))
-}
-
-/// A time stored as decimal Unix milliseconds.
-fn parse_millis(digits: &[u8]) -> Option<i64> {
-    std::str::from_utf8(digits).ok()?.parse().ok()
-}
-
-/// The scope salt from the reply of the `scope_salt` script (the fields of `key`); `None` if there
-/// is none.
-fn parse_scope_salt(mut items: std::vec::IntoIter<Value>, key: &str) -> Result<Option<ScopeSalt>, StoreError> {
-    let Some(mut fields) = parse_hash(items.next().unwrap_or_default())? else {
-        return Ok(None);
-    };
-    let corrupt = |what: String| StoreError::Corrupt(format!("the scope salt {key}: {what}"));
-    let salt = fields.remove(b"salt".as_slice()).unwrap_or_default();
-    let salt = <[u8; 32]>::try_from(salt.as_slice())
-        .map_err(|_| corrupt(format!("its salt is {} bytes long, not 32", salt.len())))?;
-    let mut time = |field: &str| {
-        fields
-            .remove(field.as_bytes())
-            .map(|digits| {
-                parse_millis(&digits)
-                    .map(UnixMillis::from_i64)
-                    .ok_or_else(|| corrupt(format!("no valid {field}")))
-            })
-            .transpose()
-    };
-    let created_at = time("created_at")?.ok_or_else(|| corrupt("no created_at".to_owned()))?;
-    let older_records_until = time("older_records_until")?;
-    Ok(Some(ScopeSalt {
-        salt,
-        created_at,
-        older_records_until,
-    }))
-}
-
-/// Whether a reply's item is the bulk string `expected`.
-fn names(item: Option<&Value>, expected: &str) -> bool {
-    matches!(item, Some(Value::BulkString(bytes)) if bytes.as_slice() == expected.as_bytes())
-}
-
-fn millis_arg(at: UnixMillis) -> i64 {
-    at.as_i64()
-}
-
-/// The value of a Lua `false` or a missing key.
-fn is_nil(value: &Value) -> bool {
-    matches!(value, Value::Nil | Value::Boolean(false))
-}
-
-fn bulk(value: Value, what: &str) -> Result<Vec<u8>, StoreError> {
-    match value {
-        Value::BulkString(bytes) => Ok(bytes),
-        Value::SimpleString(text) => Ok(text.into_bytes()),
-        other => Err(StoreError::Corrupt(format!(
-            "expected {what}, Redis answered {other:?}"
-        ))),
-    }
-}
-
-fn array(value: Value, what: &str) -> Result<Vec<Value>, StoreError> {
-    match value {
-        Value::Array(items) => Ok(items),
-        other => Err(StoreError::Corrupt(format!(
-            "expected {what}, Redis answered {other:?}"
-        ))),
-    }
-}
-
-/// The fields of a record the scripts return, in this order (`FIELDS` in the scripts' prelude):
-/// one value each, nil where the hash has none. Values only, no names: a shorter reply to send and
-/// to parse on every replay.
-const RECORD_FIELDS: [&str; 10] = [
-    "state",
-    "fingerprint",
-    "token",
-    "lease_until",
-    "created_at",
-    "completed_at",
-    "expires_at",
-    "purge_at",
-    "replays",
-    "digest",
-];
-
-/// A record's fields as a script returned them (see [`RECORD_FIELDS`]), and its body.
-struct StoredHash {
-    fields: [Option<Vec<u8>>; RECORD_FIELDS.len()],
-    body: Option<Vec<u8>>,
-}
-
-impl StoredHash {
-    /// `None` for a missing record (nil).
-    fn parse(fields: Value, body: Value) -> Result<Option<Self>, StoreError> {
-        if is_nil(&fields) {
-            return Ok(None);
-        }
-        let values = array(fields, "the record's fields")?;
-        if values.len() != RECORD_FIELDS.len() {
-            return Err(StoreError::Corrupt(format!(
-                "the record came with {} fields, not {}",
-                values.len(),
-                RECORD_FIELDS.len()
-            )));
-        }
-        let mut fields: [Option<Vec<u8>>; RECORD_FIELDS.len()] = Default::default();
-        for ((slot, value), name) in fields.iter_mut().zip(values).zip(RECORD_FIELDS) {
-            if !is_nil(&value) {
-                *slot = Some(bulk(value, name)?);
-            }
-        }
-        let body = if is_nil(&body) {
-            None
-        } else {
-            Some(bulk(body, "the stored answer")?)
-        };
-        Ok(Some(Self { fields, body }))
-    }
-
-    /// The value of field `name`, one of [`RECORD_FIELDS`].
-    fn field(&self, name: &str) -> Option<&[u8]> {
-        let at = RECORD_FIELDS.iter().position(|field| *field == name)?;
-        self.fields[at].as_deref()
-    }
-
-    fn into_record(self, id: RecordId) -> Result<Record, StoreError> {
-        self.into_stored(&id)?.into_record(id)
-    }
-
-    /// The fields as a [`StoredRecord`], before they are checked.
-    fn into_stored(self, id: &RecordId) -> Result<StoredRecord, StoreError> {
-        let Self { fields, body } = self;
-        let corrupt = |what: &str| StoreError::Corrupt(format!("record {} {}: {what}", id.scope, id.key));
-        let [
-            state,
-            fingerprint,
-            token,
-            lease_until,
-            created_at,
-            completed_at,
-            expires_at,
-            purge_at,
-            replays,
-            _digest,
-        ] = fields;
-        let number = |value: Option<Vec<u8>>, field: &str| -> Result<Option<i64>, StoreError> {
-            value
-                .map(|bytes| parse_millis(&bytes).ok_or_else(|| corrupt(&format!("no valid {field}"))))
-                .transpose()
-        };
-        let state = state
-            .and_then(|bytes| String::from_utf8(bytes).ok())
-            .ok_or_else(|| corrupt("no state"))?;
-        Ok(StoredRecord {
-            state,
-            fingerprint: fingerprint.unwrap_or_default(),
-            token,
-            lease_until: number(lease_until, "lease_until")?,
-            response: body,
-            created_at: number(created_at, "created_at")?.ok_or_else(|| corrupt("no created_at"))?,
-            completed_at: number(completed_at, "completed_at")?,
-            expires_at: number(expires_at, "expires_at")?,
-            purge_at: number(purge_at, "purge_at")?,
-            replays: number(replays, "replays")?.ok_or_else(|| corrupt("no replays"))?,
-        })
-    }
-}
-
-/// A hash's fields by name.
-type HashFields = HashMap<Vec<u8>, Vec<u8>>;
-
-/// The fields of a hash as `HGETALL` returned them; `None` for a missing key (an empty hash).
-fn parse_hash(fields: Value) -> Result<Option<HashFields>, StoreError> {
-    let flat = array(fields, "the hash's fields")?;
-    if flat.is_empty() {
-        return Ok(None);
-    }
-    if flat.len() % 2 != 0 {
-        return Err(StoreError::Corrupt("the hash's fields are not pairs".to_owned()));
-    }
-    let mut fields = HashMap::with_capacity(flat.len() / 2);
-    let mut items = flat.into_iter();
-    while let (Some(name), Some(value)) = (items.next(), items.next()) {
-        fields.insert(bulk(name, "a field name")?, bulk(value, "a field value")?);
-    }
-    Ok(Some(fields))
-}
-
-/// The checkpoints as the `checkpoints` script returns them: names and values, alternating, in
-/// the order the names were first written.
-fn parse_checkpoints(mut items: std::vec::IntoIter<Value>, id: &RecordId) -> Result<Vec<Checkpoint>, StoreError> {
-    let flat = array(items.next().unwrap_or_default(), "the checkpoints")?;
-    if flat.len() % 2 != 0 {
-        return Err(StoreError::Corrupt(format!(
-            "record {} {}: the checkpoints are not name and value pairs",
-            id.scope, id.key
-        )));
-    }
-    let mut checkpoints = Vec::with_capacity(flat.len() / 2);
-    let mut items = flat.into_iter();
-    while let (Some(name), Some(value)) = (items.next(), items.next()) {
-        let name = String::from_utf8(bulk(name, "a checkpoint's name")?).map_err(|_| {
-            StoreError::Corrupt(format!(
-                "record {} {}: a checkpoint's name is not UTF-8",
-                id.scope, id.key
-            ))
-        })?;
-        let value = bulk(value, "a checkpoint's value")?.into();
-        checkpoints.push(Checkpoint { name, value });
-    }
-    Ok(checkpoints)
-}
-
-/// The reply of the `begin` script to `request`, and whether the request replays the record's
-/// answer (by the claim rule every store shares, [`StoredRecord::on_begin`]).
-fn parse_begin(mut items: std::vec::IntoIter<Value>, request: &BeginRequest<'_>) -> Result<(Begin, bool), StoreError> {
-    let outcome = bulk(items.next().unwrap_or_default(), "the outcome of begin")?;
-    match outcome.as_slice() {
-        b"acquired" => {
-            let recovered = match items.next() {
-                Some(Value::Int(flag)) => flag != 0,
-                other => return Err(StoreError::Corrupt(format!("unexpected recovered flag {other:?}"))),
-            };
-            Ok((Begin::Acquired { recovered }, false))
-        }
-        b"existing" => {
-            let fields = items.next().unwrap_or_default();
-            let body = items.next().unwrap_or_default();
-            let stored = StoredHash::parse(fields, body)?
-                .ok_or_else(|| StoreError::Corrupt("begin returned an empty record".to_owned()))?;
-            let same_request = stored.field("digest") == Some(&request.fingerprint.digest()[..]);
-            let stored = stored.into_stored(request.id)?;
-            let replay = stored.on_begin(same_request, request.now.as_i64()) == Existing::Replay;
-            Ok((Begin::Existing(stored.into_record(request.id.clone())?), replay))
-        }
-        other => Err(StoreError::Corrupt(format!(
-            "unexpected outcome of begin {:?}",
-            String::from_utf8_lossy(other)
-        ))),
     }
 }
 
@@ -908,50 +497,51 @@ impl Store for RedisStore {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use redis::PushKind;
-
-    use super::*;
-
-    fn reply(record: &str, nonce: &str, payload: Value) -> Value {
-        Value::Array(vec![
-            Value::BulkString(record.as_bytes().to_vec()),
-            Value::BulkString(nonce.as_bytes().to_vec()),
-            payload,
-        ])
-    }
-
-    #[test]
-    fn a_reply_is_taken_only_by_the_call_it_names() {
-        let call = Call::new("get", "p:{a}:rec");
-        let payload: Vec<Value> = call
-            .open(reply("p:{a}:rec", &call.nonce, Value::Int(1)))
-            .expect("its own reply")
-            .collect();
-        assert_eq!(payload, vec![Value::Int(1)]);
-
-        let other_call = Call::new("get", "p:{a}:rec");
-        assert_ne!(call.nonce, other_call.nonce, "every call has its own nonce");
-        for stray in [
-            reply("p:{b}:rec", &call.nonce, Value::Int(1)),
-            reply("p:{a}:rec", &other_call.nonce, Value::Int(1)),
-            Value::Okay,
-            Value::Array(vec![Value::Int(1)]),
-            Value::Push {
-                kind: PushKind::Subscribe,
-                data: vec![Value::BulkString(b"p:{a}:wake".to_vec()), Value::Int(2)],
-            },
-        ] {
-            assert!(call.open(stray.clone()).is_err(), "taken: {stray:?}");
+/// Adds `counts` to their records, one script each, all sent at once (they pipeline on the
+/// multiplexed connection; on a cluster each goes to its record's node). A record that is gone
+/// takes no count. Returns the counts that could not be written, to try again.
+async fn write_replays(
+    commands: Arc<Commands>,
+    prefix: String,
+    counts: HashMap<RecordId, u64>,
+) -> HashMap<RecordId, u64> {
+    let writes = counts.into_iter().map(|(id, n)| {
+        let commands = &commands;
+        let keys = RecordKeys::new(&prefix, &id);
+        async move {
+            let written = run_script(
+                commands,
+                "count replays",
+                &COUNT_REPLAYS_SCRIPT,
+                &[keys.record.as_str()],
+                |script| {
+                    script.arg(n);
+                },
+            )
+            .await;
+            (id, n, written.err())
         }
-
-        let err = call.misrouted(&Value::Okay);
-        assert!(matches!(err, StoreError::Unavailable(_)), "{err:?}");
-        let message = err.to_string();
-        assert!(
-            message.contains(&call.nonce) && message.contains("p:{a}:rec"),
-            "{message}"
-        );
+    });
+    let mut unwritten = HashMap::new();
+    let mut error = None;
+    for (id, n, failed) in futures_util::future::join_all(writes).await {
+        match failed {
+            None => {}
+            // Not written: kept for the next round.
+            Some(err @ StoreError::Unavailable(_)) => {
+                error.get_or_insert(err);
+                unwritten.insert(id, n);
+            }
+            // A record the script cannot count on: no later round would do better.
+            Some(err) => tracing::warn!(error = %err, replays = n, "replays not counted"),
+        }
     }
+    if let Some(err) = error {
+        tracing::warn!(error = %err, records = unwritten.len(), "could not write replay counts; trying again");
+    }
+    unwritten
+}
+
+fn millis_arg(at: UnixMillis) -> i64 {
+    at.as_i64()
 }

@@ -30,8 +30,11 @@
 #![forbid(unsafe_code)]
 
 mod checkpoints;
+mod conn;
+mod decode;
 mod error;
 mod schema;
+mod sql;
 mod store;
 mod url;
 mod waiters;

@@ -10,7 +10,7 @@ use std::path::Path;
 use rusqlite::{Connection, TransactionBehavior};
 
 use crate::SqliteError;
-use crate::store::retry_busy;
+use crate::conn::retry_busy;
 
 /// The newest schema version this crate writes.
 pub(crate) const VERSION: i64 = 3;

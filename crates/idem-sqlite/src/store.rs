@@ -1,28 +1,28 @@
 //! [`SqliteStore`]: the `Store` primitives as SQLite transactions. Every write is one
 //! `BEGIN IMMEDIATE` transaction, which takes the database's write lock before it reads, so
 //! concurrent claims, in this process or another one, are serialised by SQLite itself.
+//!
+//! The statements are in `sql.rs`, rows are read in `decode.rs`, and the connections (and the
+//! blocking threads they run on) are `conn.rs`'s: this module is the operations.
 
 use std::fmt;
-use std::fs::OpenOptions;
-use std::io;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idem_core::stored::{Existing, IN_FLIGHT, StoredRecord, claim_purge_at, wait_for_change};
+use idem_core::stored::{Existing, IN_FLIGHT, claim_purge_at, wait_for_change};
 use idem_core::{
     Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, Record, RecordId, Release, ScopeSalt, Store,
     StoreError, UnixMillis, WaitOutcome,
 };
-use rusqlite::{Connection, OptionalExtension, Row, Transaction, TransactionBehavior, params};
+use rusqlite::{Connection, OptionalExtension, Transaction, params};
 
+use crate::conn::{Connections, db_error};
+use crate::decode::{self, StoredRow};
+use crate::sql;
 use crate::waiters::{self, Subscription};
 use crate::{SqliteError, checkpoints, schema};
-
-/// How long a statement waits for another connection's write lock before it fails.
-const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Polling for changes made by other processes, which cannot wake this one.
 const POLL_FIRST: Duration = Duration::from_millis(5);
@@ -37,24 +37,12 @@ const POLL_MAX: Duration = Duration::from_millis(100);
 /// Cloning is cheap and shares the connections.
 #[derive(Clone)]
 pub struct SqliteStore {
-    inner: Arc<Inner>,
-}
-
-struct Inner {
-    /// The path as given, for messages.
-    path: PathBuf,
-    /// The database's identity for wake-ups: the canonical path.
-    database: Arc<Path>,
-    /// All writes go through this connection; SQLite allows one writer at a time anyway.
-    writer: Mutex<Connection>,
-    /// Reads (`get`, the checks of `wait`, `ping`) do not queue behind writes. `None` for an
-    /// in-memory database, which exists only in its one connection.
-    reader: Option<Mutex<Connection>>,
+    conns: Arc<Connections>,
 }
 
 impl fmt::Debug for SqliteStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SqliteStore").field("path", &self.inner.path).finish()
+        f.debug_struct("SqliteStore").field("path", &self.conns.path()).finish()
     }
 }
 
@@ -64,11 +52,8 @@ impl SqliteStore {
     /// The directory must exist. `":memory:"` opens a private in-memory database (for tests; it
     /// is gone when the store is dropped, and no other store can see it).
     pub async fn open(path: impl AsRef<Path>) -> Result<Self, SqliteError> {
-        let path = path.as_ref().to_owned();
-        let task_path = path.clone();
-        let store = tokio::task::spawn_blocking(move || Self::open_blocking(task_path))
-            .await
-            .map_err(|source| cancelled(&path, source))??;
+        let conns = Connections::open(path.as_ref().to_owned()).await?;
+        let store = Self { conns: Arc::new(conns) };
         store.migrate().await?;
         Ok(store)
     }
@@ -81,181 +66,230 @@ impl SqliteStore {
 
     /// Creates the schema if it is absent; does nothing if it is there. [`SqliteStore::open`] calls it.
     pub async fn migrate(&self) -> Result<(), SqliteError> {
-        let inner = Arc::clone(&self.inner);
-        tokio::task::spawn_blocking(move || schema::migrate(&mut lock(&inner.writer), &inner.path))
-            .await
-            .map_err(|source| cancelled(&self.inner.path, source))?
+        self.conns.setup(schema::migrate).await
     }
 
     /// The path of the database file, as given.
     pub fn path(&self) -> &Path {
-        &self.inner.path
-    }
-
-    fn open_blocking(path: PathBuf) -> Result<Self, SqliteError> {
-        let memory = path.as_os_str() == ":memory:";
-        let database: Arc<Path> = if memory {
-            // Never shared: a relative name no canonical path can equal.
-            static MEMORY: AtomicU64 = AtomicU64::new(0);
-            PathBuf::from(format!(":memory:{}", MEMORY.fetch_add(1, Ordering::Relaxed))).into()
-        } else {
-            if path.as_os_str().is_empty() {
-                let empty = io::Error::new(io::ErrorKind::InvalidInput, "empty path");
-                return Err(SqliteError::open(&path, empty));
-            }
-            // The file system's errors say what is wrong; SQLite's only say "unable to open
-            // database file".
-            OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create(true)
-                .truncate(false)
-                .open(&path)
-                .map_err(|err| SqliteError::open(&path, err))?;
-            std::fs::canonicalize(&path)
-                .map_err(|err| SqliteError::open(&path, err))?
-                .into()
-        };
-        let writer = connect(&path)?;
-        let journal: String =
-            retry_busy(|| writer.pragma_update_and_check(None, "journal_mode", "WAL", |row| row.get(0)))
-                .map_err(|err| SqliteError::setup(&path, err))?;
-        if !memory && !journal.eq_ignore_ascii_case("wal") {
-            tracing::warn!(path = %path.display(), %journal, "SQLite refused WAL mode: reads will wait for writes");
-        }
-        let reader = if memory {
-            None
-        } else {
-            Some(Mutex::new(connect(&path)?))
-        };
-        tracing::debug!(path = %path.display(), %journal, "SQLite store opened");
-        Ok(Self {
-            inner: Arc::new(Inner {
-                path,
-                database,
-                writer: Mutex::new(writer),
-                reader,
-            }),
-        })
-    }
-
-    /// Runs `op` in one immediate transaction on the writer connection, off the async runtime.
-    async fn write<T, F>(&self, op: F) -> Result<T, StoreError>
-    where
-        F: FnOnce(&Transaction<'_>) -> Result<T, StoreError> + Send + 'static,
-        T: Send + 'static,
-    {
-        let inner = Arc::clone(&self.inner);
-        blocking(move || {
-            let mut conn = lock(&inner.writer);
-            let tx = conn
-                .transaction_with_behavior(TransactionBehavior::Immediate)
-                .map_err(db_error)?;
-            // An error drops `tx`, which rolls back.
-            let value = op(&tx)?;
-            tx.commit().map_err(db_error)?;
-            Ok(value)
-        })
-        .await
-    }
-
-    /// Runs `op` on the reader connection, off the async runtime.
-    async fn read<T, F>(&self, op: F) -> Result<T, StoreError>
-    where
-        F: FnOnce(&Connection) -> Result<T, StoreError> + Send + 'static,
-        T: Send + 'static,
-    {
-        let inner = Arc::clone(&self.inner);
-        blocking(move || op(&lock(inner.reader.as_ref().unwrap_or(&inner.writer)))).await
+        self.conns.path()
     }
 
     /// Whether `token` is still the current claim on the record.
     async fn holds(&self, id: &RecordId, token: FencingToken) -> Result<bool, StoreError> {
         let id = id.clone();
-        self.read(move |conn| {
-            conn.prepare_cached(
-                "SELECT EXISTS (SELECT 1 FROM idem_records
-                 WHERE scope = ?1 AND key = ?2 AND state = 'in-flight' AND token = ?3)",
-            )
-            .and_then(|mut stmt| {
-                stmt.query_row(
-                    params![id.scope.as_str(), id.key.as_str(), &token.as_bytes()[..]],
-                    |row| row.get(0),
-                )
+        self.conns
+            .read(move |conn| {
+                conn.prepare_cached(sql::HOLDS)
+                    .and_then(|mut stmt| {
+                        stmt.query_row(
+                            params![id.scope.as_str(), id.key.as_str(), &token.as_bytes()[..]],
+                            |row| row.get(0),
+                        )
+                    })
+                    .map_err(db_error)
             })
-            .map_err(db_error)
+            .await
+    }
+
+    fn wake(&self, id: &RecordId) {
+        waiters::wake(self.conns.database(), id);
+    }
+}
+
+#[async_trait]
+impl Store for SqliteStore {
+    async fn begin(&self, request: BeginRequest<'_>) -> Result<Begin, StoreError> {
+        let id = request.id.clone();
+        let owned = OwnedBegin {
+            fingerprint: request.fingerprint.encode(),
+            digest: *request.fingerprint.digest(),
+            now: request.now,
+            lease_until: request.lease_until,
+            expires_at: request.expires_at,
+            purge_at: request.purge_at,
+            token: request.token,
+        };
+        let (begun, changed_hands) = self.conns.write(move |tx| begin_in(tx, id, owned)).await?;
+        if changed_hands {
+            self.wake(request.id);
+        }
+        Ok(begun)
+    }
+
+    async fn complete(&self, id: &RecordId, token: FencingToken, completion: Completion) -> Result<(), StoreError> {
+        let owned = id.clone();
+        self.conns
+            .write(move |tx| {
+                let changed = tx
+                    .prepare_cached(sql::COMPLETE)
+                    .and_then(|mut stmt| {
+                        stmt.execute(params![
+                            owned.scope.as_str(),
+                            owned.key.as_str(),
+                            &token.as_bytes()[..],
+                            &completion.response[..],
+                            completion.completed_at.as_i64(),
+                            completion.expires_at.as_i64(),
+                            completion.purge_at.as_i64()
+                        ])
+                    })
+                    .map_err(db_error)?;
+                fenced(changed)
+            })
+            .await?;
+        self.wake(id);
+        Ok(())
+    }
+
+    async fn release(&self, id: &RecordId, token: FencingToken, release: Release) -> Result<(), StoreError> {
+        let owned = id.clone();
+        self.conns
+            .write(move |tx| {
+                let (scope, key, token) = (owned.scope.as_str(), owned.key.as_str(), &token.as_bytes()[..]);
+                let changed = match release {
+                    Release::Forget => tx
+                        .prepare_cached(sql::FORGET)
+                        .and_then(|mut stmt| stmt.execute(params![scope, key, token])),
+                    Release::Unknown { expires_at, purge_at } => {
+                        tx.prepare_cached(sql::RELEASE_UNKNOWN).and_then(|mut stmt| {
+                            stmt.execute(params![scope, key, token, expires_at.as_i64(), purge_at.as_i64()])
+                        })
+                    }
+                }
+                .map_err(db_error)?;
+                fenced(changed)
+            })
+            .await?;
+        self.wake(id);
+        Ok(())
+    }
+
+    async fn renew(&self, id: &RecordId, token: FencingToken, lease_until: UnixMillis) -> Result<(), StoreError> {
+        let id = id.clone();
+        self.conns
+            .write(move |tx| {
+                let changed = tx
+                    .prepare_cached(sql::RENEW)
+                    .and_then(|mut stmt| {
+                        stmt.execute(params![
+                            id.scope.as_str(),
+                            id.key.as_str(),
+                            &token.as_bytes()[..],
+                            lease_until.as_i64(),
+                            abandoned_purge_at(lease_until)
+                        ])
+                    })
+                    .map_err(db_error)?;
+                fenced(changed)
+            })
+            .await
+    }
+
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+        let id = id.clone();
+        self.conns
+            .read(move |conn| find(conn, &id)?.map(|row| row.into_record(id)).transpose())
+            .await
+    }
+
+    async fn checkpoint(&self, id: &RecordId, token: FencingToken, checkpoint: Checkpoint) -> Result<(), StoreError> {
+        // Nobody waits on checkpoints: the claim does not change hands, so nobody is woken.
+        let id = id.clone();
+        self.conns
+            .write(move |tx| checkpoint_in(tx, &id, token, &checkpoint))
+            .await
+    }
+
+    async fn checkpoints(&self, id: &RecordId) -> Result<Vec<Checkpoint>, StoreError> {
+        let id = id.clone();
+        self.conns.read(move |conn| checkpoints_of(conn, &id)).await
+    }
+
+    async fn scope_salt(&self, candidate: ScopeSalt) -> Result<ScopeSalt, StoreError> {
+        // A write even when the salt exists, so that the check and the insert are one step; it is
+        // asked once per instance, not per request.
+        self.conns.write(move |tx| scope_salt_in(tx, &candidate)).await
+    }
+
+    async fn delete(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+        let owned = id.clone();
+        let deleted = self
+            .conns
+            .write(move |tx| {
+                let (scope, key) = (owned.scope.as_str(), owned.key.as_str());
+                // A row that cannot be read is deleted all the same (the inner error): only a
+                // failure of a statement itself rolls back.
+                let found = tx
+                    .prepare_cached(sql::SELECT_RECORD)
+                    .and_then(|mut stmt| {
+                        stmt.query_row(params![scope, key], |row| Ok(StoredRow::from_row(row)))
+                            .optional()
+                    })
+                    .map_err(db_error)?;
+                // The write lock is held since BEGIN IMMEDIATE: the row read is the row changed.
+                let in_flight = matches!(&found, Some(Ok(row)) if row.stored.state == IN_FLIGHT);
+                let statement = if in_flight { sql::DELETE_IN_FLIGHT } else { sql::DELETE };
+                tx.prepare_cached(statement)
+                    .and_then(|mut stmt| stmt.execute(params![scope, key]))
+                    .map_err(db_error)?;
+                Ok(found)
+            })
+            .await?;
+        let Some(row) = deleted else {
+            return Ok(None);
+        };
+        self.wake(id);
+        row.map_err(db_error)?.into_record(id.clone()).map(Some)
+    }
+
+    async fn wait(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        deadline: tokio::time::Instant,
+    ) -> Result<WaitOutcome, StoreError> {
+        let subscription = Subscription::new(self.conns.database(), id);
+        wait_for_change(Some(subscription.notify()), deadline, POLL_FIRST, POLL_MAX, || {
+            self.holds(id, token)
         })
         .await
     }
 
-    fn wake(&self, id: &RecordId) {
-        waiters::wake(&self.inner.database, id);
+    async fn purge(&self, now: UnixMillis, batch: usize) -> Result<Purged, StoreError> {
+        let limit = i64::try_from(batch).unwrap_or(i64::MAX);
+        self.conns
+            .write(move |tx| {
+                let now = now.as_i64();
+                let deleted = tx
+                    .prepare_cached(sql::PURGE_DELETE)
+                    .and_then(|mut stmt| stmt.execute(params![now, limit]))
+                    .map_err(db_error)?;
+                let tombstoned = tx
+                    .prepare_cached(sql::PURGE_TOMBSTONE)
+                    .and_then(|mut stmt| stmt.execute(params![now, limit]))
+                    .map_err(db_error)?;
+                Ok(Purged {
+                    deleted: deleted as u64,
+                    tombstoned: tombstoned as u64,
+                })
+            })
+            .await
     }
-}
 
-fn connect(path: &Path) -> Result<Connection, SqliteError> {
-    let setup = |err| SqliteError::setup(path, err);
-    let conn = Connection::open(path).map_err(setup)?;
-    conn.busy_timeout(BUSY_TIMEOUT).map_err(setup)?;
-    // Durable at every checkpoint rather than every commit: with WAL a crash of the machine (not of
-    // the process) can lose the last commits, never corrupt the file.
-    conn.pragma_update(None, "synchronous", "NORMAL").map_err(setup)?;
-    Ok(conn)
-}
-
-/// Retries `op` while it fails with `SQLITE_BUSY`, for up to [`BUSY_TIMEOUT`]. Only for setup:
-/// switching a new file to WAL fails at once, without calling the busy handler, while another
-/// connection opens the same file.
-pub(crate) fn retry_busy<T>(mut op: impl FnMut() -> rusqlite::Result<T>) -> rusqlite::Result<T> {
-    let give_up = std::time::Instant::now() + BUSY_TIMEOUT;
-    loop {
-        match op() {
-            Err(err)
-                if err.sqlite_error_code() == Some(rusqlite::ErrorCode::DatabaseBusy)
-                    && std::time::Instant::now() < give_up =>
-            {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            result => return result,
-        }
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.conns
+            .read(|conn| {
+                conn.query_row(sql::PING, [], |row| row.get::<_, i64>(0))
+                    .map(drop)
+                    .map_err(db_error)
+            })
+            .await
     }
-}
 
-fn lock(conn: &Mutex<Connection>) -> MutexGuard<'_, Connection> {
-    // A panic cannot leave a transaction open: dropping the `Transaction` rolls it back.
-    conn.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-fn cancelled(path: &Path, source: tokio::task::JoinError) -> SqliteError {
-    if source.is_panic() {
-        std::panic::resume_unwind(source.into_panic());
-    }
-    SqliteError::Cancelled {
-        path: path.to_owned(),
-        source,
-    }
-}
-
-async fn blocking<T, F>(op: F) -> Result<T, StoreError>
-where
-    F: FnOnce() -> Result<T, StoreError> + Send + 'static,
-    T: Send + 'static,
-{
-    match tokio::task::spawn_blocking(op).await {
-        Ok(result) => result,
-        Err(err) if err.is_panic() => std::panic::resume_unwind(err.into_panic()),
-        Err(err) => Err(StoreError::unavailable(err)),
-    }
-}
-
-/// SQLite's errors are the store being unavailable, except values of the wrong type or range:
-/// those mean the row itself is corrupt.
-fn db_error(err: rusqlite::Error) -> StoreError {
-    match err {
-        rusqlite::Error::InvalidColumnType(..)
-        | rusqlite::Error::FromSqlConversionFailure(..)
-        | rusqlite::Error::IntegralValueOutOfRange(..) => StoreError::Corrupt(err.to_string()),
-        err => StoreError::unavailable(err),
+    async fn clock(&self) -> Result<UnixMillis, StoreError> {
+        // The file is on a local file system (WAL needs shared memory), so every process using
+        // it shares this machine's clock.
+        Ok(UnixMillis::now())
     }
 }
 
@@ -268,63 +302,14 @@ fn abandoned_purge_at(lease_until: UnixMillis) -> i64 {
     idem_core::stored::abandoned_purge_at(lease_until).as_i64()
 }
 
-/// Renewing moves an in-flight record's `purge_at` to the new lease's end if that is later; a claim
-/// made before claims carried a `purge_at` of their own (no `expires_at`) keeps the old rule.
-const RENEW: &str = "UPDATE idem_records
-     SET lease_until = ?4,
-         purge_at = CASE WHEN expires_at IS NULL THEN ?5 ELSE max(purge_at, ?4) END
-     WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in-flight'";
-
-/// An operator's delete of a claim in flight: the holder is fenced (no token), the key is left
-/// unknown with the claim's retention, and the run's checkpoints go (see `Store::delete`).
-const DELETE_IN_FLIGHT: &str = "UPDATE idem_records
-     SET state = 'unknown', token = NULL, lease_until = NULL, expires_at = COALESCE(expires_at, purge_at),
-         checkpoints = NULL
-     WHERE scope = ?1 AND key = ?2 AND state = 'in-flight'";
-
-const COLUMNS: &str =
-    "state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays";
-
-/// A row as stored: the record's fields, and the digest the claim rules compare.
-struct StoredRow {
-    digest: Vec<u8>,
-    stored: StoredRecord,
-}
-
-impl StoredRow {
-    /// Reads the columns of [`COLUMNS`], in order.
-    fn from_row(row: &Row<'_>) -> rusqlite::Result<Self> {
-        Ok(Self {
-            digest: row.get(2)?,
-            stored: StoredRecord {
-                state: row.get(0)?,
-                fingerprint: row.get(1)?,
-                token: row.get(3)?,
-                lease_until: row.get(4)?,
-                response: row.get(5)?,
-                created_at: row.get(6)?,
-                completed_at: row.get(7)?,
-                expires_at: row.get(8)?,
-                purge_at: Some(row.get(9)?),
-                replays: row.get(10)?,
-            },
-        })
-    }
-
-    fn find(conn: &Connection, id: &RecordId) -> Result<Option<Self>, StoreError> {
-        conn.prepare_cached(&format!(
-            "SELECT {COLUMNS} FROM idem_records WHERE scope = ?1 AND key = ?2"
-        ))
+/// The record's row, if there is one.
+fn find(conn: &Connection, id: &RecordId) -> Result<Option<StoredRow>, StoreError> {
+    conn.prepare_cached(sql::SELECT_RECORD)
         .and_then(|mut stmt| {
-            stmt.query_row(params![id.scope.as_str(), id.key.as_str()], Self::from_row)
+            stmt.query_row(params![id.scope.as_str(), id.key.as_str()], StoredRow::from_row)
                 .optional()
         })
         .map_err(db_error)
-    }
-
-    fn into_record(self, id: RecordId) -> Result<Record, StoreError> {
-        self.stored.into_record(id)
-    }
 }
 
 /// `begin` inside its transaction; also says whether a record changed hands, which wakes waiters.
@@ -342,14 +327,7 @@ fn begin_in(tx: &Transaction<'_>, id: RecordId, request: OwnedBegin) -> Result<(
     let purge_at = claim_purge_at(purge_at, lease_until).as_i64();
     let expires_at = expires_at.as_i64();
     let inserted = tx
-        .prepare_cached(
-            "INSERT INTO idem_records
-                 (scope, key, state, fingerprint, digest, token, lease_until, created_at, expires_at, purge_at,
-                  replays)
-             VALUES (?1, ?2, 'in-flight', ?3, ?4, ?5, ?6, ?7, ?9, ?8, 0)
-             ON CONFLICT (scope, key) DO NOTHING
-             RETURNING 1",
-        )
+        .prepare_cached(sql::CLAIM)
         .and_then(|mut stmt| {
             stmt.query_row(
                 params![
@@ -372,57 +350,46 @@ fn begin_in(tx: &Transaction<'_>, id: RecordId, request: OwnedBegin) -> Result<(
         return Ok((Begin::Acquired { recovered: false }, false));
     }
     // The write lock is held since BEGIN IMMEDIATE: the conflicting row is committed and visible.
-    let row = StoredRow::find(tx, &id)?
+    let row = find(tx, &id)?
         .ok_or_else(|| StoreError::Corrupt(format!("record {scope} {key} conflicted on insert but cannot be read")))?;
     let now = now.as_i64();
     let action = row.stored.on_begin(row.digest.as_slice() == digest.as_slice(), now);
     if action == Existing::Replace {
-        tx.prepare_cached(
-            "UPDATE idem_records
-             SET state = 'in-flight', fingerprint = ?3, digest = ?4, token = ?5, lease_until = ?6,
-                 response = NULL, created_at = ?7, completed_at = NULL, expires_at = ?9,
-                 purge_at = ?8, replays = 0, checkpoints = NULL
-             WHERE scope = ?1 AND key = ?2",
-        )
-        .and_then(|mut stmt| {
-            stmt.execute(params![
-                scope,
-                key,
-                fingerprint,
-                &digest[..],
-                &token.as_bytes()[..],
-                lease_until.as_i64(),
-                now,
-                purge_at,
-                expires_at
-            ])
-        })
-        .map_err(db_error)?;
+        tx.prepare_cached(sql::REPLACE)
+            .and_then(|mut stmt| {
+                stmt.execute(params![
+                    scope,
+                    key,
+                    fingerprint,
+                    &digest[..],
+                    &token.as_bytes()[..],
+                    lease_until.as_i64(),
+                    now,
+                    purge_at,
+                    expires_at
+                ])
+            })
+            .map_err(db_error)?;
         return Ok((Begin::Acquired { recovered: false }, true));
     }
     if action == Existing::TakeOver {
-        // The checkpoints stay: the new run resumes from them. The new run has a ttl of its own.
-        tx.prepare_cached(
-            "UPDATE idem_records
-             SET state = 'in-flight', token = ?3, lease_until = ?4, purge_at = ?5, expires_at = ?6
-             WHERE scope = ?1 AND key = ?2",
-        )
-        .and_then(|mut stmt| {
-            stmt.execute(params![
-                scope,
-                key,
-                &token.as_bytes()[..],
-                lease_until.as_i64(),
-                purge_at,
-                expires_at
-            ])
-        })
-        .map_err(db_error)?;
+        tx.prepare_cached(sql::TAKE_OVER)
+            .and_then(|mut stmt| {
+                stmt.execute(params![
+                    scope,
+                    key,
+                    &token.as_bytes()[..],
+                    lease_until.as_i64(),
+                    purge_at,
+                    expires_at
+                ])
+            })
+            .map_err(db_error)?;
         return Ok((Begin::Acquired { recovered: true }, true));
     }
     let replayed = action == Existing::Replay;
     if replayed {
-        tx.prepare_cached("UPDATE idem_records SET replays = replays + 1 WHERE scope = ?1 AND key = ?2")
+        tx.prepare_cached(sql::COUNT_REPLAY)
             .and_then(|mut stmt| stmt.execute(params![scope, key]))
             .map_err(db_error)?;
     }
@@ -455,10 +422,7 @@ fn checkpoint_in(
 ) -> Result<(), StoreError> {
     let (scope, key, token) = (id.scope.as_str(), id.key.as_str(), &token.as_bytes()[..]);
     let held: Option<Option<Vec<u8>>> = tx
-        .prepare_cached(
-            "SELECT checkpoints FROM idem_records
-             WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in-flight'",
-        )
+        .prepare_cached(sql::CHECKPOINTS_OF_CLAIM)
         .and_then(|mut stmt| stmt.query_row(params![scope, key, token], |row| row.get(0)).optional())
         .map_err(db_error)?;
     let Some(list) = held else {
@@ -467,7 +431,7 @@ fn checkpoint_in(
     let list = checkpoints::with(list.as_deref(), checkpoint)?;
     // The write lock is held since BEGIN IMMEDIATE: the claim read above is still current.
     let changed = tx
-        .prepare_cached("UPDATE idem_records SET checkpoints = ?3 WHERE scope = ?1 AND key = ?2")
+        .prepare_cached(sql::SET_CHECKPOINTS)
         .and_then(|mut stmt| stmt.execute(params![scope, key, list]))
         .map_err(db_error)?;
     fenced(changed)
@@ -477,10 +441,7 @@ fn checkpoint_in(
 /// over; `complete` clears them, this only guards against a row written otherwise).
 fn checkpoints_of(conn: &Connection, id: &RecordId) -> Result<Vec<Checkpoint>, StoreError> {
     let list: Option<Option<Vec<u8>>> = conn
-        .prepare_cached(
-            "SELECT checkpoints FROM idem_records
-             WHERE scope = ?1 AND key = ?2 AND state <> 'completed'",
-        )
+        .prepare_cached(sql::CHECKPOINTS)
         .and_then(|mut stmt| {
             stmt.query_row(params![id.scope.as_str(), id.key.as_str()], |row| row.get(0))
                 .optional()
@@ -495,239 +456,14 @@ fn checkpoints_of(conn: &Connection, id: &RecordId) -> Result<Vec<Checkpoint>, S
 /// records measured for `older_records_until` are exactly those held when it was made (`max` is
 /// read off the `purge_at` index, not by a scan).
 fn scope_salt_in(tx: &Transaction<'_>, candidate: &ScopeSalt) -> Result<ScopeSalt, StoreError> {
-    tx.prepare_cached(
-        "INSERT INTO idem_scope_salt (id, salt, created_at, older_records_until)
-         VALUES (1, ?1, ?2, (SELECT max(purge_at) FROM idem_records))
-         ON CONFLICT (id) DO NOTHING",
-    )
-    .and_then(|mut stmt| stmt.execute(params![&candidate.salt[..], candidate.created_at.as_i64()]))
-    .map_err(db_error)?;
+    tx.prepare_cached(sql::SCOPE_SALT_INSERT)
+        .and_then(|mut stmt| stmt.execute(params![&candidate.salt[..], candidate.created_at.as_i64()]))
+        .map_err(db_error)?;
     let (salt, created_at, older_records_until): (Vec<u8>, i64, Option<i64>) = tx
-        .prepare_cached("SELECT salt, created_at, older_records_until FROM idem_scope_salt WHERE id = 1")
+        .prepare_cached(sql::SCOPE_SALT_SELECT)
         .and_then(|mut stmt| stmt.query_row([], |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?))))
         .map_err(db_error)?;
-    let salt = <[u8; 32]>::try_from(salt.as_slice())
-        .map_err(|_| StoreError::Corrupt(format!("the scope salt is {} bytes long, not 32", salt.len())))?;
-    Ok(ScopeSalt {
-        salt,
-        created_at: UnixMillis::from_i64(created_at),
-        older_records_until: older_records_until.map(UnixMillis::from_i64),
-    })
-}
-
-#[async_trait]
-impl Store for SqliteStore {
-    async fn begin(&self, request: BeginRequest<'_>) -> Result<Begin, StoreError> {
-        let id = request.id.clone();
-        let owned = OwnedBegin {
-            fingerprint: request.fingerprint.encode(),
-            digest: *request.fingerprint.digest(),
-            now: request.now,
-            lease_until: request.lease_until,
-            expires_at: request.expires_at,
-            purge_at: request.purge_at,
-            token: request.token,
-        };
-        let (begun, changed_hands) = self.write(move |tx| begin_in(tx, id, owned)).await?;
-        if changed_hands {
-            self.wake(request.id);
-        }
-        Ok(begun)
-    }
-
-    async fn complete(&self, id: &RecordId, token: FencingToken, completion: Completion) -> Result<(), StoreError> {
-        let owned = id.clone();
-        self.write(move |tx| {
-            let changed = tx
-                .prepare_cached(
-                    "UPDATE idem_records
-                     SET state = 'completed', token = NULL, lease_until = NULL, response = ?4,
-                         completed_at = ?5, expires_at = ?6, purge_at = ?7, checkpoints = NULL
-                     WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in-flight'",
-                )
-                .and_then(|mut stmt| {
-                    stmt.execute(params![
-                        owned.scope.as_str(),
-                        owned.key.as_str(),
-                        &token.as_bytes()[..],
-                        &completion.response[..],
-                        completion.completed_at.as_i64(),
-                        completion.expires_at.as_i64(),
-                        completion.purge_at.as_i64()
-                    ])
-                })
-                .map_err(db_error)?;
-            fenced(changed)
-        })
-        .await?;
-        self.wake(id);
-        Ok(())
-    }
-
-    async fn release(&self, id: &RecordId, token: FencingToken, release: Release) -> Result<(), StoreError> {
-        let owned = id.clone();
-        self.write(move |tx| {
-            let (scope, key, token) = (owned.scope.as_str(), owned.key.as_str(), &token.as_bytes()[..]);
-            let changed = match release {
-                Release::Forget => tx
-                    .prepare_cached(
-                        "DELETE FROM idem_records
-                         WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in-flight'",
-                    )
-                    .and_then(|mut stmt| stmt.execute(params![scope, key, token])),
-                // The fingerprint and the checkpoints stay: only the same request may take the
-                // record over, and it resumes where this run stopped.
-                Release::Unknown { expires_at, purge_at } => tx
-                    .prepare_cached(
-                        "UPDATE idem_records
-                         SET state = 'unknown', token = NULL, lease_until = NULL, expires_at = ?4, purge_at = ?5
-                         WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in-flight'",
-                    )
-                    .and_then(|mut stmt| {
-                        stmt.execute(params![scope, key, token, expires_at.as_i64(), purge_at.as_i64()])
-                    }),
-            }
-            .map_err(db_error)?;
-            fenced(changed)
-        })
-        .await?;
-        self.wake(id);
-        Ok(())
-    }
-
-    async fn renew(&self, id: &RecordId, token: FencingToken, lease_until: UnixMillis) -> Result<(), StoreError> {
-        let id = id.clone();
-        self.write(move |tx| {
-            let changed = tx
-                .prepare_cached(RENEW)
-                .and_then(|mut stmt| {
-                    stmt.execute(params![
-                        id.scope.as_str(),
-                        id.key.as_str(),
-                        &token.as_bytes()[..],
-                        lease_until.as_i64(),
-                        abandoned_purge_at(lease_until)
-                    ])
-                })
-                .map_err(db_error)?;
-            fenced(changed)
-        })
-        .await
-    }
-
-    async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
-        let id = id.clone();
-        self.read(move |conn| StoredRow::find(conn, &id)?.map(|row| row.into_record(id)).transpose())
-            .await
-    }
-
-    async fn checkpoint(&self, id: &RecordId, token: FencingToken, checkpoint: Checkpoint) -> Result<(), StoreError> {
-        // Nobody waits on checkpoints: the claim does not change hands, so nobody is woken.
-        let id = id.clone();
-        self.write(move |tx| checkpoint_in(tx, &id, token, &checkpoint)).await
-    }
-
-    async fn checkpoints(&self, id: &RecordId) -> Result<Vec<Checkpoint>, StoreError> {
-        let id = id.clone();
-        self.read(move |conn| checkpoints_of(conn, &id)).await
-    }
-
-    async fn scope_salt(&self, candidate: ScopeSalt) -> Result<ScopeSalt, StoreError> {
-        // A write even when the salt exists, so that the check and the insert are one step; it is
-        // asked once per instance, not per request.
-        self.write(move |tx| scope_salt_in(tx, &candidate)).await
-    }
-
-    async fn delete(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
-        let owned = id.clone();
-        let deleted = self
-            .write(move |tx| {
-                let (scope, key) = (owned.scope.as_str(), owned.key.as_str());
-                // A row that cannot be read is deleted all the same (the inner error): only a
-                // failure of a statement itself rolls back.
-                let found = tx
-                    .prepare_cached(&format!(
-                        "SELECT {COLUMNS} FROM idem_records WHERE scope = ?1 AND key = ?2"
-                    ))
-                    .and_then(|mut stmt| {
-                        stmt.query_row(params![scope, key], |row| Ok(StoredRow::from_row(row)))
-                            .optional()
-                    })
-                    .map_err(db_error)?;
-                // The write lock is held since BEGIN IMMEDIATE: the row read is the row changed.
-                let in_flight = matches!(&found, Some(Ok(row)) if row.stored.state == IN_FLIGHT);
-                let statement = if in_flight {
-                    DELETE_IN_FLIGHT
-                } else {
-                    "DELETE FROM idem_records WHERE scope = ?1 AND key = ?2"
-                };
-                tx.prepare_cached(statement)
-                    .and_then(|mut stmt| stmt.execute(params![scope, key]))
-                    .map_err(db_error)?;
-                Ok(found)
-            })
-            .await?;
-        let Some(row) = deleted else {
-            return Ok(None);
-        };
-        self.wake(id);
-        row.map_err(db_error)?.into_record(id.clone()).map(Some)
-    }
-
-    async fn wait(
-        &self,
-        id: &RecordId,
-        token: FencingToken,
-        deadline: tokio::time::Instant,
-    ) -> Result<WaitOutcome, StoreError> {
-        let subscription = Subscription::new(&self.inner.database, id);
-        wait_for_change(Some(subscription.notify()), deadline, POLL_FIRST, POLL_MAX, || {
-            self.holds(id, token)
-        })
-        .await
-    }
-
-    async fn purge(&self, now: UnixMillis, batch: usize) -> Result<Purged, StoreError> {
-        let limit = i64::try_from(batch).unwrap_or(i64::MAX);
-        self.write(move |tx| {
-            let now = now.as_i64();
-            // `DELETE ... LIMIT` is not compiled into the bundled SQLite: delete by rowid.
-            let deleted = tx
-                .prepare_cached(
-                    "DELETE FROM idem_records WHERE rowid IN
-                     (SELECT rowid FROM idem_records WHERE purge_at <= ?1 LIMIT ?2)",
-                )
-                .and_then(|mut stmt| stmt.execute(params![now, limit]))
-                .map_err(db_error)?;
-            let tombstoned = tx
-                .prepare_cached(
-                    "UPDATE idem_records SET response = NULL WHERE rowid IN
-                     (SELECT rowid FROM idem_records WHERE response IS NOT NULL AND expires_at <= ?1 LIMIT ?2)",
-                )
-                .and_then(|mut stmt| stmt.execute(params![now, limit]))
-                .map_err(db_error)?;
-            Ok(Purged {
-                deleted: deleted as u64,
-                tombstoned: tombstoned as u64,
-            })
-        })
-        .await
-    }
-
-    async fn ping(&self) -> Result<(), StoreError> {
-        self.read(|conn| {
-            conn.query_row("SELECT 1", [], |row| row.get::<_, i64>(0))
-                .map(drop)
-                .map_err(db_error)
-        })
-        .await
-    }
-
-    async fn clock(&self) -> Result<UnixMillis, StoreError> {
-        // The file is on a local file system (WAL needs shared memory), so every process using
-        // it shares this machine's clock.
-        Ok(UnixMillis::now())
-    }
+    decode::scope_salt(salt, created_at, older_records_until)
 }
 
 #[cfg(test)]
@@ -745,7 +481,7 @@ mod tests {
     #[tokio::test]
     async fn purging_uses_the_indexes() {
         let store = SqliteStore::open(":memory:").await.unwrap();
-        let conn = lock(&store.inner.writer);
+        let conn = store.conns.writer();
         let deleting = plan(&conn, "SELECT rowid FROM idem_records WHERE purge_at <= ?1 LIMIT ?2");
         assert!(
             deleting.contains("USING COVERING INDEX idem_records_purge_at"),
@@ -792,7 +528,7 @@ mod tests {
         };
         holder.begin(request).await.unwrap();
 
-        let subscription = Subscription::new(&watcher.inner.database, &id);
+        let subscription = Subscription::new(watcher.conns.database(), &id);
         let mut notified = std::pin::pin!(subscription.notify().notified());
         notified.as_mut().enable();
         // Taking over an expired lease changes the holder: waiters on the old token must look.
@@ -831,7 +567,9 @@ mod tests {
             scope: idem_core::Scope::shared(),
             key: idem_core::IdempotencyKey::new("corrupt").unwrap(),
         };
-        lock(&store.inner.writer)
+        store
+            .conns
+            .writer()
             .execute(
                 "INSERT INTO idem_records (scope, key, state, fingerprint, digest, created_at, purge_at)
                  VALUES (?1, ?2, 'completed', x'00', x'00', 0, 9999999999999)",
@@ -850,7 +588,9 @@ mod tests {
     #[tokio::test]
     async fn a_scope_salt_of_the_wrong_length_is_corrupt() {
         let store = SqliteStore::open(":memory:").await.unwrap();
-        lock(&store.inner.writer)
+        store
+            .conns
+            .writer()
             .execute(
                 "INSERT INTO idem_scope_salt (id, salt, created_at) VALUES (1, zeroblob(16), 0)",
                 [],
@@ -873,7 +613,7 @@ mod tests {
             store.wait(&id, FencingToken::random(), deadline)
         );
         assert_eq!((a.unwrap(), b.unwrap()), (WaitOutcome::Changed, WaitOutcome::Changed));
-        let key = (Arc::clone(&store.inner.database), id);
+        let key = (Arc::clone(store.conns.database()), id);
         assert!(!waiters::is_registered(&key));
     }
 }

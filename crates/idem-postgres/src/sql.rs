@@ -1,0 +1,236 @@
+//! The statements of the store's operations, as `store.rs` runs them. The schema they run on is
+//! `schema.rs`'s; every record statement takes the scope as `$1` and the key as `$2`.
+//! `bench/pgbench.sh` reads [`CLAIM`] out of this file, to time the store's own claim.
+
+/// A new key's claim, or else the record as it stands, in one statement: one round trip for a
+/// new key and for a replay. The record is read first, and the insert only runs when the read
+/// found nothing: a replay is a plain index read, without the insert's conflict check (measured
+/// in `bench/README.md`). The read is in the statement's snapshot, which misses a row committed
+/// after it began: then the insert conflicts with that row and does nothing, neither column set
+/// is there, and the claim is tried again.
+pub(crate) const CLAIM: &str = "
+WITH found AS (
+    SELECT state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at,
+        purge_at, replays
+    FROM idem_records WHERE scope = $1 AND key = $2
+), claimed AS (
+    INSERT INTO idem_records
+        (scope, key, state, fingerprint, digest, token, lease_until, created_at, purge_at, expires_at, replays)
+    SELECT $1, $2, 'in-flight', $3, $4, $5, $6, $7, $8, $9, 0
+    WHERE NOT EXISTS (SELECT 1 FROM found)
+    ON CONFLICT (scope, key) DO NOTHING
+    RETURNING 1
+)
+SELECT f.state, f.fingerprint, f.digest, f.token, f.lease_until, f.response, f.created_at, f.completed_at,
+    f.expires_at, f.purge_at, f.replays, EXISTS (SELECT 1 FROM claimed)
+FROM (SELECT 1) AS one
+LEFT JOIN found f ON true";
+
+pub(crate) const SELECT: &str = "
+SELECT state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays
+FROM idem_records WHERE scope = $1 AND key = $2";
+
+pub(crate) const SELECT_FOR_UPDATE: &str = "
+SELECT state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays
+FROM idem_records WHERE scope = $1 AND key = $2
+FOR UPDATE";
+
+/// A record past its `purge_at` is claimed anew, as if it were absent: nothing of it is kept,
+/// its checkpoints included.
+pub(crate) const REPLACE: &str = "
+WITH replaced AS (
+    UPDATE idem_records
+    SET state = 'in-flight', fingerprint = $3, digest = $4, token = $5, lease_until = $6,
+        response = NULL, created_at = $7, completed_at = NULL, expires_at = $10,
+        purge_at = $8, replays = 0, checkpoint_names = '{}', checkpoint_values = '{}'
+    WHERE scope = $1 AND key = $2
+    RETURNING waiters
+)
+SELECT (SELECT pg_notify('idem_records', $9) WHERE replaced.waiters > 0) FROM replaced";
+
+/// The checkpoints stay: the new run resumes from them. The new run has a ttl of its own.
+pub(crate) const TAKE_OVER: &str = "
+WITH taken AS (
+    UPDATE idem_records
+    SET state = 'in-flight', token = $3, lease_until = $4, purge_at = $5, expires_at = $7
+    WHERE scope = $1 AND key = $2
+    RETURNING waiters
+)
+SELECT (SELECT pg_notify('idem_records', $6) WHERE taken.waiters > 0) FROM taken";
+
+/// The run is over, and so are its checkpoints.
+pub(crate) const COMPLETE: &str = "
+WITH completed AS (
+    UPDATE idem_records
+    SET state = 'completed', token = NULL, lease_until = NULL, response = $4,
+        completed_at = $5, expires_at = $6, purge_at = $7,
+        checkpoint_names = '{}', checkpoint_values = '{}'
+    WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in-flight'
+    RETURNING waiters
+)
+SELECT (SELECT pg_notify('idem_records', $8) WHERE completed.waiters > 0) FROM completed";
+
+pub(crate) const FORGET: &str = "
+WITH forgotten AS (
+    DELETE FROM idem_records
+    WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in-flight'
+    RETURNING waiters
+)
+SELECT (SELECT pg_notify('idem_records', $4) WHERE forgotten.waiters > 0) FROM forgotten";
+
+/// The fingerprint stays: only the same request may take the record over. So do the
+/// checkpoints, for the run that takes it over.
+pub(crate) const RELEASE_UNKNOWN: &str = "
+WITH released AS (
+    UPDATE idem_records
+    SET state = 'unknown', token = NULL, lease_until = NULL, purge_at = $4, expires_at = $6
+    WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in-flight'
+    RETURNING waiters
+)
+SELECT (SELECT pg_notify('idem_records', $5) WHERE released.waiters > 0) FROM released";
+
+/// Returns the record as it was and, as `Store::delete` says, deletes it, or, for a claim in
+/// flight, fences it (no token) and leaves the key unknown with the claim's retention, its
+/// checkpoints dropped; waiters on it are woken to look again. The row is locked as it is read,
+/// so the change is made to the row returned. A claim too damaged to have a token or a lease is
+/// deleted, so that an operator can always clear it.
+pub(crate) const DELETE: &str = "
+WITH found AS (
+    SELECT state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays,
+        waiters, state = 'in-flight' AND token IS NOT NULL AND lease_until IS NOT NULL AS in_flight
+    FROM idem_records WHERE scope = $1 AND key = $2
+    FOR UPDATE
+), fenced AS (
+    UPDATE idem_records r
+    SET state = 'unknown', token = NULL, lease_until = NULL, expires_at = COALESCE(r.expires_at, r.purge_at),
+        checkpoint_names = '{}', checkpoint_values = '{}'
+    FROM found
+    WHERE r.scope = $1 AND r.key = $2 AND found.in_flight
+), deleted AS (
+    DELETE FROM idem_records r
+    USING found
+    WHERE r.scope = $1 AND r.key = $2 AND NOT found.in_flight
+)
+SELECT state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays,
+    (SELECT pg_notify('idem_records', $3) WHERE found.waiters > 0)
+FROM found";
+
+/// Renewing moves the `purge_at` of the claim to the new lease's end if that is later; a claim
+/// made before claims carried a `purge_at` of their own (no `expires_at`) keeps the old rule, $5.
+pub(crate) const RENEW: &str = "
+UPDATE idem_records
+SET lease_until = $4, purge_at = CASE WHEN expires_at IS NULL THEN $5 ELSE GREATEST(purge_at, $4) END
+WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in-flight'";
+
+/// Records a checkpoint under the claim, as a compare-and-set on the token. A name already written
+/// keeps its position and takes the new value; a new name goes after the others. Both arrays are
+/// assigned at the same position, computed (twice, alike) from the row as it was before the
+/// statement; assigning one past the end appends.
+pub(crate) const CHECKPOINT: &str = "
+UPDATE idem_records
+SET checkpoint_names[COALESCE(array_position(checkpoint_names, $4::text), cardinality(checkpoint_names) + 1)] = $4::text,
+    checkpoint_values[COALESCE(array_position(checkpoint_names, $4::text), cardinality(checkpoint_names) + 1)] = $5::bytea
+WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in-flight'";
+
+/// A completed record has none (completing empties them); the state is checked all the same.
+pub(crate) const CHECKPOINTS: &str = "
+SELECT checkpoint_names, checkpoint_values
+FROM idem_records WHERE scope = $1 AND key = $2 AND state IN ('in-flight', 'unknown')";
+
+/// Makes the scope salt from the candidate unless there is one; returns it only if made here.
+/// `max(purge_at)` reads the end of the `purge_at` index, as of the statement's snapshot: a
+/// record committed while it runs is not counted, like one written later by an instance not yet
+/// upgraded, and the protocol looks back one retention past this time for both.
+pub(crate) const SCOPE_SALT_INSERT: &str = "
+INSERT INTO idem_scope_salt (id, salt, created_at, older_records_until)
+SELECT 1, $1::bytea, $2::bigint, (SELECT max(purge_at) FROM idem_records)
+ON CONFLICT (id) DO NOTHING
+RETURNING salt, created_at, older_records_until";
+
+/// A statement of its own after [`SCOPE_SALT_INSERT`] found the row taken: under read committed it
+/// sees the row that a concurrent caller committed, which the insert's snapshot may not.
+pub(crate) const SCOPE_SALT_SELECT: &str =
+    "SELECT salt, created_at, older_records_until FROM idem_scope_salt WHERE id = 1";
+
+/// A waiter's mark on the claim it waits on, so that the change that ends the claim notifies
+/// (changes of records nobody waits on do not: a `NOTIFY` takes a lock that serialises every
+/// notifying commit in the database). Marks no row if the claim is no longer current.
+pub(crate) const WAIT_ON: &str = "
+UPDATE idem_records SET waiters = waiters + 1
+WHERE scope = $1 AND key = $2 AND state = 'in-flight' AND token = $3";
+
+pub(crate) const HOLDS: &str = "
+SELECT EXISTS (
+    SELECT 1 FROM idem_records
+    WHERE scope = $1 AND key = $2 AND state = 'in-flight' AND token = $3
+)";
+
+/// Keyed on the schema that holds the tables, so that stores in different schemas of one
+/// database do not keep each other from purging.
+pub(crate) const PURGE_LOCK: &str = "SELECT pg_try_advisory_xact_lock($1, hashtext(COALESCE(current_schema(), '')))";
+
+/// The key of the advisory lock that lets one purger at a time work on a schema (`"idem"`, and
+/// the hash of the schema's name as the second key).
+pub(crate) const PURGE_LOCK_CLASS: i32 = 0x6964_656d;
+
+/// Deletes by `ctid` (a TID scan) the rows that the sub-select found through the `purge_at` index
+/// and locked; rows locked by a running claim are skipped, not waited for. The outer statement
+/// repeats no condition: the rows are locked, so they still meet it, and a condition here would
+/// tempt the planner into scanning every due row through the index for each batch.
+pub(crate) const PURGE_DELETE: &str = "
+DELETE FROM idem_records
+WHERE ctid = ANY (ARRAY (
+    SELECT ctid FROM idem_records
+    WHERE purge_at <= $1
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+))";
+
+/// Drops expired answers, found through the partial `expires_at` index.
+pub(crate) const PURGE_TOMBSTONE: &str = "
+UPDATE idem_records SET response = NULL
+WHERE ctid = ANY (ARRAY (
+    SELECT ctid FROM idem_records
+    WHERE response IS NOT NULL AND expires_at <= $1
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+))";
+
+pub(crate) const PING: &str = "SELECT 1";
+
+/// The server's clock, in Unix milliseconds.
+pub(crate) const CLOCK: &str = "SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::listener::CHANNEL;
+
+    #[test]
+    fn every_notification_goes_to_the_listened_channel() {
+        for sql in [REPLACE, TAKE_OVER, COMPLETE, FORGET, RELEASE_UNKNOWN, DELETE] {
+            assert!(sql.contains(&format!("pg_notify('{CHANNEL}', $")), "{sql}");
+        }
+    }
+
+    #[test]
+    fn ending_a_run_or_starting_a_new_one_empties_the_checkpoints() {
+        for sql in [REPLACE, COMPLETE] {
+            assert!(
+                sql.contains("checkpoint_names = '{}', checkpoint_values = '{}'"),
+                "{sql}"
+            );
+        }
+        for sql in [TAKE_OVER, RELEASE_UNKNOWN, RENEW] {
+            assert!(!sql.contains("checkpoint"), "{sql}");
+        }
+    }
+
+    #[test]
+    fn the_selects_read_the_columns_in_order() {
+        const COLUMNS: &str = "state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays";
+        assert!(SELECT.contains(COLUMNS));
+        assert!(SELECT_FOR_UPDATE.contains(COLUMNS));
+        assert_eq!(DELETE.matches(&format!("SELECT {COLUMNS},")).count(), 2, "{DELETE}");
+    }
+}

@@ -1,0 +1,263 @@
+//! The replies of the scripts and commands, read into the stored forms idem-core checks: a record's
+//! fields into a [`StoredRecord`], the checkpoints, the scope salt, the outcome of `begin`, a `SCAN`
+//! step. Anything of the wrong shape is a corrupt record ([`StoreError::Corrupt`]), never a panic.
+
+use std::collections::HashMap;
+
+use idem_core::stored::{Existing, StoredRecord};
+use idem_core::{Begin, BeginRequest, Checkpoint, Record, RecordId, ScopeSalt, StoreError, UnixMillis};
+use redis::Value;
+
+/// The next cursor and the keys of a `SCAN` step, from the replies of its pipeline.
+pub(crate) fn parse_scan(replies: Vec<Value>) -> Result<(Vec<u8>, Vec<Vec<u8>>), StoreError> {
+    let mut parts = match replies.into_iter().next() {
+        Some(Value::Array(parts)) if parts.len() == 2 => parts.into_iter(),
+        other => return Err(StoreError::Corrupt(format!("unexpected reply of SCAN: {other:?}"))),
+    };
+    let cursor = bulk(parts.next().unwrap_or_default(), "the cursor of SCAN")?;
+    let keys = array(parts.next().unwrap_or_default(), "the keys SCAN found")?
+        .into_iter()
+        .map(|key| bulk(key, "a key SCAN found"))
+        .collect::<Result<_, _>>()?;
+    Ok((cursor, keys))
+}
+
+/// A time stored as decimal Unix milliseconds.
+pub(crate) fn parse_millis(digits: &[u8]) -> Option<i64> {
+    std::str::from_utf8(digits).ok()?.parse().ok()
+}
+
+/// The scope salt from the reply of the `scope_salt` script (the fields of `key`); `None` if there
+/// is none.
+pub(crate) fn parse_scope_salt(
+    mut items: std::vec::IntoIter<Value>,
+    key: &str,
+) -> Result<Option<ScopeSalt>, StoreError> {
+    let Some(mut fields) = parse_hash(items.next().unwrap_or_default())? else {
+        return Ok(None);
+    };
+    let corrupt = |what: String| StoreError::Corrupt(format!("the scope salt {key}: {what}"));
+    let salt = fields.remove(b"salt".as_slice()).unwrap_or_default();
+    let salt = <[u8; 32]>::try_from(salt.as_slice())
+        .map_err(|_| corrupt(format!("its salt is {} bytes long, not 32", salt.len())))?;
+    let mut time = |field: &str| {
+        fields
+            .remove(field.as_bytes())
+            .map(|digits| {
+                parse_millis(&digits)
+                    .map(UnixMillis::from_i64)
+                    .ok_or_else(|| corrupt(format!("no valid {field}")))
+            })
+            .transpose()
+    };
+    let created_at = time("created_at")?.ok_or_else(|| corrupt("no created_at".to_owned()))?;
+    let older_records_until = time("older_records_until")?;
+    Ok(Some(ScopeSalt {
+        salt,
+        created_at,
+        older_records_until,
+    }))
+}
+
+/// The value of a Lua `false` or a missing key.
+fn is_nil(value: &Value) -> bool {
+    matches!(value, Value::Nil | Value::Boolean(false))
+}
+
+fn bulk(value: Value, what: &str) -> Result<Vec<u8>, StoreError> {
+    match value {
+        Value::BulkString(bytes) => Ok(bytes),
+        Value::SimpleString(text) => Ok(text.into_bytes()),
+        other => Err(StoreError::Corrupt(format!(
+            "expected {what}, Redis answered {other:?}"
+        ))),
+    }
+}
+
+fn array(value: Value, what: &str) -> Result<Vec<Value>, StoreError> {
+    match value {
+        Value::Array(items) => Ok(items),
+        other => Err(StoreError::Corrupt(format!(
+            "expected {what}, Redis answered {other:?}"
+        ))),
+    }
+}
+
+/// The fields of a record the scripts return, in this order (`FIELDS` in the scripts' prelude):
+/// one value each, nil where the hash has none. Values only, no names: a shorter reply to send and
+/// to parse on every replay.
+const RECORD_FIELDS: [&str; 10] = [
+    "state",
+    "fingerprint",
+    "token",
+    "lease_until",
+    "created_at",
+    "completed_at",
+    "expires_at",
+    "purge_at",
+    "replays",
+    "digest",
+];
+
+/// A record's fields as a script returned them (see [`RECORD_FIELDS`]), and its body.
+pub(crate) struct StoredHash {
+    fields: [Option<Vec<u8>>; RECORD_FIELDS.len()],
+    body: Option<Vec<u8>>,
+}
+
+impl StoredHash {
+    /// `None` for a missing record (nil).
+    pub(crate) fn parse(fields: Value, body: Value) -> Result<Option<Self>, StoreError> {
+        if is_nil(&fields) {
+            return Ok(None);
+        }
+        let values = array(fields, "the record's fields")?;
+        if values.len() != RECORD_FIELDS.len() {
+            return Err(StoreError::Corrupt(format!(
+                "the record came with {} fields, not {}",
+                values.len(),
+                RECORD_FIELDS.len()
+            )));
+        }
+        let mut fields: [Option<Vec<u8>>; RECORD_FIELDS.len()] = Default::default();
+        for ((slot, value), name) in fields.iter_mut().zip(values).zip(RECORD_FIELDS) {
+            if !is_nil(&value) {
+                *slot = Some(bulk(value, name)?);
+            }
+        }
+        let body = if is_nil(&body) {
+            None
+        } else {
+            Some(bulk(body, "the stored answer")?)
+        };
+        Ok(Some(Self { fields, body }))
+    }
+
+    /// The value of field `name`, one of [`RECORD_FIELDS`].
+    fn field(&self, name: &str) -> Option<&[u8]> {
+        let at = RECORD_FIELDS.iter().position(|field| *field == name)?;
+        self.fields[at].as_deref()
+    }
+
+    pub(crate) fn into_record(self, id: RecordId) -> Result<Record, StoreError> {
+        self.into_stored(&id)?.into_record(id)
+    }
+
+    /// The fields as a [`StoredRecord`], before they are checked.
+    fn into_stored(self, id: &RecordId) -> Result<StoredRecord, StoreError> {
+        let Self { fields, body } = self;
+        let corrupt = |what: &str| StoreError::Corrupt(format!("record {} {}: {what}", id.scope, id.key));
+        let [
+            state,
+            fingerprint,
+            token,
+            lease_until,
+            created_at,
+            completed_at,
+            expires_at,
+            purge_at,
+            replays,
+            _digest,
+        ] = fields;
+        let number = |value: Option<Vec<u8>>, field: &str| -> Result<Option<i64>, StoreError> {
+            value
+                .map(|bytes| parse_millis(&bytes).ok_or_else(|| corrupt(&format!("no valid {field}"))))
+                .transpose()
+        };
+        let state = state
+            .and_then(|bytes| String::from_utf8(bytes).ok())
+            .ok_or_else(|| corrupt("no state"))?;
+        Ok(StoredRecord {
+            state,
+            fingerprint: fingerprint.unwrap_or_default(),
+            token,
+            lease_until: number(lease_until, "lease_until")?,
+            response: body,
+            created_at: number(created_at, "created_at")?.ok_or_else(|| corrupt("no created_at"))?,
+            completed_at: number(completed_at, "completed_at")?,
+            expires_at: number(expires_at, "expires_at")?,
+            purge_at: number(purge_at, "purge_at")?,
+            replays: number(replays, "replays")?.ok_or_else(|| corrupt("no replays"))?,
+        })
+    }
+}
+
+/// A hash's fields by name.
+type HashFields = HashMap<Vec<u8>, Vec<u8>>;
+
+/// The fields of a hash as `HGETALL` returned them; `None` for a missing key (an empty hash).
+fn parse_hash(fields: Value) -> Result<Option<HashFields>, StoreError> {
+    let flat = array(fields, "the hash's fields")?;
+    if flat.is_empty() {
+        return Ok(None);
+    }
+    if flat.len() % 2 != 0 {
+        return Err(StoreError::Corrupt("the hash's fields are not pairs".to_owned()));
+    }
+    let mut fields = HashMap::with_capacity(flat.len() / 2);
+    let mut items = flat.into_iter();
+    while let (Some(name), Some(value)) = (items.next(), items.next()) {
+        fields.insert(bulk(name, "a field name")?, bulk(value, "a field value")?);
+    }
+    Ok(Some(fields))
+}
+
+/// The checkpoints as the `checkpoints` script returns them: names and values, alternating, in
+/// the order the names were first written.
+pub(crate) fn parse_checkpoints(
+    mut items: std::vec::IntoIter<Value>,
+    id: &RecordId,
+) -> Result<Vec<Checkpoint>, StoreError> {
+    let flat = array(items.next().unwrap_or_default(), "the checkpoints")?;
+    if flat.len() % 2 != 0 {
+        return Err(StoreError::Corrupt(format!(
+            "record {} {}: the checkpoints are not name and value pairs",
+            id.scope, id.key
+        )));
+    }
+    let mut checkpoints = Vec::with_capacity(flat.len() / 2);
+    let mut items = flat.into_iter();
+    while let (Some(name), Some(value)) = (items.next(), items.next()) {
+        let name = String::from_utf8(bulk(name, "a checkpoint's name")?).map_err(|_| {
+            StoreError::Corrupt(format!(
+                "record {} {}: a checkpoint's name is not UTF-8",
+                id.scope, id.key
+            ))
+        })?;
+        let value = bulk(value, "a checkpoint's value")?.into();
+        checkpoints.push(Checkpoint { name, value });
+    }
+    Ok(checkpoints)
+}
+
+/// The reply of the `begin` script to `request`, and whether the request replays the record's
+/// answer (by the claim rule every store shares, [`StoredRecord::on_begin`]).
+pub(crate) fn parse_begin(
+    mut items: std::vec::IntoIter<Value>,
+    request: &BeginRequest<'_>,
+) -> Result<(Begin, bool), StoreError> {
+    let outcome = bulk(items.next().unwrap_or_default(), "the outcome of begin")?;
+    match outcome.as_slice() {
+        b"acquired" => {
+            let recovered = match items.next() {
+                Some(Value::Int(flag)) => flag != 0,
+                other => return Err(StoreError::Corrupt(format!("unexpected recovered flag {other:?}"))),
+            };
+            Ok((Begin::Acquired { recovered }, false))
+        }
+        b"existing" => {
+            let fields = items.next().unwrap_or_default();
+            let body = items.next().unwrap_or_default();
+            let stored = StoredHash::parse(fields, body)?
+                .ok_or_else(|| StoreError::Corrupt("begin returned an empty record".to_owned()))?;
+            let same_request = stored.field("digest") == Some(&request.fingerprint.digest()[..]);
+            let stored = stored.into_stored(request.id)?;
+            let replay = stored.on_begin(same_request, request.now.as_i64()) == Existing::Replay;
+            Ok((Begin::Existing(stored.into_record(request.id.clone())?), replay))
+        }
+        other => Err(StoreError::Corrupt(format!(
+            "unexpected outcome of begin {:?}",
+            String::from_utf8_lossy(other)
+        ))),
+    }
+}

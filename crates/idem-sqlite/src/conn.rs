@@ -1,0 +1,211 @@
+//! The connections of one store: opening the file (WAL, busy timeout, durability), the writer and
+//! the reader, retrying setup while another process holds the file, and running their blocking
+//! work off the async runtime. Knows nothing of records; the store and the schema build on it.
+
+use std::fs::OpenOptions;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use idem_core::StoreError;
+use rusqlite::{Connection, Transaction, TransactionBehavior};
+
+use crate::SqliteError;
+
+/// How long a statement waits for another connection's write lock before it fails.
+const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The open connections to one database file.
+pub(crate) struct Connections {
+    /// The path as given, for messages.
+    path: PathBuf,
+    /// The database's identity for wake-ups: the canonical path.
+    database: Arc<Path>,
+    /// All writes go through this connection; SQLite allows one writer at a time anyway.
+    writer: Mutex<Connection>,
+    /// Reads (`get`, the checks of `wait`, `ping`) do not queue behind writes. `None` for an
+    /// in-memory database, which exists only in its one connection.
+    reader: Option<Mutex<Connection>>,
+}
+
+impl Connections {
+    /// Opens the database at `path`, creating the file if it is absent, off the async runtime.
+    /// `":memory:"` opens a private in-memory database.
+    pub(crate) async fn open(path: PathBuf) -> Result<Self, SqliteError> {
+        let task_path = path.clone();
+        tokio::task::spawn_blocking(move || Self::open_blocking(task_path))
+            .await
+            .map_err(|source| cancelled(&path, source))?
+    }
+
+    fn open_blocking(path: PathBuf) -> Result<Self, SqliteError> {
+        let memory = path.as_os_str() == ":memory:";
+        let database: Arc<Path> = if memory {
+            // Never shared: a relative name no canonical path can equal.
+            static MEMORY: AtomicU64 = AtomicU64::new(0);
+            PathBuf::from(format!(":memory:{}", MEMORY.fetch_add(1, Ordering::Relaxed))).into()
+        } else {
+            if path.as_os_str().is_empty() {
+                let empty = io::Error::new(io::ErrorKind::InvalidInput, "empty path");
+                return Err(SqliteError::open(&path, empty));
+            }
+            // The file system's errors say what is wrong; SQLite's only say "unable to open
+            // database file".
+            OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(&path)
+                .map_err(|err| SqliteError::open(&path, err))?;
+            std::fs::canonicalize(&path)
+                .map_err(|err| SqliteError::open(&path, err))?
+                .into()
+        };
+        let writer = connect(&path)?;
+        let journal: String =
+            retry_busy(|| writer.pragma_update_and_check(None, "journal_mode", "WAL", |row| row.get(0)))
+                .map_err(|err| SqliteError::setup(&path, err))?;
+        if !memory && !journal.eq_ignore_ascii_case("wal") {
+            tracing::warn!(path = %path.display(), %journal, "SQLite refused WAL mode: reads will wait for writes");
+        }
+        let reader = if memory {
+            None
+        } else {
+            Some(Mutex::new(connect(&path)?))
+        };
+        tracing::debug!(path = %path.display(), %journal, "SQLite store opened");
+        Ok(Self {
+            path,
+            database,
+            writer: Mutex::new(writer),
+            reader,
+        })
+    }
+
+    /// The path of the database file, as given.
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The database's identity for wake-ups: the same for every store of this process that opened
+    /// the file.
+    pub(crate) fn database(&self) -> &Arc<Path> {
+        &self.database
+    }
+
+    /// The writer connection, locked.
+    pub(crate) fn writer(&self) -> MutexGuard<'_, Connection> {
+        lock(&self.writer)
+    }
+
+    /// Runs setup work (`op`, given the writer and the path) off the async runtime.
+    pub(crate) async fn setup<T, F>(self: &Arc<Self>, op: F) -> Result<T, SqliteError>
+    where
+        F: FnOnce(&mut Connection, &Path) -> Result<T, SqliteError> + Send + 'static,
+        T: Send + 'static,
+    {
+        let conns = Arc::clone(self);
+        tokio::task::spawn_blocking(move || op(&mut conns.writer(), &conns.path))
+            .await
+            .map_err(|source| cancelled(&self.path, source))?
+    }
+
+    /// Runs `op` in one immediate transaction on the writer connection, off the async runtime.
+    pub(crate) async fn write<T, F>(self: &Arc<Self>, op: F) -> Result<T, StoreError>
+    where
+        F: FnOnce(&Transaction<'_>) -> Result<T, StoreError> + Send + 'static,
+        T: Send + 'static,
+    {
+        let conns = Arc::clone(self);
+        blocking(move || {
+            let mut conn = conns.writer();
+            let tx = conn
+                .transaction_with_behavior(TransactionBehavior::Immediate)
+                .map_err(db_error)?;
+            // An error drops `tx`, which rolls back.
+            let value = op(&tx)?;
+            tx.commit().map_err(db_error)?;
+            Ok(value)
+        })
+        .await
+    }
+
+    /// Runs `op` on the reader connection, off the async runtime.
+    pub(crate) async fn read<T, F>(self: &Arc<Self>, op: F) -> Result<T, StoreError>
+    where
+        F: FnOnce(&Connection) -> Result<T, StoreError> + Send + 'static,
+        T: Send + 'static,
+    {
+        let conns = Arc::clone(self);
+        blocking(move || op(&lock(conns.reader.as_ref().unwrap_or(&conns.writer)))).await
+    }
+}
+
+fn connect(path: &Path) -> Result<Connection, SqliteError> {
+    let setup = |err| SqliteError::setup(path, err);
+    let conn = Connection::open(path).map_err(setup)?;
+    conn.busy_timeout(BUSY_TIMEOUT).map_err(setup)?;
+    // Durable at every checkpoint rather than every commit: with WAL a crash of the machine (not of
+    // the process) can lose the last commits, never corrupt the file.
+    conn.pragma_update(None, "synchronous", "NORMAL").map_err(setup)?;
+    Ok(conn)
+}
+
+/// Retries `op` while it fails with `SQLITE_BUSY`, for up to [`BUSY_TIMEOUT`]. Only for setup:
+/// switching a new file to WAL fails at once, without calling the busy handler, while another
+/// connection opens the same file.
+pub(crate) fn retry_busy<T>(mut op: impl FnMut() -> rusqlite::Result<T>) -> rusqlite::Result<T> {
+    let give_up = std::time::Instant::now() + BUSY_TIMEOUT;
+    loop {
+        match op() {
+            Err(err)
+                if err.sqlite_error_code() == Some(rusqlite::ErrorCode::DatabaseBusy)
+                    && std::time::Instant::now() < give_up =>
+            {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            result => return result,
+        }
+    }
+}
+
+fn lock(conn: &Mutex<Connection>) -> MutexGuard<'_, Connection> {
+    // A panic cannot leave a transaction open: dropping the `Transaction` rolls it back.
+    conn.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn cancelled(path: &Path, source: tokio::task::JoinError) -> SqliteError {
+    if source.is_panic() {
+        std::panic::resume_unwind(source.into_panic());
+    }
+    SqliteError::Cancelled {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+async fn blocking<T, F>(op: F) -> Result<T, StoreError>
+where
+    F: FnOnce() -> Result<T, StoreError> + Send + 'static,
+    T: Send + 'static,
+{
+    match tokio::task::spawn_blocking(op).await {
+        Ok(result) => result,
+        Err(err) if err.is_panic() => std::panic::resume_unwind(err.into_panic()),
+        Err(err) => Err(StoreError::unavailable(err)),
+    }
+}
+
+/// SQLite's errors are the store being unavailable, except values of the wrong type or range:
+/// those mean the row itself is corrupt.
+pub(crate) fn db_error(err: rusqlite::Error) -> StoreError {
+    match err {
+        rusqlite::Error::InvalidColumnType(..)
+        | rusqlite::Error::FromSqlConversionFailure(..)
+        | rusqlite::Error::IntegralValueOutOfRange(..) => StoreError::Corrupt(err.to_string()),
+        err => StoreError::unavailable(err),
+    }
+}

@@ -1,0 +1,53 @@
+//! Rows as the store reads them, turned into the stored forms idem-core checks: a record's row
+//! into a [`StoredRecord`] (and its digest), the scope salt's row into a [`ScopeSalt`].
+
+use idem_core::stored::StoredRecord;
+use idem_core::{Record, RecordId, ScopeSalt, StoreError, UnixMillis};
+use rusqlite::Row;
+
+/// A row as stored: the record's fields, and the digest the claim rules compare.
+pub(crate) struct StoredRow {
+    pub(crate) digest: Vec<u8>,
+    pub(crate) stored: StoredRecord,
+}
+
+impl StoredRow {
+    /// Reads the columns of [`SELECT_RECORD`](crate::sql::SELECT_RECORD), in order.
+    pub(crate) fn from_row(row: &Row<'_>) -> rusqlite::Result<Self> {
+        Ok(Self {
+            digest: row.get(2)?,
+            stored: StoredRecord {
+                state: row.get(0)?,
+                fingerprint: row.get(1)?,
+                token: row.get(3)?,
+                lease_until: row.get(4)?,
+                response: row.get(5)?,
+                created_at: row.get(6)?,
+                completed_at: row.get(7)?,
+                expires_at: row.get(8)?,
+                purge_at: Some(row.get(9)?),
+                replays: row.get(10)?,
+            },
+        })
+    }
+
+    pub(crate) fn into_record(self, id: RecordId) -> Result<Record, StoreError> {
+        self.stored.into_record(id)
+    }
+}
+
+/// The scope salt from the columns of [`SCOPE_SALT_SELECT`](crate::sql::SCOPE_SALT_SELECT); a salt
+/// of the wrong length is a corrupt store.
+pub(crate) fn scope_salt(
+    salt: Vec<u8>,
+    created_at: i64,
+    older_records_until: Option<i64>,
+) -> Result<ScopeSalt, StoreError> {
+    let salt = <[u8; 32]>::try_from(salt.as_slice())
+        .map_err(|_| StoreError::Corrupt(format!("the scope salt is {} bytes long, not 32", salt.len())))?;
+    Ok(ScopeSalt {
+        salt,
+        created_at: UnixMillis::from_i64(created_at),
+        older_records_until: older_records_until.map(UnixMillis::from_i64),
+    })
+}

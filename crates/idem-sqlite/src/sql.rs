@@ -1,0 +1,99 @@
+//! The statements of the store's operations, as `store.rs` runs them. The schema they run on is
+//! `schema.rs`'s; every parameter is numbered, and a record's statements take the scope as `?1`
+//! and the key as `?2`.
+
+/// The record's columns that [`crate::decode::StoredRow`] reads, in its order, for a key.
+pub(crate) const SELECT_RECORD: &str =
+    "SELECT state, fingerprint, digest, token, lease_until, response, created_at, completed_at,
+        expires_at, purge_at, replays
+    FROM idem_records WHERE scope = ?1 AND key = ?2";
+
+/// A new key's claim; returns a row only if it made one.
+pub(crate) const CLAIM: &str = "INSERT INTO idem_records
+        (scope, key, state, fingerprint, digest, token, lease_until, created_at, expires_at, purge_at,
+         replays)
+    VALUES (?1, ?2, 'in-flight', ?3, ?4, ?5, ?6, ?7, ?9, ?8, 0)
+    ON CONFLICT (scope, key) DO NOTHING
+    RETURNING 1";
+
+/// A record past its `purge_at` is claimed anew, as if it were absent: nothing of it is kept,
+/// its checkpoints included.
+pub(crate) const REPLACE: &str = "UPDATE idem_records
+    SET state = 'in-flight', fingerprint = ?3, digest = ?4, token = ?5, lease_until = ?6,
+        response = NULL, created_at = ?7, completed_at = NULL, expires_at = ?9,
+        purge_at = ?8, replays = 0, checkpoints = NULL
+    WHERE scope = ?1 AND key = ?2";
+
+/// The checkpoints stay: the new run resumes from them. The new run has a ttl of its own.
+pub(crate) const TAKE_OVER: &str = "UPDATE idem_records
+    SET state = 'in-flight', token = ?3, lease_until = ?4, purge_at = ?5, expires_at = ?6
+    WHERE scope = ?1 AND key = ?2";
+
+/// A replay is counted in the same transaction that read the record.
+pub(crate) const COUNT_REPLAY: &str = "UPDATE idem_records SET replays = replays + 1 WHERE scope = ?1 AND key = ?2";
+
+/// The run is over, and so are its checkpoints.
+pub(crate) const COMPLETE: &str = "UPDATE idem_records
+    SET state = 'completed', token = NULL, lease_until = NULL, response = ?4,
+        completed_at = ?5, expires_at = ?6, purge_at = ?7, checkpoints = NULL
+    WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in-flight'";
+
+pub(crate) const FORGET: &str = "DELETE FROM idem_records
+    WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in-flight'";
+
+/// The fingerprint and the checkpoints stay: only the same request may take the record over, and
+/// it resumes where this run stopped.
+pub(crate) const RELEASE_UNKNOWN: &str = "UPDATE idem_records
+    SET state = 'unknown', token = NULL, lease_until = NULL, expires_at = ?4, purge_at = ?5
+    WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in-flight'";
+
+/// Renewing moves an in-flight record's `purge_at` to the new lease's end if that is later; a claim
+/// made before claims carried a `purge_at` of their own (no `expires_at`) keeps the old rule.
+pub(crate) const RENEW: &str = "UPDATE idem_records
+    SET lease_until = ?4,
+        purge_at = CASE WHEN expires_at IS NULL THEN ?5 ELSE max(purge_at, ?4) END
+    WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in-flight'";
+
+/// The checkpoints of the claim `?3`; no row if it is not the record's current claim.
+pub(crate) const CHECKPOINTS_OF_CLAIM: &str = "SELECT checkpoints FROM idem_records
+    WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in-flight'";
+
+pub(crate) const SET_CHECKPOINTS: &str = "UPDATE idem_records SET checkpoints = ?3 WHERE scope = ?1 AND key = ?2";
+
+/// A completed record has none (`complete` clears them); the state is checked all the same.
+pub(crate) const CHECKPOINTS: &str = "SELECT checkpoints FROM idem_records
+    WHERE scope = ?1 AND key = ?2 AND state <> 'completed'";
+
+/// Makes the scope salt from the candidate unless there is one. `max(purge_at)` is read off the
+/// `purge_at` index, not by a scan.
+pub(crate) const SCOPE_SALT_INSERT: &str = "INSERT INTO idem_scope_salt (id, salt, created_at, older_records_until)
+    VALUES (1, ?1, ?2, (SELECT max(purge_at) FROM idem_records))
+    ON CONFLICT (id) DO NOTHING";
+
+pub(crate) const SCOPE_SALT_SELECT: &str =
+    "SELECT salt, created_at, older_records_until FROM idem_scope_salt WHERE id = 1";
+
+/// An operator's delete of a claim in flight: the holder is fenced (no token), the key is left
+/// unknown with the claim's retention, and the run's checkpoints go (see `Store::delete`).
+pub(crate) const DELETE_IN_FLIGHT: &str = "UPDATE idem_records
+    SET state = 'unknown', token = NULL, lease_until = NULL, expires_at = COALESCE(expires_at, purge_at),
+        checkpoints = NULL
+    WHERE scope = ?1 AND key = ?2 AND state = 'in-flight'";
+
+/// An operator's delete of any other record.
+pub(crate) const DELETE: &str = "DELETE FROM idem_records WHERE scope = ?1 AND key = ?2";
+
+/// Whether the claim `?3` is the record's current one.
+pub(crate) const HOLDS: &str = "SELECT EXISTS (SELECT 1 FROM idem_records
+    WHERE scope = ?1 AND key = ?2 AND state = 'in-flight' AND token = ?3)";
+
+/// Deletes up to `?2` records due at `?1`. `DELETE ... LIMIT` is not compiled into the bundled
+/// SQLite: delete by rowid.
+pub(crate) const PURGE_DELETE: &str = "DELETE FROM idem_records WHERE rowid IN
+    (SELECT rowid FROM idem_records WHERE purge_at <= ?1 LIMIT ?2)";
+
+/// Drops up to `?2` answers expired at `?1`, found through the partial `expires_at` index.
+pub(crate) const PURGE_TOMBSTONE: &str = "UPDATE idem_records SET response = NULL WHERE rowid IN
+    (SELECT rowid FROM idem_records WHERE response IS NOT NULL AND expires_at <= ?1 LIMIT ?2)";
+
+pub(crate) const PING: &str = "SELECT 1";
