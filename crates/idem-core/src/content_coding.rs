@@ -24,7 +24,7 @@ const FULL_WEIGHT: u16 = 1000;
 ///
 /// ```
 /// use http::HeaderMap;
-/// use idem_core::AcceptEncoding;
+/// use idem_core::protocol::AcceptEncoding;
 ///
 /// let mut headers = HeaderMap::new();
 /// headers.insert("accept-encoding", "gzip, br;q=0".parse()?);

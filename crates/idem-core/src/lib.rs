@@ -1,9 +1,17 @@
-//! The idempotency protocol of idem: keys, scopes, fingerprints, policies, the record state
-//! machine, the [`Store`] trait and RFC 9457 problem responses.
+//! The idempotency protocol of idem: keys, scopes, fingerprints, policies, routes, the record
+//! state machine, the [`Store`] trait and RFC 9457 problem responses.
 //!
-//! The protocol is decided here, in [`Protocol`]; stores only provide atomic primitives, and the
-//! tower layer and the gateway only move bytes and call the protocol. With the `testkit` feature
-//! this crate also carries the conformance suite that every store must pass.
+//! The root holds what a user configures and sees: keys and header names, [`Policy`] and
+//! [`Routes`], scopes, fingerprints, problems, sealing keys. Two modules hold the rest:
+//!
+//! * [`store`]: the [`Store`] trait and its types, for store authors, with what the stores share
+//!   ([`store::backend`]) and the store's clock;
+//! * [`protocol`]: the engine that decides every outcome ([`protocol::Protocol`]), for the tower
+//!   layer and the gateway.
+//!
+//! With the `testkit` feature this crate also carries the conformance suite that every store must
+//! pass. The design, with the function that decides each row of the outcome table, is
+//! `docs/design.md` in the repository.
 //!
 //! ```
 //! use idem_core::{Fingerprint, IdempotencyKey};
@@ -42,15 +50,11 @@ mod length_prefixed;
 #[cfg(feature = "server")]
 pub mod metric_names;
 #[cfg(feature = "server")]
-mod observed;
-#[cfg(feature = "server")]
 mod policy;
 #[cfg(feature = "server")]
-mod protocol;
+pub mod protocol;
 #[cfg(feature = "server")]
 mod redact;
-#[cfg(feature = "server")]
-mod replay_counts;
 #[cfg(feature = "server")]
 mod response;
 #[cfg(feature = "server")]
@@ -60,11 +64,7 @@ mod scope;
 #[cfg(feature = "server")]
 pub mod seal;
 #[cfg(feature = "server")]
-mod store;
-#[cfg(feature = "server")]
-mod store_clock;
-#[cfg(feature = "server")]
-pub mod stored;
+pub mod store;
 
 #[cfg(feature = "testkit")]
 pub mod testkit;
@@ -75,20 +75,11 @@ pub use problem::{Problem, ProblemKind};
 pub use time::{Clock, ManualClock, SystemClock, UnixMillis};
 
 #[cfg(feature = "server")]
-pub use content_coding::AcceptEncoding;
-#[cfg(feature = "server")]
-pub use credential::{CredentialScopes, MIN_SECRET_LEN, ScopeHashing, ScopeSecret, ScopeSecretError, ScopeSecrets};
+pub use credential::{MIN_SECRET_LEN, ScopeSecret, ScopeSecretError, ScopeSecrets};
 #[cfg(feature = "server")]
 pub use fingerprint::{Differences, Fingerprint, FingerprintDecodeError};
 #[cfg(feature = "server")]
-pub use observed::{Observed, Observer, StoreOperation};
-#[cfg(feature = "server")]
 pub use policy::{AnonymousPolicy, AnonymousPolicyError, MissingKeyPolicy, MissingKeyPolicyError, Policy, PolicyError};
-#[cfg(feature = "server")]
-pub use protocol::{
-    Admission, Claim, Decision, IdempotencyInfo, Keep, Keyed, MAX_PENDING_BYTES, NoAnswer, Outcome, PendingAnswer,
-    Protocol, Reply, RunEnd, RunTimedOut, Settlement, Unstored, body_incomplete, internal_error, no_answer_problem,
-};
 #[cfg(feature = "server")]
 pub use redact::redact_url;
 #[cfg(feature = "server")]
@@ -99,13 +90,8 @@ pub use route::{
     Routes,
 };
 #[cfg(feature = "server")]
-pub use scope::{Caller, Scope, ScopeError, ScopeSource, ScopeSourceError};
+pub use scope::{Scope, ScopeError, ScopeSource, ScopeSourceError};
 #[cfg(feature = "server")]
 pub use seal::{Keyring, KeyringError, Unreadable};
 #[cfg(feature = "server")]
-pub use store::{
-    Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, Record, RecordId, RecordState, Release,
-    ScopeSalt, Store, StoreError, WaitOutcome,
-};
-#[cfg(feature = "server")]
-pub use store_clock::{RESYNC_EVERY, StoreClock};
+pub use store::{Store, StoreError};

@@ -31,7 +31,7 @@ use crate::policy::{Policy, PolicyError};
 /// * `/webhooks/*`: a trailing `*` matches the prefix and everything below it (`/webhooks`,
 ///   `/webhooks/`, `/webhooks/github/push`), and `/*` matches every path.
 ///
-/// A pattern is matched against each reading of a path (see the [module](self) docs): as sent,
+/// A pattern is matched against each reading of a path (see the module docs of `route.rs`, and `docs/design.md`): as sent,
 /// segment by segment, and normalised, with the pattern's own literals normalised the same way.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RoutePattern {
@@ -394,7 +394,7 @@ pub enum RouteError {
 }
 
 /// How the upstream may read paths beyond the two readings every route table uses (as sent, and
-/// normalised: see the [module](self) docs). Both are off by default; turn on what the upstream
+/// normalised: see `docs/design.md`). Both are off by default; turn on what the upstream
 /// does, so that a spelling it reads as a protected path is matched as that path.
 ///
 /// Written as a flag takes it: `standard` (nothing added), or a comma-separated list of
@@ -479,7 +479,7 @@ impl PathAmbiguous {
 /// Rules by path, tried in order: the first route whose pattern matches a request's path decides
 /// its policy; a path no route matches gets the default policy.
 ///
-/// Each path is matched in two readings, as sent and normalised (see the [module](self) docs);
+/// Each path is matched in two readings, as sent and normalised (see the module docs of `route.rs`, and `docs/design.md`);
 /// [`choose`](Self::choose) says how they are reconciled.
 ///
 /// ```

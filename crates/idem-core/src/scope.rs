@@ -96,7 +96,7 @@ pub enum ScopeSource {
 pub struct ScopeError(pub HeaderName);
 
 /// Who a request says its caller is: a scope, or a credential whose scope is a keyed hash that
-/// takes the store's salt to compute ([`CredentialScopes`](crate::CredentialScopes)).
+/// takes the store's salt to compute ([`CredentialScopes`](crate::protocol::CredentialScopes)).
 #[derive(Clone, PartialEq, Eq)]
 pub enum Caller {
     /// The caller's scope.

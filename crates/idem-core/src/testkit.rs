@@ -11,10 +11,13 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use http::{HeaderMap, Method};
 
-use crate::observed::{Observed, Observer, StoreOperation};
+use crate::store::{Observed, Observer, StoreOperation};
 use crate::{
-    Begin, BeginRequest, Checkpoint, Completion, FencingToken, Fingerprint, IdempotencyKey, Record, RecordId,
-    RecordState, Release, Scope, ScopeSalt, Store, StoreError, UnixMillis, WaitOutcome,
+    Fingerprint, IdempotencyKey, Scope, Store, StoreError, UnixMillis,
+    store::{
+        Begin, BeginRequest, Checkpoint, Completion, FencingToken, Record, RecordId, RecordState, Release, ScopeSalt,
+        WaitOutcome,
+    },
 };
 
 /// Opens handles on the store under test.
@@ -941,7 +944,7 @@ pub async fn records_survive_reopen(h: &impl Harness) {
     store.ping().await.expect("ping");
 }
 
-/// The store tells its time, and a [`StoreClock`](crate::StoreClock) over it reads that time: the
+/// The store tells its time, and a [`StoreClock`](crate::store::StoreClock) over it reads that time: the
 /// tests' servers run on this machine, so both are this machine's time, give or take a second.
 pub async fn tells_its_time(h: &impl Harness) {
     let store = h.open().await;
@@ -952,7 +955,7 @@ pub async fn tells_its_time(h: &impl Harness) {
         told.0 + 1_000 >= before.0 && told.0 <= after.0 + 1_000,
         "the store's clock ({told}) is this machine's ({before}..{after})"
     );
-    let clock = crate::StoreClock::new(store);
+    let clock = crate::store::StoreClock::new(store);
     let offset = clock.sync().await.expect("sync");
     assert!(offset.abs() < 1_000, "offset {offset} ms");
     let read = crate::Clock::now(&*clock);

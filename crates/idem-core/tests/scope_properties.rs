@@ -5,7 +5,11 @@
 
 use http::request::Parts;
 use http::{HeaderName, HeaderValue};
-use idem_core::{Caller, CredentialScopes, Scope, ScopeError, ScopeSalt, ScopeSecrets, ScopeSource, UnixMillis};
+use idem_core::{
+    Scope, ScopeError, ScopeSecrets, ScopeSource, UnixMillis,
+    protocol::{Caller, CredentialScopes},
+    store::ScopeSalt,
+};
 use proptest::prelude::*;
 
 /// Bytes a header value may hold (no NUL, CR or LF; visible ASCII, space, tab, obs-text).

@@ -7,7 +7,7 @@ use std::io::Write;
 use bytes::Bytes;
 use http::header::{self, HeaderName, HeaderValue};
 use http::{HeaderMap, StatusCode};
-use idem_core::{AcceptEncoding, HeaderAllowList, IDEMPOTENCY_REPLAY, IDEMPOTENCY_REPLAYED, StoredResponse};
+use idem_core::{HeaderAllowList, IDEMPOTENCY_REPLAY, IDEMPOTENCY_REPLAYED, StoredResponse, protocol::AcceptEncoding};
 use proptest::prelude::*;
 use proptest::sample::Index;
 

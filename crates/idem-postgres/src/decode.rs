@@ -2,8 +2,11 @@
 //! a [`StoredRecord`] (and its digest), the checkpoint arrays into [`Checkpoint`]s, the scope salt's
 //! row into a [`ScopeSalt`]. A value of the wrong type is a corrupt record, never a panic.
 
-use idem_core::stored::StoredRecord;
-use idem_core::{Checkpoint, Record, RecordId, ScopeSalt, StoreError, UnixMillis};
+use idem_core::store::backend::StoredRecord;
+use idem_core::{
+    StoreError, UnixMillis,
+    store::{Checkpoint, Record, RecordId, ScopeSalt},
+};
 use tokio_postgres::Row;
 
 use crate::error::describe;

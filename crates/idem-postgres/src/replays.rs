@@ -3,7 +3,7 @@
 //! Counting each replay in its own `UPDATE` made a replay a transaction with a row lock and a
 //! commit (a WAL flush), five round trips where one `SELECT` answers it, and serialised the copies
 //! of a hot key on its row lock. Instead each store counts replays in memory
-//! ([`ReplayCounts`](idem_core::stored::ReplayCounts)) and adds them to their rows in one
+//! ([`ReplayCounts`](idem_core::store::backend::ReplayCounts)) and adds them to their rows in one
 //! statement every [`FLUSH_EVERY`]. The counts are statistics: `idem inspect` on another instance
 //! sees them up to that late, and an instance that dies loses at most its last interval's.
 
@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use deadpool_postgres::Pool;
-use idem_core::RecordId;
+use idem_core::store::RecordId;
 
 /// How often counted replays are added to their rows.
 pub(crate) const FLUSH_EVERY: Duration = Duration::from_millis(500);

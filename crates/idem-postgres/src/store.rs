@@ -23,10 +23,13 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
-use idem_core::stored::{Existing, ReplayCounts, claim_purge_at, wait_for_change};
+use idem_core::store::backend::{Existing, ReplayCounts, claim_purge_at, wait_for_change};
 use idem_core::{
-    Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, Record, RecordId, Release, ScopeSalt, Store,
-    StoreError, UnixMillis, WaitOutcome,
+    Store, StoreError, UnixMillis,
+    store::{
+        Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, Record, RecordId, Release, ScopeSalt,
+        WaitOutcome,
+    },
 };
 use tokio_postgres::NoTls;
 
@@ -561,7 +564,7 @@ impl Store for PostgresStore {
 }
 
 fn abandoned_purge_at(lease_until: UnixMillis) -> i64 {
-    idem_core::stored::abandoned_purge_at(lease_until).as_i64()
+    idem_core::store::backend::abandoned_purge_at(lease_until).as_i64()
 }
 
 /// A compare-and-set that changed nothing lost its claim.

@@ -8,7 +8,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use common::{TestSchema, begin, fingerprint, fresh_id};
-use idem_core::{Begin, Release, Store, UnixMillis};
+use idem_core::{
+    Store, UnixMillis,
+    store::{Begin, Release},
+};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claims_stay_exclusive_while_the_record_comes_and_goes() {

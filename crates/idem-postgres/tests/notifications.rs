@@ -9,7 +9,10 @@ mod common;
 use std::time::Duration;
 
 use common::{DAY, LEASE, TestSchema, acquire, begin, completion, fingerprint, fresh_id};
-use idem_core::{Begin, FencingToken, RecordId, Release, Store, UnixMillis, WaitOutcome};
+use idem_core::{
+    Store, UnixMillis,
+    store::{Begin, FencingToken, RecordId, Release, WaitOutcome},
+};
 use idem_postgres::PostgresStore;
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, timeout};

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::{DAY, TestSchema, acquire, completion, fingerprint, fresh_id, through};
-use idem_core::{Store, StoreError, UnixMillis, WaitOutcome};
+use idem_core::{Store, StoreError, UnixMillis, store::WaitOutcome};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, timeout};

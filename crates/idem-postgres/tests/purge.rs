@@ -7,7 +7,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{DAY, TestSchema, acquire, completion, fingerprint, fresh_id};
-use idem_core::{Purged, RecordId, Store, UnixMillis};
+use idem_core::{
+    Store, UnixMillis,
+    store::{Purged, RecordId},
+};
 use idem_postgres::PostgresStore;
 
 const DUE: usize = 120;

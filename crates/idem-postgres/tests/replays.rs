@@ -6,7 +6,10 @@ mod common;
 use std::time::Duration;
 
 use common::{DAY, TestSchema, acquire, begin, completion, fingerprint, fresh_id, through};
-use idem_core::{Begin, Fingerprint, RecordId, Store, UnixMillis};
+use idem_core::{
+    Fingerprint, Store, UnixMillis,
+    store::{Begin, RecordId},
+};
 use idem_test_support::relay::{Fault, Relay};
 
 /// A new record, completed with an answer: its id, its fingerprint and the time of its claim.

@@ -8,7 +8,7 @@ mod common;
 use std::time::Duration;
 
 use common::{DAY, TestSchema, acquire, completion, fingerprint, fresh_id};
-use idem_core::{ScopeSalt, Store, StoreError, UnixMillis};
+use idem_core::{Store, StoreError, UnixMillis, store::ScopeSalt};
 
 /// Two stores in two schemas of one database: each makes its own salt.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,7 +6,10 @@ mod common;
 
 use bytes::Bytes;
 use common::{DAY, LEASE, TestSchema, acquire, base_url, begin, completion, fingerprint, fresh_id};
-use idem_core::{Begin, Checkpoint, FencingToken, RecordId, RecordState, ScopeSalt, Store, StoreError, UnixMillis};
+use idem_core::{
+    Store, StoreError, UnixMillis,
+    store::{Begin, Checkpoint, FencingToken, RecordId, RecordState, ScopeSalt},
+};
 use idem_postgres::{PostgresError, PostgresStore};
 
 /// The versions every migration of this crate records, in order.

@@ -6,8 +6,8 @@
 use std::fmt;
 use std::sync::Arc;
 
-use idem_core::stored::hex;
-use idem_core::{FencingToken, StoreError};
+use idem_core::store::backend::hex;
+use idem_core::{StoreError, store::FencingToken};
 use redis::{Script, Value};
 
 use crate::conn::Commands;

@@ -4,8 +4,11 @@
 
 use std::collections::HashMap;
 
-use idem_core::stored::{Existing, StoredRecord};
-use idem_core::{Begin, BeginRequest, Checkpoint, Record, RecordId, ScopeSalt, StoreError, UnixMillis};
+use idem_core::store::backend::{Existing, StoredRecord};
+use idem_core::{
+    StoreError, UnixMillis,
+    store::{Begin, BeginRequest, Checkpoint, Record, RecordId, ScopeSalt},
+};
 use redis::Value;
 
 /// The next cursor and the keys of a `SCAN` step, from the replies of its pipeline.

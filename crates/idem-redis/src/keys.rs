@@ -1,8 +1,8 @@
 //! Where a record lives: its three keys and its wake-up channel, all with the same cluster hash tag;
 //! and where the store's scope salt lives.
 
-use idem_core::RecordId;
-use idem_core::stored::hex;
+use idem_core::store::RecordId;
+use idem_core::store::backend::hex;
 use sha2::{Digest, Sha256};
 
 /// The Redis names of one record: `PREFIX:{TAG}:rec`, `PREFIX:{TAG}:body`,

@@ -9,7 +9,7 @@
 //! ```no_run
 //! use std::sync::Arc;
 //!
-//! use idem_core::{Policy, Protocol, Store};
+//! use idem_core::{Policy, Store, protocol::Protocol};
 //! use idem_redis::RedisStore;
 //!
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {

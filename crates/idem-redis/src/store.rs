@@ -9,10 +9,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idem_core::stored::{ReplayCounts, abandoned_purge_at, claim_purge_at, wait_for_change};
+use idem_core::store::backend::{ReplayCounts, abandoned_purge_at, claim_purge_at, wait_for_change};
 use idem_core::{
-    Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, Record, RecordId, Release, ScopeSalt, Store,
-    StoreError, UnixMillis, WaitOutcome,
+    Store, StoreError, UnixMillis,
+    store::{
+        Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, Record, RecordId, Release, ScopeSalt,
+        WaitOutcome,
+    },
 };
 use redis::{Pipeline, Script, Value};
 use tokio::sync::Notify;

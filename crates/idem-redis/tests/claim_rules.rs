@@ -1,5 +1,5 @@
 //! The `BEGIN` script decides the claim rule in Lua, a copy of `StoredRecord::on_begin`. This holds
-//! the copy to the rule's own table (`idem_core::stored::claim_rule_cases`): every row's record is
+//! the copy to the rule's own table (`idem_core::store::backend::claim_rule_cases`): every row's record is
 //! written straight into Redis, claimed at the row's `now`, and the claim must come out as the row
 //! says.
 
@@ -8,9 +8,12 @@ mod common;
 use std::time::Duration;
 
 use common::{Server, connect, delete_keys, fresh_prefix};
-use idem_core::stored::{ClaimRuleCase, Existing, StoredRecord, claim_rule_cases};
+use idem_core::store::backend::{ClaimRuleCase, Existing, StoredRecord, claim_rule_cases};
 use idem_core::testkit::{fingerprint, fresh_id};
-use idem_core::{Begin, BeginRequest, FencingToken, Fingerprint, RecordState, Store, UnixMillis};
+use idem_core::{
+    Fingerprint, Store, UnixMillis,
+    store::{Begin, BeginRequest, FencingToken, RecordState},
+};
 use idem_redis::RecordKeys;
 
 /// Deletes the prefix's keys when the test ends, whatever happens.

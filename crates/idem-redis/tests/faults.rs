@@ -16,8 +16,10 @@ use bytes::Bytes;
 use common::{Server, connect, delete_keys, fresh_prefix, with_options};
 use idem_core::testkit::{fingerprint, fresh_id};
 use idem_core::{
-    Begin, BeginRequest, Completion, FencingToken, Fingerprint, Record, RecordId, RecordState, Release, ScopeSalt,
-    Store, StoreError, UnixMillis, WaitOutcome,
+    Fingerprint, Store, StoreError, UnixMillis,
+    store::{
+        Begin, BeginRequest, Completion, FencingToken, Record, RecordId, RecordState, Release, ScopeSalt, WaitOutcome,
+    },
 };
 use idem_redis::RedisStore;
 use idem_test_support::relay::Relay;

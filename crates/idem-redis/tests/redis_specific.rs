@@ -19,8 +19,8 @@ use bytes::Bytes;
 use common::{RedisHarness, Server, connect, delete_keys, fresh_prefix};
 use idem_core::testkit::{fingerprint, fresh_id};
 use idem_core::{
-    Begin, BeginRequest, Checkpoint, Completion, FencingToken, RecordId, Release, ScopeSalt, Store, StoreError,
-    UnixMillis, WaitOutcome,
+    Store, StoreError, UnixMillis,
+    store::{Begin, BeginRequest, Checkpoint, Completion, FencingToken, RecordId, Release, ScopeSalt, WaitOutcome},
 };
 use idem_redis::{RecordKeys, RedisError, RedisStore};
 
@@ -485,7 +485,7 @@ async fn a_replay_is_one_round_trip_with_the_answer() {
     assert_eq!(record.replays, 1);
     assert!(matches!(
         record.state,
-        idem_core::RecordState::Completed { response: Some(ref body), .. } if body.as_ref() == b"answer"
+        idem_core::store::RecordState::Completed { response: Some(ref body), .. } if body.as_ref() == b"answer"
     ));
     assert_eq!(counting.total(), 1);
 }

@@ -5,7 +5,7 @@
 use std::io;
 
 use bytes::Bytes;
-use idem_core::{Checkpoint, StoreError};
+use idem_core::{StoreError, store::Checkpoint};
 
 /// The first byte of every encoded list, so that a later format can be told apart.
 const FORMAT: u8 = 1;

@@ -1,8 +1,11 @@
 //! Rows as the store reads them, turned into the stored forms idem-core checks: a record's row
 //! into a [`StoredRecord`] (and its digest), the scope salt's row into a [`ScopeSalt`].
 
-use idem_core::stored::StoredRecord;
-use idem_core::{Record, RecordId, ScopeSalt, StoreError, UnixMillis};
+use idem_core::store::backend::StoredRecord;
+use idem_core::{
+    StoreError, UnixMillis,
+    store::{Record, RecordId, ScopeSalt},
+};
 use rusqlite::Row;
 
 /// A row as stored: the record's fields, and the digest the claim rules compare.

@@ -11,10 +11,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idem_core::stored::{Existing, IN_FLIGHT, claim_purge_at, wait_for_change};
+use idem_core::store::backend::{Existing, IN_FLIGHT, claim_purge_at, wait_for_change};
 use idem_core::{
-    Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, Record, RecordId, Release, ScopeSalt, Store,
-    StoreError, UnixMillis, WaitOutcome,
+    Store, StoreError, UnixMillis,
+    store::{
+        Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, Record, RecordId, Release, ScopeSalt,
+        WaitOutcome,
+    },
 };
 use rusqlite::{Connection, OptionalExtension, Transaction, params};
 
@@ -299,7 +302,7 @@ fn fenced(changed: usize) -> Result<(), StoreError> {
 }
 
 fn abandoned_purge_at(lease_until: UnixMillis) -> i64 {
-    idem_core::stored::abandoned_purge_at(lease_until).as_i64()
+    idem_core::store::backend::abandoned_purge_at(lease_until).as_i64()
 }
 
 /// The record's row, if there is one.

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, LazyLock, Mutex, PoisonError};
 
-use idem_core::RecordId;
+use idem_core::store::RecordId;
 use tokio::sync::Notify;
 
 type WaitKey = (Arc<Path>, RecordId);

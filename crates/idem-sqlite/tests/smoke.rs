@@ -6,8 +6,11 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use idem_core::{
-    Begin, BeginRequest, Checkpoint, Completion, FencingToken, Fingerprint, IdempotencyKey, Purged, RecordId,
-    RecordState, Release, Scope, ScopeSalt, Store, StoreError, UnixMillis, WaitOutcome,
+    Fingerprint, IdempotencyKey, Scope, Store, StoreError, UnixMillis,
+    store::{
+        Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, RecordId, RecordState, Release, ScopeSalt,
+        WaitOutcome,
+    },
 };
 use idem_sqlite::{SqliteError, SqliteStore};
 use tokio::time::Instant;
@@ -748,7 +751,7 @@ async fn records_written_without_a_ttl_keep_their_old_rules() {
                 &FencingToken::random().as_bytes()[..],
                 T0.plus(LEASE).as_i64(),
                 T0.as_i64(),
-                idem_core::stored::abandoned_purge_at(T0.plus(LEASE)).as_i64()
+                idem_core::store::backend::abandoned_purge_at(T0.plus(LEASE)).as_i64()
             ],
         )
         .unwrap();
@@ -765,7 +768,7 @@ async fn records_written_without_a_ttl_keep_their_old_rules() {
 
     let deleted = insert_old_claim("old-deleted");
     store.delete(&deleted).await.unwrap().expect("the old claim");
-    let purge_at = idem_core::stored::abandoned_purge_at(T0.plus(LEASE));
+    let purge_at = idem_core::store::backend::abandoned_purge_at(T0.plus(LEASE));
     let record = store.get(&deleted).await.unwrap().expect("left unknown");
     assert!(
         matches!(record.state, RecordState::Unknown { expires_at, purge_at: p } if expires_at == purge_at && p == purge_at),

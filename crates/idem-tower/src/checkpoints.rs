@@ -5,7 +5,11 @@ use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use bytes::Bytes;
-use idem_core::{Checkpoint, Claim, Protocol, StoreError};
+use idem_core::{
+    StoreError,
+    protocol::{Claim, Protocol},
+    store::Checkpoint,
+};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::sync::OnceCell;

@@ -4,8 +4,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::{
-    Clock, HeaderAllowList, Keyring, MissingKeyPolicy, Policy, Protocol, Routes, ScopeHashing, ScopeSecrets,
-    ScopeSource, Store, StoreClock,
+    Clock, HeaderAllowList, Keyring, MissingKeyPolicy, Policy, Routes, ScopeSecrets, ScopeSource, Store,
+    protocol::{Protocol, ScopeHashing},
+    store::StoreClock,
 };
 use tokio_util::task::TaskTracker;
 use tower_layer::Layer;

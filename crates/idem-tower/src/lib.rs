@@ -32,6 +32,9 @@ mod service;
 
 pub use body::{Body, BoxError};
 pub use checkpoints::{CheckpointError, Checkpoints, MAX_CHECKPOINT_BYTES, MAX_CHECKPOINT_NAME};
-pub use idem_core::{IDEMPOTENCY_RECOVERED, IdempotencyInfo, NoAnswer};
+pub use idem_core::{
+    IDEMPOTENCY_RECOVERED,
+    protocol::{IdempotencyInfo, NoAnswer},
+};
 pub use layer::IdempotencyLayer;
 pub use service::IdempotencyService;

@@ -1,6 +1,6 @@
 //! Which protocol a request runs under, picked by its path from the layer's [`Routes`].
 
-use idem_core::{PathAmbiguous, Protocol, RouteRule, Routes};
+use idem_core::{PathAmbiguous, RouteRule, Routes, protocol::Protocol};
 use metrics::SharedString;
 
 /// The metrics label of requests no route matches.

@@ -16,8 +16,12 @@ use http::{HeaderMap, Request, Response, header};
 use http_body::Body as HttpBody;
 use http_body_util::{BodyExt, Limited};
 use idem_core::{
-    Admission, Claim, Decision, Fingerprint, Keep, NoAnswer, Outcome, PendingAnswer, Problem, Protocol, RecordId,
-    Reply, RunEnd, RunTimedOut, Settlement, Unstored, metric_names,
+    Fingerprint, Problem, metric_names,
+    protocol::{
+        Admission, Claim, Decision, Keep, NoAnswer, Outcome, PendingAnswer, Protocol, Reply, RunEnd, RunTimedOut,
+        Settlement, Unstored,
+    },
+    store::RecordId,
 };
 use metrics::SharedString;
 use tokio::sync::oneshot;
@@ -422,7 +426,7 @@ where
     match Limited::new(body, limit).collect().await {
         Ok(collected) => Ok(collected.to_bytes()),
         Err(err) if err.is::<http_body_util::LengthLimitError>() => Err(protocol.body_too_large()),
-        Err(err) => Err(idem_core::body_incomplete(&err)),
+        Err(err) => Err(idem_core::protocol::body_incomplete(&err)),
     }
 }
 
@@ -434,7 +438,7 @@ where
     ResBody::Error: Into<BoxError>,
 {
     match response.extensions().get::<NoAnswer>() {
-        Some(no_answer) => idem_core::no_answer_problem(no_answer, retry_after).map(full),
+        Some(no_answer) => idem_core::protocol::no_answer_problem(no_answer, retry_after).map(full),
         None => response.map(boxed),
     }
 }
@@ -446,12 +450,12 @@ fn with_headers(mut response: Response<Body>, headers: HeaderMap) -> Response<Bo
 
 /// The status of [`internal_error`], for logs.
 fn internal_status() -> http::StatusCode {
-    idem_core::internal_error().kind.status()
+    idem_core::protocol::internal_error().kind.status()
 }
 
 /// `500 internal-error`: a bug in the request's path, said as a problem rather than an empty answer.
 fn internal_error() -> Response<Body> {
-    idem_core::internal_error().to_response().map(full)
+    idem_core::protocol::internal_error().to_response().map(full)
 }
 
 fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {

@@ -11,11 +11,14 @@ use axum::body::Body as AxumBody;
 use axum::http::{Request, StatusCode};
 use axum::routing::post;
 use http_body_util::BodyExt;
-use idem_core::StoreOperation as Operation;
+use idem_core::store::StoreOperation as Operation;
 use idem_core::testkit::counting;
 use idem_core::{
-    Begin, BeginRequest, Checkpoint, Completion, FencingToken, ManualClock, MissingKeyPolicy, Policy, Purged, Record,
-    RecordId, Release, RouteRule, Routes, Scope, ScopeSalt, ScopeSource, Store, StoreError, UnixMillis, WaitOutcome,
+    ManualClock, MissingKeyPolicy, Policy, RouteRule, Routes, Scope, ScopeSource, Store, StoreError, UnixMillis,
+    store::{
+        Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, Record, RecordId, Release, ScopeSalt,
+        WaitOutcome,
+    },
 };
 use idem_sqlite::SqliteStore;
 use idem_tower::{CheckpointError, Checkpoints, IdempotencyLayer};

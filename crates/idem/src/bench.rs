@@ -22,8 +22,8 @@ use crate::stores;
 #[derive(Debug, Default)]
 struct Samples(Mutex<BTreeMap<&'static str, Vec<Duration>>>);
 
-impl idem_core::Observer for Samples {
-    fn observe(&self, operation: idem_core::StoreOperation, elapsed: Duration, _failed: bool) {
+impl idem_core::store::Observer for Samples {
+    fn observe(&self, operation: idem_core::store::StoreOperation, elapsed: Duration, _failed: bool) {
         self.0
             .lock()
             .expect("samples lock")
@@ -49,7 +49,7 @@ struct Phase {
 
 pub(crate) async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let samples = Arc::new(Samples::default());
-    let store = idem_core::Observed::new(stores::open(&args.store.store).await?, samples.clone());
+    let store = idem_core::store::Observed::new(stores::open(&args.store.store).await?, samples.clone());
     let body = "x".repeat(args.body_size);
     // Sealed at rest when IDEM_ENCRYPTION_KEYS is set, as `idem serve` would seal them.
     let keyring = crate::config::keyring_from_env()?;

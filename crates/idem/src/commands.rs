@@ -7,10 +7,11 @@ use std::sync::Arc;
 
 use anyhow::Context as _;
 use bytes::Bytes;
-use idem_core::stored::{COMPLETED, IN_FLIGHT, UNKNOWN};
+use idem_core::store::backend::{COMPLETED, IN_FLIGHT, UNKNOWN};
 use idem_core::{
-    Clock as _, CredentialScopes, IdempotencyKey, Keyring, Policy, Protocol, Record, RecordId, RecordState, Scope,
-    Store, StoreClock, StoreError, StoredResponse, UnixMillis,
+    Clock as _, IdempotencyKey, Keyring, Policy, Scope, Store, StoreError, StoredResponse, UnixMillis,
+    protocol::{CredentialScopes, Protocol},
+    store::{Record, RecordId, RecordState, StoreClock},
 };
 use serde::Serialize;
 
@@ -371,7 +372,7 @@ pub(crate) async fn migrate(args: StoreArgs) -> anyhow::Result<()> {
 mod tests {
     use bytes::Bytes;
     use http::{HeaderMap, Method, StatusCode};
-    use idem_core::{FencingToken, Fingerprint, HeaderAllowList, UnixMillis};
+    use idem_core::{Fingerprint, HeaderAllowList, UnixMillis, store::FencingToken};
     use serde_json::{Value, json};
 
     use super::*;

@@ -1,9 +1,12 @@
 //! The gateway's store observer: every store operation's latency and failures, and the purged
-//! records, as Prometheus metrics (`idem_core::Observed` does the timing).
+//! records, as Prometheus metrics (`idem_core::store::Observed` does the timing).
 
 use std::time::Duration;
 
-use idem_core::{Observer, Purged, StoreOperation, metric_names};
+use idem_core::{
+    metric_names,
+    store::{Observer, Purged, StoreOperation},
+};
 
 /// Feeds the Prometheus metrics `idem_store_operation_seconds`, `idem_store_errors_total` and
 /// `idem_purged_records_total`.

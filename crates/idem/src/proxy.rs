@@ -21,7 +21,10 @@ use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use idem_core::{HOP_BY_HOP, IDEMPOTENCY_RECOVERED as RECOVERED, IdempotencyInfo, NoAnswer, metric_names};
+use idem_core::{
+    HOP_BY_HOP, IDEMPOTENCY_RECOVERED as RECOVERED, metric_names,
+    protocol::{IdempotencyInfo, NoAnswer},
+};
 use idem_tower::Body;
 
 use crate::cli::Misconfigured;

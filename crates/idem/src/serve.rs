@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use std::sync::Arc;
 
-use idem_core::{Keyring, Policy, Protocol, Routes, ScopeSecrets, Store, StoreClock, redact_url};
+use idem_core::{Keyring, Policy, Routes, ScopeSecrets, Store, protocol::Protocol, redact_url, store::StoreClock};
 use idem_tower::IdempotencyLayer;
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
@@ -54,7 +54,10 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
     .map_err(|err| config.place(err))?;
     let tls = tls::listener(config.tls_cert.as_deref(), config.tls_key.as_deref()).map_err(|err| config.place(err))?;
     let limits = config.limits.clone();
-    let store: Arc<dyn Store> = Arc::new(idem_core::Observed::new(stores::open(&config.store).await?, Prometheus));
+    let store: Arc<dyn Store> = Arc::new(idem_core::store::Observed::new(
+        stores::open(&config.store).await?,
+        Prometheus,
+    ));
     // Leases and expiry are judged on the store's clock: measure it before the first request.
     let clock = StoreClock::new(store.clone());
     match clock.sync().await {

@@ -16,8 +16,8 @@ use bytes::Bytes;
 use common::{Gateway, Reply, Upstream, count, new_key, send, serve_refusing};
 use http::{HeaderMap, HeaderValue, Method, StatusCode};
 use idem_core::{
-    Begin, BeginRequest, Completion, FencingToken, Fingerprint, HeaderAllowList, IdempotencyKey, RecordId, Scope,
-    Store, StoredResponse, UnixMillis,
+    Fingerprint, HeaderAllowList, IdempotencyKey, Scope, Store, StoredResponse, UnixMillis,
+    store::{Begin, BeginRequest, Completion, FencingToken, RecordId},
 };
 use idem_test_support::raw;
 use sha2::{Digest, Sha256};

@@ -22,13 +22,12 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::Response;
 
-use crate::credential::ScopeHashing;
 use crate::key::IdempotencyKey;
 use crate::policy::Policy;
 use crate::scope::Scope;
 use crate::seal::Keyring;
+use crate::store::clock::StoreClock;
 use crate::store::{FencingToken, Purged, RecordId, Store, StoreError};
-use crate::store_clock::StoreClock;
 use crate::time::{Clock, UnixMillis};
 
 mod admission;
@@ -43,6 +42,9 @@ pub(crate) use bounded::StoreTimedOut;
 pub use lease::{MAX_PENDING_BYTES, PendingAnswer, RunTimedOut, Unstored};
 pub use settle::{Keep, NoAnswer, Reply, RunEnd, Settlement, body_incomplete, internal_error, no_answer_problem};
 
+pub use crate::content_coding::AcceptEncoding;
+pub use crate::credential::{CredentialScopes, ScopeHashing};
+pub use crate::scope::Caller;
 use lease::Pending;
 
 /// What happened to a keyed request, as logged and counted.

@@ -8,7 +8,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 use http::{HeaderMap, Method};
 use idem_core::{
-    Begin, BeginRequest, Completion, FencingToken, Fingerprint, IdempotencyKey, RecordId, Scope, Store, UnixMillis,
+    Fingerprint, IdempotencyKey, Scope, Store, UnixMillis,
+    store::{Begin, BeginRequest, Completion, FencingToken, RecordId},
 };
 use idem_postgres::PostgresStore;
 

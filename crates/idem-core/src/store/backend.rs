@@ -12,9 +12,12 @@ use bytes::Bytes;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-pub use crate::replay_counts::ReplayCounts;
 pub use crate::scope::hex;
-use crate::{FencingToken, Fingerprint, Record, RecordId, RecordState, StoreError, UnixMillis, WaitOutcome};
+pub use crate::store::replay_counts::ReplayCounts;
+use crate::{
+    Fingerprint, StoreError, UnixMillis,
+    store::{FencingToken, Record, RecordId, RecordState, WaitOutcome},
+};
 
 /// How long an in-flight record made before claims carried their own `purge_at` is kept once its
 /// holder vanished (its lease ended and nobody retried); until then a retry takes it over, marked

@@ -15,7 +15,10 @@ use std::future::Future;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use crate::{Record, RecordId, StoreError};
+use crate::{
+    StoreError,
+    store::{Record, RecordId},
+};
 
 /// Replays counted and not yet written, by record.
 #[derive(Debug, Default)]

@@ -1,6 +1,14 @@
 //! The `Store` trait: the atomic primitives every backend provides. Stores decide nothing about the
 //! protocol; they claim, complete, release, renew and delete records atomically and report what they hold.
 
+pub mod backend;
+pub mod clock;
+mod observed;
+pub(crate) mod replay_counts;
+
+pub use clock::{RESYNC_EVERY, StoreClock};
+pub use observed::{Observed, Observer, StoreOperation};
+
 use std::error::Error as StdError;
 use std::fmt;
 
@@ -330,7 +338,7 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// A record the store cannot read is deleted all the same (an operator must be able to clear
     /// it) and reported as [`StoreError::Corrupt`].
     ///
-    /// [`ABANDONED_CLAIM_RETENTION`]: crate::stored::ABANDONED_CLAIM_RETENTION
+    /// [`ABANDONED_CLAIM_RETENTION`]: crate::store::backend::ABANDONED_CLAIM_RETENTION
     async fn delete(&self, id: &RecordId) -> Result<Option<Record>, StoreError>;
 
     /// Waits until the claim `token` on the record is no longer current, or until `deadline`.
@@ -351,7 +359,7 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     async fn ping(&self) -> Result<(), StoreError>;
 
     /// The store's own time: leases, expiry and tombstones are judged on it, so instances whose
-    /// clocks are skewed still agree ([`StoreClock`](crate::StoreClock) follows it). The server's
+    /// clocks are skewed still agree ([`StoreClock`] follows it). The server's
     /// clock for PostgreSQL and Redis; the machine's for SQLite, whose file is local.
     async fn clock(&self) -> Result<UnixMillis, StoreError>;
 }
