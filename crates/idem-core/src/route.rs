@@ -4,14 +4,19 @@
 //! route whose pattern matches the path wins, and a path no route matches gets the default policy.
 //!
 //! A path is matched as an upstream could read it, so that no spelling of it gets weaker
-//! protection than the route it names (see [`Routes::choose`]). Two readings are taken:
+//! protection than the route it names (see [`Routes::choose`]). Three readings are taken:
 //!
-//! * **as sent**: segment by segment, with only percent-encoded unreserved characters (`%61` for
-//!   `a`) decoded and dot segments (`/a/../b`) resolved, which RFC 3986 says change nothing;
-//! * **normalised**, as WSGI/ASGI servers, nginx, Express or Spring read it: every `%XX` decoded
-//!   (`%2F` becomes a separator), dot segments removed, repeated slashes merged and a trailing
-//!   slash ignored, so `//payments/1`, `/payments%2F1`, `/payments//1` and `/payments/1/` all
-//!   read `/payments/1`. [`PathReadings`] adds, for upstreams that route that way, ASCII
+//! * **literally**, segment by segment exactly as sent, escapes and dot segments left in, as a
+//!   server that routes on the raw path does (Express, Node's `http`, Starlette): so
+//!   `/payments/../webhooks/x` is read under `/payments/*` too;
+//! * **as sent**, with only percent-encoded unreserved characters (`%61` for `a`) decoded and dot
+//!   segments (`/a/../b`) resolved, which RFC 3986 says change nothing;
+//! * **normalised**, as WSGI/ASGI servers, nginx or Spring read it: every `%XX` decoded (`%2F` and
+//!   `%5C` become separators, and so does a backslash, as IIS reads it) and dot segments removed,
+//!   so `/payments%2F1` and `/webhooks/..\payments\1` read `/payments/1`.
+//!
+//! In every reading repeated slashes are merged and a trailing slash is ignored: `//payments/1`,
+//! `/payments//1` and `/payments/1/` are `/payments/1`. [`PathReadings`] adds, for upstreams that route that way, ASCII
 //!   case-insensitive matching and the stripping of `;params` from each segment.
 //!
 //! One decoding only: `%252F` reads `%2F`, not `/`. The request itself is forwarded as sent; only
@@ -67,7 +72,8 @@ impl FromStr for RoutePattern {
         if text.contains(['?', '#']) {
             return Err(err("a route matches the path only, without a query or fragment"));
         }
-        let mut raw: Vec<&str> = rest.split('/').collect();
+        // Repeated and trailing slashes count in no reading of a path, nor in a pattern.
+        let mut raw: Vec<&str> = rest.split('/').filter(|segment| !segment.is_empty()).collect();
         let prefix = raw.last() == Some(&"*");
         if prefix {
             raw.pop();
@@ -229,8 +235,9 @@ fn normal_pieces(segment: &str, readings: PathReadings) -> Vec<Piece> {
         Some((kept, _)) if readings.strip_params => kept,
         _ => segment,
     };
+    // A backslash is a separator too (IIS, and Windows servers generally, read it as one).
     percent_decoded(segment)
-        .split(|&b| b == b'/')
+        .split(|&b| b == b'/' || b == b'\\')
         .filter_map(|piece| match piece {
             b"" | b"." => None,
             b".." => Some(Piece::Up),
@@ -295,28 +302,36 @@ fn shown(segments: &[Vec<u8>]) -> String {
     text
 }
 
-/// A path's segments with unreserved characters decoded and dot segments resolved (the reading
-/// as sent); `None` for a path that is not absolute (`*` of `OPTIONS *`).
+/// A path's segments with unreserved characters decoded, dot segments resolved and empty segments
+/// dropped (the reading as sent, as RFC 3986 says is equivalent); `None` for a path that is not
+/// absolute (`*` of `OPTIONS *`).
 fn normalized(path: &str) -> Option<Vec<Cow<'_, str>>> {
     let rest = path.strip_prefix('/')?;
     let mut segments: Vec<Cow<'_, str>> = Vec::new();
-    let mut raw = rest.split('/').peekable();
-    while let Some(segment) = raw.next() {
+    for segment in rest.split('/') {
         let segment = unreserved_decoded(segment);
-        let last = raw.peek().is_none();
         match &*segment {
-            "." if last => segments.push(Cow::Borrowed("")),
-            "." => {}
+            "" | "." => {}
             ".." => {
                 segments.pop();
-                if last {
-                    segments.push(Cow::Borrowed(""));
-                }
             }
             _ => segments.push(segment),
         }
     }
     Some(segments)
+}
+
+/// A path's segments exactly as sent, escapes and dot segments left in (empty segments dropped):
+/// what a server that routes on the raw path (Express, Node's `http`, Starlette) matches, so
+/// that `/payments/../webhooks/x` is read under `/payments/*` too.
+fn literal(path: &str) -> Option<Vec<Cow<'_, str>>> {
+    let rest = path.strip_prefix('/')?;
+    Some(
+        rest.split('/')
+            .filter(|segment| !segment.is_empty())
+            .map(Cow::Borrowed)
+            .collect(),
+    )
 }
 
 /// `segment` with percent-encoded unreserved characters (letters, digits, `-._~`) decoded, as
@@ -570,13 +585,16 @@ impl Routes {
     /// The index of the route whose rules `path` (a request's path, without its query) gets;
     /// `None` for the default policy.
     ///
-    /// The first route matching each reading is found. If the readings agree, that is the
-    /// choice. If they do not, no spelling may get weaker protection than a reading of it:
+    /// The first route matching each reading is found: the path exactly as sent (escapes and dot
+    /// segments left in), with unreserved escapes decoded and dot segments resolved, and
+    /// normalised (see the module docs); repeated and trailing slashes count in none of them. If
+    /// the readings agree, that is the choice. If they do not, no spelling may get weaker
+    /// protection than a reading of it:
     ///
     /// * a pass-through (`enabled = false`) route never wins over protection, whether a route's
     ///   or the default's: a spelling that reads as a protected path is protected;
-    /// * a route the normalised reading names wins over the default that the spelling as sent
-    ///   falls to (`//payments/1` is `/payments/{id}`): the default is for paths no route names;
+    /// * a route the normalised reading names wins over the default that another reading falls
+    ///   to (`/%70ayments/1` is `/payments/{id}`): the default is for paths no route names;
     /// * any other pair of protections (two routes, or a route as sent and the default once
     ///   normalised, as with `/payments/..%2Frefunds`) is [`PathAmbiguous`].
     ///
@@ -591,29 +609,44 @@ impl Routes {
                 .iter()
                 .position(|route| route.pattern.prefix && route.pattern.segments.is_empty()));
         }
-        let as_sent = normalized(path).and_then(|segments| {
-            self.routes
-                .iter()
-                .position(|route| route.pattern.matches_segments(&segments))
-        });
+        let first = |segments: Option<Vec<Cow<'_, str>>>| {
+            segments.and_then(|segments| {
+                self.routes
+                    .iter()
+                    .position(|route| route.pattern.matches_segments(&segments))
+            })
+        };
+        let raw = first(literal(path));
+        let as_sent = first(normalized(path));
         let normal = normal_reading(path, self.readings);
         let normalised = normal
             .as_ref()
             .and_then(|segments| self.normal.iter().position(|pattern| pattern.matches(segments)));
-        if as_sent == normalised {
-            return Ok(as_sent);
+        if raw == as_sent && as_sent == normalised {
+            return Ok(normalised);
         }
-        let protects = |at: Option<usize>| at.is_none_or(|at| matches!(self.routes[at].rule, RouteRule::Protect(_)));
-        match (protects(as_sent), protects(normalised)) {
-            (true, false) => Ok(as_sent),
-            (false, _) => Ok(normalised),
-            (true, true) if as_sent.is_none() => Ok(normalised),
-            (true, true) => Err(PathAmbiguous {
-                path: path.to_owned(),
-                as_sent: self.rules_of(as_sent),
-                normalised: shown(normal.as_deref().unwrap_or_default()),
-                normalised_rules: self.rules_of(normalised),
-            }),
+        let protects = |at: &Option<usize>| at.is_none_or(|at| matches!(self.routes[at].rule, RouteRule::Protect(_)));
+        let mut protecting: Vec<Option<usize>> = [raw, as_sent, normalised].into_iter().filter(protects).collect();
+        protecting.dedup();
+        protecting.sort();
+        protecting.dedup();
+        match protecting.as_slice() {
+            // Nothing protects any reading: every one passes through.
+            [] => Ok(normalised),
+            [one] => Ok(*one),
+            [None, Some(route)] if normalised == Some(*route) => Ok(normalised),
+            _ => {
+                let other = [raw, as_sent]
+                    .into_iter()
+                    .find(|at| *at != normalised && protects(at))
+                    .unwrap_or(as_sent);
+                Err(PathAmbiguous {
+                    path: path.to_owned(),
+                    as_sent: self.rules_of(other),
+                    normalised: shown(normal.as_deref().unwrap_or_default()),
+                    normalised_rules: self.rules_of(normalised),
+                })
+            }
         }
     }
 
@@ -647,8 +680,13 @@ mod tests {
     #[test]
     fn exact_param_and_prefix_patterns_match_what_they_say() {
         let cases: &[(&str, &[&str], &[&str])] = &[
-            ("/payments", &["/payments"], &["/payments/", "/payments/1", "/pay", "/"]),
-            ("/", &["/"], &["/a", "//"]),
+            // Repeated and trailing slashes count in no reading.
+            (
+                "/payments",
+                &["/payments", "/payments/", "//payments"],
+                &["/payments/1", "/pay", "/"],
+            ),
+            ("/", &["/", "//"], &["/a"]),
             (
                 "/orders/{id}/pay",
                 &["/orders/1/pay", "/orders/o_9/pay"],
@@ -897,6 +935,30 @@ mod tests {
                 assert!(message.contains(named), "{message} names {named}");
             }
         }
+    }
+
+    #[test]
+    fn a_dot_segment_or_a_backslash_never_walks_a_path_out_of_its_protection() {
+        let routes = Routes::new()
+            .with("/payments/*", RouteRule::Protect(Policy::default()))
+            .unwrap()
+            .with("/webhooks/*", RouteRule::PassThrough)
+            .unwrap();
+        // Read literally (Express, Node's http), these are under /payments/*; resolved, under the
+        // pass-through route. Protection wins.
+        for path in [
+            "/payments/../webhooks/x",
+            "/payments/%2e%2e/webhooks/x",
+            "/payments/.%2e/webhooks/x",
+        ] {
+            assert_eq!(routes.choose(path), Ok(Some(0)), "{path}");
+        }
+        // IIS reads a backslash as a separator.
+        for path in ["/webhooks/..\\payments\\1", "/webhooks/..%5Cpayments%5C1"] {
+            assert_eq!(routes.choose(path), Ok(Some(0)), "{path}");
+        }
+        // A pass-through spelling that reads as nothing protected stays passed through.
+        assert_eq!(routes.choose("/webhooks/github/../gitlab"), Ok(Some(1)));
     }
 
     #[test]
