@@ -3,6 +3,7 @@
 //! head is disconnected, one that keeps the gateway waiting longer for a body has it cut off; a
 //! shutdown closes whatever is left when the grace is over. It speaks HTTP/1.1 and HTTP/2 (h2c by
 //! prior knowledge on plain TCP; over TLS, whichever ALPN settled), and TLS when given a certificate.
+//! A request's body is handed on with its read timeout ([`request_body`]).
 
 use std::convert::Infallible;
 use std::future::Future;

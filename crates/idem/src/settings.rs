@@ -26,7 +26,8 @@ use crate::units::{format_duration, format_size, parse_duration, parse_method, p
 ///     env: "IDEM_NAME",
 ///     default: policy,      // `Policy::default().name`, and the value goes into the policy;
 ///                           // or `(expression)`, `none` (no value is fine), `required`
-///     route: true,          // whether a `[[route]]` table may set it (policy settings only)
+///     route: true,          // whether a `[[route]]` table may set it (a `Policy` field only:
+///                           // `RouteSettings::over` does not compile for another)
 ///     arg: [clap attributes],       // optional: how the flag parses
 ///     file: [serde attributes],     // optional: how the file's value parses
 ///     shown: function,              // how `--help` writes the default (`fn(&Type) -> String`)
@@ -230,6 +231,10 @@ mod shown {
         value.to_string()
     }
 
+    #[expect(
+        clippy::ptr_arg,
+        reason = "a `shown` function takes `&Type`, and this type is a `Vec`"
+    )]
     pub(super) fn methods(methods: &Vec<http::Method>) -> String {
         let names: Vec<&str> = methods.iter().map(http::Method::as_str).collect();
         names.join(",")
@@ -426,4 +431,73 @@ settings! {
         file: [deserialize_with = "de::parsed"],
         shown: shown::text,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Args as _;
+
+    use super::*;
+
+    #[test]
+    fn each_flag_is_its_name_and_reads_idem_and_its_name() {
+        let serve = ServeSettings::augment_args(clap::Command::new("serve"));
+        assert!(serve.get_arguments().any(|arg| arg.get_id() == "upstream_timeout"));
+        for arg in serve.get_arguments() {
+            let id = arg.get_id().as_str();
+            assert_eq!(arg.get_long(), Some(id.replace('_', "-").as_str()), "{id}");
+            let env = arg.get_env().and_then(|env| env.to_str());
+            assert_eq!(env, Some(format!("IDEM_{}", id.to_ascii_uppercase()).as_str()), "{id}");
+        }
+    }
+
+    #[test]
+    fn the_defaults_resolve_once_the_upstream_is_given() {
+        let err = ServeSettings::default()
+            .resolve()
+            .expect_err("the upstream is required");
+        assert_eq!(err.flag, "upstream");
+        let given = ServeSettings {
+            upstream: Some("http://127.0.0.1:3000".parse().unwrap()),
+            ..ServeSettings::default()
+        };
+        let resolved = given
+            .resolve()
+            .expect("everything else has a default or may be left out");
+        assert_eq!(resolved.listen, LISTEN);
+        assert_eq!(resolved.upstream_ca, None);
+        let policy = Policy::default();
+        assert_eq!((resolved.ttl, resolved.methods), (policy.ttl, policy.methods));
+    }
+
+    #[test]
+    fn the_file_is_under_the_flags_and_names_what_it_gave() {
+        let flags = ServeSettings {
+            ttl: Some(Duration::from_secs(60)),
+            ..ServeSettings::default()
+        };
+        let file: ServeSettings = toml::from_str("ttl = \"1h\"\nwait = \"5s\"\n").unwrap();
+        let (settings, from_file) = flags.or_file(file);
+        assert_eq!(settings.ttl, Some(Duration::from_secs(60)));
+        assert_eq!(settings.wait, Some(Duration::from_secs(5)));
+        assert_eq!(from_file.into_iter().collect::<Vec<_>>(), ["wait"]);
+    }
+
+    #[test]
+    fn a_route_sets_only_the_policy_settings_it_names() {
+        let route: RouteSettings =
+            toml::from_str("path = \"/pay\"\nttl = \"1s\"\nstore-5xx = true\nmissing-key = \"require\"\n").unwrap();
+        assert_eq!(route.given(), ["ttl", "missing-key", "store-5xx"]);
+        let gateway = Policy {
+            wait: Duration::from_secs(3),
+            ..Policy::default()
+        };
+        let policy = route.over(&gateway);
+        assert_eq!(policy.ttl, Duration::from_secs(1));
+        assert!(policy.store_5xx);
+        assert_eq!(policy.missing_key, MissingKeyPolicy::Require);
+        assert_eq!(policy.wait, gateway.wait, "what the route leaves out is the gateway's");
+        let err = toml::from_str::<RouteSettings>("path = \"/pay\"\nlease = \"5s\"\n").unwrap_err();
+        assert!(err.message().contains("unknown field `lease`"), "{err}");
+    }
 }
