@@ -1,70 +1,62 @@
-//! `idem serve`'s settings, from four places: a flag beats the environment (`IDEM_<FLAG>`, both
-//! read by clap), which beats the config file (`--config FILE`), which beats the defaults. The
-//! defaults are here ([`Defaults`]) and, for the protocol's settings, in `Policy::default()`;
-//! `--help` shows them from there.
+//! `idem serve`'s settings, resolved: a flag beats the environment (`IDEM_<FLAG>`, both read by
+//! clap), which beats the config file (`--config FILE`), which beats the defaults; all of them
+//! are declared in [`crate::settings`]. Here they are checked and turned into what the listeners,
+//! the proxy and the protocol run with.
 
-pub(crate) mod de;
 mod file;
 
 use std::collections::BTreeSet;
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use idem_core::{
-    Keyring, PathReadings, Policy, RouteError, RoutePattern, RouteRule, Routes, ScopeSecret, ScopeSecrets, ScopeSource,
-};
+use idem_core::{Keyring, Policy, RouteError, RoutePattern, RouteRule, Routes, ScopeSecret, ScopeSecrets, ScopeSource};
 
-use crate::cli::{Misconfigured, RouteSettings, ServeArgs, ServeSettings};
-use crate::proxy::UpstreamOptions;
-use crate::serve::Limits;
-use crate::units::{format_duration, format_size};
+use crate::cli::ServeArgs;
+use crate::misconfigured::Misconfigured;
+use crate::settings::{Resolved, RouteSettings, ServeSettings};
 
 pub(crate) use file::ConfigError;
 use file::ConfigFile;
 
-/// The defaults of the gateway's own settings; the protocol's are `Policy::default()`.
-pub(crate) struct Defaults;
+/// What a listener allows its clients.
+#[derive(Debug, Clone)]
+pub(crate) struct Limits {
+    /// How long a client may take to send a request's head, counted from when its connection
+    /// opened or its last answer ended, and how long in all it may keep the gateway waiting for a
+    /// request's body.
+    pub(crate) read_timeout: Duration,
+    /// Connections open at once; accepting waits while this many are open.
+    pub(crate) max_connections: usize,
+    /// From the shutdown signal: how long running requests (and `background` work) may take
+    /// before the connections left are closed.
+    pub(crate) shutdown_grace: Duration,
+}
 
-impl Defaults {
-    pub(crate) const LISTEN: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 8080);
-    pub(crate) const ADMIN_LISTEN: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 9090);
-    pub(crate) const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(30);
-    pub(crate) const READ_TIMEOUT: Duration = Duration::from_secs(30);
-    pub(crate) const MAX_CONNECTIONS: usize = 10_000;
-    pub(crate) const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
-    pub(crate) const UPSTREAM_HTTP2: bool = false;
-
-    /// Each defaulted setting's clap id and its default as a flag would take it, for `--help`.
-    pub(crate) fn shown() -> Vec<(&'static str, String)> {
-        let policy = Policy::default();
-        let methods: Vec<&str> = policy.methods.iter().map(http::Method::as_str).collect();
-        vec![
-            ("listen", Self::LISTEN.to_string()),
-            ("admin_listen", Self::ADMIN_LISTEN.to_string()),
-            ("store", crate::stores::DEFAULT_STORE.to_owned()),
-            ("ttl", format_duration(policy.ttl)),
-            ("tombstone_ttl", format_duration(policy.tombstone_ttl)),
-            ("lease", format_duration(policy.lease)),
-            ("run_timeout", format_duration(policy.run_timeout)),
-            ("wait", format_duration(policy.wait)),
-            ("scope", policy.scope.to_string()),
-            ("anonymous", policy.anonymous.to_string()),
-            ("expire_by_key_time", policy.expire_by_key_time.to_string()),
-            ("missing_key", policy.missing_key.to_string()),
-            ("methods", methods.join(",")),
-            ("max_body", format_size(policy.max_body)),
-            ("max_stored_body", format_size(policy.max_stored_body)),
-            ("store_5xx", policy.store_5xx.to_string()),
-            ("fail_open", policy.fail_open.to_string()),
-            ("upstream_timeout", format_duration(Self::UPSTREAM_TIMEOUT)),
-            ("read_timeout", format_duration(Self::READ_TIMEOUT)),
-            ("max_connections", Self::MAX_CONNECTIONS.to_string()),
-            ("shutdown_grace", format_duration(Self::SHUTDOWN_GRACE)),
-            ("upstream_http2", Self::UPSTREAM_HTTP2.to_string()),
-            ("path_readings", PathReadings::default().to_string()),
-        ]
+impl Default for Limits {
+    /// The settings' defaults.
+    fn default() -> Self {
+        let defaults = ServeSettings::defaults();
+        let given = "the setting has a default";
+        Self {
+            read_timeout: defaults.read_timeout.expect(given),
+            max_connections: defaults.max_connections.expect(given),
+            shutdown_grace: defaults.shutdown_grace.expect(given),
+        }
     }
+}
+
+/// The most connections a listener can be asked to hold (the limit of the semaphore it counts
+/// them with).
+const MOST_CONNECTIONS: usize = tokio::sync::Semaphore::MAX_PERMITS;
+
+/// How the gateway speaks to its upstream, beyond its URL.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct UpstreamOptions {
+    /// A PEM bundle of CAs trusted besides the system's (`--upstream-ca`; `https://` only).
+    pub(crate) ca: Option<PathBuf>,
+    /// HTTP/2 by prior knowledge (h2c) to an `http://` upstream (`--upstream-http2`).
+    pub(crate) http2: bool,
 }
 
 /// The keys that seal stored answers, from `IDEM_ENCRYPTION_KEYS` (an environment variable only:
@@ -157,7 +149,7 @@ pub(crate) struct ServeConfig {
 #[derive(Debug)]
 struct Origins {
     file: Option<ConfigFile>,
-    from_file: BTreeSet<String>,
+    from_file: BTreeSet<&'static str>,
 }
 
 impl ServeConfig {
@@ -171,41 +163,46 @@ impl ServeConfig {
             }
             None => (None, ServeSettings::default()),
         };
-        let mut origins = Origins {
-            file,
-            from_file: BTreeSet::new(),
-        };
-        let settings = merge(args.settings, file_settings, &mut origins.from_file);
-        let upstream = settings.upstream.clone().ok_or_else(|| Misconfigured {
-            flag: "upstream",
-            reason: "is required: give the flag, IDEM_UPSTREAM, or `upstream` in the config file".to_owned(),
-        })?;
-        let policy = policy(&settings).map_err(|err| origins.place(err))?;
+        let (settings, from_file) = args.settings.or_file(file_settings);
+        let origins = Origins { file, from_file };
+        let settings = settings.resolve()?;
+        let policy = settings.policy();
+        check_for_gateway(&policy).map_err(|err| origins.place(err))?;
         let limits = limits(&settings).map_err(|err| origins.place(err))?;
         let routes = match &origins.file {
             Some(file) => routes(file, &settings.route, &policy)?,
             None => Routes::new(),
         }
-        .with_readings(settings.path_readings.unwrap_or_default());
+        .with_readings(settings.path_readings);
         let keyring = keyring_from_env()?;
         let scope_secrets = scope_secrets_from_env()?;
+        let Resolved {
+            upstream,
+            listen,
+            admin_listen,
+            store,
+            upstream_timeout,
+            upstream_ca,
+            upstream_http2,
+            tls_cert,
+            tls_key,
+            ..
+        } = settings;
         Ok(Self {
             upstream,
-            listen: settings.listen.unwrap_or(Defaults::LISTEN),
-            admin_listen: settings.admin_listen.unwrap_or(Defaults::ADMIN_LISTEN),
-            store: settings
-                .store
-                .unwrap_or_else(|| crate::stores::DEFAULT_STORE.to_owned()),
+            listen,
+            admin_listen,
+            store,
             policy,
             routes,
             limits,
-            upstream_timeout: settings.upstream_timeout.unwrap_or(Defaults::UPSTREAM_TIMEOUT),
+            upstream_timeout,
             upstream_options: UpstreamOptions {
-                ca: settings.upstream_ca,
-                http2: settings.upstream_http2.unwrap_or(Defaults::UPSTREAM_HTTP2),
+                ca: upstream_ca,
+                http2: upstream_http2,
             },
-            tls_cert: settings.tls_cert,
-            tls_key: settings.tls_key,
+            tls_cert,
+            tls_key,
             keyring,
             scope_secrets,
             origins,
@@ -227,93 +224,11 @@ impl Origins {
     }
 }
 
-/// `flags` (and the environment), with the file's settings where they give none; records which
-/// settings came from the file.
-fn merge(flags: ServeSettings, file: ServeSettings, from_file: &mut BTreeSet<String>) -> ServeSettings {
-    macro_rules! merged {
-        ($($setting:ident),* $(,)?) => {
-            ServeSettings {
-                $($setting: match flags.$setting {
-                    Some(value) => Some(value),
-                    None => {
-                        if file.$setting.is_some() {
-                            from_file.insert(stringify!($setting).replace('_', "-"));
-                        }
-                        file.$setting
-                    }
-                },)*
-                route: file.route,
-            }
-        };
-    }
-    merged!(
-        upstream,
-        listen,
-        admin_listen,
-        store,
-        ttl,
-        tombstone_ttl,
-        lease,
-        run_timeout,
-        wait,
-        scope,
-        anonymous,
-        expire_by_key_time,
-        missing_key,
-        methods,
-        max_body,
-        max_stored_body,
-        store_5xx,
-        fail_open,
-        upstream_timeout,
-        read_timeout,
-        max_connections,
-        shutdown_grace,
-        upstream_ca,
-        upstream_http2,
-        tls_cert,
-        tls_key,
-        path_readings,
-    )
-}
-
-/// Sets each named field of `target` to the value `source` gives for it, where it gives one.
-macro_rules! overlay {
-    ($target:ident, $source:ident; $($setting:ident),* $(,)?) => {
-        $(if let Some(value) = $source.$setting.clone() {
-            $target.$setting = value;
-        })*
-    };
-}
-
 fn refuse<T>(flag: &'static str, reason: &str) -> Result<T, Misconfigured> {
     Err(Misconfigured {
         flag,
         reason: reason.to_owned(),
     })
-}
-
-/// The gateway's policy for paths no route matches.
-fn policy(settings: &ServeSettings) -> Result<Policy, Misconfigured> {
-    let mut policy = Policy::default();
-    overlay!(policy, settings;
-        ttl,
-        tombstone_ttl,
-        lease,
-        run_timeout,
-        wait,
-        scope,
-        anonymous,
-        expire_by_key_time,
-        missing_key,
-        methods,
-        max_body,
-        max_stored_body,
-        store_5xx,
-        fail_open,
-    );
-    check_for_gateway(&policy)?;
-    Ok(policy)
 }
 
 /// What the gateway refuses in a policy beyond [`Policy::validate`].
@@ -337,11 +252,11 @@ fn check_for_gateway(policy: &Policy) -> Result<(), Misconfigured> {
 }
 
 /// What the gateway's listeners allow their clients.
-fn limits(settings: &ServeSettings) -> Result<Limits, Misconfigured> {
+fn limits(settings: &Resolved) -> Result<Limits, Misconfigured> {
     let limits = Limits {
-        read_timeout: settings.read_timeout.unwrap_or(Defaults::READ_TIMEOUT),
-        max_connections: settings.max_connections.unwrap_or(Defaults::MAX_CONNECTIONS),
-        shutdown_grace: settings.shutdown_grace.unwrap_or(Defaults::SHUTDOWN_GRACE),
+        read_timeout: settings.read_timeout,
+        max_connections: settings.max_connections,
+        shutdown_grace: settings.shutdown_grace,
     };
     if limits.read_timeout.is_zero() {
         return refuse(
@@ -352,11 +267,8 @@ fn limits(settings: &ServeSettings) -> Result<Limits, Misconfigured> {
     if limits.max_connections == 0 {
         return refuse("max-connections", "must be at least 1, or no client could ever connect");
     }
-    if limits.max_connections > crate::serve::MOST_CONNECTIONS {
-        return refuse(
-            "max-connections",
-            &format!("must be at most {}", crate::serve::MOST_CONNECTIONS),
-        );
+    if limits.max_connections > MOST_CONNECTIONS {
+        return refuse("max-connections", &format!("must be at most {MOST_CONNECTIONS}"));
     }
     if limits.shutdown_grace.is_zero() {
         return refuse(
@@ -377,7 +289,7 @@ fn routes(file: &ConfigFile, tables: &[RouteSettings], policy: &Policy) -> Resul
         let pattern: RoutePattern = path.parse().map_err(|err| refuse(format!("{err}")))?;
         let rule = match table.enabled {
             Some(false) => {
-                let ignored = table.settings_given();
+                let ignored = table.given();
                 if !ignored.is_empty() {
                     return Err(refuse(format!(
                         "enabled = false passes the route through untouched, so {} would do nothing: remove them or the enabled line",
@@ -401,43 +313,4 @@ fn routes(file: &ConfigFile, tables: &[RouteSettings], policy: &Policy) -> Resul
         })?;
     }
     Ok(routes)
-}
-
-impl RouteSettings {
-    /// `policy` with this route's settings over it.
-    fn over(&self, policy: &Policy) -> Policy {
-        let mut policy = policy.clone();
-        overlay!(policy, self;
-            methods,
-            ttl,
-            tombstone_ttl,
-            missing_key,
-            scope,
-            max_body,
-            max_stored_body,
-            store_5xx,
-            run_timeout
-        );
-        policy
-    }
-
-    /// The names of the settings this route gives, besides `path` and `enabled`.
-    fn settings_given(&self) -> Vec<&'static str> {
-        let given = [
-            ("methods", self.methods.is_some()),
-            ("ttl", self.ttl.is_some()),
-            ("tombstone-ttl", self.tombstone_ttl.is_some()),
-            ("missing-key", self.missing_key.is_some()),
-            ("scope", self.scope.is_some()),
-            ("max-body", self.max_body.is_some()),
-            ("max-stored-body", self.max_stored_body.is_some()),
-            ("store-5xx", self.store_5xx.is_some()),
-            ("run-timeout", self.run_timeout.is_some()),
-        ];
-        given
-            .into_iter()
-            .filter(|(_, set)| *set)
-            .map(|(name, _)| name)
-            .collect()
-    }
 }

@@ -7,10 +7,14 @@ mod commands;
 mod config;
 mod demo;
 mod instrumented;
+mod listener;
+mod misconfigured;
 mod proxy;
 mod request;
 mod serve;
+mod settings;
 mod stores;
+mod tls;
 mod units;
 
 use std::io::IsTerminal;
@@ -56,7 +60,7 @@ async fn main() -> ExitCode {
         Err(err) => {
             eprintln!("idem: {err:#}");
             // Settings that cannot work are a usage error, like those clap finds.
-            if err.is::<cli::Misconfigured>() || err.is::<config::ConfigError>() {
+            if err.is::<misconfigured::Misconfigured>() || err.is::<config::ConfigError>() {
                 ExitCode::from(2)
             } else {
                 ExitCode::FAILURE

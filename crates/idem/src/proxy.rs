@@ -7,7 +7,6 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -27,18 +26,10 @@ use idem_core::{
 };
 use idem_tower::Body;
 
-use crate::cli::Misconfigured;
-use crate::serve::ClientBodyFailed;
-use crate::serve::tls::{self, OverTls};
-
-/// How the gateway speaks to its upstream, beyond its URL.
-#[derive(Clone, Debug, Default)]
-pub(crate) struct UpstreamOptions {
-    /// A PEM bundle of CAs trusted besides the system's (`--upstream-ca`; `https://` only).
-    pub(crate) ca: Option<PathBuf>,
-    /// HTTP/2 by prior knowledge (h2c) to an `http://` upstream (`--upstream-http2`).
-    pub(crate) http2: bool,
-}
+use crate::config::UpstreamOptions;
+use crate::listener::ClientBodyFailed;
+use crate::misconfigured::Misconfigured;
+use crate::tls::{self, OverTls};
 
 /// Forwards requests to one upstream over a pooled connection.
 #[derive(Clone, Debug)]

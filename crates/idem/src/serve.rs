@@ -1,7 +1,7 @@
 //! `idem serve`: the idempotency layer around the proxy, the admin listener, the background
 //! purger and a graceful shutdown that lets running requests finish and store their answers
-//! within `--shutdown-grace`. How connections are held is in [`connections`], TLS in [`tls`];
-//! `idem demo` runs the same [`Gateway`] in-process (`demo::instance`).
+//! within `--shutdown-grace`. How connections are held is in [`crate::listener`], TLS in
+//! [`crate::tls`]; `idem demo` runs the same [`Gateway`] in-process (`demo::instance`).
 
 use std::future::Future;
 use std::time::Duration;
@@ -17,16 +17,10 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::cli::ServeArgs;
-use crate::config::ServeConfig;
+use crate::config::{Limits, ServeConfig};
 use crate::instrumented::Prometheus;
 use crate::proxy::Proxy;
-use crate::{admin, stores};
-
-mod connections;
-pub(crate) mod tls;
-
-pub(crate) use connections::ClientBodyFailed;
-pub(crate) use connections::{Limits, MOST_CONNECTIONS};
+use crate::{admin, listener, stores, tls};
 
 /// The buckets of every latency histogram, in seconds: from a local store's half millisecond to
 /// an upstream's minute.
@@ -122,7 +116,7 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
         let (shutdown, limits) = (shutdown.clone(), limits.clone());
         let router = admin::router(store.clone(), metrics);
         async move {
-            connections::serve(
+            listener::serve(
                 "admin",
                 admin_listener,
                 None,
@@ -225,7 +219,7 @@ impl Gateway {
         limits: &Limits,
         shutdown: impl Future<Output = ()>,
     ) {
-        connections::serve("proxy", listener, tls, self.app.clone(), limits, &self.tasks, shutdown).await;
+        listener::serve("proxy", listener, tls, self.app.clone(), limits, &self.tasks, shutdown).await;
     }
 }
 

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use serde::de::IgnoredAny;
 use toml::Spanned;
 
-use crate::cli::ServeSettings;
+use crate::settings::ServeSettings;
 
 /// The config file, read.
 #[derive(Debug)]

@@ -10,8 +10,9 @@ use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
+use crate::config::Limits;
 use crate::proxy::Proxy;
-use crate::serve::{Gateway, Limits};
+use crate::serve::Gateway;
 use crate::stores;
 
 /// What an in-process [`Instance`] puts in front of its upstream.

@@ -16,7 +16,7 @@ use rustls::server::ParsedCertificate;
 use rustls::{CertificateError, ClientConfig, DigitallySignedStruct, RootCertStore, ServerConfig, SignatureScheme};
 use tokio_rustls::TlsAcceptor;
 
-use crate::cli::Misconfigured;
+use crate::misconfigured::Misconfigured;
 
 /// Marks a request that came in over the TLS listener, so that the upstream is told
 /// `X-Forwarded-Proto: https`.
