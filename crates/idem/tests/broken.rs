@@ -23,9 +23,8 @@ use common::{Gateway, Upstream, count, describe, new_key, run_idem_skewed};
 const PAY_BODY: &str = r#"{"amount":1000,"currency":"EUR"}"#;
 const LIMIT: Duration = Duration::from_secs(60);
 
-/// An upstream that routes as Express (`app.post("/payments/*", …)`), Node's `http`, Python's
-/// `http.server`, uvicorn/Starlette and gunicorn/werkzeug do: on the path as it arrives, dot
-/// segments left in it. It counts the runs of its payments handler, and of those, the ones
+/// An upstream that routes `POST /payments/*` to its payments handler, reading the path its own
+/// way (`Counters::reading`) as a real server does. It counts the runs of its payments handler, and of those, the ones
 /// flagged `Idempotency-Recovered: true`.
 struct PrefixUpstream {
     addr: SocketAddr,
@@ -42,12 +41,36 @@ impl Drop for PrefixUpstream {
 
 #[derive(Clone)]
 struct Counters {
+    /// How this upstream reads a path before routing it.
+    reading: fn(&str) -> String,
     payments: Arc<AtomicUsize>,
     flagged: Arc<AtomicUsize>,
 }
 
+/// The path as it arrives: Express, Node, uvicorn, gunicorn, `http.server`.
+fn as_it_arrives(path: &str) -> String {
+    path.to_owned()
+}
+
+/// The path as IIS reads it: `\` (or `%5C`) is a `/`, dot segments are resolved, case is
+/// ignored.
+fn as_iis_reads_it(path: &str) -> String {
+    let slashed = path.replace("%5C", "/").replace("%5c", "/").replace('\\', "/");
+    let mut segments: Vec<&str> = Vec::new();
+    for segment in slashed.split('/').skip(1) {
+        match segment {
+            "." => {}
+            ".." => {
+                segments.pop();
+            }
+            _ => segments.push(segment),
+        }
+    }
+    format!("/{}", segments.join("/")).to_ascii_lowercase()
+}
+
 async fn prefix_routed(State(counters): State<Counters>, method: Method, uri: Uri, headers: HeaderMap, _body: Bytes) {
-    if method == Method::POST && uri.path().starts_with("/payments/") {
+    if method == Method::POST && (counters.reading)(uri.path()).starts_with("/payments/") {
         counters.payments.fetch_add(1, Ordering::SeqCst);
         if headers.get("idempotency-recovered").is_some_and(|v| v == "true") {
             counters.flagged.fetch_add(1, Ordering::SeqCst);
@@ -56,10 +79,11 @@ async fn prefix_routed(State(counters): State<Counters>, method: Method, uri: Ur
 }
 
 impl PrefixUpstream {
-    async fn start() -> Self {
+    async fn start(reading: fn(&str) -> String) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind the upstream");
         let addr = listener.local_addr().unwrap();
         let counters = Counters {
+            reading,
             payments: Arc::new(AtomicUsize::new(0)),
             flagged: Arc::new(AtomicUsize::new(0)),
         };
@@ -111,7 +135,36 @@ async fn raw_post(gateway: SocketAddr, path: &str, key: &str) -> u16 {
 /// so the stricter rule applies), or the spelling is refused with `400 path-ambiguous`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dot_segment_walks_a_payment_out_of_its_route() {
-    let upstream = PrefixUpstream::start().await;
+    let upstream = PrefixUpstream::start(as_it_arrives).await;
+    let (gw, _dir) = readme_gateway(&upstream, &[]).await;
+    twice_each(
+        &gw,
+        &upstream,
+        &["/payments/../webhooks/x", "/payments/%2e%2e/webhooks/x"],
+    )
+    .await;
+}
+
+/// The README's route table again, with `--path-readings case-insensitive,strip-params`, the
+/// setting offered for ASP.NET/IIS upstreams. IIS reads a backslash (and `%5C`) as a `/`, so
+/// `POST /webhooks/..\payments\1` is `/payments/1` to it; idem's readings keep the backslash
+/// inside one segment under `/webhooks/*` and pass it through. What should hold: the payments
+/// handler runs once, or the spelling is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backslash_walks_a_payment_out_of_its_route_on_iis() {
+    let upstream = PrefixUpstream::start(as_iis_reads_it).await;
+    let (gw, _dir) = readme_gateway(&upstream, &["--path-readings", "case-insensitive,strip-params"]).await;
+    twice_each(
+        &gw,
+        &upstream,
+        &["/webhooks/..\\payments\\1", "/webhooks/..%5Cpayments%5C1"],
+    )
+    .await;
+}
+
+/// A gateway with the README's routes: `/payments/*` (a key required) and `/webhooks/*` passed
+/// through; `args` added. The directory holds its config file.
+async fn readme_gateway(upstream: &PrefixUpstream, args: &[&str]) -> (Gateway, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("idem.toml");
     std::fs::write(
@@ -120,9 +173,16 @@ async fn a_dot_segment_walks_a_payment_out_of_its_route() {
          [[route]]\npath = \"/webhooks/*\"\nenabled = false\n",
     )
     .unwrap();
-    let gw = Gateway::start(&upstream.url(), &["--config", config.to_str().unwrap()]).await;
+    let mut all = vec!["--config", config.to_str().unwrap()];
+    all.extend_from_slice(args);
+    let gw = Gateway::start(&upstream.url(), &all).await;
+    (gw, dir)
+}
 
-    for path in ["/payments/../webhooks/x", "/payments/%2e%2e/webhooks/x"] {
+/// Sends each path twice under one key and asserts that the upstream's payments handler ran at
+/// most once per key, unless the second run was flagged recovered.
+async fn twice_each(gw: &Gateway, upstream: &PrefixUpstream, paths: &[&str]) {
+    for path in paths {
         let before = count(&upstream.payments);
         let key = new_key();
         let first = raw_post(gw.addr(), path, &key).await;
