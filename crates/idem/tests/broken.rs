@@ -244,3 +244,45 @@ async fn sqlite_gateway_on_a_clock_days_ahead_runs_a_live_key_again() {
          moment ago again ({runs} runs, unflagged): {retry}"
     );
 }
+
+/// The README's procedure for setting `IDEM_SCOPE_SECRET` ("Changing how scopes are hashed never
+/// makes a retry run again"): the new instance gets the secret and `IDEM_SCOPE_SECRET_PREVIOUS=none`.
+/// While the rollout is under way an instance not yet restarted shares the store; a caller's first
+/// try lands on the new instance and its retry on the old one, which does not know the new scope
+/// and runs the key again, unflagged. (Retried the other way round it is a replay.) What should
+/// hold: a replay, or the README should say that this rollout, like the upgrade from `cred:`, lets
+/// a retry run again and how to avoid it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn setting_the_scope_secret_as_the_readme_says_runs_a_retry_again() {
+    let upstream = Upstream::start().await;
+    let new = Gateway::start_with_env(
+        &upstream.url(),
+        &[],
+        &[
+            ("IDEM_SCOPE_SECRET", "a-new-scope-secret-of-32-bytes!!"),
+            ("IDEM_SCOPE_SECRET_PREVIOUS", "none"),
+        ],
+    )
+    .await;
+    let old = Gateway::start_on_store(&upstream.url(), &new.store, &[]).await;
+    let key = new_key();
+    let first = new
+        .post("/pay", PAY_BODY)
+        .header("content-type", "application/json")
+        .header("idempotency-key", &key)
+        .header("authorization", "Bearer alice");
+    let first = common::send(first).await;
+    assert_eq!(first.status, 201, "{first}");
+    let retry = old
+        .post("/pay", PAY_BODY)
+        .header("content-type", "application/json")
+        .header("idempotency-key", &key)
+        .header("authorization", "Bearer alice");
+    let retry = common::send(retry).await;
+    let runs = count(&upstream.state.pay);
+    assert!(
+        runs == 1 || retry.header("x-seen-recovered").as_deref() == Some("true"),
+        "the retry on an instance not yet given IDEM_SCOPE_SECRET ran the key again ({runs} runs, \
+         unflagged): {retry}"
+    );
+}
