@@ -1,0 +1,288 @@
+//! DESIGN's rule, broken from outside: the smallest reproductions of what a hostile client or a
+//! busy operator can still do to make a key run twice at the upstream without
+//! `Idempotency-Recovered: true`. Each test here fails on the code it was written against and
+//! states what should hold instead.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, Method, Uri};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinHandle;
+
+use common::{Gateway, Upstream, count, describe, new_key, run_idem_skewed};
+
+const PAY_BODY: &str = r#"{"amount":1000,"currency":"EUR"}"#;
+const LIMIT: Duration = Duration::from_secs(60);
+
+/// An upstream that routes `POST /payments/*` to its payments handler, reading the path its own
+/// way (`Counters::reading`) as a real server does. It counts the runs of its payments handler, and of those, the ones
+/// flagged `Idempotency-Recovered: true`.
+struct PrefixUpstream {
+    addr: SocketAddr,
+    payments: Arc<AtomicUsize>,
+    flagged: Arc<AtomicUsize>,
+    task: JoinHandle<()>,
+}
+
+impl Drop for PrefixUpstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+#[derive(Clone)]
+struct Counters {
+    /// How this upstream reads a path before routing it.
+    reading: fn(&str) -> String,
+    payments: Arc<AtomicUsize>,
+    flagged: Arc<AtomicUsize>,
+}
+
+/// The path as it arrives: Express, Node, uvicorn, gunicorn, `http.server`.
+fn as_it_arrives(path: &str) -> String {
+    path.to_owned()
+}
+
+/// The path as IIS reads it: `\` (or `%5C`) is a `/`, dot segments are resolved, case is
+/// ignored.
+fn as_iis_reads_it(path: &str) -> String {
+    let slashed = path.replace("%5C", "/").replace("%5c", "/").replace('\\', "/");
+    let mut segments: Vec<&str> = Vec::new();
+    for segment in slashed.split('/').skip(1) {
+        match segment {
+            "." => {}
+            ".." => {
+                segments.pop();
+            }
+            _ => segments.push(segment),
+        }
+    }
+    format!("/{}", segments.join("/")).to_ascii_lowercase()
+}
+
+async fn prefix_routed(State(counters): State<Counters>, method: Method, uri: Uri, headers: HeaderMap, _body: Bytes) {
+    if method == Method::POST && (counters.reading)(uri.path()).starts_with("/payments/") {
+        counters.payments.fetch_add(1, Ordering::SeqCst);
+        if headers.get("idempotency-recovered").is_some_and(|v| v == "true") {
+            counters.flagged.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
+
+impl PrefixUpstream {
+    async fn start(reading: fn(&str) -> String) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind the upstream");
+        let addr = listener.local_addr().unwrap();
+        let counters = Counters {
+            reading,
+            payments: Arc::new(AtomicUsize::new(0)),
+            flagged: Arc::new(AtomicUsize::new(0)),
+        };
+        let app = Router::new().fallback(prefix_routed).with_state(counters.clone());
+        let task = tokio::spawn(async move {
+            axum::serve(listener, app).await.expect("the upstream serves");
+        });
+        Self {
+            addr,
+            payments: counters.payments,
+            flagged: counters.flagged,
+            task,
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}
+
+/// Sends `POST path` byte for byte (an HTTP client would resolve its dot segments first) with
+/// `key`, and returns the status code.
+async fn raw_post(gateway: SocketAddr, path: &str, key: &str) -> u16 {
+    let mut stream = TcpStream::connect(gateway).await.expect("connect to the gateway");
+    let request = format!(
+        "POST {path} HTTP/1.1\r\nHost: {gateway}\r\nIdempotency-Key: {key}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{PAY_BODY}",
+        PAY_BODY.len()
+    );
+    stream.write_all(request.as_bytes()).await.expect("send the request");
+    let mut answer = Vec::new();
+    tokio::time::timeout(LIMIT, stream.read_to_end(&mut answer))
+        .await
+        .expect("the gateway answers in time")
+        .expect("read the answer");
+    let text = String::from_utf8_lossy(&answer);
+    text.split(' ')
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .unwrap_or_else(|| panic!("not an HTTP answer: {text:?}"))
+}
+
+/// The README's own route table: `/payments/*` protected (a key required), `/webhooks/*`
+/// passed through. `POST /payments/../webhooks/x` is read by both of idem's readings as
+/// `/webhooks/x` (dot segments resolved in each), so it passes through; an upstream that routes
+/// on the path as it arrives (Express, Node, uvicorn, gunicorn, `http.server`) runs its payments
+/// handler for it. The same keyed request twice then charges twice, unflagged. What should hold:
+/// the payments handler runs once (a reading with dot segments kept falls under `/payments/*`,
+/// so the stricter rule applies), or the spelling is refused with `400 path-ambiguous`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dot_segment_walks_a_payment_out_of_its_route() {
+    let upstream = PrefixUpstream::start(as_it_arrives).await;
+    let (gw, _dir) = readme_gateway(&upstream, &[]).await;
+    twice_each(
+        &gw,
+        &upstream,
+        &["/payments/../webhooks/x", "/payments/%2e%2e/webhooks/x"],
+    )
+    .await;
+}
+
+/// The README's route table again, with `--path-readings case-insensitive,strip-params`, the
+/// setting offered for ASP.NET/IIS upstreams. IIS reads a backslash (and `%5C`) as a `/`, so
+/// `POST /webhooks/..\payments\1` is `/payments/1` to it; idem's readings keep the backslash
+/// inside one segment under `/webhooks/*` and pass it through. What should hold: the payments
+/// handler runs once, or the spelling is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backslash_walks_a_payment_out_of_its_route_on_iis() {
+    let upstream = PrefixUpstream::start(as_iis_reads_it).await;
+    let (gw, _dir) = readme_gateway(&upstream, &["--path-readings", "case-insensitive,strip-params"]).await;
+    twice_each(
+        &gw,
+        &upstream,
+        &["/webhooks/..\\payments\\1", "/webhooks/..%5Cpayments%5C1"],
+    )
+    .await;
+}
+
+/// A gateway with the README's routes: `/payments/*` (a key required) and `/webhooks/*` passed
+/// through; `args` added. The directory holds its config file.
+async fn readme_gateway(upstream: &PrefixUpstream, args: &[&str]) -> (Gateway, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("idem.toml");
+    std::fs::write(
+        &config,
+        "[[route]]\npath = \"/payments/*\"\nmissing-key = \"require\"\n\n\
+         [[route]]\npath = \"/webhooks/*\"\nenabled = false\n",
+    )
+    .unwrap();
+    let mut all = vec!["--config", config.to_str().unwrap()];
+    all.extend_from_slice(args);
+    let gw = Gateway::start(&upstream.url(), &all).await;
+    (gw, dir)
+}
+
+/// Sends each path twice under one key and asserts that the upstream's payments handler ran at
+/// most once per key, unless the second run was flagged recovered.
+async fn twice_each(gw: &Gateway, upstream: &PrefixUpstream, paths: &[&str]) {
+    for path in paths {
+        let before = count(&upstream.payments);
+        let key = new_key();
+        let first = raw_post(gw.addr(), path, &key).await;
+        let second = raw_post(gw.addr(), path, &key).await;
+        let runs = count(&upstream.payments) - before;
+        let flagged = count(&upstream.flagged);
+        assert!(
+            runs <= 1 || flagged > 0,
+            "POST {path} twice with one key ({first}, then {second}) ran the upstream's payments \
+             handler {runs} times, none flagged recovered"
+        );
+    }
+}
+
+/// SQLite's clock is the machine's, so `idem purge` run on a clock days ahead (libfaketime, as
+/// on a host whose clock jumped) deletes an answer stored a moment ago as if it were 9 days old;
+/// the retry then runs again, unflagged. On PostgreSQL and Redis the same purge changes nothing
+/// (`tests/operator_clock.rs`). What should hold: the retry is a replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_purge_on_a_clock_days_ahead_forgets_a_live_answer() {
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&upstream.url(), &[]).await;
+    let key = new_key();
+    let first = gw.post_json("/pay", Some(&key), PAY_BODY).await;
+    assert_eq!(first.status, 201, "{first}");
+
+    let purge = run_idem_skewed(&["purge", "--store", &gw.store], "+9d", LIMIT).await;
+    assert!(purge.status.success(), "purge: {}", describe(&purge));
+
+    let retry = gw.post_json("/pay", Some(&key), PAY_BODY).await;
+    let runs = count(&upstream.state.pay);
+    assert!(
+        runs == 1 || retry.header("x-seen-recovered").as_deref() == Some("true"),
+        "after `idem purge` on a clock 9 days ahead, the retry of a key answered a moment ago ran \
+         the upstream again ({runs} runs, unflagged): {retry}; purge said {}",
+        describe(&purge)
+    );
+}
+
+/// Two gateways on one SQLite file, the second with its clock 9 days ahead (libfaketime): the
+/// second reads the first's answer, stored a moment ago, as past its tombstone and runs the key
+/// again, unflagged. DESIGN's fault model promises that a skewed instance clock changes nothing
+/// because time is the store's; on SQLite the store's time is each process's own. What should
+/// hold: a replay (or at worst `422 key-expired`), never a second unflagged run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_gateway_on_a_clock_days_ahead_runs_a_live_key_again() {
+    let upstream = Upstream::start().await;
+    let first_gw = Gateway::start(&upstream.url(), &[]).await;
+    let key = new_key();
+    let first = first_gw.post_json("/pay", Some(&key), PAY_BODY).await;
+    assert_eq!(first.status, 201, "{first}");
+
+    let skewed = Gateway::start_skewed(&upstream.url(), &first_gw.store, "+9d", &[]).await;
+    let retry = skewed.post_json("/pay", Some(&key), PAY_BODY).await;
+    let runs = count(&upstream.state.pay);
+    assert!(
+        runs == 1 || retry.header("x-seen-recovered").as_deref() == Some("true"),
+        "a second gateway on the same SQLite file, its clock 9 days ahead, ran a key answered a \
+         moment ago again ({runs} runs, unflagged): {retry}"
+    );
+}
+
+/// The README's procedure for setting `IDEM_SCOPE_SECRET` ("Changing how scopes are hashed never
+/// makes a retry run again"): the new instance gets the secret and `IDEM_SCOPE_SECRET_PREVIOUS=none`.
+/// While the rollout is under way an instance not yet restarted shares the store; a caller's first
+/// try lands on the new instance and its retry on the old one, which does not know the new scope
+/// and runs the key again, unflagged. (Retried the other way round it is a replay.) What should
+/// hold: a replay, or the README should say that this rollout, like the upgrade from `cred:`, lets
+/// a retry run again and how to avoid it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn setting_the_scope_secret_as_the_readme_says_runs_a_retry_again() {
+    let upstream = Upstream::start().await;
+    let new = Gateway::start_with_env(
+        &upstream.url(),
+        &[],
+        &[
+            ("IDEM_SCOPE_SECRET", "a-new-scope-secret-of-32-bytes!!"),
+            ("IDEM_SCOPE_SECRET_PREVIOUS", "none"),
+        ],
+    )
+    .await;
+    let old = Gateway::start_on_store(&upstream.url(), &new.store, &[]).await;
+    let key = new_key();
+    let first = new
+        .post("/pay", PAY_BODY)
+        .header("content-type", "application/json")
+        .header("idempotency-key", &key)
+        .header("authorization", "Bearer alice");
+    let first = common::send(first).await;
+    assert_eq!(first.status, 201, "{first}");
+    let retry = old
+        .post("/pay", PAY_BODY)
+        .header("content-type", "application/json")
+        .header("idempotency-key", &key)
+        .header("authorization", "Bearer alice");
+    let retry = common::send(retry).await;
+    let runs = count(&upstream.state.pay);
+    assert!(
+        runs == 1 || retry.header("x-seen-recovered").as_deref() == Some("true"),
+        "the retry on an instance not yet given IDEM_SCOPE_SECRET ran the key again ({runs} runs, \
+         unflagged): {retry}"
+    );
+}
