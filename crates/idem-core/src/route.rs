@@ -15,8 +15,12 @@
 //!   `%5C` become separators, and so does a backslash, as IIS reads it) and dot segments removed,
 //!   so `/payments%2F1` and `/webhooks/..\payments\1` read `/payments/1`.
 //!
-//! In every reading repeated slashes are merged and a trailing slash is ignored: `//payments/1`,
-//! `/payments//1` and `/payments/1/` are `/payments/1`. [`PathReadings`] adds, for upstreams that route that way, ASCII
+//! Repeated slashes are merged and a trailing slash ignored only once normalised: many servers
+//! (Express in strict mode, Spring 6) route `/payments/1/` and `//payments/1` apart from
+//! `/payments/1`.
+//!
+//! Which reading's route a request gets depends on whether each one protects it: see
+//! [`Routes::choose`]. [`PathReadings`] adds, for upstreams that route that way, ASCII
 //!   case-insensitive matching and the stripping of `;params` from each segment.
 //!
 //! One decoding only: `%252F` reads `%2F`, not `/`. The request itself is forwarded as sent; only
@@ -36,8 +40,9 @@ use crate::policy::{Policy, PolicyError};
 /// * `/webhooks/*`: a trailing `*` matches the prefix and everything below it (`/webhooks`,
 ///   `/webhooks/`, `/webhooks/github/push`), and `/*` matches every path.
 ///
-/// A pattern is matched against each reading of a path (see the module docs of `route.rs`, and `docs/design.md`): as sent,
-/// segment by segment, and normalised, with the pattern's own literals normalised the same way.
+/// A pattern is matched against each reading of a path (see `docs/design.md`): literally and as
+/// sent, segment by segment, and normalised, with the pattern's own literals normalised the same
+/// way.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RoutePattern {
     text: Arc<str>,
@@ -72,8 +77,7 @@ impl FromStr for RoutePattern {
         if text.contains(['?', '#']) {
             return Err(err("a route matches the path only, without a query or fragment"));
         }
-        // Repeated and trailing slashes count in no reading of a path, nor in a pattern.
-        let mut raw: Vec<&str> = rest.split('/').filter(|segment| !segment.is_empty()).collect();
+        let mut raw: Vec<&str> = rest.split('/').collect();
         let prefix = raw.last() == Some(&"*");
         if prefix {
             raw.pop();
@@ -302,18 +306,24 @@ fn shown(segments: &[Vec<u8>]) -> String {
     text
 }
 
-/// A path's segments with unreserved characters decoded, dot segments resolved and empty segments
-/// dropped (the reading as sent, as RFC 3986 says is equivalent); `None` for a path that is not
-/// absolute (`*` of `OPTIONS *`).
+/// A path's segments with unreserved characters decoded and dot segments resolved (the reading as
+/// sent, as RFC 3986 says is equivalent); `None` for a path that is not absolute (`*` of
+/// `OPTIONS *`). Repeated and trailing slashes stay empty segments: many servers route them apart.
 fn normalized(path: &str) -> Option<Vec<Cow<'_, str>>> {
     let rest = path.strip_prefix('/')?;
     let mut segments: Vec<Cow<'_, str>> = Vec::new();
-    for segment in rest.split('/') {
+    let mut raw = rest.split('/').peekable();
+    while let Some(segment) = raw.next() {
         let segment = unreserved_decoded(segment);
+        let last = raw.peek().is_none();
         match &*segment {
-            "" | "." => {}
+            "." if last => segments.push(Cow::Borrowed("")),
+            "." => {}
             ".." => {
                 segments.pop();
+                if last {
+                    segments.push(Cow::Borrowed(""));
+                }
             }
             _ => segments.push(segment),
         }
@@ -321,17 +331,12 @@ fn normalized(path: &str) -> Option<Vec<Cow<'_, str>>> {
     Some(segments)
 }
 
-/// A path's segments exactly as sent, escapes and dot segments left in (empty segments dropped):
-/// what a server that routes on the raw path (Express, Node's `http`, Starlette) matches, so
-/// that `/payments/../webhooks/x` is read under `/payments/*` too.
+/// A path's segments exactly as sent, escapes, dot segments and empty segments left in: what a
+/// server that routes on the raw path (Express, Node's `http`, Starlette) matches, so that
+/// `/payments/../webhooks/x` is read under `/payments/*` too.
 fn literal(path: &str) -> Option<Vec<Cow<'_, str>>> {
     let rest = path.strip_prefix('/')?;
-    Some(
-        rest.split('/')
-            .filter(|segment| !segment.is_empty())
-            .map(Cow::Borrowed)
-            .collect(),
-    )
+    Some(rest.split('/').map(Cow::Borrowed).collect())
 }
 
 /// `segment` with percent-encoded unreserved characters (letters, digits, `-._~`) decoded, as
@@ -494,11 +499,12 @@ impl PathAmbiguous {
 /// Rules by path, tried in order: the first route whose pattern matches a request's path decides
 /// its policy; a path no route matches gets the default policy.
 ///
-/// Each path is matched in two readings, as sent and normalised (see the module docs of `route.rs`, and `docs/design.md`);
+/// Each path is matched in three readings, literally, as sent and normalised (see `docs/design.md`);
 /// [`choose`](Self::choose) says how they are reconciled.
 ///
 /// ```
 /// use std::time::Duration;
+/// use http::Method;
 /// use idem_core::{MissingKeyPolicy, Policy, RouteRule, Routes};
 ///
 /// let defaults = Policy::default();
@@ -509,13 +515,13 @@ impl PathAmbiguous {
 ///         RouteRule::Protect(Policy { missing_key: MissingKeyPolicy::Require, ..defaults.clone() }),
 ///     )?
 ///     .with("/exports", RouteRule::Protect(Policy { ttl: Duration::from_secs(600), ..defaults }))?;
-/// assert!(matches!(routes.find("/webhooks/github").unwrap().map(|r| &r.rule), Some(RouteRule::PassThrough)));
-/// let capture = routes.find("/payments/p_1/capture").unwrap().unwrap();
+/// assert!(matches!(routes.find(&Method::POST, "/webhooks/github", &Policy::default()).unwrap().map(|r| &r.rule), Some(RouteRule::PassThrough)));
+/// let capture = routes.find(&Method::POST, "/payments/p_1/capture", &Policy::default()).unwrap().unwrap();
 /// assert_eq!(capture.pattern.as_str(), "/payments/{id}/capture");
 /// // Another spelling of the same path, as servers read it, gets the same route.
-/// let spelt = routes.find("//payments/p_1%2Fcapture/").unwrap().unwrap();
+/// let spelt = routes.find(&Method::POST, "/payments/p_1%2Fcapture/", &Policy::default()).unwrap().unwrap();
 /// assert_eq!(spelt.pattern.as_str(), "/payments/{id}/capture");
-/// assert!(routes.find("/refunds").unwrap().is_none());
+/// assert!(routes.find(&Method::POST, "/refunds", &Policy::default()).unwrap().is_none());
 /// // A route an earlier one hides is refused.
 /// assert!(Routes::new().with("/*", RouteRule::PassThrough)?.with("/pay", RouteRule::PassThrough).is_err());
 /// # Ok::<(), idem_core::RouteError>(())
@@ -576,30 +582,31 @@ impl Routes {
         Ok(self)
     }
 
-    /// The route whose rules `path` gets (`None`: the default policy), or why it gets none.
-    /// See [`choose`](Self::choose).
-    pub fn find(&self, path: &str) -> Result<Option<&Route>, PathAmbiguous> {
-        Ok(self.choose(path)?.map(|at| &self.routes[at]))
+    /// The route whose rules a `method` request to `path` gets (`None`: the default policy,
+    /// `default`), or why it gets none. See [`choose`](Self::choose).
+    pub fn find(&self, method: &http::Method, path: &str, default: &Policy) -> Result<Option<&Route>, PathAmbiguous> {
+        Ok(self.choose(method, path, default)?.map(|at| &self.routes[at]))
     }
 
-    /// The index of the route whose rules `path` (a request's path, without its query) gets;
-    /// `None` for the default policy.
+    /// The index of the route whose rules a `method` request to `path` (without its query) gets;
+    /// `None` for the default policy, `default` (whose methods say whether it protects the request).
     ///
     /// The first route matching each reading is found: the path exactly as sent (escapes and dot
     /// segments left in), with unreserved escapes decoded and dot segments resolved, and
-    /// normalised (see the module docs); repeated and trailing slashes count in none of them. If
-    /// the readings agree, that is the choice. If they do not, no spelling may get weaker
-    /// protection than a reading of it:
+    /// normalised (see the module docs). If the readings agree, that is the choice. If they do not,
+    /// no spelling may get weaker protection than a reading of it. A reading *protects* the
+    /// request when its route (or the default) applies the protocol to `method`:
     ///
-    /// * a pass-through (`enabled = false`) route never wins over protection, whether a route's
-    ///   or the default's: a spelling that reads as a protected path is protected;
+    /// * a reading that does not protect the request (an `enabled = false` route, or one whose
+    ///   `methods` leave `method` out) never wins over one that does: a spelling that reads as a
+    ///   protected path is protected;
     /// * a route the normalised reading names wins over the default that another reading falls
     ///   to (`/%70ayments/1` is `/payments/{id}`): the default is for paths no route names;
     /// * any other pair of protections (two routes, or a route as sent and the default once
     ///   normalised, as with `/payments/..%2Frefunds`) is [`PathAmbiguous`].
     ///
     /// `*` (the asterisk form of `OPTIONS *`) gets the catch-all route `/*`, if there is one.
-    pub fn choose(&self, path: &str) -> Result<Option<usize>, PathAmbiguous> {
+    pub fn choose(&self, method: &http::Method, path: &str, default: &Policy) -> Result<Option<usize>, PathAmbiguous> {
         if self.routes.is_empty() {
             return Ok(None);
         }
@@ -625,13 +632,18 @@ impl Routes {
         if raw == as_sent && as_sent == normalised {
             return Ok(normalised);
         }
-        let protects = |at: &Option<usize>| at.is_none_or(|at| matches!(self.routes[at].rule, RouteRule::Protect(_)));
+        let protects = |at: &Option<usize>| match at {
+            None => default.applies_to(method),
+            Some(at) => match &self.routes[*at].rule {
+                RouteRule::Protect(policy) => policy.applies_to(method),
+                RouteRule::PassThrough => false,
+            },
+        };
         let mut protecting: Vec<Option<usize>> = [raw, as_sent, normalised].into_iter().filter(protects).collect();
-        protecting.dedup();
         protecting.sort();
         protecting.dedup();
         match protecting.as_slice() {
-            // Nothing protects any reading: every one passes through.
+            // No reading protects the request: it passes through whichever is taken.
             [] => Ok(normalised),
             [one] => Ok(*one),
             [None, Some(route)] if normalised == Some(*route) => Ok(normalised),
@@ -673,6 +685,11 @@ impl Routes {
 mod tests {
     use super::*;
 
+    /// The route a `POST` to `path` gets, under the default policy.
+    fn pick(routes: &Routes, path: &str) -> Result<Option<usize>, PathAmbiguous> {
+        routes.choose(&http::Method::POST, path, &Policy::default())
+    }
+
     fn pattern(text: &str) -> RoutePattern {
         text.parse().unwrap()
     }
@@ -680,13 +697,8 @@ mod tests {
     #[test]
     fn exact_param_and_prefix_patterns_match_what_they_say() {
         let cases: &[(&str, &[&str], &[&str])] = &[
-            // Repeated and trailing slashes count in no reading.
-            (
-                "/payments",
-                &["/payments", "/payments/", "//payments"],
-                &["/payments/1", "/pay", "/"],
-            ),
-            ("/", &["/", "//"], &["/a"]),
+            ("/payments", &["/payments"], &["/payments/", "/payments/1", "/pay", "/"]),
+            ("/", &["/"], &["/a", "//"]),
             (
                 "/orders/{id}/pay",
                 &["/orders/1/pay", "/orders/o_9/pay"],
@@ -793,9 +805,9 @@ mod tests {
             .unwrap()
             .with("/payments/*", RouteRule::Protect(Policy::default()))
             .unwrap();
-        assert_eq!(routes.choose("/payments/refunds"), Ok(Some(0)));
-        assert_eq!(routes.choose("/payments/p1"), Ok(Some(1)));
-        assert_eq!(routes.choose("/other"), Ok(None));
+        assert_eq!(pick(&routes, "/payments/refunds"), Ok(Some(0)));
+        assert_eq!(pick(&routes, "/payments/p1"), Ok(Some(1)));
+        assert_eq!(pick(&routes, "/other"), Ok(None));
         let bad = Policy {
             ttl: std::time::Duration::ZERO,
             ..Policy::default()
@@ -893,7 +905,7 @@ mod tests {
             ("", None),
         ];
         for &(path, expected) in cases {
-            assert_eq!(routes.choose(path), Ok(expected), "{path}");
+            assert_eq!(pick(&routes, path), Ok(expected), "{path}");
         }
     }
 
@@ -920,7 +932,7 @@ mod tests {
                 "route /payments/{id}",
             ),
         ] {
-            let err = routes.choose(path).unwrap_err();
+            let err = pick(&routes, path).unwrap_err();
             assert_eq!(
                 (
                     err.as_sent.as_str(),
@@ -951,14 +963,38 @@ mod tests {
             "/payments/%2e%2e/webhooks/x",
             "/payments/.%2e/webhooks/x",
         ] {
-            assert_eq!(routes.choose(path), Ok(Some(0)), "{path}");
+            assert_eq!(pick(&routes, path), Ok(Some(0)), "{path}");
         }
         // IIS reads a backslash as a separator.
         for path in ["/webhooks/..\\payments\\1", "/webhooks/..%5Cpayments%5C1"] {
-            assert_eq!(routes.choose(path), Ok(Some(0)), "{path}");
+            assert_eq!(pick(&routes, path), Ok(Some(0)), "{path}");
         }
         // A pass-through spelling that reads as nothing protected stays passed through.
-        assert_eq!(routes.choose("/webhooks/github/../gitlab"), Ok(Some(1)));
+        assert_eq!(pick(&routes, "/webhooks/github/../gitlab"), Ok(Some(1)));
+    }
+
+    #[test]
+    fn a_reading_whose_route_leaves_the_method_out_does_not_protect_it() {
+        let post_only = Policy {
+            methods: vec![http::Method::POST],
+            ..Policy::default()
+        };
+        let routes = Routes::new()
+            .with("/orders/{id}", RouteRule::Protect(post_only))
+            .unwrap()
+            .with("/*", RouteRule::Protect(Policy::default()))
+            .unwrap();
+        let patch = |path| routes.choose(&http::Method::PATCH, path, &Policy::default());
+        // Read as sent, `//orders/7` is the catch-all's (which protects PATCH); normalised, it is
+        // /orders/{id}, which does not: the protection wins.
+        assert_eq!(patch("//orders/7"), Ok(Some(1)));
+        assert_eq!(
+            patch("/orders/7"),
+            Ok(Some(0)),
+            "readings that agree are taken as they are"
+        );
+        // For a POST both readings protect, under different rules.
+        assert!(pick(&routes, "//orders/7").is_err());
     }
 
     #[test]
@@ -968,10 +1004,10 @@ mod tests {
             .unwrap()
             .with("/*", RouteRule::Protect(Policy::default()))
             .unwrap();
-        assert_eq!(catch_all.choose("*"), Ok(Some(1)));
+        assert_eq!(pick(&catch_all, "*"), Ok(Some(1)));
         let passing = Routes::new().with("/*", RouteRule::PassThrough).unwrap();
-        assert_eq!(passing.choose("*"), Ok(Some(0)));
-        assert_eq!(payments().choose("*"), Ok(None));
+        assert_eq!(pick(&passing, "*"), Ok(Some(0)));
+        assert_eq!(pick(&payments(), "*"), Ok(None));
     }
 
     #[test]
@@ -983,26 +1019,26 @@ mod tests {
                 .with_readings(readings)
         };
         let standard = pay(PathReadings::default());
-        assert_eq!(standard.choose("/payments/1"), Ok(None));
+        assert_eq!(pick(&standard, "/payments/1"), Ok(None));
         assert_eq!(
-            standard.choose("/Payments/1;jsessionid=2"),
+            pick(&standard, "/Payments/1;jsessionid=2"),
             Ok(Some(0)),
             "a param is a segment's text"
         );
-        assert_eq!(standard.choose("/Payments/1/x;y"), Ok(None));
+        assert_eq!(pick(&standard, "/Payments/1/x;y"), Ok(None));
         let aspnet = pay("case-insensitive".parse().unwrap());
         for path in ["/payments/1", "/PAYMENTS/1", "/Payments/1/", "//pAyMeNtS%2f1"] {
-            assert_eq!(aspnet.choose(path), Ok(Some(0)), "{path}");
+            assert_eq!(pick(&aspnet, path), Ok(Some(0)), "{path}");
         }
         let tomcat = pay("strip-params".parse().unwrap());
-        assert_eq!(tomcat.choose("/Payments;jsessionid=1/1"), Ok(Some(0)));
-        assert_eq!(tomcat.choose("/payments/1"), Ok(None));
+        assert_eq!(pick(&tomcat, "/Payments;jsessionid=1/1"), Ok(Some(0)));
+        assert_eq!(pick(&tomcat, "/payments/1"), Ok(None));
         // A route added after the setting is read the same way.
         let later = Routes::new()
             .with_readings("case-insensitive".parse().unwrap())
             .with("/Pay", RouteRule::Protect(Policy::default()))
             .unwrap();
-        assert_eq!(later.choose("/pay"), Ok(Some(0)));
+        assert_eq!(pick(&later, "/pay"), Ok(Some(0)));
     }
 
     #[test]

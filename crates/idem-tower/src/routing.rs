@@ -13,6 +13,8 @@ pub(crate) struct Routing {
     /// Per route, in the routes' order.
     picks: Vec<Pick>,
     default: Pick,
+    /// The protocol of paths no route names (also `default.protocol`).
+    default_protocol: Protocol,
 }
 
 /// What a request's path picked.
@@ -42,28 +44,26 @@ impl Routing {
             routes,
             picks,
             default: Pick {
-                protocol: Some(default),
+                protocol: Some(default.clone()),
                 route: SharedString::const_str(DEFAULT_ROUTE),
             },
+            default_protocol: default,
         }
     }
 
     /// The `Retry-After` of answers made outside any route's protocol (the default policy's).
     pub(crate) fn retry_after(&self) -> std::time::Duration {
-        self.default
-            .protocol
-            .as_ref()
-            .map_or(std::time::Duration::from_secs(1), |protocol| {
-                protocol.policy().retry_after
-            })
+        self.default_protocol.policy().retry_after
     }
 
-    /// The pick for a request's path, matched in every reading an upstream could give it; a path
-    /// whose readings fall under two different protecting rules gets none.
-    pub(crate) fn pick(&self, path: &str) -> Result<&Pick, PathAmbiguous> {
-        Ok(match self.routes.choose(path)? {
-            Some(at) => &self.picks[at],
-            None => &self.default,
-        })
+    /// The pick for a `method` request's path, matched in every reading an upstream could give it;
+    /// a path whose readings fall under two different protecting rules gets none.
+    pub(crate) fn pick(&self, method: &http::Method, path: &str) -> Result<&Pick, PathAmbiguous> {
+        Ok(
+            match self.routes.choose(method, path, self.default_protocol.policy())? {
+                Some(at) => &self.picks[at],
+                None => &self.default,
+            },
+        )
     }
 }

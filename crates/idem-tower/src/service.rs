@@ -76,7 +76,7 @@ where
         // The clone that was driven to readiness is the one that serves this request.
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
-        let pick = match self.routing.pick(request.uri().path()) {
+        let pick = match self.routing.pick(request.method(), request.uri().path()) {
             Ok(pick) => pick,
             Err(ambiguous) => {
                 // Refused before any rule applies: no route to label it with but the default's.

@@ -509,15 +509,25 @@ impl Driver {
                         .ran(&id, 0, Outcome::Unknown, &s.plan.shape, &protection, now);
                 }
             }
-            if let Err(err) = self.judge_answer(
+            let judged = self.judge_answer(
                 refused,
                 s,
                 runs.get(&s.n).map_or(&[][..], Vec::as_slice),
                 &arrivals,
                 in_flight_possible,
                 now,
-            ) {
+            );
+            if let Err(err) = judged {
                 violations.push(format!("#{} {}: {err}", s.n, s.plan));
+            }
+            // A recovery that found the upstream down releases the key unknown again, from now.
+            if refused
+                && let Ok(answer) = &s.answer
+                && answer.status == 502
+                && answer.problem().as_deref() == Some("upstream-unavailable")
+                && let Some(id) = s.plan.id()
+            {
+                self.model.released_unknown_again(&id, now);
             }
         }
         self.violations.extend(violations);
@@ -568,7 +578,7 @@ impl Driver {
                 self.model.ran(
                     &id,
                     arrival.run,
-                    Outcome::of(s.plan.behaviour),
+                    Outcome::of(s.plan.behaviour).after(arrival.recovered),
                     &s.plan.shape,
                     &protection,
                     now,

@@ -92,7 +92,8 @@ fn phases(at: Duration, now: Duration, ttl: &[Duration], tombstone_ttl: &[Durati
 pub(crate) enum Outcome {
     /// The answer is stored (a status below 500 other than 408, 409, 425, 429).
     Stored(u16),
-    /// The key is released: the next run may go unflagged.
+    /// The key is released: the next run may go unflagged (unless the run was a recovery: see
+    /// [`Outcome::after`]).
     Released,
     /// Nobody knows what happened: the next run is flagged recovered.
     Unknown,
@@ -106,6 +107,15 @@ impl Outcome {
             Behaviour::Status(code) => Self::Stored(code),
             Behaviour::HangThenCreated(_) => Self::Stored(201),
             Behaviour::HangUntilDropped | Behaviour::Drop => Self::Unknown,
+        }
+    }
+
+    /// The outcome of a run that was itself a recovery (`recovered`): a release does not make the
+    /// earlier run's effects any better known, so the key stays unknown (the design's settle table).
+    pub(crate) fn after(self, recovered: bool) -> Self {
+        match self {
+            Self::Released if recovered => Self::Unknown,
+            outcome => outcome,
         }
     }
 }
@@ -201,6 +211,14 @@ impl Model {
             },
         };
         self.records.insert(id.clone(), record);
+    }
+
+    /// A recovery of the unknown `id` found the upstream down: the key is released unknown again,
+    /// its ttl counted from `now` (the design's settle table keeps a recovered release unknown).
+    pub(crate) fn released_unknown_again(&mut self, id: &RecordId, now: Duration) {
+        if let Some(Record::Unknown { at, .. }) = self.records.get_mut(id) {
+            *at = now;
+        }
     }
 
     /// `idem delete` of `id`: a completed or unknown record is forgotten; one in flight is left
