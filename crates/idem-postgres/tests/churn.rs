@@ -7,7 +7,8 @@ mod common;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use common::{TestSchema, begin, fingerprint, fresh_id};
+use common::TestSchema;
+use idem_core::testkit::{begin, fingerprint, fresh_id};
 use idem_core::{Begin, Release, Store, UnixMillis};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -28,6 +28,7 @@
 #![forbid(unsafe_code)]
 
 pub mod cluster;
+pub mod private;
 pub mod raw;
 pub mod relay;
 pub mod seed;

@@ -500,7 +500,10 @@ mod tests {
         assert_eq!(at_eof.answers.len(), 3);
         assert!(!at_eof.answers[2].complete);
         assert!(parse_answers(b"SSH-2.0\r\n", false).not_http);
-        assert_eq!(dechunk(b"2\r\nab\r\n0\r\nx-t: 1\r\n\r\nrest"), Some((b"ab".to_vec(), 20)));
+        assert_eq!(
+            dechunk(b"2\r\nab\r\n0\r\nx-t: 1\r\n\r\nrest"),
+            Some((b"ab".to_vec(), 20))
+        );
         assert_eq!(dechunk(b"2\r\nab\r\n"), None);
     }
 }

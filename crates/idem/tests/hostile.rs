@@ -252,4 +252,3 @@ async fn hostile_requests_never_crash_the_gateway_nor_reach_the_upstream_with_an
         );
     }
 }
-

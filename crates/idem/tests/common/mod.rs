@@ -371,15 +371,9 @@ pub(crate) fn store_bytes(url: &str) -> Vec<u8> {
         raw::sqlite_bytes(Path::new(path))
     } else if url.starts_with("postgres") {
         raw::postgres_bytes(url, &store_option(url, "schema"))
-    } else if url.starts_with("redis+cluster://") {
-        let nodes: Vec<String> = idem_test_support::servers::socket_addrs(url)
-            .into_iter()
-            .map(|addr| format!("redis://{addr}"))
-            .collect();
-        raw::redis_bytes(&nodes, &store_option(url, "prefix"))
     } else {
-        let node = url.split_once("/?").expect("a prefix").0.to_owned();
-        raw::redis_bytes(&[node], &store_option(url, "prefix"))
+        let nodes = idem_test_support::servers::redis_nodes(url);
+        raw::redis_bytes(&nodes, &store_option(url, "prefix"))
     }
 }
 

@@ -93,7 +93,15 @@ impl Gen {
         self.push_raw(id, what, bytes, false, spec, then);
     }
 
-    pub(crate) fn push_raw(&mut self, id: u64, what: impl Into<String>, bytes: Vec<u8>, half_close: bool, spec: Spec, then: Then) {
+    pub(crate) fn push_raw(
+        &mut self,
+        id: u64,
+        what: impl Into<String>,
+        bytes: Vec<u8>,
+        half_close: bool,
+        spec: Spec,
+        then: Then,
+    ) {
         let reach = vec![(id, spec.reach(&then))];
         self.cases.push(Case {
             id,

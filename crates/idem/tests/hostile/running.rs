@@ -10,8 +10,8 @@ use idem_test_support::wire::{self, Answer, Ending, escape};
 use super::cases::{Case, Expect, KeyClass, Sending, Then};
 use super::generator::target;
 use super::judging::{Reading, judge, judge_follow_up, judge_replay};
-use crate::common::{self, try_send};
 use crate::ANSWER_LIMIT;
+use crate::common::{self, try_send};
 
 pub(crate) struct Ctx {
     pub(crate) addr: SocketAddr,
@@ -45,7 +45,15 @@ impl Tally {
         *self.endings.lock().unwrap().entry(ending).or_default() += 1;
     }
 
-    pub(crate) fn fail(&self, ctx: &Ctx, case: &Case, step: &str, why: String, answer: Option<&Answer>, ending: &Ending) {
+    pub(crate) fn fail(
+        &self,
+        ctx: &Ctx,
+        case: &Case,
+        step: &str,
+        why: String,
+        answer: Option<&Answer>,
+        ending: &Ending,
+    ) {
         let request = match &case.sending {
             Sending::Raw { bytes, half_close } => {
                 format!(
