@@ -160,8 +160,7 @@ impl Upstream {
 
 /// A port on 127.0.0.1 that was free a moment ago and on which nothing listens now.
 pub(crate) fn reserve_port() -> SocketAddr {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("reserve a port");
-    listener.local_addr().unwrap()
+    SocketAddr::from(([127, 0, 0, 1], idem_test_support::servers::free_port()))
 }
 
 type Shared = State<Arc<UpstreamState>>;

@@ -86,6 +86,7 @@ pub(crate) fn dubious(key: KeyClass) -> Spec {
     Spec::new(key, false, Expect::Anything)
 }
 
+/// How often the upstream may see a case in the end.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Reach {
     Never,
@@ -110,6 +111,7 @@ pub(crate) enum Then {
     ReplayAsStored,
 }
 
+/// How a case's request goes out.
 #[derive(Debug, Clone)]
 pub(crate) enum Sending {
     /// Bytes written to a fresh connection; `half_close` shuts the write side after them.
@@ -118,6 +120,7 @@ pub(crate) enum Sending {
     Client { key: String, body: String, retry: String },
 }
 
+/// One generated case: what it sends and how it is judged.
 #[derive(Debug)]
 pub(crate) struct Case {
     pub(crate) id: u64,

@@ -41,6 +41,7 @@ impl Rng {
     }
 }
 
+/// This run's seed: `IDEM_HOSTILE_SEED`, or a random one.
 pub(crate) fn seed() -> u64 {
     match std::env::var("IDEM_HOSTILE_SEED") {
         Ok(text) => text
@@ -59,19 +60,23 @@ pub(crate) fn chunked(body: &[u8]) -> Vec<u8> {
     out
 }
 
+/// A token unique to case `id`, to build keys around.
 pub(crate) fn token(id: u64) -> String {
     // `~` never appears in generated junk, so keys built around distinct tokens never collide.
     format!("~{id}~")
 }
 
+/// The path of case `id` (`/h/<id>`), by which the upstream's log names it.
 pub(crate) fn target(id: u64) -> String {
     format!("/h/{id}")
 }
 
+/// A small JSON body for case `id`.
 pub(crate) fn small_body(id: u64) -> Vec<u8> {
     format!(r#"{{"case":{id},"amount":1000}}"#).into_bytes()
 }
 
+/// Collects the cases the generators write, numbering them.
 pub(crate) struct Gen {
     pub(crate) rng: Rng,
     pub(crate) next: u64,

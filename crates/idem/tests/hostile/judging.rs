@@ -117,6 +117,7 @@ pub(crate) fn judge_replay(answer: Option<&Answer>, ending: &Ending, decodes: bo
     }
 }
 
+/// A follow-up that must be answered as `expect` says, and not as a replay.
 pub(crate) fn judge_follow_up(expect: Expect, answer: Option<&Answer>, ending: &Ending) -> Result<(), String> {
     let spec = Spec::new(KeyClass::Valid, true, expect);
     judge(&spec, answer, ending)?;

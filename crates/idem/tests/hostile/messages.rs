@@ -202,6 +202,7 @@ pub(crate) fn odd_headers(g: &mut Gen) {
     }
 }
 
+/// `haystack` with every `from` replaced by `to`.
 pub(crate) fn replace_all(haystack: &[u8], from: &[u8], to: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(haystack.len());
     let mut i = 0;

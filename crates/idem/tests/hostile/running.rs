@@ -13,6 +13,7 @@ use super::judging::{Reading, judge, judge_follow_up, judge_replay};
 use crate::ANSWER_LIMIT;
 use crate::common::{self, try_send};
 
+/// What every case needs to reach the gateway.
 pub(crate) struct Ctx {
     pub(crate) addr: SocketAddr,
     pub(crate) base: String,
@@ -22,6 +23,7 @@ pub(crate) struct Ctx {
     pub(crate) verbose: bool,
 }
 
+/// What came back, counted, and the failures found.
 #[derive(Default)]
 pub(crate) struct Tally {
     pub(crate) requests: AtomicUsize,
@@ -75,6 +77,7 @@ impl Tally {
     }
 }
 
+/// Sends a case (and its follow-up) and judges every answer.
 pub(crate) async fn run_case(ctx: &Ctx, case: &Case, tally: &Tally) {
     let (answers, ending) = match &case.sending {
         Sending::Raw { bytes, half_close } => exchange(ctx.addr, bytes, *half_close, case.specs.len()).await,
@@ -158,6 +161,7 @@ pub(crate) async fn run_case(ctx: &Ctx, case: &Case, tally: &Tally) {
     }
 }
 
+/// Sends a well-formed keyed JSON `POST` for case `id` through reqwest.
 pub(crate) async fn client_send(ctx: &Ctx, id: u64, key: &str, body: &str) -> (Vec<Answer>, Ending) {
     let request = ctx
         .client
@@ -183,6 +187,7 @@ pub(crate) fn alive(pid: u32) -> bool {
     }
 }
 
+/// A reqwest reply, as if read off the wire.
 pub(crate) fn from_reply(reply: common::Reply) -> Answer {
     Answer {
         status: reply.status,

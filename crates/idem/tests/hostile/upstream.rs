@@ -142,18 +142,21 @@ fn broken_coding(path: &str, json: &str) -> Option<(&'static str, Vec<u8>)> {
     })
 }
 
+/// `data` gzipped.
 pub(crate) fn gzip(data: &[u8]) -> Vec<u8> {
     let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
     encoder.write_all(data).expect("gzip into memory");
     encoder.finish().expect("gzip into memory")
 }
 
+/// `data` gunzipped, if it is gzip.
 pub(crate) fn gunzip(data: &[u8]) -> Option<Vec<u8>> {
     let mut out = Vec::new();
     flate2::read::GzDecoder::new(data).read_to_end(&mut out).ok()?;
     Some(out)
 }
 
+/// Starts the recording upstream: its URL, its log and its task.
 pub(crate) async fn start_upstream() -> (String, Arc<UpstreamLog>, tokio::task::JoinHandle<()>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind the upstream");
     let addr = listener.local_addr().unwrap();
