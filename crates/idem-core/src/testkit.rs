@@ -29,8 +29,10 @@ pub trait Harness: Send + Sync + 'static {
     async fn open(&self) -> Arc<dyn Store>;
 }
 
-const LEASE: Duration = Duration::from_secs(60);
-const DAY: Duration = Duration::from_secs(24 * 3600);
+/// The lease of every claim the helpers below make.
+pub const LEASE: Duration = Duration::from_secs(60);
+/// A day, the ttl of every record the helpers below make (their tombstones last a week).
+pub const DAY: Duration = Duration::from_secs(24 * 3600);
 
 /// A fresh record id in a scope of its own.
 pub fn fresh_id() -> RecordId {
@@ -50,13 +52,17 @@ pub fn fingerprint(body: &str) -> Fingerprint {
     )
 }
 
-async fn begin(store: &dyn Store, id: &RecordId, fp: &Fingerprint, now: UnixMillis) -> (Begin, FencingToken) {
+/// Begins `id` at `now` with a fresh token ([`claim`]); returns what the store decided and the token.
+///
+/// # Panics
+/// If the store fails.
+pub async fn begin(store: &dyn Store, id: &RecordId, fp: &Fingerprint, now: UnixMillis) -> (Begin, FencingToken) {
     let token = FencingToken::random();
     (store.begin(claim(id, fp, now, token)).await.expect("begin"), token)
 }
 
 /// A claim at `now` under the default lease, with a ttl of a day and a tombstone of a week.
-fn claim<'a>(id: &'a RecordId, fp: &'a Fingerprint, now: UnixMillis, token: FencingToken) -> BeginRequest<'a> {
+pub fn claim<'a>(id: &'a RecordId, fp: &'a Fingerprint, now: UnixMillis, token: FencingToken) -> BeginRequest<'a> {
     BeginRequest {
         id,
         fingerprint: fp,
@@ -69,21 +75,27 @@ fn claim<'a>(id: &'a RecordId, fp: &'a Fingerprint, now: UnixMillis, token: Fenc
 }
 
 /// An unknown outcome released at `now`, with a ttl of a day and a tombstone of a week.
-fn unknown_at(now: UnixMillis) -> Release {
+pub fn unknown_at(now: UnixMillis) -> Release {
     Release::Unknown {
         expires_at: now.plus(DAY),
         purge_at: now.plus(7 * DAY),
     }
 }
 
-async fn acquire(store: &dyn Store, id: &RecordId, fp: &Fingerprint, now: UnixMillis) -> FencingToken {
+/// Claims a new key at `now` and returns the claim's token.
+///
+/// # Panics
+/// If the store does not hand out a new (not recovered) claim.
+pub async fn acquire(store: &dyn Store, id: &RecordId, fp: &Fingerprint, now: UnixMillis) -> FencingToken {
     match begin(store, id, fp, now).await {
         (Begin::Acquired { recovered: false }, token) => token,
         (other, _) => panic!("expected a new claim, got {other:?}"),
     }
 }
 
-fn completion(body: &[u8], at: UnixMillis, ttl: Duration, tombstone: Duration) -> Completion {
+/// The completion of a claim at `at` with `body` as the stored answer, kept `ttl` and its tombstone
+/// until `tombstone` after `at`.
+pub fn completion(body: &[u8], at: UnixMillis, ttl: Duration, tombstone: Duration) -> Completion {
     Completion {
         response: Bytes::copy_from_slice(body),
         completed_at: at,
@@ -92,21 +104,33 @@ fn completion(body: &[u8], at: UnixMillis, ttl: Duration, tombstone: Duration) -
     }
 }
 
-fn existing(result: Begin) -> Record {
+/// The record a begin found.
+///
+/// # Panics
+/// If the begin handed out a claim instead.
+pub fn existing(result: Begin) -> Record {
     match result {
         Begin::Existing(record) => record,
         Begin::Acquired { .. } => panic!("expected the existing record, but the store handed out a claim"),
     }
 }
 
-fn in_flight_token(record: &Record) -> FencingToken {
+/// The token of an in-flight record.
+///
+/// # Panics
+/// If the record is not in flight.
+pub fn in_flight_token(record: &Record) -> FencingToken {
     match record.state {
         RecordState::InFlight { token, .. } => token,
         ref other => panic!("expected an in-flight record, got {other:?}"),
     }
 }
 
-fn stored_response(record: &Record) -> Option<Bytes> {
+/// The stored answer of a completed record.
+///
+/// # Panics
+/// If the record is not completed.
+pub fn stored_response(record: &Record) -> Option<Bytes> {
     match &record.state {
         RecordState::Completed { response, .. } => response.clone(),
         other => panic!("expected a completed record, got {other:?}"),

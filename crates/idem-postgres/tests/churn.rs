@@ -7,7 +7,8 @@ mod common;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use common::{TestSchema, begin, fingerprint, fresh_id};
+use common::TestSchema;
+use idem_core::testkit::{begin, fingerprint, fresh_id};
 use idem_core::{
     Store, UnixMillis,
     store::{Begin, Release},

@@ -8,7 +8,8 @@ mod common;
 
 use std::time::Duration;
 
-use common::{DAY, LEASE, TestSchema, acquire, begin, completion, fingerprint, fresh_id};
+use common::TestSchema;
+use idem_core::testkit::{DAY, LEASE, acquire, begin, completion, fingerprint, fresh_id};
 use idem_core::{
     Store, UnixMillis,
     store::{Begin, FencingToken, RecordId, Release, WaitOutcome},

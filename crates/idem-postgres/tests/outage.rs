@@ -10,7 +10,8 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{DAY, TestSchema, acquire, completion, fingerprint, fresh_id, through};
+use common::{TestSchema, through};
+use idem_core::testkit::{DAY, acquire, completion, fingerprint, fresh_id};
 use idem_core::{Store, StoreError, UnixMillis, store::WaitOutcome};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;

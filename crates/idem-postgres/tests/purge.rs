@@ -6,7 +6,8 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{DAY, TestSchema, acquire, completion, fingerprint, fresh_id};
+use common::TestSchema;
+use idem_core::testkit::{DAY, acquire, completion, fingerprint, fresh_id};
 use idem_core::{
     Store, UnixMillis,
     store::{Purged, RecordId},

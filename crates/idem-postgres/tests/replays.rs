@@ -5,7 +5,8 @@ mod common;
 
 use std::time::Duration;
 
-use common::{DAY, TestSchema, acquire, begin, completion, fingerprint, fresh_id, through};
+use common::{TestSchema, through};
+use idem_core::testkit::{DAY, acquire, begin, completion, fingerprint, fresh_id};
 use idem_core::{
     Fingerprint, Store, UnixMillis,
     store::{Begin, RecordId},

@@ -7,7 +7,8 @@ mod common;
 
 use std::time::Duration;
 
-use common::{DAY, TestSchema, acquire, completion, fingerprint, fresh_id};
+use common::TestSchema;
+use idem_core::testkit::{DAY, acquire, completion, fingerprint, fresh_id};
 use idem_core::{Store, StoreError, UnixMillis, store::ScopeSalt};
 
 /// Two stores in two schemas of one database: each makes its own salt.

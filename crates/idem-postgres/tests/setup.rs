@@ -5,7 +5,8 @@
 mod common;
 
 use bytes::Bytes;
-use common::{DAY, LEASE, TestSchema, acquire, base_url, begin, completion, fingerprint, fresh_id};
+use common::{TestSchema, base_url};
+use idem_core::testkit::{DAY, LEASE, acquire, begin, completion, fingerprint, fresh_id};
 use idem_core::{
     Store, StoreError, UnixMillis,
     store::{Begin, Checkpoint, FencingToken, RecordId, RecordState, ScopeSalt},

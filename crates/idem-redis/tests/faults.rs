@@ -14,19 +14,15 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::{Server, connect, delete_keys, fresh_prefix, with_options};
-use idem_core::testkit::{fingerprint, fresh_id};
+use idem_core::testkit::{self, DAY, LEASE, fingerprint, fresh_id};
 use idem_core::{
     Fingerprint, Store, StoreError, UnixMillis,
-    store::{
-        Begin, BeginRequest, Completion, FencingToken, Record, RecordId, RecordState, Release, ScopeSalt, WaitOutcome,
-    },
+    store::{Begin, Completion, FencingToken, Record, RecordId, RecordState, Release, ScopeSalt, WaitOutcome},
 };
 use idem_redis::RedisStore;
 use idem_test_support::relay::Relay;
 use tokio::time::Instant;
 
-const LEASE: Duration = Duration::from_secs(60);
-const DAY: Duration = Duration::from_secs(24 * 3600);
 const SLOW_POLLING: &str = "poll_interval=60s";
 /// Records with a known answer, each read over and over by its own task.
 const KNOWN_RECORDS: usize = 8;
@@ -115,16 +111,11 @@ async fn fixture() -> Fixture {
 
 async fn claim(store: &dyn Store, id: &RecordId, fingerprint: &Fingerprint) -> FencingToken {
     let (token, now) = (FencingToken::random(), UnixMillis::now());
-    let request = BeginRequest {
-        id,
-        fingerprint,
-        now,
-        lease_until: now.plus(LEASE),
-        expires_at: now.plus(std::time::Duration::from_secs(24 * 3600)),
-        purge_at: now.plus(std::time::Duration::from_secs(7 * 24 * 3600)),
-        token,
-    };
-    match store.begin(request).await.expect("begin") {
+    match store
+        .begin(testkit::claim(id, fingerprint, now, token))
+        .await
+        .expect("begin")
+    {
         Begin::Acquired { .. } => token,
         other => panic!("expected a claim, got {other:?}"),
     }
@@ -157,15 +148,12 @@ fn is_own(known: &Known, record: &Record) -> bool {
 async fn replay_of(store: &RedisStore, known: &Known) -> Result<Begin, StoreError> {
     let now = UnixMillis::now();
     store
-        .begin(BeginRequest {
-            id: &known.id,
-            fingerprint: &known.fingerprint,
+        .begin(testkit::claim(
+            &known.id,
+            &known.fingerprint,
             now,
-            lease_until: now.plus(LEASE),
-            expires_at: now.plus(std::time::Duration::from_secs(24 * 3600)),
-            purge_at: now.plus(std::time::Duration::from_secs(7 * 24 * 3600)),
-            token: FencingToken::random(),
-        })
+            FencingToken::random(),
+        ))
         .await
 }
 

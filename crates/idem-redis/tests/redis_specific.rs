@@ -10,23 +10,21 @@
 
 mod common;
 
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::{RedisHarness, Server, connect, delete_keys, fresh_prefix};
-use idem_core::testkit::{fingerprint, fresh_id};
+use idem_core::testkit::{self, DAY, LEASE, fingerprint, fresh_id};
 use idem_core::{
     Store, StoreError, UnixMillis,
     store::{Begin, BeginRequest, Checkpoint, Completion, FencingToken, RecordId, Release, ScopeSalt, WaitOutcome},
 };
 use idem_redis::{RecordKeys, RedisError, RedisStore};
+use idem_test_support::private::PrivateRedis;
+use idem_test_support::servers::free_port;
 
-const LEASE: Duration = Duration::from_secs(60);
 const HOUR: Duration = Duration::from_secs(3600);
-const DAY: Duration = Duration::from_secs(24 * 3600);
 const SLOW_POLLING: &str = "poll_interval=60s";
 
 /// Deletes the prefix's keys when the test ends, whatever happens.
@@ -40,28 +38,18 @@ impl Drop for Cleanup {
 
 async fn claim(store: &dyn Store, id: &RecordId, now: UnixMillis) -> FencingToken {
     let token = FencingToken::random();
-    let request = BeginRequest {
-        id,
-        fingerprint: &fingerprint("a"),
-        now,
-        lease_until: now.plus(LEASE),
-        expires_at: now.plus(std::time::Duration::from_secs(24 * 3600)),
-        purge_at: now.plus(std::time::Duration::from_secs(7 * 24 * 3600)),
-        token,
-    };
-    match store.begin(request).await.expect("begin") {
+    match store
+        .begin(testkit::claim(id, &fingerprint("a"), now, token))
+        .await
+        .expect("begin")
+    {
         Begin::Acquired { .. } => token,
         other => panic!("expected a claim, got {other:?}"),
     }
 }
 
 fn completion(at: UnixMillis, ttl: Duration, keep: Duration) -> Completion {
-    Completion {
-        response: Bytes::from_static(b"answer"),
-        completed_at: at,
-        expires_at: at.plus(ttl),
-        purge_at: at.plus(keep),
-    }
+    testkit::completion(b"answer", at, ttl, keep)
 }
 
 /// Runs one command on the server (routed by key on a cluster).
@@ -507,74 +495,16 @@ async fn connect_errors_say_what_is_wrong() {
     assert!(!err.to_string().contains("hunter2"), "{err}");
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .expect("a free port")
-        .port()
-}
-
-/// A private redis-server that the test may stop and start.
-struct PrivateRedis {
-    port: u16,
-    child: Option<Child>,
-}
-
-impl PrivateRedis {
-    fn start(port: u16) -> Self {
-        let child = Command::new("redis-server")
-            .args([
-                "--port",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|err| {
-                panic!("cannot run redis-server ({err}); install Redis 7 (Debian: apt-get install redis-server)")
-            });
-        let server = Self {
-            port,
-            child: Some(child),
-        };
-        let ready = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < ready, "redis-server on port {port} did not start");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        server
-    }
-
-    fn stop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-impl Drop for PrivateRedis {
-    fn drop(&mut self) {
-        self.stop();
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_store_recovers_when_redis_comes_back() {
-    let mut redis = PrivateRedis::start(free_port());
-    let url = format!("redis://127.0.0.1:{}?{SLOW_POLLING}", redis.port);
+    let mut redis = PrivateRedis::start();
+    let url = format!("{}?{SLOW_POLLING}", redis.url());
     let holder = RedisStore::connect(&url).await.expect("connect");
     let waiter = Arc::new(RedisStore::connect(&url).await.expect("connect"));
     let (id, now) = (fresh_id(), UnixMillis::now());
     claim(&holder, &id, now).await;
 
-    redis.stop();
+    redis.kill();
     // Down for a while: every operation fails, and fails fast, while the store keeps trying.
     let down = Instant::now();
     while down.elapsed() < Duration::from_secs(3) {
@@ -590,7 +520,7 @@ async fn the_store_recovers_when_redis_comes_back() {
     }
     assert!(waiter.ping().await.is_err());
 
-    let redis = PrivateRedis::start(redis.port);
+    redis.restart();
     let back = Instant::now() + Duration::from_secs(20);
     for store in [&holder, &*waiter] {
         while let Err(err) = store.ping().await {
@@ -946,8 +876,8 @@ fn changes(url: &str) -> u64 {
 /// server's count of changes where it was until the batch of counts is written.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replay_writes_nothing() {
-    let redis = PrivateRedis::start(free_port());
-    let url = format!("redis://127.0.0.1:{}", redis.port);
+    let redis = PrivateRedis::start();
+    let url = redis.url();
     let store = RedisStore::connect(&url).await.expect("connect");
     let (id, now) = (fresh_id(), UnixMillis::now());
     let token = claim(&store, &id, now).await;

@@ -5,50 +5,23 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use idem_core::testkit::{LEASE, begin, fingerprint};
 use idem_core::{
-    Fingerprint, IdempotencyKey, Scope, Store, StoreError, UnixMillis,
+    IdempotencyKey, Scope, Store, StoreError, UnixMillis,
     store::{
-        Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, RecordId, RecordState, Release, ScopeSalt,
-        WaitOutcome,
+        Begin, Checkpoint, Completion, FencingToken, Purged, RecordId, RecordState, Release, ScopeSalt, WaitOutcome,
     },
 };
 use idem_sqlite::{SqliteError, SqliteStore};
 use tokio::time::Instant;
 
 const T0: UnixMillis = UnixMillis(1_700_000_000_000);
-const LEASE: Duration = Duration::from_secs(60);
-
-fn fingerprint(body: &[u8]) -> Fingerprint {
-    Fingerprint::of(
-        &http::Method::POST,
-        &"/pay".parse().unwrap(),
-        &http::HeaderMap::new(),
-        body,
-    )
-}
 
 fn id(key: &str) -> RecordId {
     RecordId {
         scope: Scope::application("tenant-1"),
         key: IdempotencyKey::new(key).unwrap(),
     }
-}
-
-async fn begin(store: &SqliteStore, id: &RecordId, fp: &Fingerprint, now: UnixMillis) -> (Begin, FencingToken) {
-    let token = FencingToken::random();
-    let begun = store
-        .begin(BeginRequest {
-            id,
-            fingerprint: fp,
-            now,
-            lease_until: now.plus(LEASE),
-            expires_at: now.plus(Duration::from_secs(24 * 3600)),
-            purge_at: now.plus(Duration::from_secs(7 * 24 * 3600)),
-            token,
-        })
-        .await
-        .unwrap();
-    (begun, token)
 }
 
 fn completion(now: UnixMillis, body: &'static [u8]) -> Completion {
@@ -69,7 +42,7 @@ async fn temp_store() -> (tempfile::TempDir, SqliteStore) {
 #[tokio::test]
 async fn a_new_key_is_claimed_then_replayed_and_counted() {
     let (_dir, store) = temp_store().await;
-    let (id, fp) = (id("k1"), fingerprint(b"body"));
+    let (id, fp) = (id("k1"), fingerprint("body"));
 
     let (begun, token) = begin(&store, &id, &fp, T0).await;
     assert!(matches!(begun, Begin::Acquired { recovered: false }), "{begun:?}");
@@ -103,7 +76,7 @@ async fn a_new_key_is_claimed_then_replayed_and_counted() {
         assert_eq!(completed_at, done);
     }
     // A different request under the same key is reported, not counted as a replay.
-    let (begun, _) = begin(&store, &id, &fingerprint(b"other"), done).await;
+    let (begun, _) = begin(&store, &id, &fingerprint("other"), done).await;
     assert!(matches!(&begun, Begin::Existing(r) if r.replays == 3 && r.fingerprint == fp));
     // Past its expiry the answer is not replayed, so not counted either.
     let (begun, _) = begin(&store, &id, &fp, done.plus(Duration::from_secs(3600))).await;
@@ -114,12 +87,12 @@ async fn a_new_key_is_claimed_then_replayed_and_counted() {
 #[tokio::test]
 async fn a_stale_token_is_fenced_after_a_takeover() {
     let (_dir, store) = temp_store().await;
-    let (id, fp) = (id("k2"), fingerprint(b"body"));
+    let (id, fp) = (id("k2"), fingerprint("body"));
     let (_, old) = begin(&store, &id, &fp, T0).await;
 
     // A different request cannot take over an expired lease.
     let expired = T0.plus(LEASE);
-    let (begun, _) = begin(&store, &id, &fingerprint(b"other"), expired).await;
+    let (begun, _) = begin(&store, &id, &fingerprint("other"), expired).await;
     assert!(matches!(begun, Begin::Existing(_)), "{begun:?}");
 
     let (begun, new) = begin(&store, &id, &fp, expired).await;
@@ -169,7 +142,7 @@ async fn a_stale_token_is_fenced_after_a_takeover() {
 #[tokio::test]
 async fn a_renewed_lease_is_not_taken_over() {
     let (_dir, store) = temp_store().await;
-    let (id, fp) = (id("k3"), fingerprint(b"body"));
+    let (id, fp) = (id("k3"), fingerprint("body"));
     let (_, token) = begin(&store, &id, &fp, T0).await;
     store.renew(&id, token, T0.plus(LEASE * 2)).await.unwrap();
     let (begun, _) = begin(&store, &id, &fp, T0.plus(LEASE)).await;
@@ -179,7 +152,7 @@ async fn a_renewed_lease_is_not_taken_over() {
 #[tokio::test]
 async fn releases_forget_or_remember_an_unknown_outcome() {
     let (_dir, store) = temp_store().await;
-    let fp = fingerprint(b"body");
+    let fp = fingerprint("body");
 
     let forgotten = id("forget");
     let (_, token) = begin(&store, &forgotten, &fp, T0).await;
@@ -206,7 +179,7 @@ async fn releases_forget_or_remember_an_unknown_outcome() {
     assert!(matches!(record.state, RecordState::Unknown { purge_at: p, .. } if p == purge_at));
     assert_eq!(record.fingerprint, fp);
     // Only the same request takes it over, and it is told that the first run may have had effects.
-    let (begun, _) = begin(&store, &unknown, &fingerprint(b"other"), T0).await;
+    let (begun, _) = begin(&store, &unknown, &fingerprint("other"), T0).await;
     assert!(matches!(begun, Begin::Existing(_)));
     let (begun, _) = begin(&store, &unknown, &fp, T0).await;
     assert!(matches!(begun, Begin::Acquired { recovered: true }));
@@ -225,7 +198,7 @@ async fn releases_forget_or_remember_an_unknown_outcome() {
         )
         .await
         .unwrap();
-    let other = fingerprint(b"other");
+    let other = fingerprint("other");
     let (begun, _) = begin(&store, &gone, &other, purge_at).await;
     assert!(matches!(begun, Begin::Acquired { recovered: false }), "{begun:?}");
     let record = store.get(&gone).await.unwrap().unwrap();
@@ -239,7 +212,7 @@ async fn fifty_concurrent_claims_on_two_stores_acquire_once() {
     let path = dir.path().join("shared.db");
     let (a, b) = tokio::join!(SqliteStore::open(&path), SqliteStore::open(&path));
     let stores = [Arc::new(a.unwrap()), Arc::new(b.unwrap())];
-    let (id, fp) = (Arc::new(id("race")), Arc::new(fingerprint(b"body")));
+    let (id, fp) = (Arc::new(id("race")), Arc::new(fingerprint("body")));
     let barrier = Arc::new(tokio::sync::Barrier::new(50));
     let tasks: Vec<_> = (0..50)
         .map(|i| {
@@ -274,7 +247,7 @@ async fn a_waiter_is_woken_by_complete_on_another_store_object() {
     let path = dir.path().join("idem.db");
     let holder = SqliteStore::open(&path).await.unwrap();
     let watcher = SqliteStore::open(&path).await.unwrap();
-    let (id, fp) = (id("wait"), fingerprint(b"body"));
+    let (id, fp) = (id("wait"), fingerprint("body"));
     let (_, token) = begin(&holder, &id, &fp, T0).await;
 
     let started = Instant::now();
@@ -303,7 +276,7 @@ async fn a_waiter_is_woken_by_complete_on_another_store_object() {
 #[tokio::test]
 async fn a_wait_times_out_while_the_claim_is_held() {
     let (_dir, store) = temp_store().await;
-    let (id, fp) = (id("held"), fingerprint(b"body"));
+    let (id, fp) = (id("held"), fingerprint("body"));
     let (_, token) = begin(&store, &id, &fp, T0).await;
     let started = Instant::now();
     let outcome = store
@@ -320,7 +293,7 @@ async fn a_wait_times_out_while_the_claim_is_held() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiter_notices_a_change_made_by_another_process() {
     let (dir, store) = temp_store().await;
-    let (id, fp) = (id("elsewhere"), fingerprint(b"body"));
+    let (id, fp) = (id("elsewhere"), fingerprint("body"));
     let (_, token) = begin(&store, &id, &fp, T0).await;
     let waiter = {
         let (store, id) = (store.clone(), id.clone());
@@ -351,7 +324,7 @@ async fn a_waiter_notices_a_change_made_by_another_process() {
 #[tokio::test]
 async fn purge_drops_answers_then_records_in_batches() {
     let (_dir, store) = temp_store().await;
-    let fp = fingerprint(b"body");
+    let fp = fingerprint("body");
     for i in 0..5 {
         let id = id(&format!("p{i}"));
         let (_, token) = begin(&store, &id, &fp, T0).await;
@@ -393,7 +366,7 @@ async fn purge_drops_answers_then_records_in_batches() {
 #[tokio::test]
 async fn purge_takes_the_checkpoints_with_the_record() {
     let (_dir, store) = temp_store().await;
-    let (id, fp) = (id("purged-run"), fingerprint(b"body"));
+    let (id, fp) = (id("purged-run"), fingerprint("body"));
     let (_, token) = begin(&store, &id, &fp, T0).await;
     let step = Checkpoint {
         name: "charged".to_owned(),
@@ -429,7 +402,7 @@ async fn purge_takes_the_checkpoints_with_the_record() {
 async fn records_survive_a_restart() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("idem.db");
-    let (id, fp) = (id("restart"), fingerprint(b"body"));
+    let (id, fp) = (id("restart"), fingerprint("body"));
     {
         let store = SqliteStore::open(&path).await.unwrap();
         let (_, token) = begin(&store, &id, &fp, T0).await;
@@ -513,7 +486,7 @@ fn schema_of(path: &std::path::Path) -> (i64, Vec<String>) {
 async fn a_file_of_schema_version_1_is_upgraded_on_open_and_keeps_its_records() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("idem.db");
-    let (id, fp, token) = (id("upgrade"), fingerprint(b"body"), FencingToken::random());
+    let (id, fp, token) = (id("upgrade"), fingerprint("body"), FencingToken::random());
     {
         // A file made before checkpoints, holding a claim in flight.
         let conn = rusqlite::Connection::open(&path).unwrap();
@@ -571,7 +544,7 @@ async fn a_file_of_schema_version_1_is_upgraded_on_open_and_keeps_its_records() 
 async fn a_file_of_schema_version_2_is_upgraded_and_its_salt_says_how_long_its_records_live() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("idem.db");
-    let fp = fingerprint(b"body");
+    let fp = fingerprint("body");
     let day = Duration::from_secs(24 * 3600);
     let latest = T0.plus(day * 9);
     let kept = [
@@ -660,7 +633,7 @@ async fn a_file_that_cannot_be_opened_is_named() {
 #[tokio::test]
 async fn a_corrupt_row_is_reported_as_corrupt() {
     let (dir, store) = temp_store().await;
-    let (id, fp) = (id("corrupt"), fingerprint(b"body"));
+    let (id, fp) = (id("corrupt"), fingerprint("body"));
     begin(&store, &id, &fp, T0).await;
     let conn = rusqlite::Connection::open(dir.path().join("idem.db")).unwrap();
     conn.busy_timeout(Duration::from_secs(10)).unwrap();
@@ -685,7 +658,7 @@ async fn claim_concurrently(store: &Arc<SqliteStore>, n: usize) -> usize {
         .map(|_| {
             let store = Arc::clone(store);
             tokio::spawn(async move {
-                let (id, fp) = (id("processes"), fingerprint(b"body"));
+                let (id, fp) = (id("processes"), fingerprint("body"));
                 matches!(begin(&store, &id, &fp, T0).await.0, Begin::Acquired { .. })
             })
         })
@@ -735,7 +708,7 @@ async fn two_processes_and_this_one_claim_once() {
 #[tokio::test]
 async fn records_written_without_a_ttl_keep_their_old_rules() {
     let (dir, store) = temp_store().await;
-    let fp = fingerprint(b"body");
+    let fp = fingerprint("body");
     let insert_old_claim = |key: &str| {
         let conn = rusqlite::Connection::open(dir.path().join("idem.db")).unwrap();
         let id = id(key);

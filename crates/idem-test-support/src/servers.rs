@@ -208,21 +208,33 @@ pub fn drop_postgres_schema(url: &str, schema: &str) {
     let _ = cleanup.join();
 }
 
-/// Deletes the keys under `prefix:` on a standalone Redis (cleanup: errors are ignored).
+/// The plain `redis://` URL of every node a Redis URL names (one for a standalone Redis, each
+/// seed node of a cluster), user information kept, for direct connections.
+pub fn redis_nodes(url: &str) -> Vec<String> {
+    let (_, userinfo, _, _) = split(url);
+    socket_addrs(url)
+        .into_iter()
+        .map(|addr| format!("redis://{userinfo}{addr}"))
+        .collect()
+}
+
+/// Deletes the keys under `prefix:` on every node a Redis URL names (cleanup: errors are
+/// ignored). One key per command: on a cluster, keys of different slots cannot share one `UNLINK`.
 pub fn delete_redis_keys(url: &str, prefix: &str) {
-    let (base, _) = url.split_once('?').unwrap_or((url, ""));
-    let Ok(client) = redis::Client::open(base) else {
-        return;
-    };
-    let Ok(mut conn) = client.get_connection_with_timeout(Duration::from_secs(2)) else {
-        return;
-    };
-    let keys: Vec<String> = match redis::Commands::scan_match::<_, String>(&mut conn, format!("{prefix}:*")) {
-        Ok(iter) => iter.filter_map(Result::ok).collect(),
-        Err(_) => return,
-    };
-    for key in keys {
-        let _: redis::RedisResult<i64> = redis::cmd("UNLINK").arg(&key).query(&mut conn);
+    for node in redis_nodes(url) {
+        let Ok(client) = redis::Client::open(node.as_str()) else {
+            continue;
+        };
+        let Ok(mut conn) = client.get_connection_with_timeout(Duration::from_secs(2)) else {
+            continue;
+        };
+        let keys: Vec<String> = match redis::Commands::scan_match::<_, String>(&mut conn, format!("{prefix}:*")) {
+            Ok(iter) => iter.filter_map(Result::ok).collect(),
+            Err(_) => continue,
+        };
+        for key in keys {
+            let _: redis::RedisResult<i64> = redis::cmd("UNLINK").arg(&key).query(&mut conn);
+        }
     }
 }
 
@@ -249,5 +261,13 @@ mod tests {
         assert_eq!(with_options("redis://h:1", "a=b"), "redis://h:1?a=b");
         assert_eq!(with_options("redis://h:1/?x=y", "a=b"), "redis://h:1/?x=y&a=b");
         assert_ne!(unique_name("t"), unique_name("t"));
+        assert_eq!(
+            redis_nodes("redis+cluster://u:p@127.0.0.1:7001,127.0.0.1:7002/?prefix=x"),
+            ["redis://u:p@127.0.0.1:7001", "redis://u:p@127.0.0.1:7002"]
+        );
+        assert_eq!(
+            redis_nodes("redis://127.0.0.1:6379/?prefix=x"),
+            ["redis://127.0.0.1:6379"]
+        );
     }
 }

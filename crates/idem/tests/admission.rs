@@ -8,9 +8,8 @@ mod common;
 use std::time::Duration;
 
 use common::{Gateway, Reply, Upstream, count, new_key, send};
+use idem_test_support::wire;
 use reqwest::header::HeaderValue;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
 
 // ---------------------------------------------------------------------------------------------
 // Fingerprints
@@ -225,15 +224,6 @@ async fn settings_that_cannot_work_never_start() {
 // Bodies that break off
 // ---------------------------------------------------------------------------------------------
 
-/// Writes `raw` to the gateway and reads what comes back until it closes (or 10 s pass).
-async fn exchange(gw: &Gateway, raw: &[u8]) -> String {
-    let mut stream = TcpStream::connect(gw.addr()).await.expect("connect to the gateway");
-    stream.write_all(raw).await.expect("send");
-    let mut answer = Vec::new();
-    let _ = tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut answer)).await;
-    String::from_utf8_lossy(&answer).into_owned()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_that_breaks_off_is_body_incomplete_and_claims_nothing() {
     let upstream = Upstream::start().await;
@@ -244,10 +234,11 @@ async fn a_body_that_breaks_off_is_body_incomplete_and_claims_nothing() {
         "POST /pay HTTP/1.1\r\nhost: idem\r\nidempotency-key: {key}\r\ncontent-type: application/json\r\n\
          transfer-encoding: chunked\r\n\r\n5\r\n{{\"a\":\r\nzz\r\n"
     );
-    let answer = exchange(&gw, raw.as_bytes()).await;
-    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
-    assert!(answer.contains("application/problem+json"), "{answer}");
-    assert!(answer.contains("urn:idem:problem:body-incomplete"), "{answer}");
+    let (answers, ending) = wire::exchange(gw.addr(), raw.as_bytes(), false, 1, Duration::from_secs(10)).await;
+    let answer = answers.first().unwrap_or_else(|| panic!("no answer: {ending:?}"));
+    assert_eq!(answer.status, 400, "{answer}");
+    assert!(answer.is_problem(), "{answer}");
+    assert!(answer.text().contains("urn:idem:problem:body-incomplete"), "{answer}");
     assert_eq!(count(&upstream.state.pay), 0);
 
     // Nothing was claimed: the same key sent whole runs at once, as new.

@@ -2,14 +2,12 @@
 //! lost payment, while the network really dropped answers; `--json` has the table's shape and its
 //! arithmetic.
 
+mod common;
 mod servers;
 
-use std::process::Stdio;
 use std::time::Duration;
 
 use serde_json::Value;
-
-const IDEM: &str = env!("CARGO_BIN_EXE_idem");
 
 /// A small run takes a few seconds; this leaves room for a loaded machine.
 const LIMIT: Duration = Duration::from_secs(120);
@@ -18,19 +16,7 @@ const PAYMENTS: u64 = 60;
 
 /// Runs `idem demo` with `args`; returns its exit status, stdout and stderr.
 async fn demo(args: &[&str]) -> (std::process::ExitStatus, String, String) {
-    let child = tokio::process::Command::new(IDEM)
-        .arg("demo")
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("spawn idem demo");
-    let output = tokio::time::timeout(LIMIT, child.wait_with_output())
-        .await
-        .unwrap_or_else(|_| panic!("idem demo {args:?} did not finish within {LIMIT:?}"))
-        .expect("idem demo runs");
+    let output = common::run_idem(&[&["demo"][..], args].concat(), LIMIT).await;
     (
         output.status,
         String::from_utf8_lossy(&output.stdout).into_owned(),

@@ -5,7 +5,7 @@ mod common;
 mod scenarios;
 mod servers;
 
-use servers::{PrivatePostgres, PrivateRedis};
+use idem_test_support::private::{PrivatePostgres, PrivateRedis};
 
 const INSTANCES: usize = 3;
 const COPIES: usize = 60;

@@ -11,6 +11,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use common::{Gateway, Reply, Upstream, count, new_key, send, wait_for_count};
+use idem_test_support::wire;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -47,57 +48,9 @@ async fn closed_within(stream: &mut TcpStream, limit: Duration) -> Result<Instan
     }
 }
 
-/// Reads one HTTP/1.1 answer with a `Content-Length` from `stream`, waiting at most `limit`.
+/// Reads one HTTP/1.1 answer from `stream`, waiting at most `limit`.
 async fn read_answer(stream: &mut TcpStream, limit: Duration) -> Result<Reply, String> {
-    let deadline = Instant::now() + limit;
-    let mut data = Vec::new();
-    let mut buf = [0u8; 4096];
-    loop {
-        if let Some(end) = data.windows(4).position(|w| w == b"\r\n\r\n") {
-            let head = String::from_utf8_lossy(&data[..end]).into_owned();
-            let mut lines = head.split("\r\n");
-            let status = lines
-                .next()
-                .and_then(|line| line.split(' ').nth(1))
-                .and_then(|code| code.parse().ok())
-                .ok_or_else(|| format!("not an HTTP answer: {head:?}"))?;
-            let mut headers = reqwest::header::HeaderMap::new();
-            for line in lines {
-                let (name, value) = line
-                    .split_once(':')
-                    .ok_or_else(|| format!("a bad header line {line:?}"))?;
-                headers.append(
-                    reqwest::header::HeaderName::from_bytes(name.trim().as_bytes()).map_err(|e| e.to_string())?,
-                    reqwest::header::HeaderValue::from_str(value.trim()).map_err(|e| e.to_string())?,
-                );
-            }
-            let length: usize = headers
-                .get("content-length")
-                .and_then(|v| v.to_str().ok()?.parse().ok())
-                .ok_or_else(|| format!("no Content-Length in {head:?}"))?;
-            let body_start = end + 4;
-            if data.len() >= body_start + length {
-                let body = data[body_start..body_start + length].to_vec().into();
-                return Ok(Reply { status, headers, body });
-            }
-        }
-        match tokio::time::timeout_at(deadline.into(), stream.read(&mut buf)).await {
-            Err(_) => {
-                return Err(format!(
-                    "no whole answer within {limit:?}; got {:?}",
-                    String::from_utf8_lossy(&data)
-                ));
-            }
-            Ok(Ok(0)) => {
-                return Err(format!(
-                    "the connection closed before a whole answer; got {:?}",
-                    String::from_utf8_lossy(&data)
-                ));
-            }
-            Ok(Ok(n)) => data.extend_from_slice(&buf[..n]),
-            Ok(Err(err)) => return Err(format!("reading the answer failed: {err}")),
-        }
-    }
+    wire::read_answer(stream, limit).await.map(Reply::from)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,7 +1,7 @@
 //! A request is never protected less because of how it is spelt: a path an upstream reads as a
 //! route's path gets that route's rules (or is refused), and a method in another case is the
-//! method. Each request goes on the wire as written (a raw TCP client: HTTP libraries tidy paths
-//! up), through a real `idem serve`, to an upstream that counts what reaches it.
+//! method. Each request goes on the wire as written (`idem_test_support::wire`, a raw TCP client:
+//! HTTP libraries tidy paths up), through a real `idem serve`, to an upstream that counts what reaches it.
 
 mod common;
 
@@ -14,8 +14,8 @@ use axum::Router;
 use axum::extract::State;
 use axum::http::{Method, Uri};
 use common::{Gateway, new_key};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use idem_test_support::wire::{self, Answer, Raw};
+use tokio::net::TcpListener;
 
 /// The method and path of each request the upstream got, in order.
 type Seen = Arc<Mutex<Vec<(String, String)>>>;
@@ -65,66 +65,15 @@ impl Counting {
     }
 }
 
-/// An answer read off the wire.
-#[derive(Debug)]
-struct Raw {
-    status: u16,
-    head: String,
-    body: String,
-}
-
-impl Raw {
-    fn replayed(&self) -> bool {
-        self.head
-            .to_ascii_lowercase()
-            .contains("\r\nidempotency-replayed: true")
-    }
-
-    fn assert_problem(&self, status: u16, name: &str) {
-        assert_eq!(self.status, status, "{self:?}");
-        assert!(
-            self.body.contains(&format!("urn:idem:problem:{name}")),
-            "a {name} problem: {self:?}"
-        );
-    }
-}
-
 /// Sends `METHOD TARGET HTTP/1.1` exactly as written, with `key` and `body`, and reads the answer.
-async fn raw(gw: &Gateway, method: &str, target: &str, key: Option<&str>, body: &str) -> Raw {
-    let mut request = format!(
-        "{method} {target} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
-        gw.addr(),
-        body.len()
-    );
+async fn raw(gw: &Gateway, method: &str, target: &str, key: Option<&str>, body: &str) -> Answer {
+    let mut request = Raw::new(method, target).json();
     if let Some(key) = key {
-        request.push_str(&format!("Idempotency-Key: {key}\r\n"));
+        request = request.h("Idempotency-Key", key);
     }
-    request.push_str("\r\n");
-    request.push_str(body);
-    let exchange = async {
-        let mut stream = TcpStream::connect(gw.addr()).await.expect("connect to the gateway");
-        stream.write_all(request.as_bytes()).await.expect("send the request");
-        let mut answer = Vec::new();
-        stream.read_to_end(&mut answer).await.expect("read the answer");
-        answer
-    };
-    let answer = tokio::time::timeout(Duration::from_secs(30), exchange)
+    wire::send(gw.addr(), &request.sized(body.as_bytes()), Duration::from_secs(30))
         .await
-        .unwrap_or_else(|_| panic!("{method} {target}: no answer within 30 s"));
-    let text = String::from_utf8_lossy(&answer).into_owned();
-    let (head, body) = text
-        .split_once("\r\n\r\n")
-        .unwrap_or_else(|| panic!("{method} {target}: not an HTTP answer: {text:?}"));
-    let status = head
-        .split(' ')
-        .nth(1)
-        .and_then(|code| code.parse().ok())
-        .unwrap_or_else(|| panic!("{method} {target}: no status: {head:?}"));
-    Raw {
-        status,
-        head: head.to_owned(),
-        body: body.to_owned(),
-    }
+        .unwrap_or_else(|err| panic!("{method} {target}: {err}"))
 }
 
 /// A config file in a directory of its own (kept as long as the returned guard).
@@ -215,7 +164,7 @@ async fn a_spelling_that_reads_as_two_protected_rules_is_refused() {
     let answer = raw(&gw, "POST", "/payments/..%2Frefunds", Some(&new_key()), "{}").await;
     answer.assert_problem(400, "path-ambiguous");
     for named in ["/payments/..%2Frefunds", "/refunds", "/payments/{id}", "default"] {
-        assert!(answer.body.contains(named), "the detail names {named}: {answer:?}");
+        assert!(answer.text().contains(named), "the detail names {named}: {answer:?}");
     }
     assert_eq!(upstream.count(), 0, "{:?}", upstream.seen());
 }

@@ -15,7 +15,9 @@ use axum::http::{Method, StatusCode};
 use axum::response::Response;
 use idem_client::reqwest_middleware::{ClientBuilder, ClientWithMiddleware};
 use idem_client::{IdempotencyKey, IdempotencyMiddleware, RetryClassifier};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use idem_test_support::servers::free_port;
+use idem_test_support::wire::read_head;
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -165,13 +167,8 @@ impl HangUp {
                 };
                 let counter = counter.clone();
                 tokio::spawn(async move {
-                    let mut head = Vec::new();
-                    let mut buf = [0u8; 4096];
-                    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                        match socket.read(&mut buf).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => head.extend_from_slice(&buf[..n]),
-                        }
+                    if read_head(&mut socket).await.is_none() {
+                        return;
                     }
                     *counter.lock().unwrap() += 1;
                     // Close without a word: the client sees the connection end before any answer.
@@ -195,8 +192,7 @@ impl HangUp {
 
 /// A port on 127.0.0.1 that was free a moment ago and on which nothing listens now.
 pub(crate) fn unused_port() -> SocketAddr {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap()
+    SocketAddr::from(([127, 0, 0, 1], free_port()))
 }
 
 /// A plain reqwest client: no proxy from the environment, a generous per-attempt timeout.

@@ -160,8 +160,7 @@ impl Upstream {
 
 /// A port on 127.0.0.1 that was free a moment ago and on which nothing listens now.
 pub(crate) fn reserve_port() -> SocketAddr {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("reserve a port");
-    listener.local_addr().unwrap()
+    SocketAddr::from(([127, 0, 0, 1], idem_test_support::servers::free_port()))
 }
 
 type Shared = State<Arc<UpstreamState>>;
@@ -186,10 +185,7 @@ async fn pay(
         tokio::time::sleep(Duration::from_millis(ms)).await;
     }
     let n = state.charges.fetch_add(1, Ordering::SeqCst) + 1;
-    let json = format!(
-        r#"{{"charge":{n},"received":{}}}"#,
-        json_string(&String::from_utf8_lossy(&body))
-    );
+    let json = serde_json::json!({"charge": n, "received": String::from_utf8_lossy(&body)}).to_string();
     let mut response = Response::builder()
         .status(StatusCode::CREATED)
         .header(header::CONTENT_TYPE, "application/json")
@@ -298,10 +294,9 @@ async fn break_once(State(state): Shared, headers: HeaderMap) -> Response {
         response = response.header("x-seen-recovered", r.as_str());
     }
     response
-        .body(Body::from(format!(
-            r#"{{"call":{n},"recovered":{}}}"#,
-            json_string(recovered.as_deref().unwrap_or(""))
-        )))
+        .body(Body::from(
+            serde_json::json!({"call": n, "recovered": recovered.as_deref().unwrap_or("")}).to_string(),
+        ))
         .unwrap()
 }
 
@@ -375,15 +370,9 @@ pub(crate) fn store_bytes(url: &str) -> Vec<u8> {
         raw::sqlite_bytes(Path::new(path))
     } else if url.starts_with("postgres") {
         raw::postgres_bytes(url, &store_option(url, "schema"))
-    } else if url.starts_with("redis+cluster://") {
-        let nodes: Vec<String> = idem_test_support::servers::socket_addrs(url)
-            .into_iter()
-            .map(|addr| format!("redis://{addr}"))
-            .collect();
-        raw::redis_bytes(&nodes, &store_option(url, "prefix"))
     } else {
-        let node = url.split_once("/?").expect("a prefix").0.to_owned();
-        raw::redis_bytes(&[node], &store_option(url, "prefix"))
+        let nodes = idem_test_support::servers::redis_nodes(url);
+        raw::redis_bytes(&nodes, &store_option(url, "prefix"))
     }
 }
 
@@ -788,6 +777,25 @@ impl Reply {
     }
 }
 
+impl From<idem_test_support::wire::Answer> for Reply {
+    /// An answer read off the wire ([`idem_test_support::wire`]).
+    fn from(answer: idem_test_support::wire::Answer) -> Self {
+        let mut headers = reqwest::header::HeaderMap::new();
+        for (name, value) in &answer.headers {
+            let name = reqwest::header::HeaderName::from_bytes(name.as_bytes())
+                .unwrap_or_else(|err| panic!("a bad header name {name:?}: {err}"));
+            let value = reqwest::header::HeaderValue::from_bytes(value)
+                .unwrap_or_else(|err| panic!("a bad value of {name}: {err}"));
+            headers.append(name, value);
+        }
+        Self {
+            status: answer.status,
+            headers,
+            body: answer.body.into(),
+        }
+    }
+}
+
 impl std::fmt::Display for Reply {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let mut body = self.text();
@@ -848,76 +856,14 @@ pub(crate) fn count(counter: &AtomicUsize) -> usize {
     counter.load(Ordering::SeqCst)
 }
 
-/// A JSON string literal.
-pub(crate) fn json_string(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
-}
-
-/// The first `"field": value` in a JSON text: a string's content (unescaped) or a scalar's text.
-/// Enough for the flat objects these tests read (problems, `/pay` answers).
+/// A top-level field of a JSON object text: a string's content, or any other value's JSON text
+/// (`7`, `true`, `null`); `None` if the text is not a JSON object or lacks the field.
 pub(crate) fn json_field(text: &str, field: &str) -> Option<String> {
-    let needle = json_string(field);
-    let mut from = 0;
-    while let Some(at) = text[from..].find(&needle) {
-        let after = from + at + needle.len();
-        let rest = text[after..].trim_start();
-        if let Some(value) = rest.strip_prefix(':') {
-            return Some(read_json_value(value.trim_start()));
-        }
-        from = after;
-    }
-    None
-}
-
-fn read_json_value(text: &str) -> String {
-    let mut chars = text.chars();
-    if text.starts_with('"') {
-        chars.next();
-        let mut out = String::new();
-        while let Some(c) = chars.next() {
-            match c {
-                '"' => break,
-                '\\' => match chars.next() {
-                    Some('n') => out.push('\n'),
-                    Some('r') => out.push('\r'),
-                    Some('t') => out.push('\t'),
-                    Some('b') => out.push('\u{8}'),
-                    Some('f') => out.push('\u{c}'),
-                    Some('u') => {
-                        let hex: String = chars.by_ref().take(4).collect();
-                        out.push(
-                            u32::from_str_radix(&hex, 16)
-                                .ok()
-                                .and_then(char::from_u32)
-                                .unwrap_or('\u{fffd}'),
-                        );
-                    }
-                    Some(other) => out.push(other),
-                    None => break,
-                },
-                c => out.push(c),
-            }
-        }
-        out
-    } else {
-        text.chars()
-            .take_while(|c| !matches!(c, ',' | '}' | ']') && !c.is_whitespace())
-            .collect()
-    }
+    let value: serde_json::Value = serde_json::from_str(text).ok()?;
+    Some(match value.get(field)? {
+        serde_json::Value::String(text) => text.clone(),
+        other => other.to_string(),
+    })
 }
 
 #[test]
@@ -933,7 +879,7 @@ fn helpers_work() {
     );
     assert_eq!(json_field(body, "status").as_deref(), Some("422"));
     assert_eq!(json_field(body, "detail").as_deref(), Some("the \"body\" differs"));
-    let pay = format!(r#"{{"charge":7,"received":{}}}"#, json_string(r#"{"a": 1}"#));
+    let pay = serde_json::json!({"charge": 7, "received": r#"{"a": 1}"#}).to_string();
     assert_eq!(json_field(&pay, "charge").as_deref(), Some("7"));
     assert_eq!(json_field(&pay, "received").as_deref(), Some(r#"{"a": 1}"#));
     let v7 = uuid_v7_at(0x0123_4567_89ab);

@@ -1,8 +1,6 @@
 //! What only the `idem request` tests need on top of `common`: a link that loses the first answer
 //! on its way back, and running `idem` with its retry settings unset and reading its summary line.
 
-#![allow(dead_code)]
-
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::process::{Output, Stdio};

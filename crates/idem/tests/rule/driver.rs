@@ -11,7 +11,7 @@ use super::generator::{Generator, Plan, SCOPES, Step};
 use super::oracle::{Model, Outcome, Record, RecordId, Shape, judge_own_answer};
 use super::routes::{CONFIG, Protection};
 use super::upstream::{self, Arrival, Upstream};
-use super::wire::{self, Answer};
+use super::wire::{self, Answer, Reading};
 use crate::common::{Gateway, run_idem_with_env};
 
 /// How long the driver waits for a hung run to end and its record to settle.

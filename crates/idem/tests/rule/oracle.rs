@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use super::routes::{Protection, normalised};
 use super::upstream::Behaviour;
-use super::wire::Answer;
+use super::wire::{Answer, Reading};
 
 /// How far from a ttl or tombstone-ttl boundary either side of it is accepted: covers the time a
 /// run takes between its claim and its answer, whichever of the two a store counts from.

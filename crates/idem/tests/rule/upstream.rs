@@ -2,7 +2,7 @@
 //! request it reads (before it answers) and then does what the request's `x-rule-do` header
 //! scripts: answer a status, hang past the gateway's timeouts, or drop the connection.
 //!
-//! It is written on raw TCP rather than a framework because "read the request, then drop the
+//! It is written on raw TCP ([`idem_test_support::wire`]) rather than a framework because "read the request, then drop the
 //! connection without an answer" is exactly what a framework will not do.
 
 use std::net::SocketAddr;
@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use idem_test_support::wire::read_request;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
@@ -175,13 +176,7 @@ async fn serve(mut stream: TcpStream, log: Arc<Log>) {
     let Some(request) = read_request(&mut stream).await else {
         return;
     };
-    let header = |name: &str| {
-        request
-            .headers
-            .iter()
-            .find(|(n, _)| n.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.clone())
-    };
+    let header = |name: &str| request.header(name).map(str::to_owned);
     let behaviour = Behaviour::parse(header(DO).as_deref().unwrap_or(""));
     let run = RUNS.fetch_add(1, Ordering::SeqCst);
     let req = header(REQ).and_then(|r| r.parse().ok());
@@ -228,71 +223,4 @@ async fn answer(stream: &mut TcpStream, code: u16, run: u64, req: Option<u64>) {
     let _ = stream.write_all(head.as_bytes()).await;
     let _ = stream.write_all(body.as_bytes()).await;
     let _ = stream.shutdown().await;
-}
-
-/// A request read from the wire.
-#[derive(Debug)]
-pub(crate) struct RawRequest {
-    pub(crate) method: String,
-    pub(crate) target: String,
-    pub(crate) headers: Vec<(String, String)>,
-    pub(crate) body: Vec<u8>,
-}
-
-async fn read_request(stream: &mut TcpStream) -> Option<RawRequest> {
-    let (head, mut rest) = read_head(stream).await?;
-    let text = String::from_utf8_lossy(&head).into_owned();
-    let mut lines = text.split("\r\n");
-    let mut first = lines.next()?.split(' ');
-    let method = first.next()?.to_owned();
-    let target = first.next()?.to_owned();
-    let headers: Vec<(String, String)> = lines
-        .filter_map(|line| line.split_once(':'))
-        .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_owned()))
-        .collect();
-    let value = |name: &str| headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone());
-    let body = if value("transfer-encoding").is_some_and(|v| v.to_ascii_lowercase().contains("chunked")) {
-        loop {
-            if let Some((body, _)) = super::wire::dechunk(&rest) {
-                break body;
-            }
-            read_more(stream, &mut rest).await?;
-        }
-    } else {
-        let length: usize = value("content-length").and_then(|v| v.parse().ok()).unwrap_or(0);
-        while rest.len() < length {
-            read_more(stream, &mut rest).await?;
-        }
-        rest.truncate(length);
-        rest
-    };
-    Some(RawRequest {
-        method,
-        target,
-        headers,
-        body,
-    })
-}
-
-/// Reads up to the end of a message head; returns the head and what came after it.
-pub(crate) async fn read_head(stream: &mut TcpStream) -> Option<(Vec<u8>, Vec<u8>)> {
-    let mut buf = Vec::new();
-    loop {
-        if let Some(at) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            let rest = buf.split_off(at + 4);
-            buf.truncate(at);
-            return Some((buf, rest));
-        }
-        read_more(stream, &mut buf).await?;
-    }
-}
-
-async fn read_more(stream: &mut TcpStream, buf: &mut Vec<u8>) -> Option<()> {
-    let mut chunk = [0u8; 16 * 1024];
-    let n = stream.read(&mut chunk).await.ok()?;
-    if n == 0 {
-        return None;
-    }
-    buf.extend_from_slice(&chunk[..n]);
-    Some(())
 }
