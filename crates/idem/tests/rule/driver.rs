@@ -57,6 +57,9 @@ struct Sent {
 enum Event {
     /// `idem delete` of a record in flight (`Some`) or idle (`None`).
     Deleted(RecordId, Option<(Shape, Protection)>),
+    /// `idem delete` of a record it said was in flight, with no run of the step under it (a dead
+    /// holder's).
+    DeletedHeld(RecordId),
     /// The gateway running this record was killed.
     Killed(RecordId, Shape, Protection),
 }
@@ -351,7 +354,12 @@ impl Driver {
                     let deleted;
                     (deleted, notes) = self.delete(&id).await;
                     if deleted {
-                        self.apply(Event::Deleted(id, None), self.now());
+                        let event = if said_in_flight(&notes) {
+                            Event::DeletedHeld(id)
+                        } else {
+                            Event::Deleted(id, None)
+                        };
+                        self.apply(event, self.now());
                     }
                     earlier.push(first);
                     (Vec::new(), false)
@@ -365,10 +373,7 @@ impl Driver {
                     (deleted, notes) = self.delete(&id).await;
                     // On a slow machine the run may have ended before the delete: then it
                     // deleted the answer, and says so.
-                    let said_in_flight = {
-                        let text = notes.to_ascii_lowercase();
-                        text.contains("in-flight") || text.contains("in flight")
-                    };
+                    let said_in_flight = said_in_flight(&notes);
                     let still_running = self.upstream.open() > 0;
                     let protection = Protection::of(&plan.shape.method, &plan.shape.target);
                     if deleted {
@@ -386,7 +391,12 @@ impl Driver {
                 let deleted;
                 (deleted, notes) = self.delete(id).await;
                 if deleted {
-                    events.push((self.upstream.arrived(), Event::Deleted(id.clone(), None)));
+                    let event = if said_in_flight(&notes) {
+                        Event::DeletedHeld(id.clone())
+                    } else {
+                        Event::Deleted(id.clone(), None)
+                    };
+                    events.push((self.upstream.arrived(), event));
                 }
                 (Vec::new(), false)
             }
@@ -536,9 +546,10 @@ impl Driver {
     fn apply(&mut self, event: Event, now: Duration) {
         match event {
             Event::Deleted(id, Some((shape, protection))) => self.model.deleted(&id, Some((&shape, &protection)), now),
-            Event::Deleted(id, None) => {
-                // A record whose dead holder may still hold it is in flight: deleting it leaves
-                // the key unknown.
+            Event::Deleted(id, None) => self.model.deleted(&id, None, now),
+            Event::DeletedHeld(id) => {
+                // The record of a dead holder was still in flight (the delete said so): deleting
+                // it leaves the key unknown, as it was.
                 if !matches!(self.model.record(&id), Record::Unknown { held: true, .. }) {
                     self.model.deleted(&id, None, now);
                 }
@@ -698,4 +709,11 @@ pub(crate) async fn run(driver: &mut Driver, generator: &mut Generator, steps: u
             break;
         }
     }
+}
+
+/// Whether `idem delete` said the record it deleted was in flight (its holder fenced, the key left
+/// unknown) rather than completed or unknown (the key freed).
+fn said_in_flight(notes: &str) -> bool {
+    let text = notes.to_ascii_lowercase();
+    text.contains("in-flight") || text.contains("in flight")
 }

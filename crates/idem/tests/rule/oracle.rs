@@ -215,9 +215,24 @@ impl Model {
 
     /// A recovery of the unknown `id` found the upstream down: the key is released unknown again,
     /// its ttl counted from `now` (the design's settle table keeps a recovered release unknown).
+    /// Only a recovery can have found it so: an unknown key past its tombstone was claimed anew,
+    /// and that claim, having sent nothing, is forgotten.
     pub(crate) fn released_unknown_again(&mut self, id: &RecordId, now: Duration) {
-        if let Some(Record::Unknown { at, .. }) = self.records.get_mut(id) {
+        let Some(Record::Unknown {
+            at,
+            ttl,
+            tombstone_ttl,
+            crashed,
+            ..
+        }) = self.records.get_mut(id)
+        else {
+            return;
+        };
+        let p = phases(*at, now, ttl, tombstone_ttl);
+        if p.live || *crashed && !p.gone {
             *at = now;
+        } else if p.gone {
+            self.records.insert(id.clone(), Record::Fresh);
         }
     }
 
