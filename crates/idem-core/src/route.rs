@@ -413,8 +413,8 @@ pub enum RouteError {
     },
 }
 
-/// How the upstream may read paths beyond the two readings every route table uses (as sent, and
-/// normalised: see `docs/design.md`). Both are off by default; turn on what the upstream
+/// How the upstream may read paths beyond the three readings every route table uses (literally,
+/// as sent, and normalised: see `docs/design.md`). Both are off by default; turn on what the upstream
 /// does, so that a spelling it reads as a protected path is matched as that path.
 ///
 /// Written as a flag takes it: `standard` (nothing added), or a comma-separated list of
