@@ -6,11 +6,15 @@
 use std::fmt;
 use std::sync::Arc;
 
+use std::time::Duration;
+
 use idem_core::store::backend::hex;
 use idem_core::{StoreError, store::FencingToken};
-use redis::{Script, Value};
+use redis::aio::ConnectionLike;
+use redis::{Cmd, ErrorKind, Pipeline, RedisResult, Script, ServerErrorKind, Value};
 
-use crate::conn::Commands;
+use crate::ack::Acknowledgement;
+use crate::conn::{Commands, Conn};
 use crate::scripts::CORRUPT;
 
 /// A reply that answers another call than the one it reached: the connection's replies are
@@ -100,32 +104,159 @@ impl<'a> Call<'a> {
     }
 }
 
+/// Where a call must have landed before it counts.
+#[derive(Clone, Copy)]
+pub(crate) enum Durability<'a> {
+    /// On the primary: sent on the store's shared connection (reads, and writes a failover may
+    /// lose without changing an answer).
+    Primary,
+    /// On the replicas that the rule wants, if any: the call is followed by `WAIT` on a
+    /// connection of the rule's pool, and fails as unavailable if too few acknowledge it.
+    Replicas(&'a Acknowledgement),
+}
+
+/// A write that too few replicas acknowledged in time: the primary has it, a failover may lose
+/// it, so it does not count.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "Redis did not get {what} on {record} to enough replicas: {acknowledged} of {wanted} acknowledged it \
+     within {timeout:?} (a failover now could lose it, so it does not count)"
+)]
+struct NotAcknowledged {
+    what: &'static str,
+    record: String,
+    acknowledged: i64,
+    wanted: u32,
+    timeout: Duration,
+}
+
 /// Runs `script` (the operation `what`) on `keys` with a fresh nonce and `args`; returns the reply
 /// after the key and nonce it names. A reply that names another key or call, or is not a script's
-/// reply at all, is an error, and the connection it came on is replaced.
+/// reply at all, is an error, and the connection it came on is replaced. A call that
+/// [`Durability::Replicas`] waits for the replicas its rule wants.
 pub(crate) async fn run_script(
     commands: &Arc<Commands>,
+    durability: Durability<'_>,
     what: &'static str,
     script: &Script,
     keys: &[&str],
-    args: impl FnOnce(&mut redis::ScriptInvocation<'_>),
+    args: impl FnOnce(&mut Cmd),
 ) -> Result<std::vec::IntoIter<Value>, StoreError> {
     let call = Call::new(what, keys[0]);
-    let mut invocation = script.prepare_invoke();
+    let mut evalsha = redis::cmd("EVALSHA");
+    evalsha.arg(script.get_hash()).arg(keys.len());
     for key in keys {
-        invocation.key(*key);
+        evalsha.arg(*key);
     }
-    invocation.arg(&call.nonce);
-    args(&mut invocation);
-    let (mut conn, generation) = commands.get();
-    let out_of_step = |err| {
-        tracing::warn!(error = %err, "a Redis reply reached the wrong command");
-        commands.out_of_step(generation);
-        err
+    evalsha.arg(&call.nonce);
+    args(&mut evalsha);
+    match durability {
+        Durability::Replicas(ack) if ack.wanted() > 0 => run_acknowledged(ack, &call, script, &evalsha).await,
+        _ => {
+            let (mut conn, generation) = commands.get();
+            call.take(eval(&mut conn, script, &evalsha).await, commands, generation)
+        }
+    }
+}
+
+/// Sends the script and `WAIT` in one pipeline on a connection of the acknowledgement pool: the
+/// `WAIT` counts the replicas that have everything this connection wrote, the script included.
+async fn run_acknowledged(
+    ack: &Acknowledgement,
+    call: &Call<'_>,
+    script: &Script,
+    evalsha: &Cmd,
+) -> Result<std::vec::IntoIter<Value>, StoreError> {
+    let wanted = ack.wanted();
+    let (commands, mut conn, generation) = ack.connection().await.map_err(StoreError::unavailable)?;
+    let mut pipeline = redis::pipe();
+    pipeline
+        .add_command(evalsha.clone())
+        .cmd("WAIT")
+        .arg(wanted)
+        .arg(u64::try_from(ack.timeout().as_millis()).unwrap_or(u64::MAX));
+    let mut replies = eval_and_wait(&mut conn, script, &pipeline)
+        .await
+        .map_err(StoreError::unavailable)?
+        .into_iter();
+    let (reply, acknowledged) = (replies.next(), replies.next());
+    let reply = match reply {
+        Some(Value::ServerError(err)) => {
+            let err = redis::RedisError::from(err);
+            if matches!(
+                err.kind(),
+                ErrorKind::Server(ServerErrorKind::Moved | ServerErrorKind::Ask)
+            ) {
+                // The pipeline is not redirected as a lone command is: let one be, so that the
+                // client learns where the record's slot lives now, and fail this call.
+                let _ = redis::cmd("EXISTS")
+                    .arg(call.record)
+                    .query_async::<Value>(&mut conn)
+                    .await;
+            }
+            Err(err)
+        }
+        Some(reply) => Ok(reply),
+        None => Err((ErrorKind::UnexpectedReturnType, "no reply to the script").into()),
     };
-    match invocation.invoke_async::<Value>(&mut conn).await {
-        Ok(reply) => call.open(reply).map_err(|other| out_of_step(call.misrouted(&other))),
-        Err(err) => Err(call.error(err).unwrap_or_else(out_of_step)),
+    let payload = call.take(reply, &commands, generation)?;
+    match acknowledged {
+        Some(Value::Int(acknowledged)) if acknowledged >= i64::from(wanted) => Ok(payload),
+        Some(Value::Int(acknowledged)) => Err(StoreError::unavailable(NotAcknowledged {
+            what: call.what,
+            record: call.record.to_owned(),
+            acknowledged,
+            wanted,
+            timeout: ack.timeout(),
+        })),
+        other => {
+            tracing::warn!("a Redis reply reached the wrong command");
+            commands.out_of_step(generation);
+            Err(call.misrouted(&other))
+        }
+    }
+}
+
+/// Sends `evalsha`; if the server does not know the script yet, loads it (on every primary of a
+/// cluster) and sends it again.
+async fn eval(conn: &mut Conn, script: &Script, evalsha: &Cmd) -> RedisResult<Value> {
+    match evalsha.query_async(conn).await {
+        Err(err) if err.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+            script.load_async(conn).await?;
+            evalsha.query_async(conn).await
+        }
+        reply => reply,
+    }
+}
+
+/// Sends the pipeline of a script and its `WAIT`, as [`eval`] sends a script alone.
+async fn eval_and_wait(conn: &mut Conn, script: &Script, pipeline: &Pipeline) -> RedisResult<Vec<Value>> {
+    let replies = conn.req_packed_commands(pipeline, 0, pipeline.len()).await?;
+    if !matches!(replies.first(), Some(Value::ServerError(err)) if err.code() == "NOSCRIPT") {
+        return Ok(replies);
+    }
+    script.load_async(conn).await?;
+    conn.req_packed_commands(pipeline, 0, pipeline.len()).await
+}
+
+impl Call<'_> {
+    /// The payload of `reply` if it answers this call; the store's error otherwise, with the
+    /// connection `generation` of `commands` replaced if the reply belongs to another call.
+    fn take(
+        &self,
+        reply: RedisResult<Value>,
+        commands: &Arc<Commands>,
+        generation: u64,
+    ) -> Result<std::vec::IntoIter<Value>, StoreError> {
+        let out_of_step = |err| {
+            tracing::warn!(error = %err, "a Redis reply reached the wrong command");
+            commands.out_of_step(generation);
+            err
+        };
+        match reply {
+            Ok(reply) => self.open(reply).map_err(|other| out_of_step(self.misrouted(&other))),
+            Err(err) => Err(self.error(err).unwrap_or_else(out_of_step)),
+        }
     }
 }
 

@@ -23,8 +23,8 @@ use crate::url::{Config, Target};
 /// enough for a stored answer of several MiB.
 pub(crate) const RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// How long a cluster command may take with its redirections and retries.
-pub(crate) const CLUSTER_OVERALL_TIMEOUT: Duration = Duration::from_secs(5);
+/// How much longer than one attempt a cluster command may take with its redirections and retries.
+pub(crate) const CLUSTER_OVERALL_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// How long one attempt to (re)connect may take.
 pub(crate) const CONNECTION_TIMEOUT: Duration = Duration::from_secs(1);
@@ -43,13 +43,14 @@ pub(crate) enum Conn {
 }
 
 impl Conn {
-    /// Connects, without a push sender: this connection carries commands only.
-    async fn connect(target: &Target) -> redis::RedisResult<Self> {
+    /// Connects, without a push sender: this connection carries commands only. A command may take
+    /// `response_timeout` (a cluster command, with its redirections, `CLUSTER_OVERALL_TIMEOUT` more).
+    async fn connect(target: &Target, response_timeout: Duration) -> redis::RedisResult<Self> {
         match target {
             Target::Standalone(info) => {
                 let client = redis::Client::open(info.clone())?;
                 let manager_config = ConnectionManagerConfig::new()
-                    .set_response_timeout(Some(RESPONSE_TIMEOUT))
+                    .set_response_timeout(Some(response_timeout))
                     .set_connection_timeout(Some(CONNECTION_TIMEOUT))
                     .set_number_of_retries(RECONNECT_ATTEMPTS)
                     .set_max_delay(Duration::from_millis(500));
@@ -59,8 +60,8 @@ impl Conn {
             Target::Cluster(nodes) => {
                 let client = ClusterClientBuilder::new(nodes.clone())
                     .use_protocol(redis::ProtocolVersion::RESP3)
-                    .response_timeout(RESPONSE_TIMEOUT)
-                    .overall_response_timeout(Some(CLUSTER_OVERALL_TIMEOUT))
+                    .response_timeout(response_timeout)
+                    .overall_response_timeout(Some(response_timeout + CLUSTER_OVERALL_TIMEOUT))
                     .connection_timeout(CONNECTION_TIMEOUT)
                     .retries(4)
                     .build()?;
@@ -221,6 +222,7 @@ impl ConnectionLike for Conn {
 /// The command connection of a store, replaced when it is found out of step.
 pub(crate) struct Commands {
     target: Target,
+    response_timeout: Duration,
     current: RwLock<Current>,
     replacing: AtomicBool,
 }
@@ -232,10 +234,12 @@ struct Current {
 }
 
 impl Commands {
-    pub(crate) async fn connect(config: &Config) -> redis::RedisResult<Arc<Self>> {
-        let conn = Conn::connect(&config.target).await?;
+    /// Connects to the store's server or cluster; a command may take `response_timeout`.
+    pub(crate) async fn connect(config: &Config, response_timeout: Duration) -> redis::RedisResult<Arc<Self>> {
+        let conn = Conn::connect(&config.target, response_timeout).await?;
         Ok(Arc::new(Self {
             target: config.target.clone(),
+            response_timeout,
             current: RwLock::new(Current { conn, generation: 0 }),
             replacing: AtomicBool::new(false),
         }))
@@ -261,7 +265,7 @@ impl Commands {
         }
         let this = Arc::clone(self);
         tokio::spawn(async move {
-            match Conn::connect(&this.target).await {
+            match Conn::connect(&this.target, this.response_timeout).await {
                 Ok(conn) => {
                     let mut current = this.current.write().unwrap_or_else(PoisonError::into_inner);
                     if current.generation == generation {

@@ -29,6 +29,7 @@
 //! noeviction`, or a restart or eviction loses records, and a lost record is a lost protection.
 #![forbid(unsafe_code)]
 
+mod ack;
 mod call;
 mod conn;
 mod decode;

@@ -181,7 +181,7 @@ impl Link {
                     .use_protocol(redis::ProtocolVersion::RESP3)
                     .push_sender(push)
                     .response_timeout(RESPONSE_TIMEOUT)
-                    .overall_response_timeout(Some(CLUSTER_OVERALL_TIMEOUT))
+                    .overall_response_timeout(Some(RESPONSE_TIMEOUT + CLUSTER_OVERALL_TIMEOUT))
                     .connection_timeout(CONNECTION_TIMEOUT)
                     .retries(4)
                     .build()?;

@@ -177,18 +177,27 @@ return answer(1)
 "#;
 
 /// `complete`. ARGV: nonce, token, response, completed_at (the `now` of the expiries),
-/// expires_at, purge_at, channel, publish command. Deletes the run's checkpoints. Returns
-/// `{rec, nonce, 1}`, or `{rec, nonce, 0}` if the token is not the current claim.
+/// expires_at, purge_at, channel, publish command, and `again` if an earlier call of this claim
+/// may have stored the answer unseen. Deletes the run's checkpoints and keeps the token as
+/// `completed_by`. Returns `{rec, nonce, 1}`, or `{rec, nonce, 0}` if the token is not the current
+/// claim (with `again`: nor the claim whose answer is stored, which is then left as it is).
 const COMPLETE: &str = r#"
 local token, response, channel, publish = ARGV[2], ARGV[3], ARGV[7], ARGV[8]
-local cur = redis.call('HMGET', rec, 'state', 'token')
+local cur = redis.call('HMGET', rec, 'state', 'token', 'completed_by')
+if ARGV[9] == 'again' and cur[1] == 'completed' and cur[3] == token then
+  -- This claim's own answer, stored by a call whose outcome the caller never saw: written once
+  -- more (the same value), so that this call writes and its acknowledgement covers the answer.
+  redis.call('HSET', rec, 'completed_by', token)
+  return answer(1)
+end
 if cur[1] ~= 'in-flight' or cur[2] ~= token then
   return answer(0)
 end
 now = num(ARGV[4], 'completed_at')
 redis.call('DEL', steps)
 redis.call('HDEL', rec, 'token', 'lease_until', 'recovered')
-redis.call('HSET', rec, 'state', 'completed', 'completed_at', ARGV[4], 'expires_at', ARGV[5], 'purge_at', ARGV[6])
+redis.call('HSET', rec, 'state', 'completed', 'completed_at', ARGV[4], 'expires_at', ARGV[5], 'purge_at', ARGV[6],
+  'completed_by', token)
 local body_ttl = num(ARGV[5], 'expires_at') - now
 if body_ttl > 0 then
   redis.call('SET', body, response, 'PX', string.format('%d', body_ttl))
@@ -352,14 +361,19 @@ return answer(flat)
 /// `scope_salt`. KEYS[1] = the salt hash (no other key). ARGV: nonce; to make the salt if there
 /// is none, also salt, created_at and older_records_until (empty for none). Makes it only if the
 /// key does not exist, in the same step as it looks, so of racing callers exactly one makes it;
-/// the key is given no expiry. Returns `{key, nonce, HGETALL of the key}` as it is afterwards (an
-/// empty hash if there is still none).
+/// the key is given no expiry. A salt that exists counts one more `reads`, so that the call always
+/// writes: its acknowledgement by a replica then proves the replica has the salt, even when
+/// another instance made it a moment ago (a salt lost in a failover would rename every scope).
+/// Returns `{key, nonce, HGETALL of the key}` as it is afterwards (an empty hash if there is
+/// still none).
 const SCOPE_SALT: &str = r#"
 if ARGV[2] and redis.call('EXISTS', rec) == 0 then
   redis.call('HSET', rec, 'salt', ARGV[2], 'created_at', ARGV[3])
   if ARGV[4] ~= '' then
     redis.call('HSET', rec, 'older_records_until', ARGV[4])
   end
+elseif redis.call('EXISTS', rec) == 1 then
+  redis.call('HINCRBY', rec, 'reads', 1)
 end
 return answer(redis.call('HGETALL', rec))
 "#;

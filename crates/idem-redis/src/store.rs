@@ -3,9 +3,9 @@
 //! The scripts are in `scripts.rs`, their replies are read in `decode.rs`, and `call.rs` checks
 //! that a reply answers the call it reached: this module is the operations.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -17,11 +17,12 @@ use idem_core::{
         WaitOutcome,
     },
 };
-use redis::{Pipeline, Script, Value};
+use redis::{Cmd, Pipeline, Script, Value};
 use tokio::sync::Notify;
 
-use crate::call::{Call, run_script};
-use crate::conn::{Commands, Conn, Node};
+use crate::ack::Acknowledgement;
+use crate::call::{Call, Durability, run_script};
+use crate::conn::{Commands, Conn, Node, RESPONSE_TIMEOUT};
 use crate::decode::{StoredHash, parse_begin, parse_checkpoints, parse_millis, parse_scan, parse_scope_salt};
 use crate::keys::{RecordKeys, record_pattern, scope_salt_key};
 use crate::notify::Subscriptions;
@@ -51,6 +52,8 @@ pub struct RedisStore {
 
 struct Inner {
     commands: Arc<Commands>,
+    /// The replicas a write waits for, and the connections that carry such writes.
+    ack: Arc<Acknowledgement>,
     prefix: String,
     poll_interval: Duration,
     /// The URL without its password.
@@ -60,7 +63,13 @@ struct Inner {
     subscriptions: Subscriptions,
     /// Replays counted here and not yet added to their records.
     replays: Arc<ReplayCounts>,
+    /// Claims whose `complete` failed as unavailable: it may have stored their answer unseen.
+    /// As many as the protocol holds answers to store again (it gives them up when fenced).
+    unseen_completions: Mutex<HashSet<(RecordId, FencingToken)>>,
 }
+
+/// The most claims remembered as having perhaps stored their answer unseen.
+const MAX_UNSEEN_COMPLETIONS: usize = 10_000;
 
 /// How often the replays counted by a store are added to their records.
 const FLUSH_REPLAYS_EVERY: Duration = Duration::from_millis(500);
@@ -96,23 +105,29 @@ impl RedisStore {
     pub async fn connect(url: &str) -> Result<Self, RedisError> {
         let config = url::parse(url)?;
         let connect_error = |err| RedisError::connect(&config.display, err);
-        let commands = Commands::connect(&config).await.map_err(connect_error)?;
+        let commands = Commands::connect(&config, RESPONSE_TIMEOUT)
+            .await
+            .map_err(connect_error)?;
         redis::cmd("PING")
             .query_async::<Value>(&mut commands.get().0)
             .await
             .map_err(connect_error)?;
+        let ack = Acknowledgement::new(&config, &commands).await.map_err(connect_error)?;
         let subscriptions = Subscriptions::connect(&config).await.map_err(connect_error)?;
         let publish = if commands.is_cluster() { "SPUBLISH" } else { "PUBLISH" };
         tracing::debug!(url = %config.display, prefix = %config.prefix, "Redis store connected");
         let inner = Arc::new(Inner {
             commands: commands.clone(),
+            ack: Arc::clone(&ack),
             prefix: config.prefix.clone(),
             poll_interval: config.poll_interval,
             url: config.display,
             publish,
             subscriptions,
             replays: Arc::default(),
+            unseen_completions: Mutex::default(),
         });
+        ack.watch(commands.clone(), Arc::downgrade(&inner));
         let prefix = config.prefix;
         ReplayCounts::flush_forever(
             inner.replays.clone(),
@@ -144,24 +159,31 @@ impl RedisStore {
     /// on is replaced.
     async fn run(
         &self,
+        durability: Durability<'_>,
         what: &'static str,
         script: &Script,
         keys: &RecordKeys,
-        args: impl FnOnce(&mut redis::ScriptInvocation<'_>),
+        args: impl FnOnce(&mut Cmd),
     ) -> Result<std::vec::IntoIter<Value>, StoreError> {
         let keys = [keys.record.as_str(), &keys.body, &keys.checkpoints];
-        run_script(&self.inner.commands, what, script, &keys, args).await
+        run_script(&self.inner.commands, durability, what, script, &keys, args).await
+    }
+
+    /// What a call that writes must reach: the replicas the store waits for.
+    fn writes(&self) -> Durability<'_> {
+        Durability::Replicas(&self.inner.ack)
     }
 
     /// Runs a script whose payload is one integer.
     async fn run_flag(
         &self,
+        durability: Durability<'_>,
         what: &'static str,
         script: &Script,
         keys: &RecordKeys,
-        args: impl FnOnce(&mut redis::ScriptInvocation<'_>),
+        args: impl FnOnce(&mut Cmd),
     ) -> Result<i64, StoreError> {
-        match self.run(what, script, keys, args).await?.next() {
+        match self.run(durability, what, script, keys, args).await?.next() {
             Some(Value::Int(flag)) => Ok(flag),
             other => Err(StoreError::Corrupt(format!("unexpected reply of {what}: {other:?}"))),
         }
@@ -170,7 +192,7 @@ impl RedisStore {
     /// Whether `token` is still the current claim on the record.
     async fn holds(&self, keys: &RecordKeys, token: FencingToken) -> Result<bool, StoreError> {
         let flag = self
-            .run_flag("wait", &HOLDS_SCRIPT, keys, |script| {
+            .run_flag(Durability::Primary, "wait", &HOLDS_SCRIPT, keys, |script| {
                 script.arg(&token.as_bytes()[..]);
             })
             .await?;
@@ -257,15 +279,15 @@ impl RedisStore {
         }
     }
 
-    /// Runs a compare-and-set script: 1 done, 0 fenced.
+    /// Runs a compare-and-set script, which writes: 1 done, 0 fenced.
     async fn compare_and_set(
         &self,
         what: &'static str,
         script: &Script,
         keys: &RecordKeys,
-        args: impl FnOnce(&mut redis::ScriptInvocation<'_>),
+        args: impl FnOnce(&mut Cmd),
     ) -> Result<(), StoreError> {
-        match self.run_flag(what, script, keys, args).await? {
+        match self.run_flag(self.writes(), what, script, keys, args).await? {
             1 => Ok(()),
             0 => Err(StoreError::Fenced),
             other => Err(StoreError::Corrupt(format!("unexpected reply of {what}: {other}"))),
@@ -279,7 +301,7 @@ impl Store for RedisStore {
         let keys = self.record_keys(request.id);
         let claim_purge_at = claim_purge_at(request.purge_at, request.lease_until);
         let reply = self
-            .run("begin", &BEGIN_SCRIPT, &keys, |script| {
+            .run(self.writes(), "begin", &BEGIN_SCRIPT, &keys, |script| {
                 script
                     .arg(millis_arg(request.now))
                     .arg(millis_arg(request.lease_until))
@@ -299,19 +321,46 @@ impl Store for RedisStore {
         })
     }
 
+    /// Stores the answer. A call that failed as unavailable may have stored it unseen (its
+    /// reply, or its replicas' acknowledgement, was missing): the claim's next call may then find
+    /// its own answer stored, writes it once more so that the replicas acknowledge it, and
+    /// succeeds.
     async fn complete(&self, id: &RecordId, token: FencingToken, completion: Completion) -> Result<(), StoreError> {
         let keys = self.record_keys(id);
-        self.compare_and_set("complete", &COMPLETE_SCRIPT, &keys, |script| {
-            script
-                .arg(&token.as_bytes()[..])
-                .arg(&completion.response[..])
-                .arg(millis_arg(completion.completed_at))
-                .arg(millis_arg(completion.expires_at))
-                .arg(millis_arg(completion.purge_at))
-                .arg(&keys.channel)
-                .arg(self.inner.publish);
-        })
-        .await
+        let unseen = (id.clone(), token);
+        let again = self
+            .inner
+            .unseen_completions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains(&unseen);
+        let stored = self
+            .compare_and_set("complete", &COMPLETE_SCRIPT, &keys, |script| {
+                script
+                    .arg(&token.as_bytes()[..])
+                    .arg(&completion.response[..])
+                    .arg(millis_arg(completion.completed_at))
+                    .arg(millis_arg(completion.expires_at))
+                    .arg(millis_arg(completion.purge_at))
+                    .arg(&keys.channel)
+                    .arg(self.inner.publish)
+                    .arg(if again { "again" } else { "" });
+            })
+            .await;
+        let mut unseen_completions = self
+            .inner
+            .unseen_completions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        match &stored {
+            // Beyond the cap (answers the protocol gave up on), a retry is fenced as before.
+            Err(StoreError::Unavailable(_)) if unseen_completions.len() < MAX_UNSEEN_COMPLETIONS => {
+                unseen_completions.insert(unseen)
+            }
+            Err(StoreError::Unavailable(_)) => false,
+            _ => unseen_completions.remove(&unseen),
+        };
+        stored
     }
 
     async fn release(&self, id: &RecordId, token: FencingToken, release: Release) -> Result<(), StoreError> {
@@ -360,7 +409,9 @@ impl Store for RedisStore {
     /// unless the record is in flight or unknown and not past its `purge_at`.
     async fn checkpoints(&self, id: &RecordId) -> Result<Vec<Checkpoint>, StoreError> {
         let keys = self.record_keys(id);
-        let items = self.run("checkpoints", &CHECKPOINTS_SCRIPT, &keys, |_| {}).await?;
+        let items = self
+            .run(Durability::Primary, "checkpoints", &CHECKPOINTS_SCRIPT, &keys, |_| {})
+            .await?;
         parse_checkpoints(items, id)
     }
 
@@ -371,7 +422,7 @@ impl Store for RedisStore {
     /// may lag the clock).
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         let keys = self.record_keys(id);
-        let mut items = self.run("get", &GET_SCRIPT, &keys, |_| {}).await?;
+        let mut items = self.run(Durability::Primary, "get", &GET_SCRIPT, &keys, |_| {}).await?;
         let fields = items.next().unwrap_or_default();
         let body = items.next().unwrap_or_default();
         StoredHash::parse(fields, body)?
@@ -385,7 +436,7 @@ impl Store for RedisStore {
     async fn delete(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         let keys = self.record_keys(id);
         let mut items = self
-            .run("delete", &DELETE_SCRIPT, &keys, |script| {
+            .run(self.writes(), "delete", &DELETE_SCRIPT, &keys, |script| {
                 script.arg(&keys.channel).arg(self.inner.publish);
             })
             .await?;
@@ -407,21 +458,36 @@ impl Store for RedisStore {
     async fn scope_salt(&self, candidate: ScopeSalt) -> Result<ScopeSalt, StoreError> {
         let key = scope_salt_key(&self.inner.prefix);
         let commands = &self.inner.commands;
-        let read = run_script(commands, "scope_salt", &SCOPE_SALT_SCRIPT, &[&key], |_| {}).await?;
+        let read = run_script(
+            commands,
+            self.writes(),
+            "scope_salt",
+            &SCOPE_SALT_SCRIPT,
+            &[&key],
+            |_| {},
+        )
+        .await?;
         if let Some(salt) = parse_scope_salt(read, &key)? {
             return Ok(salt);
         }
         let older_records_until = self.latest_purge_at(&key).await?;
-        let made = run_script(commands, "scope_salt", &SCOPE_SALT_SCRIPT, &[&key], |script| {
-            script
-                .arg(&candidate.salt[..])
-                .arg(millis_arg(candidate.created_at))
-                .arg(
-                    older_records_until
-                        .map(|at| millis_arg(at).to_string())
-                        .unwrap_or_default(),
-                );
-        })
+        let made = run_script(
+            commands,
+            self.writes(),
+            "scope_salt",
+            &SCOPE_SALT_SCRIPT,
+            &[&key],
+            |script| {
+                script
+                    .arg(&candidate.salt[..])
+                    .arg(millis_arg(candidate.created_at))
+                    .arg(
+                        older_records_until
+                            .map(|at| millis_arg(at).to_string())
+                            .unwrap_or_default(),
+                    );
+            },
+        )
         .await?;
         parse_scope_salt(made, &key)?
             .ok_or_else(|| StoreError::Corrupt(format!("the scope salt {key} is missing right after it was made")))
@@ -512,8 +578,10 @@ async fn write_replays(
         let commands = &commands;
         let keys = RecordKeys::new(&prefix, &id);
         async move {
+            // Counts are statistics: a failover may lose a batch, which never changes an answer.
             let written = run_script(
                 commands,
+                Durability::Primary,
                 "count replays",
                 &COUNT_REPLAYS_SCRIPT,
                 &[keys.record.as_str()],

@@ -1,8 +1,8 @@
 //! Store URLs: `redis://host:port[/db][?options]` for one server, and
 //! `redis+cluster://host:port,host:port,...[?options]` for a Redis Cluster.
 //!
-//! The options are the store's own (`prefix`, `poll_interval`); anything else is refused, so that
-//! a typo does not go unnoticed. The connection itself (address, user, password, database) is
+//! The options are the store's own (`prefix`, `poll_interval`, `replicas`, `replica_timeout`);
+//! anything else is refused, so that a typo does not go unnoticed. The connection itself (address, user, password, database) is
 //! parsed by the `redis` crate.
 
 use std::time::Duration;
@@ -19,6 +19,22 @@ pub(crate) const DEFAULT_PREFIX: &str = "idem";
 /// The longest pause between two checks of a waited-on record when no notification comes.
 pub(crate) const DEFAULT_POLL_INTERVAL: Duration = Duration::from_millis(250);
 
+/// How long a write waits for its replicas when the URL names no `replica_timeout`.
+pub(crate) const DEFAULT_REPLICA_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// The longest `replica_timeout` a URL may ask for.
+const MAX_REPLICA_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How many replicas must hold a write before the store reports it done (`replicas=`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Replicas {
+    /// One, from the moment the topology shows a replica for every primary (and from then on,
+    /// even if the replica goes away); none while a primary has never been seen with one.
+    Auto,
+    /// Exactly this many, whatever the topology (0: never wait).
+    Exactly(u32),
+}
+
 /// Where the store lives.
 #[derive(Debug, Clone)]
 pub(crate) enum Target {
@@ -34,6 +50,10 @@ pub(crate) struct Config {
     pub(crate) target: Target,
     pub(crate) prefix: String,
     pub(crate) poll_interval: Duration,
+    /// The replicas a write waits for.
+    pub(crate) replicas: Replicas,
+    /// How long a write waits for them before the store fails it as unavailable.
+    pub(crate) replica_timeout: Duration,
     /// The URL without its password, for messages.
     pub(crate) display: String,
 }
@@ -57,6 +77,8 @@ pub(crate) fn parse(url: &str) -> Result<Config, RedisError> {
     }
     let mut prefix = DEFAULT_PREFIX.to_owned();
     let mut poll_interval = DEFAULT_POLL_INTERVAL;
+    let mut replicas = Replicas::Auto;
+    let mut replica_timeout = DEFAULT_REPLICA_TIMEOUT;
     for pair in query.into_iter().flat_map(|q| q.split('&')).filter(|p| !p.is_empty()) {
         let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
         match name {
@@ -71,9 +93,30 @@ pub(crate) fn parse(url: &str) -> Result<Config, RedisError> {
                         ))
                     })?;
             }
+            "replicas" => {
+                replicas = match value {
+                    "auto" => Replicas::Auto,
+                    count => Replicas::Exactly(count.parse().map_err(|_| {
+                        invalid(format!(
+                            "replicas={value:?} is not auto or a number of replicas such as 1 (0: do not wait)"
+                        ))
+                    })?),
+                };
+            }
+            "replica_timeout" => {
+                replica_timeout = humantime::parse_duration(value)
+                    .ok()
+                    .filter(|d| *d >= Duration::from_millis(1) && *d <= MAX_REPLICA_TIMEOUT)
+                    .ok_or_else(|| {
+                        invalid(format!(
+                            "replica_timeout={value:?} is not a duration from 1ms to 10s such as 500ms"
+                        ))
+                    })?;
+            }
             other => {
                 return Err(invalid(format!(
-                    "unknown option {other:?}; the options are prefix=NAME and poll_interval=DURATION"
+                    "unknown option {other:?}; the options are prefix=NAME, poll_interval=DURATION, \
+                     replicas=auto|N and replica_timeout=DURATION"
                 )));
             }
         }
@@ -89,6 +132,8 @@ pub(crate) fn parse(url: &str) -> Result<Config, RedisError> {
         target,
         prefix,
         poll_interval,
+        replicas,
+        replica_timeout,
         display,
     })
 }
@@ -177,6 +222,8 @@ mod tests {
         assert_eq!(info.redis_settings().protocol(), ProtocolVersion::RESP3);
         assert_eq!(config.prefix, DEFAULT_PREFIX);
         assert_eq!(config.poll_interval, DEFAULT_POLL_INTERVAL);
+        assert_eq!(config.replicas, Replicas::Auto);
+        assert_eq!(config.replica_timeout, DEFAULT_REPLICA_TIMEOUT);
 
         let config = parse("redis://localhost?prefix=test-1&poll_interval=60s").unwrap();
         let Target::Standalone(info) = &config.target else {
@@ -185,6 +232,18 @@ mod tests {
         assert_eq!(tcp(info), ("localhost".to_owned(), 6379));
         assert_eq!(config.prefix, "test-1");
         assert_eq!(config.poll_interval, Duration::from_secs(60));
+
+        let config = parse("redis://localhost?replicas=2&replica_timeout=1s").unwrap();
+        assert_eq!(config.replicas, Replicas::Exactly(2));
+        assert_eq!(config.replica_timeout, Duration::from_secs(1));
+        assert_eq!(
+            parse("redis://localhost?replicas=0").unwrap().replicas,
+            Replicas::Exactly(0)
+        );
+        assert_eq!(
+            parse("redis://localhost?replicas=auto").unwrap().replicas,
+            Replicas::Auto
+        );
     }
 
     #[test]
@@ -224,6 +283,10 @@ mod tests {
             ("redis://localhost?poll_interval=soon", "positive duration"),
             ("redis://localhost?poll_interval=0s", "positive duration"),
             ("redis://localhost?protocol=2", "unknown option"),
+            ("redis://localhost?replicas=one", "not auto or a number"),
+            ("redis://localhost?replicas=-1", "not auto or a number"),
+            ("redis://localhost?replica_timeout=0s", "from 1ms to 10s"),
+            ("redis://localhost?replica_timeout=1m", "from 1ms to 10s"),
             ("redis+cluster://a:1,,b:2", "empty entry"),
             ("redis+cluster://a:1,b:2/3", "only database 0"),
         ] {

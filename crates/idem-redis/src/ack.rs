@@ -1,0 +1,281 @@
+//! Writes that count only once a replica has them.
+//!
+//! Redis replicates asynchronously: a primary answers a write before any replica has it, and a
+//! failover to a replica that had not received it yet loses it. A lost claim lets a retry run the
+//! key again unflagged; a lost answer turns a replay into a recovered run. So on a primary with
+//! replicas, every write script is followed, in the same pipeline on the same connection, by
+//! `WAIT n timeout`: the store reports the write done only when `n` replicas acknowledged
+//! everything the connection wrote, and fails it as unavailable otherwise — exactly as if the
+//! store could not be reached, so the upstream is never called on an unacknowledged claim and an
+//! answer in hand is held and stored again.
+//!
+//! `WAIT` blocks the connection that sends it until the replicas answer, so acknowledged writes
+//! go over a small pool of their own connections, round robin; reads and replays never wait
+//! behind them.
+//!
+//! How many replicas to wait for is the URL's `replicas=`: a number, or `auto` (the default): one
+//! from the moment the topology (`ROLE`, or `CLUSTER NODES` on a cluster, read again every
+//! second) shows a replica for every primary, and from then on for the store's life — a replica
+//! that falls behind or goes away makes writes fail, never makes them unprotected.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::{PoisonError, RwLock, Weak};
+use std::time::Duration;
+
+use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+use redis::{RedisResult, Value};
+use tokio::sync::OnceCell;
+
+use crate::conn::{Commands, Conn, RESPONSE_TIMEOUT};
+use crate::url::{Config, Replicas};
+
+/// How many connections carry acknowledged writes.
+const POOL_SIZE: usize = 4;
+
+/// How often `replicas=auto` reads the topology again.
+const TOPOLOGY_EVERY: Duration = Duration::from_secs(1);
+
+/// The acknowledgement rule of a store and the connections that carry acknowledged writes.
+pub(crate) struct Acknowledgement {
+    setting: Replicas,
+    timeout: Duration,
+    /// Under `replicas=auto`: 1 once every primary has been seen with a replica.
+    learned: AtomicU32,
+    config: Config,
+    pool: OnceCell<Vec<Arc<Commands>>>,
+    next: AtomicUsize,
+    /// The last topology read, for messages.
+    seen: RwLock<Option<u32>>,
+}
+
+impl Acknowledgement {
+    /// The rule of `config`; under `replicas=auto`, learns the topology once through `commands`
+    /// before it returns (a topology that cannot be read is logged and waits for none until it
+    /// can).
+    pub(crate) async fn new(config: &Config, commands: &Commands) -> RedisResult<Arc<Self>> {
+        let this = Arc::new(Self {
+            setting: config.replicas,
+            timeout: config.replica_timeout,
+            learned: AtomicU32::new(0),
+            config: config.clone(),
+            pool: OnceCell::new(),
+            next: AtomicUsize::new(0),
+            seen: RwLock::new(None),
+        });
+        if this.setting == Replicas::Auto
+            && let Err(err) = this.learn(commands).await
+        {
+            tracing::warn!(
+                url = %config.display, error = %err,
+                "cannot read the Redis replication topology; writes wait for no replica until it can be read \
+                 (set replicas=N in the store URL to wait regardless)"
+            );
+        }
+        if this.wanted() > 0 {
+            this.pool().await?;
+        }
+        match this.setting {
+            Replicas::Exactly(0) => tracing::info!(url = %config.display, "writes wait for no replica (replicas=0)"),
+            Replicas::Exactly(n) => tracing::info!(url = %config.display, replicas = n, "writes wait for replicas"),
+            Replicas::Auto => tracing::info!(
+                url = %config.display,
+                replicas = this.wanted(),
+                "writes wait for a replica once every primary has one (replicas=auto)"
+            ),
+        }
+        Ok(this)
+    }
+
+    /// How many replicas a write waits for now.
+    pub(crate) fn wanted(&self) -> u32 {
+        match self.setting {
+            Replicas::Exactly(n) => n,
+            Replicas::Auto => self.learned.load(Ordering::Acquire),
+        }
+    }
+
+    /// How long a write waits for them.
+    pub(crate) fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// The connection for the next acknowledged write, with its generation.
+    pub(crate) async fn connection(&self) -> RedisResult<(Arc<Commands>, Conn, u64)> {
+        let pool = self.pool().await?;
+        let commands = &pool[self.next.fetch_add(1, Ordering::Relaxed) % pool.len()];
+        let (conn, generation) = commands.get();
+        Ok((Arc::clone(commands), conn, generation))
+    }
+
+    async fn pool(&self) -> RedisResult<&Vec<Arc<Commands>>> {
+        self.pool
+            .get_or_try_init(|| async {
+                // A command on these connections may wait `timeout` for the replicas first.
+                let response_timeout = RESPONSE_TIMEOUT + self.timeout;
+                let mut pool = Vec::with_capacity(POOL_SIZE);
+                for _ in 0..POOL_SIZE {
+                    pool.push(Commands::connect(&self.config, response_timeout).await?);
+                }
+                Ok(pool)
+            })
+            .await
+    }
+
+    /// Reads the topology once: under `replicas=auto`, a replica for every primary makes every
+    /// later write wait for one (the pool is opened first).
+    async fn learn(&self, commands: &Commands) -> RedisResult<()> {
+        let (mut conn, _) = commands.get();
+        let fewest = fewest_replicas(&mut conn).await?;
+        let before = self
+            .seen
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .replace(fewest);
+        if before != Some(fewest) {
+            tracing::info!(url = %self.config.display, replicas = fewest, "Redis replicas per primary (the fewest)");
+        }
+        if fewest > 0 && self.learned.load(Ordering::Acquire) == 0 {
+            self.pool().await?;
+            self.learned.store(1, Ordering::Release);
+            tracing::info!(url = %self.config.display, "every primary has a replica: writes now wait for one");
+        }
+        Ok(())
+    }
+
+    /// Under `replicas=auto`, reads the topology every second while `alive` lives.
+    pub(crate) fn watch<T: Send + Sync + 'static>(self: &Arc<Self>, commands: Arc<Commands>, alive: Weak<T>) {
+        if self.setting != Replicas::Auto {
+            return;
+        }
+        let this = Arc::clone(self);
+        tokio::spawn(async move {
+            while alive.strong_count() > 0 {
+                tokio::time::sleep(TOPOLOGY_EVERY).await;
+                if let Err(err) = this.learn(&commands).await {
+                    tracing::debug!(error = %err, "cannot read the Redis replication topology");
+                }
+            }
+        });
+    }
+}
+
+/// The fewest replicas any primary has: `ROLE` of the one server, or `CLUSTER NODES` of a
+/// cluster (every primary that owns slots).
+async fn fewest_replicas(conn: &mut Conn) -> RedisResult<u32> {
+    match conn {
+        Conn::Standalone(manager) => {
+            let role: Value = redis::cmd("ROLE").query_async(manager).await?;
+            replicas_of_role(&role)
+        }
+        Conn::Cluster(cluster) => {
+            let nodes = cluster
+                .route_command(
+                    redis::cmd("CLUSTER").arg("NODES").clone(),
+                    RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random),
+                )
+                .await?;
+            fewest_replicas_of_cluster(&text(&nodes).ok_or_else(|| unexpected("CLUSTER NODES", &nodes))?)
+        }
+    }
+}
+
+/// The replicas a `ROLE` reply lists: `[master, offset, [[ip, port, offset], ...]]`. A server that
+/// is not a primary has none of its own.
+fn replicas_of_role(role: &Value) -> RedisResult<u32> {
+    let Value::Array(parts) = role else {
+        return Err(unexpected("ROLE", role));
+    };
+    match (parts.first().and_then(text).as_deref(), parts.get(2)) {
+        (Some("master"), Some(Value::Array(replicas))) => Ok(u32::try_from(replicas.len()).unwrap_or(u32::MAX)),
+        (Some("master"), _) => Err(unexpected("ROLE", role)),
+        _ => Ok(0),
+    }
+}
+
+/// The fewest replicas of any primary that owns slots, from `CLUSTER NODES`: one line per node,
+/// `id address flags primary-id ping pong epoch link slot...`.
+fn fewest_replicas_of_cluster(nodes: &str) -> RedisResult<u32> {
+    let lines: Vec<Vec<&str>> = nodes
+        .lines()
+        .map(|line| line.split_whitespace().collect::<Vec<_>>())
+        .filter(|fields| fields.len() >= 8)
+        .collect();
+    let is = |fields: &[&str], flag: &str| fields[2].split(',').any(|f| f == flag);
+    let owners = lines.iter().filter(|fields| is(fields, "master") && fields.len() > 8);
+    let fewest = owners
+        .map(|primary| {
+            lines
+                .iter()
+                .filter(|fields| is(fields, "slave") && fields[3] == primary[0])
+                .count()
+        })
+        .min()
+        .ok_or_else(|| unexpected("CLUSTER NODES without a primary that owns slots", &nodes))?;
+    Ok(u32::try_from(fewest).unwrap_or(u32::MAX))
+}
+
+fn text(value: &Value) -> Option<String> {
+    match value {
+        Value::BulkString(bytes) => String::from_utf8(bytes.clone()).ok(),
+        Value::SimpleString(text) | Value::VerbatimString { text, .. } => Some(text.clone()),
+        _ => None,
+    }
+}
+
+fn unexpected(what: &str, got: &dyn std::fmt::Debug) -> redis::RedisError {
+    (
+        redis::ErrorKind::UnexpectedReturnType,
+        "unexpected reply",
+        format!("{what}: {got:?}"),
+    )
+        .into()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bulk(text: &str) -> Value {
+        Value::BulkString(text.as_bytes().to_vec())
+    }
+
+    #[test]
+    fn a_primary_counts_its_replicas_and_a_replica_has_none() {
+        let replica = |port: &str| Value::Array(vec![bulk("127.0.0.1"), bulk(port), bulk("100")]);
+        let primary =
+            |replicas: Vec<Value>| Value::Array(vec![bulk("master"), Value::Int(100), Value::Array(replicas)]);
+        assert_eq!(replicas_of_role(&primary(vec![])).unwrap(), 0);
+        assert_eq!(replicas_of_role(&primary(vec![replica("1"), replica("2")])).unwrap(), 2);
+        let follower = Value::Array(vec![
+            bulk("slave"),
+            bulk("127.0.0.1"),
+            Value::Int(6379),
+            bulk("connected"),
+            Value::Int(1),
+        ]);
+        assert_eq!(replicas_of_role(&follower).unwrap(), 0);
+        assert!(replicas_of_role(&Value::Okay).is_err());
+    }
+
+    #[test]
+    fn a_cluster_counts_the_replicas_of_its_poorest_primary() {
+        let nodes = "\
+a 127.0.0.1:7001@17001 myself,master - 0 0 1 connected 0-5460
+b 127.0.0.1:7002@17002 master - 0 0 2 connected 5461-10922
+c 127.0.0.1:7003@17003 master - 0 0 3 connected 10923-16383
+d 127.0.0.1:7004@17004 slave a 0 0 1 connected
+e 127.0.0.1:7005@17005 slave b 0 0 2 connected
+";
+        assert_eq!(fewest_replicas_of_cluster(nodes).unwrap(), 0, "c has none");
+        let with_f = format!("{nodes}f 127.0.0.1:7006@17006 slave,fail c 0 0 3 disconnected\n");
+        assert_eq!(fewest_replicas_of_cluster(&with_f).unwrap(), 1);
+        // A failed primary that lost its slots to its replica no longer counts.
+        let failed_over = "\
+a 127.0.0.1:7001@17001 master,fail - 0 0 1 disconnected
+d 127.0.0.1:7004@17004 myself,master - 0 0 4 connected 0-16383
+";
+        assert_eq!(fewest_replicas_of_cluster(failed_over).unwrap(), 0);
+        assert!(fewest_replicas_of_cluster("").is_err());
+    }
+}
