@@ -108,6 +108,11 @@ impl Acknowledgement {
         Ok((Arc::clone(commands), conn, generation))
     }
 
+    /// The connections of the pool, if it is open.
+    pub(crate) fn connections(&self) -> Vec<Arc<Commands>> {
+        self.pool.get().cloned().unwrap_or_default()
+    }
+
     async fn pool(&self) -> RedisResult<&Vec<Arc<Commands>>> {
         self.pool
             .get_or_try_init(|| async {

@@ -15,8 +15,9 @@ use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo, SingleNodeRoutingInfo};
-use redis::{Cmd, ErrorKind, Pipeline, RedisFuture, RedisResult, Value};
+use redis::{Cmd, ConnectionAddr, ConnectionInfo, ErrorKind, Pipeline, RedisFuture, RedisResult, Value};
 
+use crate::sentinel;
 use crate::url::{Config, Target};
 
 /// How long one command may take before it fails (the store is then unavailable). Generous
@@ -45,17 +46,26 @@ pub(crate) enum Conn {
 impl Conn {
     /// Connects, without a push sender: this connection carries commands only. A command may take
     /// `response_timeout` (a cluster command, with its redirections, `CLUSTER_OVERALL_TIMEOUT` more).
-    async fn connect(target: &Target, response_timeout: Duration) -> redis::RedisResult<Self> {
+    /// Returns the server's address too when it was found through Sentinel.
+    async fn connect(target: &Target, response_timeout: Duration) -> redis::RedisResult<(Self, Option<(String, u16)>)> {
+        let manager = |info: ConnectionInfo| async move {
+            let client = redis::Client::open(info)?;
+            let manager_config = ConnectionManagerConfig::new()
+                .set_response_timeout(Some(response_timeout))
+                .set_connection_timeout(Some(CONNECTION_TIMEOUT))
+                .set_number_of_retries(RECONNECT_ATTEMPTS)
+                .set_max_delay(Duration::from_millis(500));
+            ConnectionManager::new_with_config(client, manager_config).await
+        };
         match target {
-            Target::Standalone(info) => {
-                let client = redis::Client::open(info.clone())?;
-                let manager_config = ConnectionManagerConfig::new()
-                    .set_response_timeout(Some(response_timeout))
-                    .set_connection_timeout(Some(CONNECTION_TIMEOUT))
-                    .set_number_of_retries(RECONNECT_ATTEMPTS)
-                    .set_max_delay(Duration::from_millis(500));
-                let manager = ConnectionManager::new_with_config(client, manager_config).await?;
-                Ok(Self::Standalone(manager))
+            Target::Standalone(info) => Ok((Self::Standalone(manager(info.clone()).await?), None)),
+            Target::Sentinel(sentinel) => {
+                let info = sentinel::primary(sentinel).await?;
+                let address = match info.addr() {
+                    ConnectionAddr::Tcp(host, port) => Some((host.clone(), *port)),
+                    _ => None,
+                };
+                Ok((Self::Standalone(manager(info).await?), address))
             }
             Target::Cluster(nodes) => {
                 let client = ClusterClientBuilder::new(nodes.clone())
@@ -65,7 +75,7 @@ impl Conn {
                     .connection_timeout(CONNECTION_TIMEOUT)
                     .retries(4)
                     .build()?;
-                Ok(Self::Cluster(client.get_async_connection().await?))
+                Ok((Self::Cluster(client.get_async_connection().await?), None))
             }
         }
     }
@@ -229,6 +239,8 @@ pub(crate) struct Commands {
 
 struct Current {
     conn: Conn,
+    /// The server's address, when it was found through Sentinel.
+    address: Option<(String, u16)>,
     /// Which connection this is, so that a late report about an old one replaces nothing.
     generation: u64,
 }
@@ -236,11 +248,15 @@ struct Current {
 impl Commands {
     /// Connects to the store's server or cluster; a command may take `response_timeout`.
     pub(crate) async fn connect(config: &Config, response_timeout: Duration) -> redis::RedisResult<Arc<Self>> {
-        let conn = Conn::connect(&config.target, response_timeout).await?;
+        let (conn, address) = Conn::connect(&config.target, response_timeout).await?;
         Ok(Arc::new(Self {
             target: config.target.clone(),
             response_timeout,
-            current: RwLock::new(Current { conn, generation: 0 }),
+            current: RwLock::new(Current {
+                conn,
+                address,
+                generation: 0,
+            }),
             replacing: AtomicBool::new(false),
         }))
     }
@@ -260,24 +276,43 @@ impl Commands {
     /// replaces it; commands already sent on the old one finish there (their replies are checked
     /// like any other).
     pub(crate) fn out_of_step(self: &Arc<Self>, generation: u64) {
+        self.replace(generation, "the Redis connection was out of step; replaced it");
+    }
+
+    /// Where the connection goes, when the server was found through Sentinel.
+    pub(crate) fn primary_address(&self) -> Option<(String, u16)> {
+        let current = self.current.read().unwrap_or_else(PoisonError::into_inner);
+        current.address.clone()
+    }
+
+    /// Sentinel names another primary: the connection moves there (in the background; until
+    /// then, calls go where they went, and a demoted primary refuses writes).
+    pub(crate) fn move_to_primary(self: &Arc<Self>) {
+        self.replace(self.get().1, "Sentinel names a new Redis primary; moved there");
+    }
+
+    /// Replaces connection `generation` (if it is still the current one) by a new one, made in
+    /// the background, and logs `done` once it is in place.
+    fn replace(self: &Arc<Self>, generation: u64, done: &'static str) {
         if self.get().1 != generation || self.replacing.swap(true, Ordering::SeqCst) {
             return;
         }
         let this = Arc::clone(self);
         tokio::spawn(async move {
             match Conn::connect(&this.target, this.response_timeout).await {
-                Ok(conn) => {
+                Ok((conn, address)) => {
                     let mut current = this.current.write().unwrap_or_else(PoisonError::into_inner);
                     if current.generation == generation {
                         *current = Current {
                             conn,
+                            address,
                             generation: generation + 1,
                         };
-                        tracing::warn!("the Redis connection was out of step; replaced it");
+                        tracing::warn!(address = ?current.address, "{done}");
                     }
                 }
-                // The next reply found out of step tries again.
-                Err(err) => tracing::warn!(error = %err, "cannot replace the Redis connection that is out of step"),
+                // The next report tries again.
+                Err(err) => tracing::warn!(error = %err, "cannot replace the Redis connection"),
             }
             this.replacing.store(false, Ordering::SeqCst);
         });

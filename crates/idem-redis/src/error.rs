@@ -6,7 +6,7 @@
 pub enum RedisError {
     /// The URL is not a store URL this crate understands.
     #[error(
-        "invalid Redis store URL {url:?}: {reason}; expected redis://host:port[/db][?options] or redis+cluster://host:port,host:port,...[?options], with the options prefix=NAME, poll_interval=DURATION, replicas=auto|N and replica_timeout=DURATION"
+        "invalid Redis store URL {url:?}: {reason}; expected redis://host:port[/db][?options], redis+sentinel://host:port,host:port,.../primary-name[/db][?options] or redis+cluster://host:port,host:port,...[?options], with the options prefix=NAME, poll_interval=DURATION, replicas=auto|N and replica_timeout=DURATION"
     )]
     InvalidUrl {
         /// The URL as given, without its password.

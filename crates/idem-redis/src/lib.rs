@@ -1,5 +1,6 @@
 //! The Redis store of idem: records shared by every instance of a service, on one Redis server
-//! (`redis://`) or a Redis Cluster (`redis+cluster://`).
+//! (`redis://`), a primary that Sentinel watches (`redis+sentinel://`) or a Redis Cluster
+//! (`redis+cluster://`).
 //!
 //! Every write is one Lua script, atomic and one round trip; a replay writes nothing (counts are
 //! added in batches); retention is native key expiry; waiters are woken by (sharded) pub/sub and
@@ -27,6 +28,9 @@
 //!
 //! Redis keeps everything in memory: run it with `appendonly yes` and `maxmemory-policy
 //! noeviction`, or a restart or eviction loses records, and a lost record is a lost protection.
+//! Redis also replicates asynchronously: on a primary with replicas, a write counts only once a
+//! replica acknowledged it (`WAIT`; the URL's `replicas=`), so a failover loses no claim and no
+//! answer. A primary behind Sentinel is named `redis+sentinel://sentinel:26379,.../primary-name`.
 #![forbid(unsafe_code)]
 
 mod ack;
@@ -37,6 +41,7 @@ mod error;
 mod keys;
 mod notify;
 mod scripts;
+mod sentinel;
 mod store;
 mod url;
 

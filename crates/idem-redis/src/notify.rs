@@ -35,7 +35,8 @@ use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::time::Instant;
 
 use crate::conn::{CLUSTER_OVERALL_TIMEOUT, CONNECTION_TIMEOUT, RESPONSE_TIMEOUT};
-use crate::url::{Config, Target};
+use crate::sentinel;
+use crate::url::{Config, SentinelTarget, Target};
 
 /// The longest pause between two attempts to reconnect the pub/sub connection.
 const MAX_RECONNECT_PAUSE: Duration = Duration::from_secs(2);
@@ -159,9 +160,14 @@ enum LinkEvent {
 impl Link {
     async fn connect(config: &Config, registry: Arc<Registry>) -> redis::RedisResult<Self> {
         match &config.target {
-            Target::Standalone(info) => {
+            Target::Standalone(_) | Target::Sentinel(_) => {
+                let server = match &config.target {
+                    Target::Sentinel(target) => Server::Sentinel(target.clone()),
+                    Target::Standalone(info) => Server::Fixed(redis::Client::open(info.clone())?),
+                    Target::Cluster(_) => unreachable!("matched above"),
+                };
                 let mut own = Own {
-                    client: redis::Client::open(info.clone())?,
+                    server,
                     registry,
                     conn: None,
                     generation: 0,
@@ -233,9 +239,17 @@ enum Change {
     Unsubscribe,
 }
 
+/// Where the pub/sub connection to one server goes.
+enum Server {
+    /// Always the same server.
+    Fixed(redis::Client),
+    /// The primary that Sentinel names when the connection is made.
+    Sentinel(SentinelTarget),
+}
+
 /// The pub/sub connection to one server, kept by the subscription task.
 struct Own {
-    client: redis::Client,
+    server: Server,
     registry: Arc<Registry>,
     conn: Option<MultiplexedConnection>,
     /// Counts connections, so that the loss of an old one is not taken for the current one's.
@@ -264,11 +278,11 @@ impl Own {
             .set_push_sender(push)
             .set_connection_timeout(Some(CONNECTION_TIMEOUT))
             .set_response_timeout(Some(RESPONSE_TIMEOUT));
-        self.conn = Some(
-            self.client
-                .get_multiplexed_async_connection_with_config(&config)
-                .await?,
-        );
+        let client = match &self.server {
+            Server::Fixed(client) => client.clone(),
+            Server::Sentinel(target) => redis::Client::open(sentinel::primary(target).await?)?,
+        };
+        self.conn = Some(client.get_multiplexed_async_connection_with_config(&config).await?);
         Ok(())
     }
 

@@ -30,7 +30,8 @@ use crate::scripts::{
     BEGIN_SCRIPT, CHECKPOINT_SCRIPT, CHECKPOINTS_SCRIPT, COMPLETE_SCRIPT, COUNT_REPLAYS_SCRIPT, DELETE_SCRIPT,
     GET_SCRIPT, HOLDS_SCRIPT, RELEASE_SCRIPT, RENEW_SCRIPT, SCOPE_SALT_SCRIPT,
 };
-use crate::{RedisError, url};
+use crate::url::Target;
+use crate::{RedisError, sentinel, url};
 
 /// An idempotency store in Redis: one server (`redis://`) or a Redis Cluster
 /// (`redis+cluster://`).
@@ -93,12 +94,18 @@ impl RedisStore {
     /// Connects to the store named by `url`:
     ///
     /// * `redis://[user:password@]host:port[/db]` — one server;
+    /// * `redis+sentinel://[user:password@]host:port,host:port,.../primary-name[/db]` — the
+    ///   primary that these sentinels name, followed through their failovers (the credentials are
+    ///   the primary's; the sentinels are asked without any);
     /// * `redis+cluster://[user:password@]host:port,host:port,...` — a Redis Cluster, given some of
     ///   its nodes (the others are discovered).
     ///
     /// Options, as a query string: `prefix=NAME` puts every key under `NAME:` (default `idem`;
     /// no braces), `poll_interval=DURATION` is the longest pause between two checks of a waited-on
-    /// record when no notification comes (default 250 ms).
+    /// record when no notification comes (default 250 ms), `replicas=auto|N` is how many replicas
+    /// must acknowledge a write before it counts (default `auto`: one once every primary has been
+    /// seen with a replica; `0`: never wait), and `replica_timeout=DURATION` how long a write
+    /// waits for them before it fails as unavailable (default 500 ms).
     ///
     /// Needs Redis 7 or newer (RESP3 push messages; `SPUBLISH` on a cluster). Fails if the server
     /// cannot be reached now; once connected, the store rides out outages.
@@ -128,6 +135,11 @@ impl RedisStore {
             unseen_completions: Mutex::default(),
         });
         ack.watch(commands.clone(), Arc::downgrade(&inner));
+        if let Target::Sentinel(target) = &config.target {
+            let (main, ack) = (commands.clone(), Arc::clone(&ack));
+            let connections = move || std::iter::once(main.clone()).chain(ack.connections()).collect();
+            sentinel::follow(target.clone(), connections, Arc::downgrade(&inner));
+        }
         let prefix = config.prefix;
         ReplayCounts::flush_forever(
             inner.replays.clone(),

@@ -1,5 +1,6 @@
-//! Store URLs: `redis://host:port[/db][?options]` for one server, and
-//! `redis+cluster://host:port,host:port,...[?options]` for a Redis Cluster.
+//! Store URLs: `redis://host:port[/db][?options]` for one server,
+//! `redis+sentinel://host:port,host:port,.../primary-name[/db][?options]` for a primary that
+//! Sentinel watches, and `redis+cluster://host:port,host:port,...[?options]` for a Redis Cluster.
 //!
 //! The options are the store's own (`prefix`, `poll_interval`, `replicas`, `replica_timeout`);
 //! anything else is refused, so that a typo does not go unnoticed. The connection itself (address, user, password, database) is
@@ -40,8 +41,21 @@ pub(crate) enum Replicas {
 pub(crate) enum Target {
     /// One server (or a primary that replicas follow).
     Standalone(ConnectionInfo),
+    /// The primary that Sentinel names, whichever server that is now.
+    Sentinel(SentinelTarget),
     /// The seed nodes of a cluster; the others are discovered.
     Cluster(Vec<ConnectionInfo>),
+}
+
+/// A primary found through Sentinel.
+#[derive(Debug, Clone)]
+pub(crate) struct SentinelTarget {
+    /// The sentinels to ask (without credentials: the URL's user and password are the primary's).
+    pub(crate) sentinels: Vec<ConnectionInfo>,
+    /// The name the sentinels know the primary by.
+    pub(crate) primary_name: String,
+    /// The connection to the primary, but for its address: credentials, database, protocol.
+    pub(crate) primary: ConnectionInfo,
 }
 
 /// A parsed store URL.
@@ -125,8 +139,12 @@ pub(crate) fn parse(url: &str) -> Result<Config, RedisError> {
         Target::Standalone(connection_info(&format!("redis://{location}"), &invalid)?)
     } else if scheme.eq_ignore_ascii_case("redis+cluster") {
         Target::Cluster(cluster_nodes(location, &invalid)?)
+    } else if scheme.eq_ignore_ascii_case("redis+sentinel") {
+        Target::Sentinel(sentinel_target(location, &invalid)?)
     } else {
-        return Err(invalid(format!("the scheme {scheme:?} is not redis or redis+cluster")));
+        return Err(invalid(format!(
+            "the scheme {scheme:?} is not redis, redis+sentinel or redis+cluster"
+        )));
     };
     Ok(Config {
         target,
@@ -188,6 +206,56 @@ fn cluster_nodes(location: &str, invalid: &impl Fn(String) -> RedisError) -> Res
         })
         .collect::<Result<Vec<_>, _>>()?;
     Ok(nodes)
+}
+
+/// `host:port,host:port,.../primary-name[/db]`, optionally after `user:password@` (the
+/// primary's credentials; the sentinels are asked without any).
+fn sentinel_target(location: &str, invalid: &impl Fn(String) -> RedisError) -> Result<SentinelTarget, RedisError> {
+    let (userinfo, rest) = match location.rsplit_once('@') {
+        Some((userinfo, rest)) => (Some(userinfo), rest),
+        None => (None, location),
+    };
+    let (hosts, path) = rest.split_once('/').ok_or_else(|| {
+        invalid("it names no primary; expected redis+sentinel://host:port,host:port/primary-name".to_owned())
+    })?;
+    let (primary_name, db) = match path.split_once('/') {
+        Some((name, db)) => (name, db),
+        None => (path, ""),
+    };
+    if primary_name.is_empty() {
+        return Err(invalid(
+            "the primary's name is empty; expected redis+sentinel://host:port,host:port/primary-name".to_owned(),
+        ));
+    }
+    let sentinels = hosts
+        .split(',')
+        .map(str::trim)
+        .map(|host| {
+            if host.is_empty() {
+                return Err(invalid(
+                    "the sentinel list has an empty entry; expected host:port,host:port,...".to_owned(),
+                ));
+            }
+            if !host.contains(':') {
+                return Err(invalid(format!(
+                    "the sentinel {host:?} has no port (sentinels listen on 26379)"
+                )));
+            }
+            format!("redis://{host}")
+                .into_connection_info()
+                .map_err(|err| invalid(format!("{err}")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    // The primary's address comes from the sentinels; this one is replaced before any use.
+    let primary = match userinfo {
+        Some(userinfo) => format!("redis://{userinfo}@sentinel.invalid/{db}"),
+        None => format!("redis://sentinel.invalid/{db}"),
+    };
+    Ok(SentinelTarget {
+        sentinels,
+        primary_name: primary_name.to_owned(),
+        primary: connection_info(&primary, invalid)?,
+    })
 }
 
 /// The `redis` crate's reading of a `redis://` URL, switched to RESP3 (pub/sub messages arrive as
@@ -274,10 +342,48 @@ mod tests {
     }
 
     #[test]
+    fn sentinel() {
+        let config = parse("redis+sentinel://app:secret@10.0.0.1:26379,10.0.0.2:26380/payments/2?replicas=1").unwrap();
+        let Target::Sentinel(target) = &config.target else {
+            panic!("sentinel expected")
+        };
+        let addrs: Vec<_> = target.sentinels.iter().map(tcp).collect();
+        assert_eq!(addrs, [("10.0.0.1".to_owned(), 26379), ("10.0.0.2".to_owned(), 26380)]);
+        for sentinel in &target.sentinels {
+            assert_eq!(
+                sentinel.redis_settings().password(),
+                None,
+                "the password is the primary's"
+            );
+        }
+        assert_eq!(target.primary_name, "payments");
+        assert_eq!(target.primary.redis_settings().db(), 2);
+        assert_eq!(target.primary.redis_settings().username(), Some("app"));
+        assert_eq!(target.primary.redis_settings().password(), Some("secret"));
+        assert_eq!(target.primary.redis_settings().protocol(), ProtocolVersion::RESP3);
+        assert_eq!(config.replicas, Replicas::Exactly(1));
+        assert_eq!(
+            config.display,
+            "redis+sentinel://app:***@10.0.0.1:26379,10.0.0.2:26380/payments/2?replicas=1"
+        );
+        let Target::Sentinel(target) = parse("redis+sentinel://s1:26379/idem").unwrap().target else {
+            panic!("sentinel expected")
+        };
+        assert_eq!(target.primary.redis_settings().db(), 0);
+    }
+
+    #[test]
     fn refusals_say_why() {
         for (url, why) in [
             ("127.0.0.1:6379", "no scheme"),
-            ("postgres://localhost/test", "not redis or redis+cluster"),
+            (
+                "postgres://localhost/test",
+                "not redis, redis+sentinel or redis+cluster",
+            ),
+            ("redis+sentinel://s1:26379", "names no primary"),
+            ("redis+sentinel://s1:26379/", "primary's name is empty"),
+            ("redis+sentinel://s1:26379,,s2:26379/idem", "empty entry"),
+            ("redis+sentinel://s1/idem", "has no port"),
             ("redis://localhost?prefix={x}", "brace"),
             ("redis://localhost?prefix=", "empty"),
             ("redis://localhost?poll_interval=soon", "positive duration"),

@@ -1,0 +1,127 @@
+//! Finding the primary through Sentinel, and following it when Sentinel fails over.
+//!
+//! The sentinels are asked in turn (`SENTINEL get-master-addr-by-name`); the first answer is
+//! checked against the server itself (`ROLE` must say `master`), so a sentinel that has not yet
+//! heard of a failover, or a primary that was demoted, is never written to as the primary. While
+//! the store lives, the sentinels are asked again every second, and the store's connections move
+//! to a new primary as soon as they name one. Between the failure and the move, calls fail as
+//! unavailable (a demoted primary refuses writes with `READONLY`): nothing is ever written where
+//! a failover could lose it unseen.
+
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use redis::{ConnectionAddr, ConnectionInfo, ErrorKind, RedisResult, Value};
+
+use crate::conn::{CONNECTION_TIMEOUT, Commands, RESPONSE_TIMEOUT};
+use crate::url::SentinelTarget;
+
+/// How often the sentinels are asked where the primary is.
+const FOLLOW_EVERY: Duration = Duration::from_secs(1);
+
+/// The address the sentinels give for the primary (the first that answers).
+pub(crate) async fn named_primary(target: &SentinelTarget) -> RedisResult<(String, u16)> {
+    let mut last = None;
+    for sentinel in &target.sentinels {
+        match ask(sentinel, &target.primary_name).await {
+            Ok(address) => return Ok(address),
+            Err(err) => last = Some(err),
+        }
+    }
+    Err(last.unwrap_or_else(|| (ErrorKind::Client, "no sentinel is configured").into()))
+}
+
+/// The primary's connection: the address the sentinels name, once the server there says it is
+/// the primary.
+pub(crate) async fn primary(target: &SentinelTarget) -> RedisResult<ConnectionInfo> {
+    let (host, port) = named_primary(target).await?;
+    let info = target.primary.clone().set_addr(ConnectionAddr::Tcp(host.clone(), port));
+    let client = redis::Client::open(info.clone())?;
+    let mut conn = bounded(client.get_multiplexed_async_connection()).await?;
+    let role: Value = bounded(redis::cmd("ROLE").query_async(&mut conn)).await?;
+    match role {
+        Value::Array(parts) if matches!(parts.first(), Some(Value::BulkString(role)) if role == b"master") => Ok(info),
+        _ => Err((
+            ErrorKind::Client,
+            "the server the sentinels name is not a primary (a failover is under way)",
+            format!("{} at {host}:{port}", target.primary_name),
+        )
+            .into()),
+    }
+}
+
+/// Asks one sentinel where the primary is.
+async fn ask(sentinel: &ConnectionInfo, name: &str) -> RedisResult<(String, u16)> {
+    let client = redis::Client::open(sentinel.clone())?;
+    let mut conn = bounded(client.get_multiplexed_async_connection()).await?;
+    let reply: Value = bounded(
+        redis::cmd("SENTINEL")
+            .arg("get-master-addr-by-name")
+            .arg(name)
+            .query_async(&mut conn),
+    )
+    .await?;
+    let text = |value: &Value| match value {
+        Value::BulkString(bytes) => String::from_utf8(bytes.clone()).ok(),
+        Value::SimpleString(text) => Some(text.clone()),
+        _ => None,
+    };
+    match &reply {
+        Value::Array(parts) if parts.len() == 2 => {
+            let host = text(&parts[0]);
+            let port = text(&parts[1]).and_then(|port| port.parse().ok());
+            host.zip(port).ok_or_else(|| {
+                (
+                    ErrorKind::UnexpectedReturnType,
+                    "unexpected reply",
+                    format!("{reply:?}"),
+                )
+                    .into()
+            })
+        }
+        Value::Nil => Err((
+            ErrorKind::Client,
+            "the sentinel does not know the primary",
+            name.to_owned(),
+        )
+            .into()),
+        _ => Err((
+            ErrorKind::UnexpectedReturnType,
+            "unexpected reply",
+            format!("{reply:?}"),
+        )
+            .into()),
+    }
+}
+
+async fn bounded<T>(call: impl Future<Output = RedisResult<T>>) -> RedisResult<T> {
+    tokio::time::timeout(CONNECTION_TIMEOUT + RESPONSE_TIMEOUT, call)
+        .await
+        .unwrap_or_else(|_| Err((ErrorKind::Io, "the server did not answer in time").into()))
+}
+
+/// Asks the sentinels every second where the primary is while `alive` lives, and moves every
+/// connection that `connections` gives and that is elsewhere to it.
+pub(crate) fn follow<T: Send + Sync + 'static>(
+    target: SentinelTarget,
+    connections: impl Fn() -> Vec<Arc<Commands>> + Send + 'static,
+    alive: Weak<T>,
+) {
+    tokio::spawn(async move {
+        while alive.strong_count() > 0 {
+            tokio::time::sleep(FOLLOW_EVERY).await;
+            let named = match named_primary(&target).await {
+                Ok(named) => named,
+                Err(err) => {
+                    tracing::debug!(error = %err, "no sentinel answered");
+                    continue;
+                }
+            };
+            for commands in connections() {
+                if commands.primary_address().is_some_and(|current| current != named) {
+                    commands.move_to_primary();
+                }
+            }
+        }
+    });
+}
