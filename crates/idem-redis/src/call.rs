@@ -14,7 +14,7 @@ use redis::aio::ConnectionLike;
 use redis::{Cmd, ErrorKind, Pipeline, RedisResult, Script, ServerErrorKind, Value};
 
 use crate::ack::Acknowledgement;
-use crate::conn::{Commands, Conn};
+use crate::conn::{Commands, Conn, Node};
 use crate::scripts::CORRUPT;
 
 /// A reply that answers another call than the one it reached: the connection's replies are
@@ -177,18 +177,31 @@ async fn run_acknowledged(
         .arg(u64::try_from(ack.timeout().as_millis()).unwrap_or(u64::MAX));
     let mut replies = eval_and_wait(&mut conn, script, &pipeline)
         .await
-        .map_err(StoreError::unavailable)?
-        .into_iter();
+        .map_err(StoreError::unavailable)?;
+    if let Some(target) = asked_elsewhere(replies.first()) {
+        // The record's slot is being migrated and its keys already live on `target`: the script
+        // goes there, after `ASKING`, with its `WAIT` on the same connection.
+        let mut asking = redis::pipe();
+        asking.cmd("ASKING");
+        for command in pipeline.cmd_iter() {
+            asking.add_command(command.clone());
+        }
+        let mut there = conn
+            .pipeline_on(&target, &asking)
+            .await
+            .map_err(StoreError::unavailable)?;
+        // The reply to ASKING comes first.
+        replies = there.split_off(1.min(there.len()));
+    }
+    let mut replies = replies.into_iter();
     let (reply, acknowledged) = (replies.next(), replies.next());
     let reply = match reply {
         Some(Value::ServerError(err)) => {
             let err = redis::RedisError::from(err);
-            if matches!(
-                err.kind(),
-                ErrorKind::Server(ServerErrorKind::Moved | ServerErrorKind::Ask)
-            ) {
-                // The pipeline is not redirected as a lone command is: let one be, so that the
-                // client learns where the record's slot lives now, and fail this call.
+            if err.kind() == ErrorKind::Server(ServerErrorKind::Moved) {
+                // A pipeline is not redirected as a lone command is: let one be, so that the
+                // client learns where the record's slot lives now, and fail this call (MOVED,
+                // TRYAGAIN and CLUSTERDOWN are all the store being unavailable for a moment).
                 let _ = redis::cmd("EXISTS")
                     .arg(call.record)
                     .query_async::<Value>(&mut conn)
@@ -215,6 +228,23 @@ async fn run_acknowledged(
             Err(call.misrouted(&other))
         }
     }
+}
+
+/// The node an `ASK` redirection names: a slot under migration whose keys are already there.
+fn asked_elsewhere(reply: Option<&Value>) -> Option<Node> {
+    let Some(Value::ServerError(err)) = reply else {
+        return None;
+    };
+    let err = redis::RedisError::from(err.clone());
+    if err.kind() != ErrorKind::Server(ServerErrorKind::Ask) {
+        return None;
+    }
+    let (address, _slot) = err.redirect_node()?;
+    let (host, port) = address.rsplit_once(':')?;
+    Some(Node::Primary {
+        host: host.to_owned(),
+        port: port.parse().ok()?,
+    })
 }
 
 /// Sends `evalsha`; if the server does not know the script yet, loads it (on every primary of a
