@@ -67,7 +67,7 @@ pub(crate) enum Command {
 
 #[derive(Debug, Args)]
 pub(crate) struct StoreArgs {
-    /// The store: sqlite://PATH, postgres://…, redis://HOST:PORT or redis+cluster://H1:P1,H2:P2,….
+    /// The store: sqlite://PATH, postgres://…, redis://HOST:PORT, redis+sentinel://S1:P1,S2:P2,…/PRIMARY or redis+cluster://H1:P1,H2:P2,….
     #[arg(long, env = "IDEM_STORE", default_value = crate::stores::DEFAULT_STORE)]
     pub(crate) store: String,
 }

@@ -264,7 +264,7 @@ settings! {
         file: [deserialize_with = "de::parsed"],
         shown: shown::text,
     },
-    /// The store: sqlite://PATH, postgres://…, redis://HOST:PORT or redis+cluster://H1:P1,H2:P2,….
+    /// The store: sqlite://PATH, postgres://…, redis://HOST:PORT, redis+sentinel://S1:P1,S2:P2,…/PRIMARY or redis+cluster://H1:P1,H2:P2,….
     store: String {
         flag: "store", env: "IDEM_STORE", default: (crate::stores::DEFAULT_STORE.to_owned()), route: false,
         shown: shown::text,

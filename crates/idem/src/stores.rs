@@ -12,7 +12,7 @@ use idem_sqlite::SqliteStore;
 /// The store of every command that is given none: a SQLite file in the working directory.
 pub(crate) const DEFAULT_STORE: &str = "sqlite://idem.db";
 
-/// Opens (and migrates) the store at `url`: `sqlite://`, `postgres://`, `redis://` or `redis+cluster://`.
+/// Opens (and migrates) the store at `url`: `sqlite://`, `postgres://`, `redis://`, `redis+sentinel://` or `redis+cluster://`.
 pub(crate) async fn open(url: &str) -> anyhow::Result<Arc<dyn Store>> {
     let scheme = url.split_once(':').map_or(url, |(scheme, _)| scheme);
     match scheme {
@@ -28,12 +28,12 @@ pub(crate) async fn open(url: &str) -> anyhow::Result<Arc<dyn Store>> {
                 .context("cannot open the PostgreSQL store")?;
             Ok(Arc::new(store))
         }
-        "redis" | "redis+cluster" => {
+        "redis" | "redis+sentinel" | "redis+cluster" => {
             let store = RedisStore::connect(url).await.context("cannot open the Redis store")?;
             Ok(Arc::new(store))
         }
         _ => anyhow::bail!(
-            "unknown store URL {:?}: use sqlite://PATH, postgres://…, redis://HOST:PORT or redis+cluster://H1:P1,H2:P2,…",
+            "unknown store URL {:?}: use sqlite://PATH, postgres://…, redis://HOST:PORT, redis+sentinel://S1:P1,S2:P2,…/PRIMARY or redis+cluster://H1:P1,H2:P2,…",
             redact_url(url)
         ),
     }
