@@ -14,9 +14,9 @@ use crate::relay::Relay;
 use crate::servers::{HOW_TO_START, free_port};
 
 /// The bus port of a node is its port plus this (Redis' rule), so node ports stay below 55536.
-const BUS_OFFSET: u16 = 10_000;
+pub(crate) const BUS_OFFSET: u16 = 10_000;
 /// How long the cluster may take to agree (`cluster_state:ok` on every node).
-const FORMATION: Duration = Duration::from_secs(30);
+pub(crate) const FORMATION: Duration = Duration::from_secs(30);
 
 /// The three nodes and their relays; the nodes are killed when this is dropped.
 #[derive(Debug)]
@@ -45,7 +45,7 @@ impl RelayedCluster {
             let nodes = ports
                 .iter()
                 .zip(&announced)
-                .map(|(&port, &relay)| start_node(port, relay, dir.path()))
+                .map(|(&port, &relay)| start_node(port, relay, dir.path(), &[]))
                 .collect::<Vec<_>>();
             form(&ports, &announced);
             (ports, nodes, dir)
@@ -90,7 +90,7 @@ impl Drop for RelayedCluster {
 }
 
 /// A free port whose bus port (port + 10 000) is free too.
-fn node_port() -> u16 {
+pub(crate) fn node_port() -> u16 {
     for _ in 0..100 {
         let port = free_port();
         if port < u16::MAX - BUS_OFFSET && TcpListener::bind(("127.0.0.1", port + BUS_OFFSET)).is_ok() {
@@ -100,7 +100,9 @@ fn node_port() -> u16 {
     panic!("no free port pair (port, port + 10000) for a Redis Cluster node");
 }
 
-fn start_node(port: u16, relay: u16, dir: &std::path::Path) -> Child {
+/// Starts a cluster node on `port` that announces `announce` as its port to clients (its relay's,
+/// or its own), with its node file in `dir` and `extra` options; returns once it answers.
+pub(crate) fn start_node(port: u16, announce: u16, dir: &std::path::Path, extra: &[&str]) -> Child {
     let child = Command::new("redis-server")
         .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
         .args(["--cluster-enabled", "yes"])
@@ -110,8 +112,9 @@ fn start_node(port: u16, relay: u16, dir: &std::path::Path) -> Child {
         .arg(dir)
         .args(["--save", "", "--appendonly", "no"])
         .args(["--cluster-announce-ip", "127.0.0.1"])
-        .args(["--cluster-announce-port", &relay.to_string()])
+        .args(["--cluster-announce-port", &announce.to_string()])
         .args(["--cluster-announce-bus-port", &(port + BUS_OFFSET).to_string()])
+        .args(extra)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -125,15 +128,16 @@ fn start_node(port: u16, relay: u16, dir: &std::path::Path) -> Child {
     child
 }
 
-fn connect(port: u16) -> redis::RedisResult<redis::Connection> {
+/// A connection to the loopback `port`, checked with a `PING`.
+pub(crate) fn connect(port: u16) -> redis::RedisResult<redis::Connection> {
     let client = redis::Client::open(format!("redis://127.0.0.1:{port}"))?;
     let mut conn = client.get_connection_with_timeout(Duration::from_secs(1))?;
     redis::cmd("PING").query::<String>(&mut conn)?;
     Ok(conn)
 }
 
-/// Assigns a third of the slots to each node, introduces them, and waits until all agree.
-fn form(ports: &[u16], announced: &[u16]) {
+/// Assigns an equal share of the slots to each node, introduces them, and waits until all agree.
+pub(crate) fn form(ports: &[u16], announced: &[u16]) {
     let mut conns: Vec<redis::Connection> = ports
         .iter()
         .map(|&port| connect(port).expect("connect to a new cluster node"))

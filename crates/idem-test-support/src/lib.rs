@@ -1,8 +1,9 @@
 //! What idem's tests share, so that it is written once: a TCP relay that injects real network
 //! faults between idem and its store ([`relay`]), fault storms driven by a printed, replayable seed
 //! ([`storm`], [`seed`]), and the servers the tests run against ([`servers`]; a private Redis
-//! Cluster behind relays in [`cluster`]; private servers a test may kill in [`private`]), and
-//! HTTP/1.1 on raw TCP, client and upstream side ([`wire`]).
+//! Cluster behind relays in [`cluster`]; private servers a test may kill in [`private`]; Redis
+//! with real replicas, Sentinels and failovers in [`replicated`]), and HTTP/1.1 on raw TCP, client
+//! and upstream side ([`wire`]).
 //!
 //! A test that needs a server it cannot reach fails with a message saying how to start it
 //! (`bash .ci/services`); it never skips.
@@ -31,6 +32,7 @@ pub mod cluster;
 pub mod private;
 pub mod raw;
 pub mod relay;
+pub mod replicated;
 pub mod seed;
 pub mod servers;
 pub mod storm;

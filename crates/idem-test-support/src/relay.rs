@@ -130,7 +130,8 @@ struct Counters {
 
 #[derive(Debug)]
 struct Shared {
-    upstream: SocketAddr,
+    /// Where new connections go ([`Relay::retarget`] changes it).
+    upstream: Mutex<SocketAddr>,
     faults: Mutex<Faults>,
     connections: Mutex<JoinSet<()>>,
     counters: Counters,
@@ -139,6 +140,10 @@ struct Shared {
 impl Shared {
     fn faults(&self) -> MutexGuard<'_, Faults> {
         self.faults.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn upstream(&self) -> SocketAddr {
+        *self.upstream.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn connections(&self) -> MutexGuard<'_, JoinSet<()>> {
@@ -197,7 +202,7 @@ impl Relay {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind the relay");
         let addr = listener.local_addr().expect("the relay's address");
         let shared = Arc::new(Shared {
-            upstream,
+            upstream: Mutex::new(upstream),
             faults: Mutex::default(),
             connections: Mutex::new(JoinSet::new()),
             counters: Counters::default(),
@@ -211,9 +216,17 @@ impl Relay {
         self.addr
     }
 
-    /// Where the relay connects to.
+    /// Where the relay connects new connections to.
     pub fn upstream(&self) -> SocketAddr {
-        self.shared.upstream
+        self.shared.upstream()
+    }
+
+    /// Points the relay at another server, as a managed endpoint's name is pointed at a new
+    /// primary after a failover: every connection accepted from now on goes to `upstream`. Open
+    /// connections stay with the server they were made to (call [`Relay::reset_all`] to end them,
+    /// as an endpoint that moves does); the armed faults stay armed.
+    pub fn retarget(&self, upstream: SocketAddr) {
+        *self.shared.upstream.lock().unwrap_or_else(PoisonError::into_inner) = upstream;
     }
 
     /// Closes every open connection at once, with a TCP reset both ways.
@@ -361,7 +374,7 @@ async fn relay(client: TcpStream, shared: Arc<Shared>) {
     let _ = client.set_zero_linger();
     let _ = client.set_nodelay(true);
     shared.out_of_black_hole().await;
-    let Ok(server) = TcpStream::connect(shared.upstream).await else {
+    let Ok(server) = TcpStream::connect(shared.upstream()).await else {
         return;
     };
     let _ = server.set_zero_linger();
@@ -604,6 +617,30 @@ mod tests {
         assert_eq!(relay.armed(), 0, "the fault lapsed");
         assert_eq!(ask(&mut socket, b"g").await.unwrap(), b"ok:g");
         assert_eq!(relay.faults().resets_before, 1);
+    }
+
+    #[tokio::test]
+    async fn a_retargeted_relay_sends_new_connections_to_the_new_server() {
+        let (first, to_first) = echo_server().await;
+        let (second, to_second) = echo_server().await;
+        let relay = Relay::start(first).await;
+        let mut old = TcpStream::connect(relay.addr()).await.unwrap();
+        assert_eq!(ask(&mut old, b"a").await.unwrap(), b"ok:a");
+
+        relay.retarget(second);
+        assert_eq!(relay.upstream(), second);
+        let mut new = TcpStream::connect(relay.addr()).await.unwrap();
+        assert_eq!(ask(&mut new, b"b").await.unwrap(), b"ok:b");
+        assert_eq!(ask(&mut old, b"c").await.unwrap(), b"ok:c", "an open connection stays");
+        assert_eq!(to_first.load(Ordering::SeqCst), 2, "a and c went to the first server");
+        assert_eq!(to_second.load(Ordering::SeqCst), 1, "b went to the second server");
+
+        relay.reset_all();
+        assert!(ask(&mut old, b"d").await.is_err(), "reset_all ends the old connection");
+        let mut again = TcpStream::connect(relay.addr()).await.unwrap();
+        assert_eq!(ask(&mut again, b"e").await.unwrap(), b"ok:e");
+        assert_eq!(to_first.load(Ordering::SeqCst), 2);
+        assert_eq!(to_second.load(Ordering::SeqCst), 2);
     }
 
     #[tokio::test]

@@ -1,0 +1,333 @@
+//! Redis with real replication, for tests of what a failover does to stored claims and answers:
+//! a private primary with replicas, optionally watched by Sentinels ([`ReplicatedRedis`]), and a
+//! private Redis Cluster of three primaries with a replica each ([`ReplicatedCluster`]).
+//!
+//! Nodes are numbered in the order they were started (`usize`). A test can freeze a node
+//! (`SIGSTOP`, as a long pause would), thaw it, kill it (`SIGKILL`, as a crash would), isolate a
+//! replica from its primary, promote a replica by hand, and read replication offsets. Every process
+//! is killed when its owner is dropped, frozen ones too. `redis-server` must be installed
+//! (`apt-get install redis-server`); Sentinels run as `redis-server <conf> --sentinel`.
+//!
+//! Freezing a replica does not by itself make it lose what the primary writes meanwhile: the
+//! primary's bytes wait in the frozen replica's socket buffer and are applied once it is thawed,
+//! even after the primary was killed. To reproduce the loss of acknowledged writes, isolate the
+//! replica ([`ReplicatedRedis::isolate`], [`ReplicatedCluster::isolate`]): it is frozen and its
+//! replication link closed on the primary, so nothing written afterwards reaches it.
+//!
+//! Methods that talk to Redis or wait are `async` and never block the runtime (the relay of
+//! [`ReplicatedRedis::relay`] runs on it); signals (`freeze`, `thaw`, `kill`) are sent at once.
+
+mod cluster;
+mod primary;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub use cluster::ReplicatedCluster;
+pub use primary::{MASTER_NAME, ReplicatedRedis};
+
+/// How to install what these servers need.
+const HOW_TO_INSTALL: &str =
+    "apt-get install redis-server (redis-server 7 on PATH; Sentinels run as `redis-server <conf> --sentinel`)";
+
+/// How long one command may take before the node is taken for frozen or dead.
+const COMMAND_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How long a node may take to start, or a replica to connect to its primary.
+const START_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// What a node says it is (`INFO replication`'s `role`, or a Sentinel).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// A primary (`role:master`).
+    Primary,
+    /// A replica (`role:slave`).
+    Replica,
+}
+
+/// One `redis-server` process of a test's own, on a fixed port that survives a restart.
+#[derive(Debug)]
+struct Process {
+    port: u16,
+    child: Option<Child>,
+    frozen: bool,
+    log: PathBuf,
+}
+
+impl Process {
+    /// Starts `redis-server` with `args` (port, bind and log file are added) and waits until it
+    /// answers.
+    async fn start(port: u16, log: PathBuf, args: Vec<String>) -> Self {
+        let mut process = Self {
+            port,
+            child: None,
+            frozen: false,
+            log,
+        };
+        process.spawn(args).await;
+        process
+    }
+
+    /// Starts the process (again) on its port, on a blocking thread.
+    async fn spawn(&mut self, args: Vec<String>) {
+        assert!(self.child.is_none(), "the node on port {} is running", self.port);
+        let (port, log) = (self.port, self.log.clone());
+        let child = tokio::task::spawn_blocking(move || spawn(port, &log, &args))
+            .await
+            .expect("start redis-server");
+        self.child = Some(child);
+        self.frozen = false;
+    }
+
+    fn alive(&self) -> bool {
+        self.child.is_some()
+    }
+
+    fn signal(&self, signal: &str) {
+        let Some(child) = &self.child else {
+            panic!("the node on port {} was killed: it cannot be sent {signal}", self.port);
+        };
+        let status = Command::new("kill")
+            .args([signal, &child.id().to_string()])
+            .status()
+            .expect("run kill(1)");
+        assert!(status.success(), "kill {signal} {} failed", child.id());
+    }
+
+    fn freeze(&mut self) {
+        self.signal("-STOP");
+        self.frozen = true;
+    }
+
+    fn thaw(&mut self) {
+        self.signal("-CONT");
+        self.frozen = false;
+    }
+
+    /// `SIGKILL`, and waits until the process is gone (its port closed).
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            if self.frozen {
+                let _ = Command::new("kill").args(["-CONT", &child.id().to_string()]).status();
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        self.frozen = false;
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Starts `redis-server` on `port` with `args` and waits until it answers.
+fn spawn(port: u16, log: &Path, args: &[String]) -> Child {
+    let mut child = Command::new("redis-server")
+        .args(args)
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+        .arg("--logfile")
+        .arg(log)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|err| panic!("cannot run redis-server ({err}); {HOW_TO_INSTALL}"));
+    let deadline = Instant::now() + START_TIMEOUT;
+    while crate::cluster::connect(port).is_err() {
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!(
+                "redis-server on port {port} exited ({status}) at start; its log:\n{}",
+                log_tail(log)
+            );
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "redis-server on port {port} did not answer within {START_TIMEOUT:?}; its log:\n{}",
+                log_tail(log)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child
+}
+
+/// The last lines of a log file, for a failure message.
+fn log_tail(path: &Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|err| format!("({} unreadable: {err})", path.display()));
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(15)..].join("\n")
+}
+
+/// Runs `cmd` on the node at the loopback `port`, on a blocking thread, within
+/// [`COMMAND_TIMEOUT`] (a frozen node answers with a timeout error).
+async fn query<T: redis::FromRedisValue + Send + 'static>(port: u16, cmd: redis::Cmd) -> redis::RedisResult<T> {
+    tokio::task::spawn_blocking(move || {
+        let client = redis::Client::open(format!("redis://127.0.0.1:{port}"))?;
+        let mut conn = client.get_connection_with_timeout(COMMAND_TIMEOUT)?;
+        conn.set_read_timeout(Some(COMMAND_TIMEOUT))?;
+        conn.set_write_timeout(Some(COMMAND_TIMEOUT))?;
+        cmd.query(&mut conn)
+    })
+    .await
+    .expect("a blocking Redis command")
+}
+
+/// [`query`], panicking with the command and the node on error.
+async fn must<T: redis::FromRedisValue + Send + 'static>(port: u16, cmd: redis::Cmd) -> T {
+    let shown = String::from_utf8_lossy(&cmd.get_packed_command()).replace("\r\n", " ");
+    query(port, cmd)
+        .await
+        .unwrap_or_else(|err| panic!("`{shown}` on 127.0.0.1:{port} failed: {err}"))
+}
+
+/// `INFO <section>` as a map of its `field:value` lines.
+async fn info(port: u16, section: &str) -> redis::RedisResult<HashMap<String, String>> {
+    let text: String = query(port, redis::cmd("INFO").arg(section).clone()).await?;
+    Ok(text
+        .lines()
+        .filter_map(|line| line.split_once(':'))
+        .map(|(field, value)| (field.to_owned(), value.trim().to_owned()))
+        .collect())
+}
+
+/// What `INFO replication` says of a node: its role, its replication offset, its primary's port
+/// and whether its link to it is up (for a replica), and the offset each of its replicas
+/// acknowledged, by their listening port (for a primary).
+#[derive(Debug, Clone)]
+struct Replication {
+    role: Role,
+    offset: u64,
+    primary_port: Option<u16>,
+    link_up: bool,
+    acked: HashMap<u16, u64>,
+}
+
+async fn replication(port: u16) -> redis::RedisResult<Replication> {
+    let fields = info(port, "replication").await?;
+    let role = match fields.get("role").map(String::as_str) {
+        Some("master") => Role::Primary,
+        _ => Role::Replica,
+    };
+    let acked = fields
+        .iter()
+        .filter(|(field, _)| field.starts_with("slave") && field[5..].parse::<u32>().is_ok())
+        .filter_map(|(_, value)| {
+            let pairs: HashMap<&str, &str> = value.split(',').filter_map(|pair| pair.split_once('=')).collect();
+            Some((pairs.get("port")?.parse().ok()?, pairs.get("offset")?.parse().ok()?))
+        })
+        .collect();
+    Ok(Replication {
+        role,
+        offset: fields
+            .get("master_repl_offset")
+            .and_then(|offset| offset.parse().ok())
+            .unwrap_or(0),
+        primary_port: fields.get("master_port").and_then(|port| port.parse().ok()),
+        link_up: fields.get("master_link_status").is_some_and(|status| status == "up"),
+        acked,
+    })
+}
+
+/// Makes the node at `port` a replica of `primary` (`REPLICAOF`), or a primary (`None`).
+async fn replicaof(port: u16, primary: Option<u16>) {
+    let mut cmd = redis::cmd("REPLICAOF");
+    match primary {
+        Some(primary) => cmd.arg("127.0.0.1").arg(primary),
+        None => cmd.arg("NO").arg("ONE"),
+    };
+    must::<()>(port, cmd).await;
+}
+
+/// Waits until the replica at `port` follows `primary` with its link up.
+async fn wait_for_link(port: u16, primary: u16, timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let state = replication(port).await;
+        if let Ok(state) = &state
+            && state.role == Role::Replica
+            && state.primary_port == Some(primary)
+            && state.link_up
+        {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the replica on port {port} did not connect to its primary on port {primary} within {timeout:?}: {state:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Cuts the replica at `port` off its primary: freezes it, then closes its replication link on
+/// the primary, so that nothing the primary executes afterwards reaches it (not even into its
+/// socket buffer). Returns the primary's port.
+async fn isolate(process: &mut Process) -> u16 {
+    let port = process.port;
+    let state = replication(port)
+        .await
+        .unwrap_or_else(|err| panic!("INFO replication on {port}: {err}"));
+    let primary = match (state.role, state.primary_port) {
+        (Role::Replica, Some(primary)) => primary,
+        _ => panic!("only a replica can be isolated; the node on port {port} is {state:?}"),
+    };
+    let link: String = must(port, redis::cmd("CLIENT").arg("LIST").arg("TYPE").arg("master").clone()).await;
+    let laddr = link
+        .split_whitespace()
+        .find_map(|field| field.strip_prefix("laddr="))
+        .unwrap_or_else(|| panic!("the replica on port {port} has no link to its primary: {link:?}"))
+        .to_owned();
+    process.freeze();
+    let closed: i64 = must(
+        primary,
+        redis::cmd("CLIENT").arg("KILL").arg("ADDR").arg(&laddr).clone(),
+    )
+    .await;
+    assert_eq!(
+        closed, 1,
+        "the primary on port {primary} had no connection from {laddr}"
+    );
+    primary
+}
+
+/// Waits until `replicas` of the replicas the primary at `port` lists have applied everything it
+/// had written when this was called (their own `master_repl_offset` reached the primary's). (Not
+/// `WAIT`: it counts the writes of its own connection only, and each command here has its own.)
+async fn wait_until_replicated(port: u16, replicas: usize, timeout: Duration) {
+    let target = replication(port)
+        .await
+        .unwrap_or_else(|err| panic!("INFO replication on the primary on port {port}: {err}"))
+        .offset;
+    let deadline = Instant::now() + timeout;
+    loop {
+        let listed: Vec<u16> = replication(port)
+            .await
+            .map(|state| state.acked.into_keys().collect())
+            .unwrap_or_default();
+        let mut caught_up = 0;
+        for replica in &listed {
+            if replication(*replica).await.is_ok_and(|state| state.offset >= target) {
+                caught_up += 1;
+            }
+        }
+        if caught_up >= replicas {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{replicas} replicas did not reach offset {target} of the primary on port {port} within {timeout:?} \
+             ({caught_up} of the listed {listed:?} did)"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
