@@ -14,7 +14,7 @@
 //! behind them.
 //!
 //! How many replicas to wait for is the URL's `replicas=`: a number, or `auto` (the default): one
-//! from the moment the topology (`ROLE`, or `CLUSTER NODES` on a cluster, read again every
+//! from the moment the topology (`INFO replication`, or `CLUSTER NODES` on a cluster, read again every
 //! second) shows a replica for every primary, and from then on for the store's life — a replica
 //! that falls behind or goes away makes writes fail, never makes them unprotected.
 
@@ -165,13 +165,14 @@ impl Acknowledgement {
     }
 }
 
-/// The fewest replicas any primary has: `ROLE` of the one server, or `CLUSTER NODES` of a
-/// cluster (every primary that owns slots).
+/// The fewest replicas any primary has: `INFO replication` of the one server (every replica it
+/// has, online or still syncing: `ROLE` lists only those online), or `CLUSTER NODES` of a cluster
+/// (every primary that owns slots).
 async fn fewest_replicas(conn: &mut Conn) -> RedisResult<u32> {
     match conn {
         Conn::Standalone(manager) => {
-            let role: Value = redis::cmd("ROLE").query_async(manager).await?;
-            replicas_of_role(&role)
+            let info: Value = redis::cmd("INFO").arg("replication").query_async(manager).await?;
+            replicas_of_info(&text(&info).ok_or_else(|| unexpected("INFO replication", &info))?)
         }
         Conn::Cluster(cluster) => {
             let nodes = cluster
@@ -185,16 +186,19 @@ async fn fewest_replicas(conn: &mut Conn) -> RedisResult<u32> {
     }
 }
 
-/// The replicas a `ROLE` reply lists: `[master, offset, [[ip, port, offset], ...]]`. A server that
-/// is not a primary has none of its own.
-fn replicas_of_role(role: &Value) -> RedisResult<u32> {
-    let Value::Array(parts) = role else {
-        return Err(unexpected("ROLE", role));
+/// The replicas `INFO replication` counts (`connected_slaves`); a server that is not a primary has
+/// none of its own.
+fn replicas_of_info(info: &str) -> RedisResult<u32> {
+    let field = |name: &str| {
+        info.lines()
+            .find_map(|line| line.trim().strip_prefix(name)?.strip_prefix(':'))
     };
-    match (parts.first().and_then(text).as_deref(), parts.get(2)) {
-        (Some("master"), Some(Value::Array(replicas))) => Ok(u32::try_from(replicas.len()).unwrap_or(u32::MAX)),
-        (Some("master"), _) => Err(unexpected("ROLE", role)),
-        _ => Ok(0),
+    match field("role") {
+        Some("master") => field("connected_slaves")
+            .and_then(|count| count.parse().ok())
+            .ok_or_else(|| unexpected("INFO replication without connected_slaves", &info)),
+        Some(_) => Ok(0),
+        None => Err(unexpected("INFO replication without a role", &info)),
     }
 }
 
@@ -241,26 +245,16 @@ fn unexpected(what: &str, got: &dyn std::fmt::Debug) -> redis::RedisError {
 mod tests {
     use super::*;
 
-    fn bulk(text: &str) -> Value {
-        Value::BulkString(text.as_bytes().to_vec())
-    }
-
     #[test]
     fn a_primary_counts_its_replicas_and_a_replica_has_none() {
-        let replica = |port: &str| Value::Array(vec![bulk("127.0.0.1"), bulk(port), bulk("100")]);
-        let primary =
-            |replicas: Vec<Value>| Value::Array(vec![bulk("master"), Value::Int(100), Value::Array(replicas)]);
-        assert_eq!(replicas_of_role(&primary(vec![])).unwrap(), 0);
-        assert_eq!(replicas_of_role(&primary(vec![replica("1"), replica("2")])).unwrap(), 2);
-        let follower = Value::Array(vec![
-            bulk("slave"),
-            bulk("127.0.0.1"),
-            Value::Int(6379),
-            bulk("connected"),
-            Value::Int(1),
-        ]);
-        assert_eq!(replicas_of_role(&follower).unwrap(), 0);
-        assert!(replicas_of_role(&Value::Okay).is_err());
+        let primary = "# Replication\r\nrole:master\r\nconnected_slaves:2\r\n\
+                       slave0:ip=127.0.0.1,port=7,state=online,offset=1,lag=0\r\n\
+                       slave1:ip=127.0.0.1,port=8,state=wait_bgsave,offset=0,lag=0\r\nmaster_repl_offset:1\r\n";
+        assert_eq!(replicas_of_info(primary).unwrap(), 2, "syncing replicas count");
+        assert_eq!(replicas_of_info("role:master\r\nconnected_slaves:0\r\n").unwrap(), 0);
+        assert_eq!(replicas_of_info("role:slave\r\nmaster_port:6379\r\n").unwrap(), 0);
+        assert!(replicas_of_info("role:master\r\n").is_err());
+        assert!(replicas_of_info("").is_err());
     }
 
     #[test]

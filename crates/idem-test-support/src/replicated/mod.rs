@@ -211,6 +211,9 @@ struct Replication {
     primary_port: Option<u16>,
     link_up: bool,
     acked: HashMap<u16, u64>,
+    /// The replicas (by listening port) that the primary counts as online: only those
+    /// acknowledge writes (`WAIT`).
+    online: Vec<u16>,
 }
 
 async fn replication(port: u16) -> redis::RedisResult<Replication> {
@@ -219,13 +222,19 @@ async fn replication(port: u16) -> redis::RedisResult<Replication> {
         Some("master") => Role::Primary,
         _ => Role::Replica,
     };
-    let acked = fields
+    let replicas: Vec<HashMap<&str, &str>> = fields
         .iter()
         .filter(|(field, _)| field.starts_with("slave") && field[5..].parse::<u32>().is_ok())
-        .filter_map(|(_, value)| {
-            let pairs: HashMap<&str, &str> = value.split(',').filter_map(|pair| pair.split_once('=')).collect();
-            Some((pairs.get("port")?.parse().ok()?, pairs.get("offset")?.parse().ok()?))
-        })
+        .map(|(_, value)| value.split(',').filter_map(|pair| pair.split_once('=')).collect())
+        .collect();
+    let acked = replicas
+        .iter()
+        .filter_map(|pairs| Some((pairs.get("port")?.parse().ok()?, pairs.get("offset")?.parse().ok()?)))
+        .collect();
+    let online = replicas
+        .iter()
+        .filter(|pairs| pairs.get("state") == Some(&"online"))
+        .filter_map(|pairs| pairs.get("port")?.parse().ok())
         .collect();
     Ok(Replication {
         role,
@@ -236,6 +245,7 @@ async fn replication(port: u16) -> redis::RedisResult<Replication> {
         primary_port: fields.get("master_port").and_then(|port| port.parse().ok()),
         link_up: fields.get("master_link_status").is_some_and(|status| status == "up"),
         acked,
+        online,
     })
 }
 
@@ -249,7 +259,8 @@ async fn replicaof(port: u16, primary: Option<u16>) {
     must::<()>(port, cmd).await;
 }
 
-/// Waits until the replica at `port` follows `primary` with its link up.
+/// Waits until the replica at `port` follows `primary` with its link up, the primary counts it
+/// online, and its replicas acknowledge a write (see [`acknowledged`]).
 async fn wait_for_link(port: u16, primary: u16, timeout: Duration) {
     let deadline = Instant::now() + timeout;
     loop {
@@ -258,6 +269,9 @@ async fn wait_for_link(port: u16, primary: u16, timeout: Duration) {
             && state.role == Role::Replica
             && state.primary_port == Some(primary)
             && state.link_up
+            && let Ok(primary_state) = replication(primary).await
+            && primary_state.online.contains(&port)
+            && acknowledged(primary, primary_state.online.len()).await
         {
             return;
         }
@@ -266,6 +280,37 @@ async fn wait_for_link(port: u16, primary: u16, timeout: Duration) {
             "the replica on port {port} did not connect to its primary on port {primary} within {timeout:?}: {state:?}"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Whether `replicas` replicas of the primary at `port` acknowledge a write at once (`WAIT`, on
+/// the connection that wrote). A replica that has just loaded its copy is online before the primary
+/// streams it writes (Redis starts the stream at its first acknowledgement, up to a second later):
+/// until then, `WAIT` times out.
+async fn acknowledged(port: u16, replicas: usize) -> bool {
+    let mut write = redis::pipe();
+    write
+        .cmd("SET")
+        .arg("idem-test-support:acknowledged")
+        .arg(1)
+        .ignore()
+        .cmd("WAIT")
+        .arg(replicas)
+        .arg(200);
+    let written = tokio::task::spawn_blocking(move || {
+        let client = redis::Client::open(format!("redis://127.0.0.1:{port}"))?;
+        let mut conn = client.get_connection_with_timeout(COMMAND_TIMEOUT)?;
+        conn.set_read_timeout(Some(COMMAND_TIMEOUT))?;
+        write.query::<(usize,)>(&mut conn)
+    })
+    .await
+    .expect("a blocking Redis command");
+    match written {
+        Ok((acknowledged,)) => acknowledged >= replicas,
+        // A cluster node that does not own the key's slot refuses the write: not checked there
+        // (a cluster test's first writes may then still wait up to a second for the stream).
+        Err(err) if err.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::Moved) => true,
+        Err(_) => false,
     }
 }
 
