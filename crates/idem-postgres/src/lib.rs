@@ -6,6 +6,10 @@
 //! run under an advisory lock. How each of these works, and the schema: `docs/stores.md` in the
 //! repository; the store contract: `docs/design.md`.
 //!
+//! When it connects, a store reads whether the server's commits wait for a synchronous standby
+//! ([`PostgresStore::replication`]) and logs a warning when a failover (or, with
+//! `synchronous_commit = off`, a crash) can lose claims and answers.
+//!
 //! ```no_run
 //! use std::sync::Arc;
 //!
@@ -37,10 +41,12 @@ mod decode;
 mod error;
 mod listener;
 mod replays;
+mod replication;
 mod schema;
 mod sql;
 mod store;
 mod url;
 
 pub use error::{BoxError, PostgresError};
+pub use replication::{Replication, SynchronousCommit};
 pub use store::PostgresStore;

@@ -37,7 +37,7 @@ use crate::decode::{StoredRow, checkpoints_from_row, scope_salt_from_row};
 use crate::error::Failure;
 use crate::listener::{Listener, payload};
 use crate::url::Settings;
-use crate::{PostgresError, replays, schema, sql};
+use crate::{PostgresError, Replication, replays, replication, schema, sql};
 
 /// How many times `begin` tries again when the record it conflicted with is gone before it could
 /// be read (deleted by a release or a purge in between). Each try is a new statement with a new
@@ -70,6 +70,8 @@ struct Inner {
     listener: Option<Listener>,
     /// Replays counted and not yet written to their rows.
     replays: Arc<ReplayCounts>,
+    /// What a failover can lose, as read when the store connected.
+    replication: Replication,
 }
 
 impl fmt::Debug for PostgresStore {
@@ -85,13 +87,15 @@ impl fmt::Debug for PostgresStore {
                 &inner.listener.as_ref().is_some_and(|l| l.registry().is_listening()),
             )
             .field("poll_interval", &inner.poll_interval)
+            .field("replication", &inner.replication)
             .finish()
     }
 }
 
 impl PostgresStore {
-    /// Connects to the database named by a URL, creates or updates its schema, and (unless
-    /// `notify=off`) opens the connection that listens for changes.
+    /// Connects to the database named by a URL, creates or updates its schema, reads what a
+    /// failover can lose ([`PostgresStore::replication`], logged as a warning when it can lose
+    /// claims or answers), and (unless `notify=off`) opens the connection that listens for changes.
     ///
     /// The URL is `postgres://user[:password]@host[:port]/database[?options]` (`postgresql://`
     /// too). Besides the options of tokio-postgres (`connect_timeout`, `application_name`,
@@ -136,6 +140,8 @@ impl PostgresStore {
                 source: Box::new(err),
             })?;
         schema::migrate(&pool, &settings.target, settings.schema.as_deref()).await?;
+        let replication = replication::read(&pool).await;
+        replication.log(&settings.target);
         let listener = if settings.notify {
             let listener = Listener::start(settings.config.clone(), settings.target.clone())
                 .await
@@ -161,6 +167,7 @@ impl PostgresStore {
             poll_interval: settings.poll_interval,
             listener,
             replays: Arc::default(),
+            replication,
         });
         let pool = inner.pool.clone();
         ReplayCounts::flush_forever(
@@ -184,6 +191,13 @@ impl PostgresStore {
     /// The server, as `user@host:port/database` (never with a password), for messages.
     pub fn target(&self) -> &str {
         &self.inner.target
+    }
+
+    /// What a failover of the server can lose, as read when the store connected (with this
+    /// store's own session settings: a `synchronous_commit` in the URL's `options` counts).
+    /// [`PostgresStore::connect`] has logged it already.
+    pub fn replication(&self) -> &Replication {
+        &self.inner.replication
     }
 
     async fn client(&self, operation: &'static str) -> Result<Object, StoreError> {

@@ -116,3 +116,28 @@ async fn redis_outage_fails_closed_and_recovers() {
     )
     .await;
 }
+
+/// `idem serve` says at start what the PostgreSQL server's settings can lose, once: here a
+/// `synchronous_commit = off` set in the store URL, which a crash of the server can lose commits
+/// with, and the default, on a server without standbys, which no failover can.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_start_up_log_says_what_the_server_can_lose() {
+    let upstream = common::Upstream::start().await;
+    let off = format!("{}&options=-c%20synchronous_commit%3Doff", servers::postgres_url());
+    let gateway = common::Gateway::start_on_store(&upstream.url(), &off, &[]).await;
+    let log = gateway.stderr();
+    let warnings: Vec<&str> = log
+        .lines()
+        .filter(|line| line.contains("WARN") && line.contains("synchronous_commit = off: a crash of the server"))
+        .collect();
+    assert_eq!(warnings.len(), 1, "one warning about synchronous_commit = off:\n{log}");
+
+    let gateway = common::Gateway::start_on_store(&upstream.url(), &servers::postgres_url(), &[]).await;
+    let log = gateway.stderr();
+    assert!(
+        log.lines()
+            .any(|line| line.contains("INFO") && line.contains("no PostgreSQL standby streams from this server")),
+        "the start-up log says the server has no standby:\n{log}"
+    );
+    assert!(!log.contains("synchronous_commit = off"), "{log}");
+}
