@@ -239,3 +239,54 @@ async fn a_cluster_slot_can_be_held_half_migrated() {
     assert_eq!(moved.expect_err("the slot moved").code(), Some("MOVED"));
     cluster.wait_until_ok(Duration::from_secs(10)).await;
 }
+
+#[tokio::test]
+async fn a_restarted_primary_whose_slots_were_taken_over_comes_back_as_a_replica() {
+    let mut cluster = ReplicatedCluster::start().await;
+    cluster.isolate(3).await;
+    cluster.kill(0);
+    cluster.thaw(3);
+    cluster.failover_takeover(3).await;
+    cluster.wait_until_ok(Duration::from_secs(15)).await;
+    assert_eq!(cluster.replica_of(3).await, None, "node 0 is dead");
+
+    let started = Instant::now();
+    cluster.restart(0).await;
+    eprintln!("node 0 rejoined as a replica of node 3 in {:?}", started.elapsed());
+
+    assert_eq!(cluster.replica_of(3).await, Some(0));
+    assert_eq!(cluster.primaries().await, [1, 2, 3]);
+    let replication: String = cluster.command(0, redis::cmd("INFO").arg("replication")).await;
+    assert!(replication.contains("role:slave"), "{replication}");
+    assert!(replication.contains("master_link_status:up"), "{replication}");
+
+    let mut key = None;
+    for i in 0.. {
+        let candidate = format!("{{r{i}}}after");
+        if cluster.primary_of_slot(cluster.slot_of(&candidate).await).await == 3 {
+            key = Some(candidate);
+            break;
+        }
+    }
+    let key = key.expect("a key node 3 serves");
+    cluster.command::<()>(3, &set(&key, "1")).await;
+    cluster.wait_until_replicated(3, ACKS).await;
+    // A replica serves reads to a connection that said READONLY (else it answers MOVED).
+    let node0 = redis::Client::open(cluster.node_url(0)).unwrap();
+    let mut conn = node0.get_multiplexed_async_connection().await.unwrap();
+    let () = redis::cmd("READONLY").query_async(&mut conn).await.unwrap();
+    let value: Option<String> = get(&key).query_async(&mut conn).await.unwrap();
+    assert_eq!(value.as_deref(), Some("1"), "the write on node 3 reached node 0");
+
+    let id3 = cluster.node_id(3).to_owned();
+    for node in 0..6 {
+        let nodes: String = cluster.command(node, redis::cmd("CLUSTER").arg("NODES")).await;
+        let line = nodes
+            .lines()
+            .find(|line| line.starts_with(cluster.node_id(0)))
+            .unwrap_or_else(|| panic!("node {node} lists node 0: {nodes}"));
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        assert!(fields[2].split(',').any(|flag| flag == "slave"), "node {node}: {line}");
+        assert_eq!(fields[3], id3, "node {node}: {line}");
+    }
+}

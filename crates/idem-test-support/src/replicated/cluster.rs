@@ -1,10 +1,11 @@
 //! A private Redis Cluster of three primaries (nodes 0–2) with one replica each (nodes 3–5).
 
 use std::collections::HashMap;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
-use super::{Process, Role, must, query, replication};
-use crate::cluster::{FORMATION, form, node_port, start_node};
+use super::{Process, Role, START_TIMEOUT, log_tail, must, query, replication};
+use crate::cluster::{BUS_OFFSET, FORMATION, form, node_port, start_node};
 
 /// How many primaries, and replicas (one per primary).
 const PRIMARIES: usize = 3;
@@ -49,7 +50,29 @@ impl NodeLine {
 pub struct ReplicatedCluster {
     nodes: Vec<Process>,
     ids: Vec<String>,
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
+}
+
+/// The options every node starts with (besides those of [`start_node`]), again on a restart.
+fn node_options(log: &Path) -> Vec<String> {
+    [
+        "--cluster-node-timeout",
+        "1000",
+        "--cluster-allow-replica-migration",
+        "no",
+        "--repl-diskless-sync",
+        "yes",
+        "--repl-diskless-sync-delay",
+        "0",
+        "--logfile",
+        &log.display().to_string(),
+    ]
+    .map(str::to_owned)
+    .to_vec()
+}
+
+fn as_strs(args: &[String]) -> Vec<&str> {
+    args.iter().map(String::as_str).collect()
 }
 
 impl ReplicatedCluster {
@@ -69,22 +92,10 @@ impl ReplicatedCluster {
                 .iter()
                 .map(|&port| {
                     let log = path.join(format!("node-{port}.log"));
-                    let log_arg = log.display().to_string();
-                    let extra = [
-                        "--cluster-node-timeout",
-                        "1000",
-                        "--cluster-allow-replica-migration",
-                        "no",
-                        "--repl-diskless-sync",
-                        "yes",
-                        "--repl-diskless-sync-delay",
-                        "0",
-                        "--logfile",
-                        &log_arg,
-                    ];
+                    let child = start_node(port, port, &path, &as_strs(&node_options(&log)));
                     Process {
                         port,
-                        child: Some(start_node(port, port, &path, &extra)),
+                        child: Some(child),
                         frozen: false,
                         log,
                     }
@@ -96,7 +107,7 @@ impl ReplicatedCluster {
         })
         .await
         .expect("start the cluster");
-        let cluster = Self { nodes, ids, _dir: dir };
+        let cluster = Self { nodes, ids, dir };
         for replica in PRIMARIES..2 * PRIMARIES {
             super::wait_for_link(
                 cluster.nodes[replica].port,
@@ -218,9 +229,135 @@ impl ReplicatedCluster {
         self.nodes[node].thaw();
     }
 
-    /// Kills a node (`SIGKILL`) and waits until it is gone; it stays dead.
+    /// Kills a node (`SIGKILL`) and waits until it is gone; it stays dead until
+    /// [`ReplicatedCluster::restart`].
     pub fn kill(&mut self, node: usize) {
         self.nodes[node].kill();
+    }
+
+    /// Starts a killed node again, on its port, with its node file (`nodes-<port>.conf`: it keeps
+    /// its id, and the slots and epochs it knew) and its options, and waits until it has rejoined
+    /// the cluster. Without persistence it comes back empty. A primary whose slots a replica took
+    /// over meanwhile (a higher config epoch) learns so by gossip and becomes that replica's
+    /// replica (Redis does this itself), and full-syncs from it.
+    ///
+    /// Rejoined means: the node says it is a replica whose link to its primary is up and every
+    /// live node lists it (not failed) as that primary's replica, so that
+    /// [`ReplicatedCluster::replica_of`] and [`ReplicatedCluster::primaries`] see the new
+    /// topology; or, if it still owns slots, it says it is a primary with `cluster_state:ok` and
+    /// every live node lists it (not failed) as a primary with slots.
+    ///
+    /// # Panics
+    /// If the node is running, its port or bus port was taken while it was dead, it does not
+    /// start, or it has not rejoined within 20 s.
+    pub async fn restart(&mut self, node: usize) {
+        let process = &self.nodes[node];
+        assert!(
+            !process.alive(),
+            "node {node} (port {}) is running: only a killed node can be restarted",
+            process.port
+        );
+        let (port, log, dir) = (process.port, process.log.clone(), self.dir.path().to_owned());
+        for taken in [port, port + BUS_OFFSET] {
+            // Another process may have bound it while the node was dead: fail at once, not in 30 s.
+            if let Err(err) = std::net::TcpListener::bind(("127.0.0.1", taken)) {
+                panic!("node {node} cannot be restarted: port {taken} was taken while it was dead ({err})");
+            }
+        }
+        let child = tokio::task::spawn_blocking(move || start_node(port, port, &dir, &as_strs(&node_options(&log))))
+            .await
+            .expect("restart redis-server");
+        self.nodes[node].child = Some(child);
+        self.nodes[node].frozen = false;
+
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            let trouble = match self.rejoined(node).await {
+                Ok(()) => return,
+                Err(trouble) => trouble,
+            };
+            assert!(
+                Instant::now() < deadline,
+                "node {node} (port {port}) did not rejoin the cluster within {START_TIMEOUT:?}: {trouble}; its log:\n{}",
+                log_tail(&self.nodes[node].log)
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Whether a restarted node has rejoined (see [`ReplicatedCluster::restart`]), or what is
+    /// still missing.
+    async fn rejoined(&self, node: usize) -> Result<(), String> {
+        let port = self.nodes[node].port;
+        let id = self.node_id(node);
+        let state = replication(port)
+            .await
+            .map_err(|err| format!("INFO replication: {err}"))?;
+        let own = self.cluster_nodes(port).await?;
+        let myself = own
+            .iter()
+            .find(|line| line.flagged("myself"))
+            .ok_or_else(|| format!("no `myself` line in its CLUSTER NODES: {own:?}"))?;
+        // The primary every node must list it under (`None`: it is a primary with slots).
+        let expected: Option<String> = match state.role {
+            Role::Replica => {
+                if !state.link_up {
+                    return Err(format!("its link to its primary is not up: {state:?}"));
+                }
+                let primary_id = myself
+                    .primary_id
+                    .clone()
+                    .ok_or_else(|| format!("a replica without a primary in CLUSTER NODES: {myself:?}"))?;
+                let primary = self.ids.iter().position(|other| *other == primary_id);
+                let primary_port = primary.map(|primary| self.nodes[primary].port);
+                if primary_port.is_none() || primary_port != state.primary_port {
+                    return Err(format!(
+                        "it follows port {:?} but CLUSTER NODES names primary {primary_id}",
+                        state.primary_port
+                    ));
+                }
+                Some(primary_id)
+            }
+            Role::Primary => {
+                let info: String = query(port, redis::cmd("CLUSTER").arg("INFO").clone())
+                    .await
+                    .map_err(|err| format!("CLUSTER INFO: {err}"))?;
+                if !info.lines().any(|line| line.trim() == "cluster_state:ok") {
+                    return Err(format!("a primary, but not cluster_state:ok: {info:?}"));
+                }
+                None
+            }
+        };
+        for other in self.live() {
+            let lines = if other.port == port {
+                own.clone()
+            } else {
+                self.cluster_nodes(other.port).await?
+            };
+            let line = lines
+                .iter()
+                .find(|line| line.port == port)
+                .ok_or_else(|| format!("port {} does not list it", other.port))?;
+            let as_expected = match &expected {
+                Some(primary_id) => line.flagged("slave") && line.primary_id.as_ref() == Some(primary_id),
+                None => line.flagged("master") && line.has_slots,
+            };
+            if !as_expected || line.flagged("fail") || line.flagged("fail?") {
+                return Err(format!(
+                    "port {} lists it as {line:?} (it is a {:?}, node id {id})",
+                    other.port, state.role
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// `CLUSTER NODES` on the node at `port`, parsed.
+    async fn cluster_nodes(&self, port: u16) -> Result<Vec<NodeLine>, String> {
+        let nodes: String = query(port, redis::cmd("CLUSTER").arg("NODES").clone())
+            .await
+            .map_err(|err| format!("CLUSTER NODES on port {port}: {err}"))?;
+        Ok(nodes.lines().filter_map(NodeLine::parse).collect())
     }
 
     /// Freezes a replica and closes its replication link on its primary, so that nothing written

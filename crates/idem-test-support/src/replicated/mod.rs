@@ -3,7 +3,8 @@
 //! private Redis Cluster of three primaries with a replica each ([`ReplicatedCluster`]).
 //!
 //! Nodes are numbered in the order they were started (`usize`). A test can freeze a node
-//! (`SIGSTOP`, as a long pause would), thaw it, kill it (`SIGKILL`, as a crash would), isolate a
+//! (`SIGSTOP`, as a long pause would), thaw it, kill it (`SIGKILL`, as a crash would), restart a
+//! killed cluster node ([`ReplicatedCluster::restart`]: it rejoins with its id), isolate a
 //! replica from its primary, promote a replica by hand, and read replication offsets. Every process
 //! is killed when its owner is dropped, frozen ones too. `redis-server` must be installed
 //! (`apt-get install redis-server`); Sentinels run as `redis-server <conf> --sentinel`.
