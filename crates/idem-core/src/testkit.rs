@@ -1248,13 +1248,13 @@ pub async fn scope_salt_tells_how_long_older_records_live(h: &impl Harness) {
 #[macro_export]
 macro_rules! conformance_tests {
     (in_sequence $harness:expr) => {
-        $crate::conformance_tests!(@list @sequence $harness)
+        $crate::conformance_tests! { @list @sequence $harness }
     };
     ($harness:expr) => {
-        $crate::conformance_tests!(@list @cases $harness)
+        $crate::conformance_tests! { @list @cases $harness }
     };
     (@list @$mode:ident $harness:expr) => {
-        $crate::conformance_tests!(@$mode $harness;
+        $crate::conformance_tests! { @$mode $harness;
             claims_a_new_key, one_claim_under_concurrency, completes_and_replays, fencing,
             takeover_needs_the_same_fingerprint, renewal_keeps_the_claim, wait_wakes_on_completion,
             wait_wakes_on_release, wait_wakes_on_delete, wait_checks_before_sleeping,
@@ -1265,7 +1265,7 @@ macro_rules! conformance_tests {
             scopes_are_isolated, large_bodies, records_survive_reopen, tells_its_time,
             checkpoints_belong_to_the_current_claim, checkpoints_survive_a_takeover_and_end_with_the_run,
             a_new_claim_never_sees_old_checkpoints, scope_salt_is_one_per_store,
-            scope_salt_tells_how_long_older_records_live)
+            scope_salt_tells_how_long_older_records_live }
     };
     (@cases $harness:expr; $($case:ident),* $(,)?) => {
         $(
