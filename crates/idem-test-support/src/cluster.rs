@@ -11,7 +11,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::relay::Relay;
-use crate::servers::{HOW_TO_START, free_port};
+use crate::servers::HOW_TO_START;
 
 /// The bus port of a node is its port plus this (Redis' rule), so node ports stay below 55536.
 pub(crate) const BUS_OFFSET: u16 = 10_000;
@@ -91,19 +91,26 @@ impl Drop for RelayedCluster {
 
 /// A free port whose bus port (port + 10 000) is free too.
 pub(crate) fn node_port() -> u16 {
-    for _ in 0..100 {
-        let port = free_port();
-        if port < u16::MAX - BUS_OFFSET && TcpListener::bind(("127.0.0.1", port + BUS_OFFSET)).is_ok() {
+    use std::hash::{BuildHasher, RandomState};
+    // Below the kernel's ephemeral range (32768 and up on Linux), bus ports included: a port that
+    // is free when checked cannot then be taken by some connection's local end before the node
+    // binds it.
+    const PORTS: std::ops::Range<u16> = 20_000..22_700;
+    for attempt in 0..1000_u64 {
+        let random = RandomState::new().hash_one(attempt);
+        let port = PORTS.start + u16::try_from(random % u64::from(PORTS.end - PORTS.start)).expect("in range");
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() && TcpListener::bind(("127.0.0.1", port + BUS_OFFSET)).is_ok()
+        {
             return port;
         }
     }
-    panic!("no free port pair (port, port + 10000) for a Redis Cluster node");
+    panic!("no free port pair (port, port + 10000) between 20000 and 32700 for a Redis Cluster node");
 }
 
 /// Starts a cluster node on `port` that announces `announce` as its port to clients (its relay's,
 /// or its own), with its node file in `dir` and `extra` options; returns once it answers.
 pub(crate) fn start_node(port: u16, announce: u16, dir: &std::path::Path, extra: &[&str]) -> Child {
-    let child = Command::new("redis-server")
+    let mut child = Command::new("redis-server")
         .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
         .args(["--cluster-enabled", "yes"])
         .arg("--cluster-config-file")
@@ -122,6 +129,11 @@ pub(crate) fn start_node(port: u16, announce: u16, dir: &std::path::Path, extra:
         .unwrap_or_else(|err| panic!("cannot run redis-server ({err}); {HOW_TO_START}"));
     let deadline = Instant::now() + FORMATION;
     while connect(port).is_err() {
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!(
+                "redis-server on port {port} exited as it started ({status}): was the port, or port + 10000, taken?"
+            );
+        }
         assert!(Instant::now() < deadline, "redis-server on port {port} did not start");
         std::thread::sleep(Duration::from_millis(20));
     }
