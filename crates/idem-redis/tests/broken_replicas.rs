@@ -55,7 +55,9 @@ async fn stale_sentinel(primary: SocketAddr) -> SocketAddr {
     let addr = listener.local_addr().expect("addr");
     tokio::spawn(async move {
         loop {
-            let Ok((mut socket, _)) = listener.accept().await else { return };
+            let Ok((mut socket, _)) = listener.accept().await else {
+                return;
+            };
             tokio::spawn(async move {
                 let mut buf = Vec::new();
                 let mut chunk = [0u8; 4096];
@@ -155,7 +157,10 @@ async fn one_stale_sentinel_listed_first_does_not_keep_the_store_away_from_the_n
 async fn through_sentinel_an_acknowledged_claim_survives_the_loss_of_the_primary() {
     let mut redis = ReplicatedRedis::start_with_sentinels(2, 3).await;
     let prefix = fresh_prefix();
-    let url = with_options(&with_options(&redis.sentinel_url(), "replicas=1"), &format!("prefix={prefix}"));
+    let url = with_options(
+        &with_options(&redis.sentinel_url(), "replicas=1"),
+        &format!("prefix={prefix}"),
+    );
     let store = RedisStore::connect(&url).await.expect("connect");
     let (old, acked, lagging) = (redis.primary(), redis.replicas()[0], redis.replicas()[1]);
     let (id, fp, now) = (fresh_id(), fingerprint("{}"), UnixMillis::now());
@@ -185,5 +190,19 @@ async fn through_sentinel_an_acknowledged_claim_survives_the_loss_of_the_primary
          without any replica-priority; the acknowledged claim (token {token:?}) is gone from it \
          (EXISTS {record_key} = {on_promoted}, the store reads {record:?}), so a retry claims the key afresh \
          and runs it again without Idempotency-Recovered"
+    );
+}
+
+/// `redis+sentinel://127.0.0.1/idem` is refused ("the sentinel has no port (sentinels listen on
+/// 26379)"), but the same URL with an IPv6 literal passes the check — it looks for a `:` and the
+/// address has several — and the store then asks port 6379, an ordinary Redis, for the primary.
+#[tokio::test]
+async fn an_ipv6_sentinel_without_a_port_is_refused_as_an_ipv4_one_is() {
+    let v4 = connect_error("redis+sentinel://127.0.0.1/idem").await;
+    assert!(v4.contains("has no port"), "{v4}");
+    let v6 = connect_error("redis+sentinel://[::1]/idem").await;
+    assert!(
+        v6.contains("has no port"),
+        "an IPv6 sentinel without a port is taken for [::1]:6379: {v6}"
     );
 }
