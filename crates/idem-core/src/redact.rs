@@ -10,8 +10,8 @@ const MASK: &str = "***";
 /// and, in a `redis…://` URL, a bare user info (`redis://secret@host`, which Redis users write
 /// for a password as often as for a user name).
 ///
-/// The user info ends at the last `@` before the query, so a password that holds an unescaped
-/// `/` or `@` is masked whole. Text that is not a URL is returned as it is.
+/// The user info ends at the last `@` that a host follows, so a password that holds an unescaped
+/// `/`, `@`, `?` or `#` is masked whole. Text that is not a URL is returned as it is.
 ///
 /// ```
 /// assert_eq!(
@@ -24,10 +24,15 @@ pub fn redact_url(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
         return url.to_owned();
     };
-    let query_at = rest.find(['?', '#']).unwrap_or(rest.len());
+    // The query starts after the user info, which may hold any character.
+    let hosts_at = url_userinfo_end(rest).map_or(0, |at| at + 1);
+    let query_at = rest[hosts_at..].find(['?', '#']).map_or(rest.len(), |at| hosts_at + at);
     let (before_query, query) = rest.split_at(query_at);
     let mut out = format!("{scheme}://");
-    match before_query.rsplit_once('@') {
+    match hosts_at
+        .checked_sub(1)
+        .map(|at| (&before_query[..at], &before_query[at + 1..]))
+    {
         Some((userinfo, hosts)) => {
             match userinfo.split_once(':') {
                 Some((user, _password)) => out.push_str(&format!("{user}:{MASK}")),
@@ -41,6 +46,40 @@ pub fn redact_url(url: &str) -> String {
     }
     out.push_str(&redact_query(query));
     out
+}
+
+/// Where the user info of `rest` (a URL after its `://`) ends, the index of its `@`: the last `@`
+/// that a host list follows (up to a `/`, `?`, `#` or the end), unless what comes before it is
+/// already a plain `host[:port]` and then a path or a query (`host:1?prefix=a@b`: that `@` is the
+/// query's). A password may so hold `/`, `@`, `?` or `#` unescaped: whoever splits a URL into its
+/// parts looks for the query after this, so no piece of a password is ever taken for an option.
+pub fn url_userinfo_end(rest: &str) -> Option<usize> {
+    let is_hosts = |hosts: &str| {
+        !hosts.is_empty()
+            && hosts
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || ".-_:[],% ".contains(c))
+    };
+    let is_plain_authority = |authority: &str| {
+        is_hosts(authority)
+            && authority
+                .rsplit_once(':')
+                .is_none_or(|(_, port)| port.chars().all(|c| c.is_ascii_digit()))
+    };
+    let at = rest
+        .char_indices()
+        .rev()
+        .filter(|&(_, c)| c == '@')
+        .map(|(at, _)| at)
+        .find(|&at| {
+            let after = &rest[at + 1..];
+            is_hosts(&after[..after.find(['/', '?', '#']).unwrap_or(after.len())])
+        })?;
+    let before = &rest[..at];
+    match before.find(['/', '?', '#']) {
+        Some(cut) if is_plain_authority(&before[..cut]) => None,
+        _ => Some(at),
+    }
 }
 
 /// `query` (with its leading `?`, or empty) with the value of every `password=` option masked.
@@ -85,6 +124,16 @@ mod tests {
                 "redis+cluster://u:***@h1:1,h2:2/?prefix=p",
             ),
             ("redis://host:1?prefix=a@b", "redis://host:1?prefix=a@b"),
+            ("redis://:hunter#TOP@127.0.0.1:6379/0", "redis://:***@127.0.0.1:6379/0"),
+            (
+                "redis://:hunter?TOP&x@127.0.0.1:6379/0?prefix=p",
+                "redis://:***@127.0.0.1:6379/0?prefix=p",
+            ),
+            (
+                "redis+sentinel://:a?b#c@s1:26379,s2:26379/idem",
+                "redis+sentinel://:***@s1:26379,s2:26379/idem",
+            ),
+            ("postgres://db/app?user=x@y", "postgres://db/app?user=x@y"),
             ("sqlite:///tmp/idem.db", "sqlite:///tmp/idem.db"),
             (
                 "https://user:pw@upstream:8443/api",

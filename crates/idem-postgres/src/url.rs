@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use tokio_postgres::config::Host;
 
-use idem_core::redact_url;
+use idem_core::{redact_url, url_userinfo_end};
 
 use crate::PostgresError;
 
@@ -53,7 +53,15 @@ impl Settings {
         if !scheme.is_some_and(|s| s.eq_ignore_ascii_case("postgres") || s.eq_ignore_ascii_case("postgresql")) {
             return Err(invalid("the scheme is not postgres:// or postgresql://".to_owned()));
         }
-        let (base, query) = url.split_once('?').unwrap_or((url, ""));
+        // The query starts after the user info: a password may hold a `?`.
+        let hosts_at = url.find("://").map_or(0, |at| {
+            let rest = &url[at + 3..];
+            at + 3 + url_userinfo_end(rest).map_or(0, |end| end + 1)
+        });
+        let (base, query) = match url[hosts_at..].find('?') {
+            Some(at) => (&url[..hosts_at + at], &url[hosts_at + at + 1..]),
+            None => (url, ""),
+        };
         let mut pool_size = DEFAULT_POOL_SIZE;
         let mut notify = true;
         let mut poll_interval = DEFAULT_POLL_INTERVAL;
@@ -250,6 +258,20 @@ mod tests {
             let err = Settings::parse(url).unwrap_err().to_string();
             assert!(err.contains(why), "{url}: {err}");
             assert!(!err.contains("secret"), "{url}: {err}");
+        }
+    }
+
+    #[test]
+    fn a_password_with_a_question_mark_or_a_hash_is_never_taken_for_options_or_shown() {
+        for url in [
+            "postgres://u:pa?ss=TOPSECRET@h/d",
+            "postgres://u:pa#TOPSECRET@h/d?pool_size=0",
+            "postgres://u:a?pool_size=0&TOPSECRET@h:port/d",
+        ] {
+            match Settings::parse(url) {
+                Ok(settings) => assert_eq!(settings.pool_size, DEFAULT_POOL_SIZE, "{url}: no option taken from it"),
+                Err(err) => assert!(!err.to_string().contains("TOPSECRET"), "{url}: {err}"),
+            }
         }
     }
 }

@@ -1,8 +1,9 @@
 //! Finding the primary through Sentinel, and following it when Sentinel fails over.
 //!
-//! The sentinels are asked in turn (`SENTINEL get-master-addr-by-name`); the first answer is
-//! checked against the server itself (`ROLE` must say `master`), so a sentinel that has not yet
-//! heard of a failover, or a primary that was demoted, is never written to as the primary. While
+//! Every sentinel is asked at once (`SENTINEL get-master-addr-by-name`); the address most of them
+//! name is checked against the server itself (`ROLE` must say `master`), then the others, so a
+//! sentinel that has not yet heard of a failover, or a primary that was demoted, is never written
+//! to as the primary. While
 //! the store lives, the sentinels are asked again every second, and the store's connections move
 //! to a new primary as soon as they name one. Between the failure and the move, calls fail as
 //! unavailable (a demoted primary refuses writes with `READONLY`): nothing is ever written where
@@ -19,35 +20,68 @@ use crate::url::SentinelTarget;
 /// How often the sentinels are asked where the primary is.
 const FOLLOW_EVERY: Duration = Duration::from_secs(1);
 
-/// The address the sentinels give for the primary (the first that answers).
-pub(crate) async fn named_primary(target: &SentinelTarget) -> RedisResult<(String, u16)> {
+/// The addresses the sentinels give for the primary, the one most of them name first: every
+/// sentinel is asked at once, so one that is cut off from the others (and still names an old
+/// primary) is outvoted, and one that does not answer is not waited for beyond its timeout.
+pub(crate) async fn named_primaries(target: &SentinelTarget) -> RedisResult<Vec<(String, u16)>> {
+    let answers = futures_util::future::join_all(
+        target
+            .sentinels
+            .iter()
+            .map(|sentinel| ask(sentinel, &target.primary_name)),
+    )
+    .await;
+    let mut votes: Vec<((String, u16), usize)> = Vec::new();
     let mut last = None;
-    for sentinel in &target.sentinels {
-        match ask(sentinel, &target.primary_name).await {
-            Ok(address) => return Ok(address),
+    for answer in answers {
+        match answer {
+            Ok(address) => match votes.iter_mut().find(|(named, _)| *named == address) {
+                Some((_, count)) => *count += 1,
+                None => votes.push((address, 1)),
+            },
             Err(err) => last = Some(err),
         }
     }
-    Err(last.unwrap_or_else(|| (ErrorKind::Client, "no sentinel is configured").into()))
+    if votes.is_empty() {
+        return Err(last.unwrap_or_else(|| (ErrorKind::Client, "no sentinel is configured").into()));
+    }
+    // Stable: of addresses named as often, the one a sentinel listed earlier in the URL named.
+    votes.sort_by_key(|(_, count)| std::cmp::Reverse(*count));
+    Ok(votes.into_iter().map(|(address, _)| address).collect())
 }
 
-/// The primary's connection: the address the sentinels name, once the server there says it is
-/// the primary.
+/// The primary's connection: of the addresses the sentinels name, most named first, the first
+/// whose server says it is the primary.
 pub(crate) async fn primary(target: &SentinelTarget) -> RedisResult<ConnectionInfo> {
-    let (host, port) = named_primary(target).await?;
-    let info = target.primary.clone().set_addr(ConnectionAddr::Tcp(host.clone(), port));
+    let mut last = None;
+    for (host, port) in named_primaries(target).await? {
+        let info = target.primary.clone().set_addr(ConnectionAddr::Tcp(host.clone(), port));
+        match is_primary(&info).await {
+            Ok(true) => return Ok(info),
+            Ok(false) => {
+                last = Some(
+                    (
+                        ErrorKind::Client,
+                        "the server the sentinels name is not a primary (a failover is under way)",
+                        format!("{} at {host}:{port}", target.primary_name),
+                    )
+                        .into(),
+                );
+            }
+            Err(err) => last = Some(err),
+        }
+    }
+    Err(last.unwrap_or_else(|| (ErrorKind::Client, "no sentinel named a primary").into()))
+}
+
+/// Whether the server at `info` says it is a primary (`ROLE`).
+async fn is_primary(info: &ConnectionInfo) -> RedisResult<bool> {
     let client = redis::Client::open(info.clone())?;
     let mut conn = bounded(client.get_multiplexed_async_connection()).await?;
     let role: Value = bounded(redis::cmd("ROLE").query_async(&mut conn)).await?;
-    match role {
-        Value::Array(parts) if matches!(parts.first(), Some(Value::BulkString(role)) if role == b"master") => Ok(info),
-        _ => Err((
-            ErrorKind::Client,
-            "the server the sentinels name is not a primary (a failover is under way)",
-            format!("{} at {host}:{port}", target.primary_name),
-        )
-            .into()),
-    }
+    Ok(
+        matches!(role, Value::Array(parts) if matches!(parts.first(), Some(Value::BulkString(role)) if role == b"master")),
+    )
 }
 
 /// Asks one sentinel where the primary is.
@@ -110,8 +144,8 @@ pub(crate) fn follow<T: Send + Sync + 'static>(
     tokio::spawn(async move {
         while alive.strong_count() > 0 {
             tokio::time::sleep(FOLLOW_EVERY).await;
-            let named = match named_primary(&target).await {
-                Ok(named) => named,
+            let named = match named_primaries(&target).await {
+                Ok(named) => named.into_iter().next().expect("at least one"),
                 Err(err) => {
                     tracing::debug!(error = %err, "no sentinel answered");
                     continue;

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use redis::{ConnectionInfo, IntoConnectionInfo, ProtocolVersion};
 
-use idem_core::redact_url;
+use idem_core::{redact_url, url_userinfo_end};
 
 use crate::RedisError;
 
@@ -82,11 +82,13 @@ pub(crate) fn parse(url: &str) -> Result<Config, RedisError> {
     let (scheme, rest) = url
         .split_once("://")
         .ok_or_else(|| invalid("it has no scheme".to_owned()))?;
-    let (location, query) = match rest.split_once('?') {
-        Some((location, query)) => (location, Some(query)),
+    // The query starts after the user info: a password may hold a `?`.
+    let hosts_at = url_userinfo_end(rest).map_or(0, |at| at + 1);
+    let (location, query) = match rest[hosts_at..].find('?') {
+        Some(at) => (&rest[..hosts_at + at], Some(&rest[hosts_at + at + 1..])),
         None => (rest, None),
     };
-    if location.contains('#') || query.is_some_and(|q| q.contains('#')) {
+    if location[hosts_at..].contains('#') || query.is_some_and(|q| q.contains('#')) {
         return Err(invalid("fragments are not supported".to_owned()));
     }
     let mut prefix = DEFAULT_PREFIX.to_owned();
@@ -236,7 +238,12 @@ fn sentinel_target(location: &str, invalid: &impl Fn(String) -> RedisError) -> R
                     "the sentinel list has an empty entry; expected host:port,host:port,...".to_owned(),
                 ));
             }
-            if !host.contains(':') {
+            // `[v6]:port` or `host:port`: the port is never left to the client's default (6379).
+            let port = match host.strip_prefix('[') {
+                Some(v6) => v6.split_once("]:").map(|(_, port)| port),
+                None => host.rsplit_once(':').map(|(_, port)| port),
+            };
+            if port.is_none_or(str::is_empty) {
                 return Err(invalid(format!(
                     "the sentinel {host:?} has no port (sentinels listen on 26379)"
                 )));
@@ -384,6 +391,8 @@ mod tests {
             ("redis+sentinel://s1:26379/", "primary's name is empty"),
             ("redis+sentinel://s1:26379,,s2:26379/idem", "empty entry"),
             ("redis+sentinel://s1/idem", "has no port"),
+            ("redis+sentinel://[::1]/idem", "has no port"),
+            ("redis+sentinel://s1:/idem", "has no port"),
             ("redis://localhost?prefix={x}", "brace"),
             ("redis://localhost?prefix=", "empty"),
             ("redis://localhost?poll_interval=soon", "positive duration"),

@@ -1,10 +1,20 @@
-//! Hostile tests of the replica/Sentinel change (branch break26): each test here failed when it
-//! was written. They start their own servers (`idem_test_support::replicated`) where they need
-//! any.
+//! Sentinel and store URLs from a hostile side (each test here failed when a breaker wrote it): a
+//! password with `#` or `?` in it is never printed; a stale sentinel listed first does not keep the
+//! store from the primary the others name; a sentinel is never asked on a default port; with every
+//! replica acknowledging, no promotion loses a claim. They start their own servers
+//! (`idem_test_support::replicated`) where they need any.
 
+mod common;
+
+use std::net::SocketAddr;
 use std::time::Duration;
 
+use common::{fresh_prefix, with_options};
+use idem_core::testkit::{acquire, claim, fingerprint, fresh_id};
+use idem_core::{Store, StoreError, UnixMillis, store::FencingToken};
 use idem_redis::RedisStore;
+use idem_test_support::replicated::{ReplicatedRedis, Role};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// The error a store URL gets, as `idem serve` would print it.
 async fn connect_error(url: &str) -> String {
@@ -16,10 +26,7 @@ async fn connect_error(url: &str) -> String {
 }
 
 /// A password with a `#` or a `?` that its owner forgot to percent-encode is a hostile but
-/// ordinary spelling. `redact_url` cuts the URL at the first `?`/`#` before it looks for the
-/// userinfo, so it finds no `@` and masks nothing; the URL parser then refuses the URL and the
-/// error prints the "redacted" URL (and, for `?`, the option name) — the password in clear.
-/// Sentinel URLs (the new scheme) leak the same way.
+/// ordinary spelling: the URL is refused, and the error shows it with the password masked.
 #[tokio::test]
 async fn a_password_with_a_hash_or_question_mark_is_never_printed() {
     for url in [
@@ -36,16 +43,6 @@ async fn a_password_with_a_hash_or_question_mark_is_never_printed() {
         );
     }
 }
-
-mod common;
-
-use std::net::SocketAddr;
-
-use common::{fresh_prefix, with_options};
-use idem_core::testkit::{acquire, claim, fingerprint, fresh_id};
-use idem_core::{Store, UnixMillis, store::FencingToken};
-use idem_test_support::replicated::{ReplicatedRedis, Role};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// A sentinel that keeps naming `primary` (a sentinel cut off from its peers on the old primary's
 /// side of a partition answers exactly so): `SENTINEL get-master-addr-by-name` gets `primary`,
@@ -109,10 +106,8 @@ fn parse_command(buf: &[u8]) -> Option<(Vec<String>, usize)> {
 
 /// Three real sentinels agree on the new primary after a failover; a fourth, listed first, was
 /// cut off from them and still names the old primary (which came back as a replica). The store
-/// asks the sentinels "in turn" but takes the first answer, checks `ROLE` there, and fails —
-/// without asking the next sentinel. So a single stale sentinel at the head of the list keeps
-/// every new store (every `idem serve` restart, every `idem inspect`/`idem delete`) unavailable
-/// for as long as it is stale, although the majority names the primary.
+/// asks every sentinel and goes where most of them point, so the stale one keeps no new store
+/// (an `idem serve` restart, an `idem inspect`) away from the primary.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_stale_sentinel_listed_first_does_not_keep_the_store_away_from_the_new_primary() {
     let mut redis = ReplicatedRedis::start_with_sentinels(1, 3).await;
@@ -146,56 +141,55 @@ async fn one_stale_sentinel_listed_first_does_not_keep_the_store_away_from_the_n
         .expect("a claim on the new primary");
 }
 
-/// The documentation says `replicas=1` survives the loss of the primary "when the replica promoted
-/// is one that acknowledged (Sentinel and Cluster promote the most up-to-date replica unless
-/// `replica-priority` says otherwise)". Sentinel promotes the most up-to-date replica *it can
-/// reach*: with two replicas, one cut off (lagging) and the one that acknowledged paused for a
-/// few seconds when the primary dies, Sentinel promotes the lagging one, with no
-/// `replica-priority` involved — and an acknowledged claim is gone: the retry is a fresh claim,
-/// i.e. the key runs again at the upstream without `Idempotency-Recovered`.
+/// With two replicas, `replicas=1` survives the loss of the primary only if the replica promoted
+/// acknowledged (a breaker showed Sentinel promoting the lagging one when the other was paused):
+/// `replicas=2`, every replica, survives any promotion. One replica is cut off, so a claim is
+/// refused (one acknowledgement of two); the replica that has everything is paused; the primary
+/// is killed; Sentinel promotes the lagging replica; every claim made before is on it, and the
+/// refused one, never acted on, is not.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn through_sentinel_an_acknowledged_claim_survives_the_loss_of_the_primary() {
+async fn with_every_replica_acknowledging_no_promotion_loses_a_claim() {
     let mut redis = ReplicatedRedis::start_with_sentinels(2, 3).await;
-    let prefix = fresh_prefix();
-    let url = with_options(
-        &with_options(&redis.sentinel_url(), "replicas=1"),
-        &format!("prefix={prefix}"),
-    );
-    let store = RedisStore::connect(&url).await.expect("connect");
-    let (old, acked, lagging) = (redis.primary(), redis.replicas()[0], redis.replicas()[1]);
-    let (id, fp, now) = (fresh_id(), fingerprint("{}"), UnixMillis::now());
+    let url = with_options(&redis.sentinel_url(), "replicas=2");
+    let store = RedisStore::connect(&with_options(&url, &format!("prefix={}", fresh_prefix())))
+        .await
+        .expect("connect");
+    let (old, up_to_date, lagging) = (redis.primary(), redis.replicas()[0], redis.replicas()[1]);
+    let (kept, refused, fp, now) = (fresh_id(), fresh_id(), fingerprint("{}"), UnixMillis::now());
+    let token = acquire(&store, &kept, &fp, now).await;
 
     redis.isolate(lagging).await;
-    let token = acquire(&store, &id, &fp, now).await;
-    // The acknowledged replica has it; the lagging one does not.
-    redis.freeze(acked); // a pause (GC, VM steal, a network blip) of the replica that acknowledged
+    let begun = store.begin(claim(&refused, &fp, now, FencingToken::random())).await;
+    assert!(
+        matches!(&begun, Err(StoreError::Unavailable(err)) if err.to_string().contains("acknowledged")),
+        "one replica of two acknowledged: {begun:?}"
+    );
+    redis.freeze(up_to_date);
     redis.kill(old);
     redis.thaw(lagging);
     let promoted = redis.wait_for_failover(Duration::from_secs(40)).await;
-    let record_key = store.record_keys(&id).record;
-    let on_promoted: i64 = redis.command(promoted, redis::cmd("EXISTS").arg(&record_key)).await;
-    redis.thaw(acked);
-    // What the store itself reads once it has moved to the new primary (a read: no claim made).
+    redis.thaw(up_to_date);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
     let record = loop {
-        match store.get(&id).await {
+        match store.get(&kept).await {
             Ok(record) => break record,
             Err(err) => assert!(tokio::time::Instant::now() < deadline, "not back: {err}"),
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
+    let record = record.unwrap_or_else(|| panic!("the claim both replicas acknowledged is on node {promoted}"));
     assert!(
-        on_promoted == 1 && record.is_some(),
-        "Sentinel promoted node {promoted} (the replica that acknowledged was {acked}, the lagging one {lagging}) \
-         without any replica-priority; the acknowledged claim (token {token:?}) is gone from it \
-         (EXISTS {record_key} = {on_promoted}, the store reads {record:?}), so a retry claims the key afresh \
-         and runs it again without Idempotency-Recovered"
+        matches!(record.state, idem_core::store::RecordState::InFlight { token: held, .. } if held == token),
+        "{record:?}"
+    );
+    assert!(
+        store.get(&refused).await.expect("get").is_none(),
+        "the refused claim was never acted on"
     );
 }
 
-/// `redis+sentinel://127.0.0.1/idem` is refused ("the sentinel has no port (sentinels listen on
-/// 26379)"), but the same URL with an IPv6 literal passes the check — it looks for a `:` and the
-/// address has several — and the store then asks port 6379, an ordinary Redis, for the primary.
+/// A sentinel without a port is refused, an IPv6 literal as an IPv4 one, rather than asked on the
+/// client's default port (6379, an ordinary Redis).
 #[tokio::test]
 async fn an_ipv6_sentinel_without_a_port_is_refused_as_an_ipv4_one_is() {
     let v4 = connect_error("redis+sentinel://127.0.0.1/idem").await;
