@@ -9,9 +9,10 @@
 //! store could not be reached, so the upstream is never called on an unacknowledged claim and an
 //! answer in hand is held and stored again.
 //!
-//! `WAIT` blocks the connection that sends it until the replicas answer, so acknowledged writes
-//! go over a small pool of their own connections, round robin; reads and replays never wait
-//! behind them.
+//! `WAIT` blocks the connection that sends it until the replicas answer, so acknowledged calls go
+//! over a small pool of their own connections, round robin, and reads never wait behind them. A
+//! replay is a `begin` too: its `WAIT` returns at once unless writes on the same connection are
+//! still unacknowledged.
 //!
 //! How many replicas to wait for is the URL's `replicas=`: a number, or `auto` (the default): one
 //! from the moment the topology (`INFO replication`, or `CLUSTER NODES` on a cluster, read again every

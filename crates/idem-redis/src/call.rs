@@ -5,7 +5,6 @@
 
 use std::fmt;
 use std::sync::Arc;
-
 use std::time::Duration;
 
 use idem_core::store::backend::hex;
