@@ -15,12 +15,15 @@
 //! still unacknowledged.
 //!
 //! How many replicas to wait for is the URL's `replicas=`: a number, or `auto` (the default): one
-//! from the moment the topology (`INFO replication`, or `CLUSTER NODES` on a cluster, read again every
-//! second) shows a replica for every primary, and from then on for the store's life — a replica
-//! that falls behind or goes away makes writes fail, never makes them unprotected.
+//! from the moment the topology (`INFO replication`, or `CLUSTER NODES` on a cluster, read again
+//! every second) shows a replica for every primary, and from then on — a replica that falls
+//! behind or goes away makes writes fail, never makes them unprotected. "From then on" outlives
+//! the process: the first instance that sees the replicas writes `PREFIX:replicated`, and every
+//! instance or command that starts later reads it, so one started while the replica is cut off
+//! (a pod restarted mid-failover, an operator's `idem delete`) waits for it too.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{PoisonError, RwLock, Weak};
 use std::time::Duration;
 
@@ -29,6 +32,7 @@ use redis::{RedisResult, Value};
 use tokio::sync::OnceCell;
 
 use crate::conn::{Commands, Conn, RESPONSE_TIMEOUT};
+use crate::keys::replicated_key;
 use crate::url::{Config, Replicas};
 
 /// How many connections carry acknowledged writes.
@@ -43,6 +47,8 @@ pub(crate) struct Acknowledgement {
     timeout: Duration,
     /// Under `replicas=auto`: 1 once every primary has been seen with a replica.
     learned: AtomicU32,
+    /// Whether this process has written (or read) `PREFIX:replicated`.
+    marked: AtomicBool,
     config: Config,
     pool: OnceCell<Vec<Arc<Commands>>>,
     next: AtomicUsize,
@@ -59,11 +65,24 @@ impl Acknowledgement {
             setting: config.replicas,
             timeout: config.replica_timeout,
             learned: AtomicU32::new(0),
+            marked: AtomicBool::new(false),
             config: config.clone(),
             pool: OnceCell::new(),
             next: AtomicUsize::new(0),
             seen: RwLock::new(None),
         });
+        if this.setting == Replicas::Auto {
+            // An earlier instance saw the replicas: wait for one even if none is connected now.
+            let (mut conn, _) = commands.get();
+            let marker: Option<String> = redis::cmd("GET")
+                .arg(replicated_key(&config.prefix))
+                .query_async(&mut conn)
+                .await?;
+            if marker.is_some() {
+                this.marked.store(true, Ordering::Release);
+                this.learned.store(1, Ordering::Release);
+            }
+        }
         if this.setting == Replicas::Auto
             && let Err(err) = this.learn(commands).await
         {
@@ -145,6 +164,14 @@ impl Acknowledgement {
             self.pool().await?;
             self.learned.store(1, Ordering::Release);
             tracing::info!(url = %self.config.display, "every primary has a replica: writes now wait for one");
+        }
+        if fewest > 0 && !self.marked.load(Ordering::Acquire) {
+            redis::cmd("SET")
+                .arg(replicated_key(&self.config.prefix))
+                .arg(1)
+                .query_async::<()>(&mut conn)
+                .await?;
+            self.marked.store(true, Ordering::Release);
         }
         Ok(())
     }

@@ -57,6 +57,14 @@ pub(crate) fn scope_salt_key(prefix: &str) -> String {
     format!("{prefix}:scope-salt")
 }
 
+/// The string that says the store's primaries have had replicas: `PREFIX:replicated`. Written
+/// (with no expiry) by the first instance that sees a replica for every primary; under
+/// `replicas=auto`, an instance or a command that starts while a replica is cut off reads it and
+/// waits for a replica anyway.
+pub(crate) fn replicated_key(prefix: &str) -> String {
+    format!("{prefix}:replicated")
+}
+
 /// The `SCAN MATCH` pattern of the record hashes under `prefix`, and of no other prefix's:
 /// `PREFIX:{*}:rec`, with the prefix's glob characters escaped. A prefix has no braces, so the
 /// `{` right after it keeps out the records of a longer prefix that starts with this one

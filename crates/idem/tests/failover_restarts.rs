@@ -1,22 +1,14 @@
-//! The breaker's failover tests (round 26b): real `redis-server` processes with replicas, real
-//! `idem serve` and `idem` CLI processes, real kill -9.
+//! Failovers of a replicated Redis met by processes that start, stop and act during them: real
+//! `redis-server` processes with replicas, real `idem serve` and `idem` CLI processes, real
+//! `kill -9`. (A breaker wrote them; the first two failed then.)
 //!
-//! Findings (each test here FAILS on the code it was written against):
-//!
-//! * `a_gateway_restarted_while_its_replica_is_cut_off_loses_its_claims_in_the_failover`:
-//!   `replicas=auto` learns "every primary has a replica" per process, at start and every second.
-//!   A gateway (re)started while its primary's only replica is cut off (the very moment a failover
-//!   is brewing) sees `connected_slaves:0`, waits for no replica, and acts on claims and answers
-//!   only the primary has. The failover loses them and the retry runs the key again at the
-//!   upstream, without `Idempotency-Recovered`.
-//! * `a_delete_reported_done_while_the_replica_is_cut_off_is_lost_in_the_failover`: the same for
-//!   `idem delete`, a process that always starts afresh: it reports the delete done, the failover
-//!   brings the record back. (By the rule this one is not a double run — a resurrected completed
-//!   record replays — but it breaks design.md's store contract, "a write reported done is durable
-//!   as far as the store's configuration can make it", and the brief's "a delete that reports
-//!   success must not be lost".)
-//!
-//! What held is exercised by the `held_*` tests (they pass).
+//! * A gateway restarted while its primary's only replica is cut off: `replicas=auto` must still
+//!   wait for the replica (the store remembers it has had one, `PREFIX:replicated`), so a claim
+//!   only the primary took is never acted on, and the retry after the failover runs once.
+//! * `idem delete` while the replica is cut off: it fails as unavailable rather than report a
+//!   delete a failover could undo.
+//! * A replica that flaps under load; two Sentinel failovers in a row under load; slots migrated
+//!   under load; a gateway killed mid-failover, whose claim is taken over only after its lease.
 
 mod common;
 #[allow(dead_code)]
@@ -57,20 +49,19 @@ fn runs_of(upstream: &Upstream, key: &str) -> (usize, usize) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Findings
+// Processes that start and act during a failover
 // ---------------------------------------------------------------------------------------------
 
 /// A primary with one replica behind a managed endpoint. Gateway A runs (it has seen the replica,
 /// so its writes wait for it). The replica is cut off; A is killed with `kill -9` and restarted —
-/// mid-failover, as an orchestrator restarts crashed pods. The restarted A reads the topology:
-/// no replica right now, so it waits for none. A payment through it is claimed, run and stored on
-/// the primary alone, and answered 201. The primary dies, the lagging replica is promoted, the old
-/// primary comes back as its replica. The client's retry of the same key must replay the 201 (or
-/// at worst run flagged `Idempotency-Recovered`); it runs again, unflagged: a double payment.
+/// mid-failover, as an orchestrator restarts crashed pods. The restarted A sees no replica right
+/// now, but the store says it has had one: a payment through it is refused (503), never run on a
+/// claim only the primary has. The primary dies, the lagging replica is promoted, the old primary
+/// comes back as its replica. The client's retry of the same key runs once (or replays).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_gateway_restarted_while_its_replica_is_cut_off_loses_its_claims_in_the_failover() {
+async fn a_gateway_restarted_while_its_replica_is_cut_off_acts_on_no_claim_a_failover_could_lose() {
     let mut redis = ReplicatedRedis::start(1).await;
-    let store = format!("{}/?prefix=idem-broken-restart", redis.endpoint_url());
+    let store = format!("{}/?prefix=idem-restart", redis.endpoint_url());
     let upstream = Upstream::start().await;
     let args = ["--lease", "5s", "--wait", "2s"];
     let mut gateway = Gateway::start_on_store(&upstream.url(), &store, &args).await;
@@ -113,14 +104,14 @@ async fn a_gateway_restarted_while_its_replica_is_cut_off_loses_its_claims_in_th
     }
 }
 
-/// `idem delete` through Sentinel while the replica is cut off: the CLI process reads the topology
-/// at its start, sees no replica, writes the delete on the primary alone and reports it done. The
-/// primary dies, Sentinel promotes the replica: the record the operator deleted is back (a retry
-/// replays the old answer instead of running as the operator decided).
+/// `idem delete` through Sentinel while the replica is cut off: the CLI process sees no replica,
+/// but the store says it has had one, so the delete waits for it and fails (exit non-zero) rather
+/// than report done a delete the failover would undo. Had it reported done, the record must not be
+/// back after the failover.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_delete_reported_done_while_the_replica_is_cut_off_is_lost_in_the_failover() {
+async fn a_delete_while_the_replica_is_cut_off_fails_rather_than_be_undone_by_the_failover() {
     let mut redis = ReplicatedRedis::start_with_sentinels(1, 3).await;
-    let store = format!("{}?prefix=idem-broken-delete", redis.sentinel_url());
+    let store = format!("{}?prefix=idem-delete", redis.sentinel_url());
     let upstream = Upstream::start().await;
     let gateway = Gateway::start_on_store(&upstream.url(), &store, &["--lease", "5s"]).await;
     let key = new_key();
@@ -133,6 +124,11 @@ async fn a_delete_reported_done_while_the_replica_is_cut_off_is_lost_in_the_fail
     let delete = run_idem(&["delete", "--store", &store, &key], COMMAND_LIMIT).await;
     eprintln!("idem delete while the replica is cut off:\n{}", describe(&delete));
     let reported_done = delete.status.success();
+    assert!(
+        !reported_done && describe(&delete).contains("acknowledged"),
+        "a delete no replica acknowledged must fail, saying why:\n{}",
+        describe(&delete)
+    );
 
     redis.kill(old);
     redis.thaw(replica);
@@ -154,15 +150,15 @@ async fn a_delete_reported_done_while_the_replica_is_cut_off_is_lost_in_the_fail
 }
 
 // ---------------------------------------------------------------------------------------------
-// What held (these pass)
+// Load through flaps, failovers and migrations
 // ---------------------------------------------------------------------------------------------
 
-/// How long the payments of a held scenario are spread over.
+/// How long the payments of each scenario under load are spread over.
 const PAYMENTS_OVER: Duration = Duration::from_secs(20);
 
 /// A replica that flaps under load: cut off, then back (thawed and following again), every ~1 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn held_a_flapping_replica_under_load() {
+async fn a_flapping_replica_under_load() {
     let mut redis = ReplicatedRedis::start(1).await;
     let store = format!("{}/?prefix=idem-flap", redis.endpoint_url());
     let redis = &mut redis;
@@ -187,7 +183,7 @@ async fn held_a_flapping_replica_under_load() {
 /// Two Sentinel failovers in a row under load: the primary killed, Sentinel promotes the replica,
 /// the old primary back as its replica; then the new primary killed, and Sentinel promotes again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn held_two_sentinel_failovers_in_a_row_under_load() {
+async fn two_sentinel_failovers_in_a_row_under_load() {
     let mut redis = ReplicatedRedis::start_with_sentinels(1, 3).await;
     let store = format!("{}?prefix=idem-twice", redis.sentinel_url());
     let redis = &mut redis;
@@ -215,7 +211,7 @@ async fn held_two_sentinel_failovers_in_a_row_under_load() {
 /// A slot of the cluster migrated step by step (IMPORTING/MIGRATING, one key at a time, then the
 /// slot handed over) while two gateways take payments whose records live in it and around it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn held_slot_migrations_under_load() {
+async fn slot_migrations_under_load() {
     let mut cluster = ReplicatedCluster::start().await;
     let store = format!("{}/?prefix=idem-migrate", cluster.url());
     let cluster = &mut cluster;
@@ -290,7 +286,7 @@ fn port_of(url: &str) -> u16 {
 /// A gateway killed with kill -9 while its run is in flight, during a Sentinel failover, and
 /// restarted: its claim is taken over only after the lease, flagged recovered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn held_a_gateway_killed_mid_failover_has_its_claim_taken_over_after_the_lease() {
+async fn a_gateway_killed_mid_failover_has_its_claim_taken_over_after_the_lease() {
     let mut redis = ReplicatedRedis::start_with_sentinels(1, 3).await;
     let store = format!("{}?prefix=idem-kill9", redis.sentinel_url());
     let upstream = Upstream::start().await;
