@@ -170,18 +170,29 @@ fn log_tail(path: &Path) -> String {
     lines[lines.len().saturating_sub(15)..].join("\n")
 }
 
-/// Runs `cmd` on the node at the loopback `port`, on a blocking thread, within
-/// [`COMMAND_TIMEOUT`] (a frozen node answers with a timeout error).
+/// Runs `cmd` on the node at the loopback `port`, on its own connection, within
+/// [`COMMAND_TIMEOUT`] (a frozen node answers with a timeout error). Asynchronous: a blocking
+/// socket read can be cut short by a signal (`EINTR`: a test's child process exiting), which the
+/// synchronous client reports as an error.
 async fn query<T: redis::FromRedisValue + Send + 'static>(port: u16, cmd: redis::Cmd) -> redis::RedisResult<T> {
-    tokio::task::spawn_blocking(move || {
+    on_own_connection(port, |mut conn| async move { cmd.query_async(&mut conn).await }).await
+}
+
+/// Runs `call` on a connection of its own to the node at `port`, within [`COMMAND_TIMEOUT`].
+async fn on_own_connection<T, F>(
+    port: u16,
+    call: impl FnOnce(redis::aio::MultiplexedConnection) -> F,
+) -> redis::RedisResult<T>
+where
+    F: Future<Output = redis::RedisResult<T>>,
+{
+    let attempt = async {
         let client = redis::Client::open(format!("redis://127.0.0.1:{port}"))?;
-        let mut conn = client.get_connection_with_timeout(COMMAND_TIMEOUT)?;
-        conn.set_read_timeout(Some(COMMAND_TIMEOUT))?;
-        conn.set_write_timeout(Some(COMMAND_TIMEOUT))?;
-        cmd.query(&mut conn)
-    })
-    .await
-    .expect("a blocking Redis command")
+        call(client.get_multiplexed_async_connection().await?).await
+    };
+    tokio::time::timeout(COMMAND_TIMEOUT, attempt)
+        .await
+        .unwrap_or_else(|_| Err((redis::ErrorKind::Io, "no answer in time (is the node frozen?)").into()))
 }
 
 /// [`query`], panicking with the command and the node on error.
@@ -266,19 +277,24 @@ async fn wait_for_link(port: u16, primary: u16, timeout: Duration) {
     let deadline = Instant::now() + timeout;
     loop {
         let state = replication(port).await;
+        let primary_state = replication(primary).await;
+        let mut acknowledges = false;
         if let Ok(state) = &state
             && state.role == Role::Replica
             && state.primary_port == Some(primary)
             && state.link_up
-            && let Ok(primary_state) = replication(primary).await
+            && let Ok(primary_state) = &primary_state
             && primary_state.online.contains(&port)
-            && acknowledged(primary, primary_state.online.len()).await
         {
-            return;
+            acknowledges = acknowledged(primary, primary_state.online.len()).await;
+            if acknowledges {
+                return;
+            }
         }
         assert!(
             Instant::now() < deadline,
-            "the replica on port {port} did not connect to its primary on port {primary} within {timeout:?}: {state:?}"
+            "the replica on port {port} did not connect to its primary on port {primary} within {timeout:?}: \
+             the replica {state:?}, the primary {primary_state:?}, a write acknowledged: {acknowledges}"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -298,19 +314,25 @@ async fn acknowledged(port: u16, replicas: usize) -> bool {
         .cmd("WAIT")
         .arg(replicas)
         .arg(200);
-    let written = tokio::task::spawn_blocking(move || {
-        let client = redis::Client::open(format!("redis://127.0.0.1:{port}"))?;
-        let mut conn = client.get_connection_with_timeout(COMMAND_TIMEOUT)?;
-        conn.set_read_timeout(Some(COMMAND_TIMEOUT))?;
-        write.query::<(usize,)>(&mut conn)
+    let written = on_own_connection(port, |mut conn| async move {
+        write.query_async::<(usize,)>(&mut conn).await
     })
-    .await
-    .expect("a blocking Redis command");
+    .await;
     match written {
         Ok((acknowledged,)) => acknowledged >= replicas,
-        // A cluster node that does not own the key's slot refuses the write: not checked there
-        // (a cluster test's first writes may then still wait up to a second for the stream).
-        Err(err) if err.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::Moved) => true,
+        // A cluster node that does not own the key's slot (or not yet, while the cluster forms)
+        // refuses the write: not checked there (a cluster test's first writes may then still
+        // wait up to a second for the stream).
+        Err(err)
+            if matches!(
+                err.kind(),
+                redis::ErrorKind::Server(
+                    redis::ServerErrorKind::Moved | redis::ServerErrorKind::Ask | redis::ServerErrorKind::ClusterDown
+                )
+            ) =>
+        {
+            true
+        }
         Err(_) => false,
     }
 }
