@@ -2,7 +2,7 @@
 //! hang-ups, scopes from the application, routes, and retention on an injected clock.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -566,6 +566,8 @@ struct Held {
     renew: tokio::sync::watch::Receiver<bool>,
     renewals_started: AtomicUsize,
     begin_panics: bool,
+    /// While set, `begin` runs in the store and its reply is lost (`Unavailable`).
+    begin_reply_lost: Arc<AtomicBool>,
 }
 
 impl Held {
@@ -579,6 +581,7 @@ impl Held {
             renew,
             renewals_started: AtomicUsize::new(0),
             begin_panics: false,
+            begin_reply_lost: Arc::default(),
         };
         (held, open_begin, open_renew)
     }
@@ -594,7 +597,11 @@ impl Store for Held {
     async fn begin(&self, request: BeginRequest<'_>) -> Result<Begin, StoreError> {
         assert!(!self.begin_panics, "a bug in the store");
         opened(&self.begin).await;
-        self.store.begin(request).await
+        let begun = self.store.begin(request).await;
+        if self.begin_reply_lost.load(Ordering::SeqCst) {
+            return Err(StoreError::unavailable(std::io::Error::other("the reply was lost")));
+        }
+        begun
     }
     async fn complete(&self, id: &RecordId, token: FencingToken, done: Completion) -> Result<(), StoreError> {
         self.store.complete(id, token, done).await
@@ -698,6 +705,54 @@ async fn a_store_that_hangs_is_a_503_and_a_claim_it_makes_late_is_released() {
     tokio::time::sleep(Duration::from_millis(100)).await;
     let retry = send(&app.router, pay("k", "")).await;
     assert_eq!(retry, (StatusCode::CREATED, false, "run 1".into()));
+}
+
+/// A `begin` that took over a run whose outcome is unknown, and whose reply was lost (a reset
+/// after it ran, a write no replica acknowledged): the claim is given up as unknown, not
+/// forgotten, so the next run is still marked recovered.
+#[tokio::test]
+async fn a_takeover_whose_reply_was_lost_leaves_the_next_run_marked_recovered() {
+    let (store, _dir) = sqlite().await;
+    let (held, open_begin, open_renew) = Held::new(store);
+    open_begin.send_replace(true);
+    open_renew.send_replace(true);
+    let reply_lost = held.begin_reply_lost.clone();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counter = runs.clone();
+    let router = Router::new()
+        .route(
+            "/pay",
+            post(move |info: axum::Extension<idem_tower::IdempotencyInfo>| {
+                let counter = counter.clone();
+                async move {
+                    if counter.fetch_add(1, Ordering::SeqCst) == 0 {
+                        std::future::pending::<()>().await;
+                    }
+                    (StatusCode::CREATED, format!("recovered={}", info.recovered))
+                }
+            }),
+        )
+        .layer(
+            IdempotencyLayer::new(held)
+                .with_lease(Duration::from_secs(1))
+                .with_run_timeout(Duration::from_millis(300)),
+        );
+    let (status, _, _) = send(&router, pay("k", "")).await;
+    assert_eq!(
+        status,
+        StatusCode::GATEWAY_TIMEOUT,
+        "the first run hangs and is given up: unknown"
+    );
+
+    reply_lost.store(true, Ordering::SeqCst);
+    let (status, _, body) = send(&router, pay("k", "")).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    reply_lost.store(false, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let retry = send(&router, pay("k", "")).await;
+    assert_eq!(retry, (StatusCode::CREATED, false, "recovered=true".into()));
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "the lost takeover ran nothing");
 }
 
 #[tokio::test]

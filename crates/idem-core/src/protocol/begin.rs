@@ -168,7 +168,7 @@ impl Protocol {
         let store = &self.inner.store;
         let give_up = |err: StoreError| {
             let limit = self.inner.policy.store_timeout;
-            tokio::spawn(give_up_claim(store.clone(), id.clone(), token, limit));
+            tokio::spawn(give_up_claim(store.clone(), id.clone(), token, limit, Release::Forget));
             err
         };
         for scope in earlier {
@@ -230,19 +230,32 @@ impl Protocol {
             (begun, owned_id, store)
         });
         let limit = self.inner.policy.store_timeout;
+        // How a claim nobody will run under is given up: forgotten if it was a new claim, but
+        // left unknown if it may have taken over a run that may have had effects (a takeover whose
+        // reply was lost, or that no replica acknowledged) — forgetting it would let the next run
+        // go unflagged.
+        let unknown = Release::Unknown { expires_at, purge_at };
         match tokio::time::timeout(limit, begin.as_mut()).await {
             // The store may have made the claim and lost only its reply (a connection reset after
-            // the command ran): nothing will run under it, so it is given up rather than left to
-            // answer 409 until its lease ends and then run marked recovered.
+            // the command ran, a write no replica acknowledged): nothing will run under it, so it
+            // is given up rather than left to answer 409 until its lease ends. Whether it was a
+            // takeover is not known: it is left unknown.
             Ok((Err(err @ StoreError::Unavailable(_)), id, store)) => {
-                tokio::spawn(give_up_claim(store, id, token, limit));
+                tokio::spawn(give_up_claim(store, id, token, limit, unknown));
                 Err(err)
             }
             Ok((begun, _, _)) => begun,
             Err(_) => {
                 tokio::spawn(async move {
-                    if let (Ok(Begin::Acquired { .. }) | Err(StoreError::Unavailable(_)), id, store) = begin.await {
-                        give_up_claim(store, id, token, limit).await;
+                    let release = match begin.await {
+                        (Ok(Begin::Acquired { recovered: false }), id, store) => Some((Release::Forget, id, store)),
+                        (Ok(Begin::Acquired { recovered: true }) | Err(StoreError::Unavailable(_)), id, store) => {
+                            Some((unknown, id, store))
+                        }
+                        _ => None,
+                    };
+                    if let Some((release, id, store)) = release {
+                        give_up_claim(store, id, token, limit, release).await;
                     }
                 });
                 Err(StoreError::unavailable(StoreTimedOut(limit)))
@@ -251,10 +264,10 @@ impl Protocol {
     }
 }
 
-/// Releases the claim `token` may hold on `id`, made by a `begin` whose request was answered
-/// `503` (its reply was lost, or came too late): a few tries, each bounded by `limit`, stopping as
-/// soon as the store says the claim is gone or was never made (`Fenced`).
-async fn give_up_claim(store: Arc<dyn Store>, id: RecordId, token: FencingToken, limit: Duration) {
+/// Releases (as `release` says) the claim `token` may hold on `id`, made by a `begin` whose
+/// request was answered `503` (its reply was lost, or came too late): a few tries, each bounded by
+/// `limit`, stopping as soon as the store says the claim is gone or was never made (`Fenced`).
+async fn give_up_claim(store: Arc<dyn Store>, id: RecordId, token: FencingToken, limit: Duration, release: Release) {
     for pause in [
         Duration::ZERO,
         Duration::from_millis(200),
@@ -262,7 +275,7 @@ async fn give_up_claim(store: Arc<dyn Store>, id: RecordId, token: FencingToken,
         Duration::from_secs(5),
     ] {
         tokio::time::sleep(pause).await;
-        match tokio::time::timeout(limit, store.release(&id, token, Release::Forget)).await {
+        match tokio::time::timeout(limit, store.release(&id, token, release)).await {
             Ok(Ok(())) => {
                 tracing::info!(scope = %id.scope, key = %id.key, "released a claim whose begin was answered 503");
                 return;
