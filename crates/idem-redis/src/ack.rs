@@ -31,8 +31,9 @@ use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
 use redis::{RedisResult, Value};
 use tokio::sync::OnceCell;
 
-use crate::conn::{Commands, Conn, RESPONSE_TIMEOUT};
+use crate::conn::{Commands, Conn};
 use crate::keys::replicated_key;
+use crate::timeouts::RESPONSE_TIMEOUT;
 use crate::url::{Config, Replicas};
 
 /// How many connections carry acknowledged writes.

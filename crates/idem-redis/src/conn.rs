@@ -8,7 +8,7 @@
 use std::collections::HashSet;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::{Arc, PoisonError, RwLock, Weak};
 use std::time::Duration;
 
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
@@ -17,18 +17,9 @@ use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo, SingleNodeRoutingInfo};
 use redis::{Cmd, ConnectionAddr, ConnectionInfo, ErrorKind, Pipeline, RedisFuture, RedisResult, Value};
 
-use crate::sentinel;
-use crate::url::{Config, Target};
-
-/// How long one command may take before it fails (the store is then unavailable). Generous
-/// enough for a stored answer of several MiB.
-pub(crate) const RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
-
-/// How much longer than one attempt a cluster command may take with its redirections and retries.
-pub(crate) const CLUSTER_OVERALL_TIMEOUT: Duration = Duration::from_secs(3);
-
-/// How long one attempt to (re)connect may take.
-pub(crate) const CONNECTION_TIMEOUT: Duration = Duration::from_secs(1);
+use crate::sentinel::{self, named_primaries};
+use crate::timeouts::{CLUSTER_OVERALL_TIMEOUT, CONNECTION_TIMEOUT};
+use crate::url::{Config, SentinelTarget, Target};
 
 /// Reconnection attempts per failed connection, standalone (each failed command starts a new
 /// round; commands fail fast meanwhile instead of queueing for minutes).
@@ -317,6 +308,35 @@ impl Commands {
             this.replacing.store(false, Ordering::SeqCst);
         });
     }
+}
+
+/// How often the sentinels are asked where the primary is.
+const FOLLOW_EVERY: Duration = Duration::from_secs(1);
+
+/// Asks the sentinels every second where the primary is while `alive` lives, and moves every
+/// connection that `connections` gives and that is elsewhere to it.
+pub(crate) fn follow_sentinels<T: Send + Sync + 'static>(
+    target: SentinelTarget,
+    connections: impl Fn() -> Vec<Arc<Commands>> + Send + 'static,
+    alive: Weak<T>,
+) {
+    tokio::spawn(async move {
+        while alive.strong_count() > 0 {
+            tokio::time::sleep(FOLLOW_EVERY).await;
+            let named = match named_primaries(&target).await {
+                Ok(named) => named.into_iter().next().expect("at least one"),
+                Err(err) => {
+                    tracing::debug!(error = %err, "no sentinel answered");
+                    continue;
+                }
+            };
+            for commands in connections() {
+                if commands.primary_address().is_some_and(|current| current != named) {
+                    commands.move_to_primary();
+                }
+            }
+        }
+    });
 }
 
 #[cfg(test)]

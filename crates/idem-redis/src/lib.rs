@@ -43,6 +43,7 @@ mod notify;
 mod scripts;
 mod sentinel;
 mod store;
+mod timeouts;
 mod url;
 
 pub use error::RedisError;

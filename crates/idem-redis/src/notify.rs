@@ -34,8 +34,8 @@ use redis::{AsyncConnectionConfig, PushInfo, PushKind, Value};
 use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::time::Instant;
 
-use crate::conn::{CLUSTER_OVERALL_TIMEOUT, CONNECTION_TIMEOUT, RESPONSE_TIMEOUT};
 use crate::sentinel;
+use crate::timeouts::{CLUSTER_OVERALL_TIMEOUT, CONNECTION_TIMEOUT, RESPONSE_TIMEOUT};
 use crate::url::{Config, SentinelTarget, Target};
 
 /// The longest pause between two attempts to reconnect the pub/sub connection.

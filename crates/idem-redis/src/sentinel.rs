@@ -1,24 +1,18 @@
-//! Finding the primary through Sentinel, and following it when Sentinel fails over.
+//! Finding the primary through Sentinel.
 //!
 //! Every sentinel is asked at once (`SENTINEL get-master-addr-by-name`); the address most of them
 //! name is checked against the server itself (`ROLE` must say `master`), then the others, so a
 //! sentinel that has not yet heard of a failover, or a primary that was demoted, is never written
-//! to as the primary. While
-//! the store lives, the sentinels are asked again every second, and the store's connections move
-//! to a new primary as soon as they name one. Between the failure and the move, calls fail as
-//! unavailable (a demoted primary refuses writes with `READONLY`): nothing is ever written where
-//! a failover could lose it unseen.
-
-use std::sync::{Arc, Weak};
-use std::time::Duration;
+//! to as the primary. While the store lives, the sentinels are asked again every second
+//! (`conn::follow_sentinels`), and the store's connections move to a new primary as soon as most
+//! of them name one. Between the failure and the move, calls fail as unavailable (a demoted
+//! primary refuses writes with `READONLY`): nothing is ever written where a failover could lose
+//! it unseen.
 
 use redis::{ConnectionAddr, ConnectionInfo, ErrorKind, RedisResult, Value};
 
-use crate::conn::{CONNECTION_TIMEOUT, Commands, RESPONSE_TIMEOUT};
+use crate::timeouts::{CONNECTION_TIMEOUT, RESPONSE_TIMEOUT};
 use crate::url::SentinelTarget;
-
-/// How often the sentinels are asked where the primary is.
-const FOLLOW_EVERY: Duration = Duration::from_secs(1);
 
 /// The addresses the sentinels give for the primary, the one most of them name first: every
 /// sentinel is asked at once, so one that is cut off from the others (and still names an old
@@ -132,30 +126,4 @@ async fn bounded<T>(call: impl Future<Output = RedisResult<T>>) -> RedisResult<T
     tokio::time::timeout(CONNECTION_TIMEOUT + RESPONSE_TIMEOUT, call)
         .await
         .unwrap_or_else(|_| Err((ErrorKind::Io, "the server did not answer in time").into()))
-}
-
-/// Asks the sentinels every second where the primary is while `alive` lives, and moves every
-/// connection that `connections` gives and that is elsewhere to it.
-pub(crate) fn follow<T: Send + Sync + 'static>(
-    target: SentinelTarget,
-    connections: impl Fn() -> Vec<Arc<Commands>> + Send + 'static,
-    alive: Weak<T>,
-) {
-    tokio::spawn(async move {
-        while alive.strong_count() > 0 {
-            tokio::time::sleep(FOLLOW_EVERY).await;
-            let named = match named_primaries(&target).await {
-                Ok(named) => named.into_iter().next().expect("at least one"),
-                Err(err) => {
-                    tracing::debug!(error = %err, "no sentinel answered");
-                    continue;
-                }
-            };
-            for commands in connections() {
-                if commands.primary_address().is_some_and(|current| current != named) {
-                    commands.move_to_primary();
-                }
-            }
-        }
-    });
 }

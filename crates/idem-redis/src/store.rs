@@ -22,7 +22,7 @@ use tokio::sync::Notify;
 
 use crate::ack::Acknowledgement;
 use crate::call::{Call, Durability, run_script};
-use crate::conn::{Commands, Conn, Node, RESPONSE_TIMEOUT};
+use crate::conn::{Commands, Conn, Node, follow_sentinels};
 use crate::decode::{StoredHash, parse_begin, parse_checkpoints, parse_millis, parse_scan, parse_scope_salt};
 use crate::keys::{RecordKeys, record_pattern, scope_salt_key};
 use crate::notify::Subscriptions;
@@ -30,8 +30,9 @@ use crate::scripts::{
     BEGIN_SCRIPT, CHECKPOINT_SCRIPT, CHECKPOINTS_SCRIPT, COMPLETE_SCRIPT, COUNT_REPLAYS_SCRIPT, DELETE_SCRIPT,
     GET_SCRIPT, HOLDS_SCRIPT, RELEASE_SCRIPT, RENEW_SCRIPT, SCOPE_SALT_SCRIPT,
 };
+use crate::timeouts::RESPONSE_TIMEOUT;
 use crate::url::Target;
-use crate::{RedisError, sentinel, url};
+use crate::{RedisError, url};
 
 /// An idempotency store in Redis: one server (`redis://`) or a Redis Cluster
 /// (`redis+cluster://`).
@@ -138,7 +139,7 @@ impl RedisStore {
         if let Target::Sentinel(target) = &config.target {
             let (main, ack) = (commands.clone(), Arc::clone(&ack));
             let connections = move || std::iter::once(main.clone()).chain(ack.connections()).collect();
-            sentinel::follow(target.clone(), connections, Arc::downgrade(&inner));
+            follow_sentinels(target.clone(), connections, Arc::downgrade(&inner));
         }
         let prefix = config.prefix;
         ReplayCounts::flush_forever(
