@@ -32,6 +32,7 @@ use redis::{RedisResult, Value};
 use tokio::sync::OnceCell;
 
 use crate::conn::{Commands, Conn};
+use crate::decode::{text, unexpected};
 use crate::keys::replicated_key;
 use crate::timeouts::RESPONSE_TIMEOUT;
 use crate::url::{Config, Replicas};
@@ -251,23 +252,6 @@ fn fewest_replicas_of_cluster(nodes: &str) -> RedisResult<u32> {
         .min()
         .ok_or_else(|| unexpected("CLUSTER NODES without a primary that owns slots", &nodes))?;
     Ok(u32::try_from(fewest).unwrap_or(u32::MAX))
-}
-
-fn text(value: &Value) -> Option<String> {
-    match value {
-        Value::BulkString(bytes) => String::from_utf8(bytes.clone()).ok(),
-        Value::SimpleString(text) | Value::VerbatimString { text, .. } => Some(text.clone()),
-        _ => None,
-    }
-}
-
-fn unexpected(what: &str, got: &dyn std::fmt::Debug) -> redis::RedisError {
-    (
-        redis::ErrorKind::UnexpectedReturnType,
-        "unexpected reply",
-        format!("{what}: {got:?}"),
-    )
-        .into()
 }
 
 #[cfg(test)]

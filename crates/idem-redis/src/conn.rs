@@ -6,7 +6,6 @@
 //! rare walks over all of them.
 
 use std::collections::HashSet;
-use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, PoisonError, RwLock, Weak};
 use std::time::Duration;
@@ -17,6 +16,7 @@ use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo, SingleNodeRoutingInfo};
 use redis::{Cmd, ConnectionAddr, ConnectionInfo, ErrorKind, Pipeline, RedisFuture, RedisResult, Value};
 
+use crate::decode::{text, unexpected};
 use crate::sentinel::{self, named_primaries};
 use crate::timeouts::{CLUSTER_OVERALL_TIMEOUT, CONNECTION_TIMEOUT};
 use crate::url::{Config, SentinelTarget, Target};
@@ -133,19 +133,6 @@ impl Conn {
 /// The primaries of a cluster, from their answers to `CLUSTER MYID` (a map of address to node id),
 /// if they are every node that `CLUSTER SLOTS` says owns slots.
 fn primaries_owning_slots(ids: Value, slots: &Value) -> RedisResult<Vec<Node>> {
-    let unexpected = |what: &str, got: &dyn fmt::Debug| -> redis::RedisError {
-        (
-            ErrorKind::UnexpectedReturnType,
-            "unexpected reply",
-            format!("{what}: {got:?}"),
-        )
-            .into()
-    };
-    let text = |value: &Value| match value {
-        Value::BulkString(bytes) => String::from_utf8(bytes.clone()).ok(),
-        Value::SimpleString(text) | Value::VerbatimString { text, .. } => Some(text.clone()),
-        _ => None,
-    };
     let Value::Map(answers) = ids else {
         return Err(unexpected("CLUSTER MYID on every primary", &ids));
     };

@@ -25,6 +25,26 @@ pub(crate) fn parse_scan(replies: Vec<Value>) -> Result<(Vec<u8>, Vec<Vec<u8>>),
     Ok((cursor, keys))
 }
 
+/// The text of a string reply (bulk, simple or verbatim), if it is one in UTF-8.
+pub(crate) fn text(value: &Value) -> Option<String> {
+    match value {
+        Value::BulkString(bytes) => String::from_utf8(bytes.clone()).ok(),
+        Value::SimpleString(text) | Value::VerbatimString { text, .. } => Some(text.clone()),
+        _ => None,
+    }
+}
+
+/// The error for a reply of the wrong shape to a command that is not a script (`what`): the
+/// redis crate's `UnexpectedReturnType`, so it is taken as the store being unavailable.
+pub(crate) fn unexpected(what: &str, got: &dyn std::fmt::Debug) -> redis::RedisError {
+    (
+        redis::ErrorKind::UnexpectedReturnType,
+        "unexpected reply",
+        format!("{what}: {got:?}"),
+    )
+        .into()
+}
+
 /// A time stored as decimal Unix milliseconds.
 pub(crate) fn parse_millis(digits: &[u8]) -> Option<i64> {
     std::str::from_utf8(digits).ok()?.parse().ok()

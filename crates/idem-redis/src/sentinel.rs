@@ -11,6 +11,7 @@
 
 use redis::{ConnectionAddr, ConnectionInfo, ErrorKind, RedisResult, Value};
 
+use crate::decode::{text, unexpected};
 use crate::timeouts::{CONNECTION_TIMEOUT, RESPONSE_TIMEOUT};
 use crate::url::SentinelTarget;
 
@@ -89,23 +90,12 @@ async fn ask(sentinel: &ConnectionInfo, name: &str) -> RedisResult<(String, u16)
             .query_async(&mut conn),
     )
     .await?;
-    let text = |value: &Value| match value {
-        Value::BulkString(bytes) => String::from_utf8(bytes.clone()).ok(),
-        Value::SimpleString(text) => Some(text.clone()),
-        _ => None,
-    };
     match &reply {
         Value::Array(parts) if parts.len() == 2 => {
             let host = text(&parts[0]);
             let port = text(&parts[1]).and_then(|port| port.parse().ok());
-            host.zip(port).ok_or_else(|| {
-                (
-                    ErrorKind::UnexpectedReturnType,
-                    "unexpected reply",
-                    format!("{reply:?}"),
-                )
-                    .into()
-            })
+            host.zip(port)
+                .ok_or_else(|| unexpected("SENTINEL get-master-addr-by-name", &reply))
         }
         Value::Nil => Err((
             ErrorKind::Client,
@@ -113,12 +103,7 @@ async fn ask(sentinel: &ConnectionInfo, name: &str) -> RedisResult<(String, u16)
             name.to_owned(),
         )
             .into()),
-        _ => Err((
-            ErrorKind::UnexpectedReturnType,
-            "unexpected reply",
-            format!("{reply:?}"),
-        )
-            .into()),
+        _ => Err(unexpected("SENTINEL get-master-addr-by-name", &reply)),
     }
 }
 
