@@ -23,7 +23,7 @@
 //! (a pod restarted mid-failover, an operator's `idem delete`) waits for it too.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{PoisonError, RwLock, Weak};
 use std::time::Duration;
 
@@ -47,8 +47,9 @@ const TOPOLOGY_EVERY: Duration = Duration::from_secs(1);
 pub(crate) struct Acknowledgement {
     setting: Replicas,
     timeout: Duration,
-    /// Under `replicas=auto`: 1 once every primary has been seen with a replica.
-    learned: AtomicU32,
+    /// Under `replicas=auto`: every primary has been seen with a replica (by this process, or by
+    /// an earlier one that wrote `PREFIX:replicated`).
+    learned: AtomicBool,
     /// Whether this process has written (or read) `PREFIX:replicated`.
     marked: AtomicBool,
     config: Config,
@@ -66,7 +67,7 @@ impl Acknowledgement {
         let this = Arc::new(Self {
             setting: config.replicas,
             timeout: config.replica_timeout,
-            learned: AtomicU32::new(0),
+            learned: AtomicBool::new(false),
             marked: AtomicBool::new(false),
             config: config.clone(),
             pool: OnceCell::new(),
@@ -82,17 +83,15 @@ impl Acknowledgement {
                 .await?;
             if marker.is_some() {
                 this.marked.store(true, Ordering::Release);
-                this.learned.store(1, Ordering::Release);
+                this.learned.store(true, Ordering::Release);
             }
-        }
-        if this.setting == Replicas::Auto
-            && let Err(err) = this.learn(commands).await
-        {
-            tracing::warn!(
-                url = %config.display, error = %err,
-                "cannot read the Redis replication topology; writes wait for no replica until it can be read \
-                 (set replicas=N in the store URL to wait regardless)"
-            );
+            if let Err(err) = this.learn(commands).await {
+                tracing::warn!(
+                    url = %config.display, error = %err,
+                    "cannot read the Redis replication topology; writes wait for no replica until it can be read \
+                     (set replicas=N in the store URL to wait regardless)"
+                );
+            }
         }
         if this.wanted() > 0 {
             this.pool().await?;
@@ -113,7 +112,7 @@ impl Acknowledgement {
     pub(crate) fn wanted(&self) -> u32 {
         match self.setting {
             Replicas::Exactly(n) => n,
-            Replicas::Auto => self.learned.load(Ordering::Acquire),
+            Replicas::Auto => u32::from(self.learned.load(Ordering::Acquire)),
         }
     }
 
@@ -162,9 +161,9 @@ impl Acknowledgement {
         if before != Some(fewest) {
             tracing::info!(url = %self.config.display, replicas = fewest, "Redis replicas per primary (the fewest)");
         }
-        if fewest > 0 && self.learned.load(Ordering::Acquire) == 0 {
+        if fewest > 0 && !self.learned.load(Ordering::Acquire) {
             self.pool().await?;
-            self.learned.store(1, Ordering::Release);
+            self.learned.store(true, Ordering::Release);
             tracing::info!(url = %self.config.display, "every primary has a replica: writes now wait for one");
         }
         if fewest > 0 && !self.marked.load(Ordering::Acquire) {
