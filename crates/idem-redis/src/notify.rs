@@ -159,25 +159,9 @@ enum LinkEvent {
 
 impl Link {
     async fn connect(config: &Config, registry: Arc<Registry>) -> redis::RedisResult<Self> {
-        match &config.target {
-            Target::Standalone(_) | Target::Sentinel(_) => {
-                let server = match &config.target {
-                    Target::Sentinel(target) => Server::Sentinel(target.clone()),
-                    Target::Standalone(info) => Server::Fixed(redis::Client::open(info.clone())?),
-                    Target::Cluster(_) => unreachable!("matched above"),
-                };
-                let mut own = Own {
-                    server,
-                    registry,
-                    conn: None,
-                    generation: 0,
-                    lost: mpsc::unbounded_channel(),
-                    retry_at: Instant::now(),
-                    pause: Duration::ZERO,
-                };
-                own.connect().await?;
-                Ok(Self::Standalone(Box::new(own)))
-            }
+        let server = match &config.target {
+            Target::Standalone(info) => Server::Fixed(redis::Client::open(info.clone())?),
+            Target::Sentinel(target) => Server::Sentinel(target.clone()),
             Target::Cluster(nodes) => {
                 let push = move |push: PushInfo| {
                     registry.dispatch(&push);
@@ -191,9 +175,20 @@ impl Link {
                     .connection_timeout(CONNECTION_TIMEOUT)
                     .retries(4)
                     .build()?;
-                Ok(Self::Cluster(client.get_async_connection().await?))
+                return Ok(Self::Cluster(client.get_async_connection().await?));
             }
-        }
+        };
+        let mut own = Own {
+            server,
+            registry,
+            conn: None,
+            generation: 0,
+            lost: mpsc::unbounded_channel(),
+            retry_at: Instant::now(),
+            pause: Duration::ZERO,
+        };
+        own.connect().await?;
+        Ok(Self::Standalone(Box::new(own)))
     }
 
     /// Subscribes to `channel`; `false` if it is not subscribed now (polling finds changes).

@@ -365,14 +365,12 @@ impl Store for RedisStore {
             .unseen_completions
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        match &stored {
+        if !matches!(stored, Err(StoreError::Unavailable(_))) {
+            unseen_completions.remove(&unseen);
+        } else if unseen_completions.len() < MAX_UNSEEN_COMPLETIONS {
             // Beyond the cap (answers the protocol gave up on), a retry is fenced as before.
-            Err(StoreError::Unavailable(_)) if unseen_completions.len() < MAX_UNSEEN_COMPLETIONS => {
-                unseen_completions.insert(unseen)
-            }
-            Err(StoreError::Unavailable(_)) => false,
-            _ => unseen_completions.remove(&unseen),
-        };
+            unseen_completions.insert(unseen);
+        }
         stored
     }
 
