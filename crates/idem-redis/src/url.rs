@@ -3,8 +3,8 @@
 //! Sentinel watches, and `redis+cluster://host:port,host:port,...[?options]` for a Redis Cluster.
 //!
 //! The options are the store's own (`prefix`, `poll_interval`, `replicas`, `replica_timeout`);
-//! anything else is refused, so that a typo does not go unnoticed. The connection itself (address, user, password, database) is
-//! parsed by the `redis` crate.
+//! anything else is refused, so that a typo does not go unnoticed. The connection itself
+//! (address, user, password, database) is parsed by the `redis` crate.
 
 use std::time::Duration;
 
@@ -178,81 +178,50 @@ fn check_prefix(value: &str) -> Result<String, String> {
 /// `host:port,host:port,...`, optionally after `user:password@` (which applies to every node) and
 /// before a `/` with no database (a cluster has only database 0).
 fn cluster_nodes(location: &str, invalid: &impl Fn(String) -> RedisError) -> Result<Vec<ConnectionInfo>, RedisError> {
-    let (authority, path) = match location.split_once('/') {
-        Some((authority, path)) => (authority, path),
-        None => (location, ""),
-    };
+    let (userinfo, rest) = split_userinfo(location);
+    let (hosts, path) = rest.split_once('/').unwrap_or((rest, ""));
     if !path.is_empty() && path != "0" {
         return Err(invalid(
             "a Redis Cluster has only database 0; remove the path after the node list".to_owned(),
         ));
     }
-    let (userinfo, hosts) = match authority.rsplit_once('@') {
-        Some((userinfo, hosts)) => (Some(userinfo), hosts),
-        None => (None, authority),
-    };
-    let nodes = hosts
-        .split(',')
-        .map(str::trim)
-        .map(|host| {
-            if host.is_empty() {
-                return Err(invalid(
-                    "the node list has an empty entry; expected host:port,host:port,...".to_owned(),
-                ));
-            }
-            let node = match userinfo {
-                Some(userinfo) => format!("redis://{userinfo}@{host}"),
-                None => format!("redis://{host}"),
-            };
-            connection_info(&node, invalid)
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok(nodes)
+    host_list(hosts, "node", invalid, |host| {
+        let node = match userinfo {
+            Some(userinfo) => format!("redis://{userinfo}@{host}"),
+            None => format!("redis://{host}"),
+        };
+        connection_info(&node, invalid)
+    })
 }
 
 /// `host:port,host:port,.../primary-name[/db]`, optionally after `user:password@` (the
 /// primary's credentials; the sentinels are asked without any).
 fn sentinel_target(location: &str, invalid: &impl Fn(String) -> RedisError) -> Result<SentinelTarget, RedisError> {
-    let (userinfo, rest) = match location.rsplit_once('@') {
-        Some((userinfo, rest)) => (Some(userinfo), rest),
-        None => (None, location),
-    };
+    let (userinfo, rest) = split_userinfo(location);
     let (hosts, path) = rest.split_once('/').ok_or_else(|| {
         invalid("it names no primary; expected redis+sentinel://host:port,host:port/primary-name".to_owned())
     })?;
-    let (primary_name, db) = match path.split_once('/') {
-        Some((name, db)) => (name, db),
-        None => (path, ""),
-    };
+    let (primary_name, db) = path.split_once('/').unwrap_or((path, ""));
     if primary_name.is_empty() {
         return Err(invalid(
             "the primary's name is empty; expected redis+sentinel://host:port,host:port/primary-name".to_owned(),
         ));
     }
-    let sentinels = hosts
-        .split(',')
-        .map(str::trim)
-        .map(|host| {
-            if host.is_empty() {
-                return Err(invalid(
-                    "the sentinel list has an empty entry; expected host:port,host:port,...".to_owned(),
-                ));
-            }
-            // `[v6]:port` or `host:port`: the port is never left to the client's default (6379).
-            let port = match host.strip_prefix('[') {
-                Some(v6) => v6.split_once("]:").map(|(_, port)| port),
-                None => host.rsplit_once(':').map(|(_, port)| port),
-            };
-            if port.is_none_or(str::is_empty) {
-                return Err(invalid(format!(
-                    "the sentinel {host:?} has no port (sentinels listen on 26379)"
-                )));
-            }
-            format!("redis://{host}")
-                .into_connection_info()
-                .map_err(|err| invalid(format!("{err}")))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
+    let sentinels = host_list(hosts, "sentinel", invalid, |host| {
+        // `[v6]:port` or `host:port`: the port is never left to the client's default (6379).
+        let port = match host.strip_prefix('[') {
+            Some(v6) => v6.split_once("]:").map(|(_, port)| port),
+            None => host.rsplit_once(':').map(|(_, port)| port),
+        };
+        if port.is_none_or(str::is_empty) {
+            return Err(invalid(format!(
+                "the sentinel {host:?} has no port (sentinels listen on 26379)"
+            )));
+        }
+        format!("redis://{host}")
+            .into_connection_info()
+            .map_err(|err| invalid(format!("{err}")))
+    })?;
     // The primary's address comes from the sentinels; this one is replaced before any use.
     let primary = match userinfo {
         Some(userinfo) => format!("redis://{userinfo}@sentinel.invalid/{db}"),
@@ -263,6 +232,37 @@ fn sentinel_target(location: &str, invalid: &impl Fn(String) -> RedisError) -> R
         primary_name: primary_name.to_owned(),
         primary: connection_info(&primary, invalid)?,
     })
+}
+
+/// The user info of `location` (a URL after its `://` and before its query) and what follows it,
+/// split where every URL of idem is ([`url_userinfo_end`]).
+fn split_userinfo(location: &str) -> (Option<&str>, &str) {
+    match url_userinfo_end(location) {
+        Some(at) => (Some(&location[..at]), &location[at + 1..]),
+        None => (None, location),
+    }
+}
+
+/// The entries of a comma-separated list of `host:port` (`what` names them in errors), trimmed,
+/// each read by `read`; an empty entry is refused.
+fn host_list<T>(
+    hosts: &str,
+    what: &str,
+    invalid: &impl Fn(String) -> RedisError,
+    read: impl Fn(&str) -> Result<T, RedisError>,
+) -> Result<Vec<T>, RedisError> {
+    hosts
+        .split(',')
+        .map(str::trim)
+        .map(|host| {
+            if host.is_empty() {
+                return Err(invalid(format!(
+                    "the {what} list has an empty entry; expected host:port,host:port,..."
+                )));
+            }
+            read(host)
+        })
+        .collect()
 }
 
 /// The `redis` crate's reading of a `redis://` URL, switched to RESP3 (pub/sub messages arrive as
