@@ -707,16 +707,10 @@ async fn a_store_that_hangs_is_a_503_and_a_claim_it_makes_late_is_released() {
     assert_eq!(retry, (StatusCode::CREATED, false, "run 1".into()));
 }
 
-/// A `begin` that took over a run whose outcome is unknown, and whose reply was lost (a reset
-/// after it ran, a write no replica acknowledged): the claim is given up as unknown, not
-/// forgotten, so the next run is still marked recovered.
-#[tokio::test]
-async fn a_takeover_whose_reply_was_lost_leaves_the_next_run_marked_recovered() {
-    let (store, _dir) = sqlite().await;
-    let (held, open_begin, open_renew) = Held::new(store);
-    open_begin.send_replace(true);
-    open_renew.send_replace(true);
-    let reply_lost = held.begin_reply_lost.clone();
+/// `POST /pay` behind the layer on `store` (lease 1 s, run timeout 300 ms): the first run hangs,
+/// as an upstream that never answers; later ones answer 201 `recovered=<flag>`. Also the count of
+/// runs.
+fn first_run_hangs(store: impl Store) -> (Router, Arc<AtomicUsize>) {
     let runs = Arc::new(AtomicUsize::new(0));
     let counter = runs.clone();
     let router = Router::new()
@@ -733,10 +727,24 @@ async fn a_takeover_whose_reply_was_lost_leaves_the_next_run_marked_recovered() 
             }),
         )
         .layer(
-            IdempotencyLayer::new(held)
+            IdempotencyLayer::new(store)
                 .with_lease(Duration::from_secs(1))
                 .with_run_timeout(Duration::from_millis(300)),
         );
+    (router, runs)
+}
+
+/// A `begin` that took over a run whose outcome is unknown, and whose reply was lost (a reset
+/// after it ran, a write no replica acknowledged): the claim is given up as unknown, not
+/// forgotten, so the next run is still marked recovered.
+#[tokio::test]
+async fn a_takeover_whose_reply_was_lost_leaves_the_next_run_marked_recovered() {
+    let (store, _dir) = sqlite().await;
+    let (held, open_begin, open_renew) = Held::new(store);
+    open_begin.send_replace(true);
+    open_renew.send_replace(true);
+    let reply_lost = held.begin_reply_lost.clone();
+    let (router, runs) = first_run_hangs(held);
     let (status, _, _) = send(&router, pay("k", "")).await;
     assert_eq!(
         status,
@@ -758,27 +766,7 @@ async fn a_takeover_whose_reply_was_lost_leaves_the_next_run_marked_recovered() 
 #[tokio::test]
 async fn a_handler_past_the_run_timeout_is_given_up_and_its_retry_runs_recovered() {
     let (store, _dir) = sqlite().await;
-    let runs = Arc::new(AtomicUsize::new(0));
-    let counter = runs.clone();
-    let router = Router::new()
-        .route(
-            "/pay",
-            post(move |info: axum::Extension<idem_tower::IdempotencyInfo>| {
-                let counter = counter.clone();
-                async move {
-                    if counter.fetch_add(1, Ordering::SeqCst) == 0 {
-                        // The first run hangs, as an upstream that never answers.
-                        std::future::pending::<()>().await;
-                    }
-                    (StatusCode::CREATED, format!("recovered={}", info.recovered))
-                }
-            }),
-        )
-        .layer(
-            IdempotencyLayer::new(store)
-                .with_lease(Duration::from_secs(1))
-                .with_run_timeout(Duration::from_millis(300)),
-        );
+    let (router, runs) = first_run_hangs(store);
     let (status, _, body) = tokio::time::timeout(Duration::from_secs(20), send(&router, pay("k", "")))
         .await
         .expect("a hung run is given up");
