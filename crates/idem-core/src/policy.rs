@@ -188,6 +188,13 @@ pub struct Policy {
     pub stored_headers: HeaderAllowList,
     /// The `Retry-After` sent with `409 key-in-flight` and `503 store-unavailable` (default 1 s).
     pub retry_after: Duration,
+    /// The handlers complete their records in their own database transaction, and every effect of
+    /// theirs is in it (or is itself idempotent by the key): exactly once, not just flagged
+    /// (default: no). A run that ends without completing then had no effect, so its key is
+    /// forgotten and runs again unflagged, and a claim whose holder died is taken over unflagged.
+    /// Only on a store that [completes in transactions](crate::Store::completes_in_transactions)
+    /// (PostgreSQL, SQLite); elsewhere the route is an ordinary one.
+    pub in_transaction: bool,
 }
 
 impl Default for Policy {
@@ -211,6 +218,7 @@ impl Default for Policy {
             fail_open: false,
             stored_headers: HeaderAllowList::default(),
             retry_after: Duration::from_secs(1),
+            in_transaction: false,
         }
     }
 }

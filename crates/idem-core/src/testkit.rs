@@ -15,8 +15,8 @@ use crate::store::{Observed, Observer, StoreOperation};
 use crate::{
     Fingerprint, IdempotencyKey, Scope, Store, StoreError, UnixMillis,
     store::{
-        Begin, BeginRequest, Checkpoint, Completion, FencingToken, Record, RecordId, RecordState, Release, ScopeSalt,
-        WaitOutcome,
+        Begin, BeginRequest, Checkpoint, ClaimState, Completion, FencingToken, Record, RecordId, RecordState, Release,
+        ScopeSalt, WaitOutcome,
     },
 };
 
@@ -1130,6 +1130,138 @@ pub async fn checkpoints_survive_a_takeover_and_end_with_the_run(h: &impl Harnes
     }
 }
 
+/// A claim can tell where it stands: current while in flight under it, completed once the record
+/// was completed under it (whoever wrote the answer), ended otherwise.
+pub async fn claim_state_follows_the_claim(h: &impl Harness) {
+    let store = h.open().await;
+    let (id, fp) = (fresh_id(), fingerprint("a"));
+    let now = UnixMillis::now();
+    assert_eq!(
+        store
+            .claim_state(&id, FencingToken::random())
+            .await
+            .expect("claim_state"),
+        ClaimState::Ended,
+        "no record"
+    );
+    let token = acquire(&*store, &id, &fp, now).await;
+    let other = FencingToken::random();
+    assert_eq!(
+        store.claim_state(&id, token).await.expect("claim_state"),
+        ClaimState::Current
+    );
+    assert_eq!(
+        store.claim_state(&id, other).await.expect("claim_state"),
+        ClaimState::Ended
+    );
+    store
+        .complete(&id, token, completion(b"ok", now, DAY, DAY))
+        .await
+        .expect("complete");
+    assert_eq!(
+        store.claim_state(&id, token).await.expect("claim_state"),
+        ClaimState::Completed
+    );
+    assert_eq!(
+        store.claim_state(&id, other).await.expect("claim_state"),
+        ClaimState::Ended
+    );
+
+    let id = fresh_id();
+    let token = acquire(&*store, &id, &fp, now).await;
+    store.release(&id, token, unknown_at(now)).await.expect("release");
+    assert_eq!(
+        store.claim_state(&id, token).await.expect("claim_state"),
+        ClaimState::Ended
+    );
+}
+
+/// An in-transaction claim (its token says so) whose holder died did not complete, so its
+/// transaction never committed: the run that takes it over is a new one, unflagged, unless it
+/// recorded checkpoints. A recovered run's claim, and any other claim, recover as before, and a
+/// recovered claim holds its token [`for_run`](FencingToken::for_run)`(true)`. Only for a store
+/// that completes in transactions: no other is handed such tokens.
+pub async fn an_in_transaction_claim_that_died_is_taken_over_unflagged(h: &impl Harness) {
+    let store = h.open().await;
+    if !store.completes_in_transactions() {
+        return;
+    }
+    let fp = fingerprint("a");
+    let then = UnixMillis(UnixMillis::now().0 - 120_000);
+    let now = UnixMillis::now();
+    let take_over = async |id: &RecordId| {
+        let token = FencingToken::random_in_transaction();
+        match store.begin(claim(id, &fp, now, token)).await.expect("begin") {
+            Begin::Acquired { recovered } => (recovered, token.for_run(recovered)),
+            other => panic!("expected a takeover, got {other:?}"),
+        }
+    };
+    let crashed_at = async |id: &RecordId, token: FencingToken| match store.begin(claim(id, &fp, then, token)).await {
+        Ok(Begin::Acquired { recovered: false }) => token,
+        other => panic!("expected a new claim, got {other:?}"),
+    };
+
+    // Died before its commit: nothing stands, the next run is new.
+    let id = fresh_id();
+    crashed_at(&id, FencingToken::random_in_transaction()).await;
+    let (recovered, token) = take_over(&id).await;
+    assert!(!recovered, "an in-transaction claim that died left nothing behind");
+    assert!(token.in_transaction(), "and its successor's token says the same of it");
+    store
+        .renew(&id, token, now.plus(LEASE))
+        .await
+        .expect("the new claim holds its token");
+
+    // It recorded a step: that stands, the next run recovers, and its claim loses the mark.
+    let id = fresh_id();
+    let stepped = crashed_at(&id, FencingToken::random_in_transaction()).await;
+    store
+        .checkpoint(&id, stepped, step("charged", "ch_1"))
+        .await
+        .expect("checkpoint");
+    let (recovered, token) = take_over(&id).await;
+    assert!(recovered, "a recorded step stands");
+    assert!(!token.in_transaction());
+    store
+        .renew(&id, token, now.plus(LEASE))
+        .await
+        .expect("the claim holds the recovered run's token");
+    assert_eq!(
+        store.claim_state(&id, token).await.expect("claim_state"),
+        ClaimState::Current
+    );
+
+    // A recovered run dies in turn: whatever its predecessor did may still stand.
+    let id = fresh_id();
+    let long_ago = UnixMillis(then.0 - 120_000);
+    let first = store
+        .begin(claim(&id, &fp, long_ago, FencingToken::random()))
+        .await
+        .expect("begin");
+    assert!(matches!(first, Begin::Acquired { recovered: false }), "{first:?}");
+    let recovered_token = FencingToken::random_in_transaction();
+    let first = store
+        .begin(claim(&id, &fp, then, recovered_token))
+        .await
+        .expect("begin");
+    assert!(
+        matches!(first, Begin::Acquired { recovered: true }),
+        "an ordinary claim's successor recovers: {first:?}"
+    );
+    let (recovered, _) = take_over(&id).await;
+    assert!(
+        recovered,
+        "the successor of a recovered in-transaction run recovers too"
+    );
+
+    // Released as unknown: recovered, whatever the claim was.
+    let id = fresh_id();
+    let released = crashed_at(&id, FencingToken::random_in_transaction()).await;
+    store.release(&id, released, unknown_at(then)).await.expect("release");
+    let (recovered, _) = take_over(&id).await;
+    assert!(recovered, "an unknown outcome is recovered");
+}
+
 /// A record past its `purge_at` is a new claim, and its checkpoints are not the new run's.
 pub async fn a_new_claim_never_sees_old_checkpoints(h: &impl Harness) {
     let store = h.open().await;
@@ -1265,7 +1397,8 @@ macro_rules! conformance_tests {
             scopes_are_isolated, large_bodies, records_survive_reopen, tells_its_time,
             checkpoints_belong_to_the_current_claim, checkpoints_survive_a_takeover_and_end_with_the_run,
             a_new_claim_never_sees_old_checkpoints, scope_salt_is_one_per_store,
-            scope_salt_tells_how_long_older_records_live }
+            scope_salt_tells_how_long_older_records_live, claim_state_follows_the_claim,
+            an_in_transaction_claim_that_died_is_taken_over_unflagged }
     };
     (@cases $harness:expr; $($case:ident),* $(,)?) => {
         $(

@@ -35,10 +35,16 @@
 //! | `notify=on\|off` | `on` | wake waiters by `LISTEN`/`NOTIFY`; `off` polls only |
 //! | `poll_interval=DUR` | `200ms` | the longest pause between two checks of a waiter (the first comes after a quarter of it) |
 //! | `schema=NAME` | the `search_path` | the PostgreSQL schema of the tables, created if missing |
+//!
+//! A handler whose business data is in the same database completes its record inside its own
+//! transaction: [`PostgresStore::complete_in_client`] for tokio-postgres and, with the feature
+//! `sqlx`, `PostgresStore::complete_in` for sqlx. The answer commits with the business writes, or
+//! neither does (`docs/design.md`, "Exactly once with the business write").
 #![forbid(unsafe_code)]
 
 mod decode;
 mod error;
+mod in_transaction;
 mod listener;
 mod replays;
 mod replication;

@@ -23,6 +23,11 @@ const MIGRATION_LOCK: i64 = 0x6964_656d_0000_0001;
 ///    `older_records_until` if the store held no records when the salt was made.
 /// 4. `waiters`: how many waits a record's claims have had, so that the changes of records
 ///    nobody waits on do not `NOTIFY` (see `WAIT_ON` in the store).
+/// 5. `idem_complete_claim`: completes a record in the caller's own transaction, under the row's
+///    lock, if the token is the current claim's; otherwise raises `IDEM1`, which aborts that
+///    transaction, so a holder that lost its claim cannot commit its business writes. It runs on
+///    the schema it was created in (`SET search_path FROM CURRENT`), whatever the caller's
+///    connection is set to.
 const MIGRATIONS: &[(i32, &str)] = &[
     (
         1,
@@ -80,6 +85,37 @@ CREATE TABLE idem_scope_salt (
         // A constant default: the table is not rewritten.
         "
 ALTER TABLE idem_records ADD COLUMN waiters INTEGER NOT NULL DEFAULT 0;
+",
+    ),
+    (
+        5,
+        "
+CREATE FUNCTION idem_complete_claim(
+    p_scope TEXT, p_key TEXT, p_token BYTEA, p_response BYTEA,
+    p_completed_at BIGINT, p_expires_at BIGINT, p_purge_at BIGINT, p_notice TEXT
+) RETURNS void
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $fn$
+DECLARE
+    woken INTEGER;
+BEGIN
+    UPDATE idem_records
+    SET state = 'completed', lease_until = NULL, response = p_response,
+        completed_at = p_completed_at, expires_at = p_expires_at, purge_at = p_purge_at,
+        checkpoint_names = '{}', checkpoint_values = '{}'
+    WHERE scope = p_scope AND key = p_key AND token = p_token AND state = 'in-flight'
+    RETURNING waiters INTO woken;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'idem: the claim on this record is no longer current (its lease ran out and another run took the key, or it was deleted)'
+            USING ERRCODE = 'IDEM1',
+                  HINT = 'this transaction must not commit: the run that holds the key now answers the client';
+    END IF;
+    IF woken > 0 THEN
+        PERFORM pg_notify('idem_records', p_notice);
+    END IF;
+END
+$fn$;
 ",
     ),
 ];

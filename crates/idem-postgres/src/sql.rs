@@ -58,17 +58,28 @@ WITH taken AS (
 )
 SELECT (SELECT pg_notify('idem_records', $6) WHERE taken.waiters > 0) FROM taken";
 
-/// The run is over, and so are its checkpoints.
+/// The run is over, and so are its checkpoints. The token stays, as the claim that completed the
+/// record ([`CLAIM_STATE`]). `idem_complete_claim` (schema.rs) is the same change, made in a
+/// handler's own transaction.
 pub(crate) const COMPLETE: &str = "
 WITH completed AS (
     UPDATE idem_records
-    SET state = 'completed', token = NULL, lease_until = NULL, response = $4,
+    SET state = 'completed', lease_until = NULL, response = $4,
         completed_at = $5, expires_at = $6, purge_at = $7,
         checkpoint_names = '{}', checkpoint_values = '{}'
     WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in-flight'
     RETURNING waiters
 )
 SELECT (SELECT pg_notify('idem_records', $8) WHERE completed.waiters > 0) FROM completed";
+
+/// Where the claim `$3` stands: the record's state and whether `$3` is its token (the current
+/// claim's when in flight, the completing claim's when completed); no row without a record.
+pub(crate) const CLAIM_STATE: &str =
+    "SELECT state, token IS NOT DISTINCT FROM $3 FROM idem_records WHERE scope = $1 AND key = $2";
+
+/// Whether the record holds checkpoints (read before a takeover decides whether it recovers).
+pub(crate) const HAS_CHECKPOINTS: &str =
+    "SELECT cardinality(checkpoint_names) > 0 FROM idem_records WHERE scope = $1 AND key = $2";
 
 pub(crate) const FORGET: &str = "
 WITH forgotten AS (

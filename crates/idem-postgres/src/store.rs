@@ -23,12 +23,14 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
-use idem_core::store::backend::{Existing, ReplayCounts, claim_purge_at, wait_for_change};
+use idem_core::store::backend::{
+    Existing, ReplayCounts, claim_purge_at, claim_state, ran_in_transaction, wait_for_change,
+};
 use idem_core::{
     Store, StoreError, UnixMillis,
     store::{
-        Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, Record, RecordId, Release, ScopeSalt,
-        WaitOutcome,
+        Begin, BeginRequest, Checkpoint, ClaimState, Completion, FencingToken, Purged, Record, RecordId, Release,
+        ScopeSalt, WaitOutcome,
     },
 };
 use tokio_postgres::NoTls;
@@ -200,6 +202,11 @@ impl PostgresStore {
         &self.inner.replication
     }
 
+    /// The schema the tables are in, if the URL named one (else the connection's `search_path`).
+    pub(crate) fn schema(&self) -> Option<&str> {
+        self.inner.schema.as_deref()
+    }
+
     async fn client(&self, operation: &'static str) -> Result<Object, StoreError> {
         self.inner
             .pool
@@ -317,6 +324,15 @@ impl Store for PostgresStore {
                 Begin::Acquired { recovered: false }
             } else {
                 if action == Existing::TakeOver {
+                    let recovered = if ran_in_transaction(&row.stored) {
+                        let has_checkpoints = tx.prepare_cached(sql::HAS_CHECKPOINTS).await.map_err(db)?;
+                        let found = tx.query_one(&has_checkpoints, &[&scope, &key]).await.map_err(db)?;
+                        found.try_get::<_, bool>(0).map_err(db)?
+                    } else {
+                        true
+                    };
+                    let token = request.token.for_run(recovered);
+                    let token = &token.as_bytes()[..];
                     let take_over = tx.prepare_cached(sql::TAKE_OVER).await.map_err(db)?;
                     tx.query(
                         &take_over,
@@ -324,7 +340,7 @@ impl Store for PostgresStore {
                     )
                     .await
                     .map_err(db)?;
-                    Begin::Acquired { recovered: true }
+                    Begin::Acquired { recovered }
                 } else {
                     // A corrupt row fails here, before anything is changed.
                     let record = row.into_record(id.clone())?;
@@ -368,6 +384,27 @@ impl Store for PostgresStore {
             .await
             .map_err(db)?;
         fenced(rows.len())
+    }
+
+    async fn claim_state(&self, id: &RecordId, token: FencingToken) -> Result<ClaimState, StoreError> {
+        let db = self.db("claim_state");
+        let client = self.client("claim_state").await?;
+        let stmt = client.prepare_cached(sql::CLAIM_STATE).await.map_err(db)?;
+        let row = client
+            .query_opt(&stmt, &[&id.scope.as_str(), &id.key.as_str(), &&token.as_bytes()[..]])
+            .await
+            .map_err(db)?;
+        match row {
+            None => Ok(ClaimState::Ended),
+            Some(row) => Ok(claim_state(
+                &row.try_get::<_, String>(0).map_err(db)?,
+                row.try_get(1).map_err(db)?,
+            )),
+        }
+    }
+
+    fn completes_in_transactions(&self) -> bool {
+        true
     }
 
     async fn release(&self, id: &RecordId, token: FencingToken, release: Release) -> Result<(), StoreError> {

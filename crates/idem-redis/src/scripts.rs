@@ -316,6 +316,20 @@ end
 return answer(0)
 "#;
 
+/// `claim_state`. ARGV: nonce, token. Returns `{rec, nonce, 2}` if the record is in flight under
+/// the token, `{rec, nonce, 1}` if it was completed under it (`completed_by`), `{rec, nonce, 0}`
+/// otherwise.
+const CLAIM_STATE: &str = r#"
+local cur = redis.call('HMGET', rec, 'state', 'token', 'completed_by')
+if cur[1] == 'in-flight' and cur[2] == ARGV[2] then
+  return answer(2)
+end
+if cur[1] == 'completed' and cur[3] == ARGV[2] then
+  return answer(1)
+end
+return answer(0)
+"#;
+
 /// `checkpoint`. ARGV: nonce, token, name, value. Records the checkpoint if the record is in flight
 /// under this token: a new name goes after the others, a known one keeps its place and takes the
 /// new value; the hash then expires with the record. Returns `{rec, nonce, 1}`, or
@@ -389,6 +403,7 @@ pub(crate) static RENEW_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(RENEW
 pub(crate) static GET_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(GET));
 pub(crate) static DELETE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(DELETE));
 pub(crate) static HOLDS_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(HOLDS));
+pub(crate) static CLAIM_STATE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(CLAIM_STATE));
 pub(crate) static CHECKPOINT_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(CHECKPOINT));
 pub(crate) static CHECKPOINTS_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(CHECKPOINTS));
 pub(crate) static COUNT_REPLAYS_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(COUNT_REPLAYS));

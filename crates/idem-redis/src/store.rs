@@ -13,8 +13,8 @@ use idem_core::store::backend::{ReplayCounts, abandoned_purge_at, claim_purge_at
 use idem_core::{
     Store, StoreError, UnixMillis,
     store::{
-        Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, Record, RecordId, Release, ScopeSalt,
-        WaitOutcome,
+        Begin, BeginRequest, Checkpoint, ClaimState, Completion, FencingToken, Purged, Record, RecordId, Release,
+        ScopeSalt, WaitOutcome,
     },
 };
 use redis::{Cmd, Pipeline, Script, Value};
@@ -27,8 +27,8 @@ use crate::decode::{StoredHash, parse_begin, parse_checkpoints, parse_millis, pa
 use crate::keys::{RecordKeys, record_pattern, scope_salt_key};
 use crate::notify::Subscriptions;
 use crate::scripts::{
-    BEGIN_SCRIPT, CHECKPOINT_SCRIPT, CHECKPOINTS_SCRIPT, COMPLETE_SCRIPT, COUNT_REPLAYS_SCRIPT, DELETE_SCRIPT,
-    GET_SCRIPT, HOLDS_SCRIPT, RELEASE_SCRIPT, RENEW_SCRIPT, SCOPE_SALT_SCRIPT,
+    BEGIN_SCRIPT, CHECKPOINT_SCRIPT, CHECKPOINTS_SCRIPT, CLAIM_STATE_SCRIPT, COMPLETE_SCRIPT, COUNT_REPLAYS_SCRIPT,
+    DELETE_SCRIPT, GET_SCRIPT, HOLDS_SCRIPT, RELEASE_SCRIPT, RENEW_SCRIPT, SCOPE_SALT_SCRIPT,
 };
 use crate::timeouts::RESPONSE_TIMEOUT;
 use crate::url::Target;
@@ -431,6 +431,32 @@ impl Store for RedisStore {
     /// and an answer past its `expires_at` as dropped (a tombstone), also in the moments before
     /// Redis expires their keys (native expiry runs relative to the `now` of the write, which
     /// may lag the clock).
+    async fn claim_state(&self, id: &RecordId, token: FencingToken) -> Result<ClaimState, StoreError> {
+        let keys = self.record_keys(id);
+        let flag = self
+            .run_flag(
+                Durability::Primary,
+                "claim_state",
+                &CLAIM_STATE_SCRIPT,
+                &keys,
+                |script| {
+                    script.arg(&token.as_bytes()[..]);
+                },
+            )
+            .await?;
+        Ok(match flag {
+            2 => ClaimState::Current,
+            1 => ClaimState::Completed,
+            _ => ClaimState::Ended,
+        })
+    }
+
+    /// Redis keeps no transaction of the caller's: a route that completes in transactions is an
+    /// ordinary one here.
+    fn completes_in_transactions(&self) -> bool {
+        false
+    }
+
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         let keys = self.record_keys(id);
         let mut items = self.run(Durability::Primary, "get", &GET_SCRIPT, &keys, |_| {}).await?;

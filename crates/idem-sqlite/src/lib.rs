@@ -27,12 +27,18 @@
 //! current run are one blob in its row, so they go wherever the row goes. The store's
 //! [scope salt](idem_core::Store::scope_salt) is the one row of `idem_scope_salt`, which purging
 //! never touches. A file made by an older version is upgraded in place when it is opened.
+//!
+//! With the feature `sqlx`, [`SqliteStore::complete_in`] completes a record inside the handler's
+//! own sqlx transaction on the same file: the answer commits with the business writes, or
+//! neither does (docs/design.md, "Exactly once with the business write").
 #![forbid(unsafe_code)]
 
 mod checkpoints;
 mod conn;
 mod decode;
 mod error;
+#[cfg(feature = "sqlx")]
+mod in_transaction;
 mod schema;
 mod sql;
 mod store;

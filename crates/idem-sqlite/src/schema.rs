@@ -25,6 +25,10 @@ pub(crate) const VERSION: i64 = 3;
 /// `NULL` in `older_records_until` if the store held no records when the salt was made. Being new
 /// as a whole, it needs no step of its own to upgrade a file: `IF NOT EXISTS` adds it. No `CHECK`
 /// on the salt's length: its reader reports a salt it cannot use as corrupt.
+///
+/// `idem_fence` stays empty: a completion in a handler's own transaction whose claim was lost
+/// inserts a row its `CHECK` refuses, `OR ROLLBACK`, which rolls the whole transaction back
+/// (`complete_in`). New as a whole, like the salt's table, it needs no version of its own.
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS idem_records (
     scope        TEXT    NOT NULL,
@@ -45,6 +49,9 @@ CREATE TABLE IF NOT EXISTS idem_records (
 ) STRICT;
 CREATE INDEX IF NOT EXISTS idem_records_purge_at ON idem_records (purge_at);
 CREATE INDEX IF NOT EXISTS idem_records_expires_at ON idem_records (expires_at) WHERE response IS NOT NULL;
+CREATE TABLE IF NOT EXISTS idem_fence (
+    aborted INTEGER NOT NULL CHECK (aborted = 0)
+) STRICT;
 CREATE TABLE IF NOT EXISTS idem_scope_salt (
     id                  INTEGER PRIMARY KEY CHECK (id = 1),
     salt                BLOB    NOT NULL,

@@ -32,11 +32,25 @@ pub(crate) const TAKE_OVER: &str = "UPDATE idem_records
 /// A replay is counted in the same transaction that read the record.
 pub(crate) const COUNT_REPLAY: &str = "UPDATE idem_records SET replays = replays + 1 WHERE scope = ?1 AND key = ?2";
 
-/// The run is over, and so are its checkpoints.
+/// The run is over, and so are its checkpoints. The token stays, as the claim that completed the
+/// record ([`CLAIM_STATE`]). Also run in a handler's own transaction (`complete_in`).
 pub(crate) const COMPLETE: &str = "UPDATE idem_records
-    SET state = 'completed', token = NULL, lease_until = NULL, response = ?4,
+    SET state = 'completed', lease_until = NULL, response = ?4,
         completed_at = ?5, expires_at = ?6, purge_at = ?7, checkpoints = NULL
     WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in-flight'";
+
+/// Where the claim `?3` stands: the record's state and whether `?3` is its token (the current
+/// claim's when in flight, the completing claim's when completed); no row without a record.
+pub(crate) const CLAIM_STATE: &str = "SELECT state, token IS ?3 FROM idem_records WHERE scope = ?1 AND key = ?2";
+
+/// Whether the record holds checkpoints (read before a takeover decides whether it recovers).
+pub(crate) const HAS_CHECKPOINTS: &str =
+    "SELECT checkpoints IS NOT NULL AND length(checkpoints) > 0 FROM idem_records WHERE scope = ?1 AND key = ?2";
+
+/// Rolls the caller's whole transaction back (the `CHECK` of `idem_fence` fails, and `OR ROLLBACK`
+/// ends the transaction): run in a handler's transaction whose claim was lost, so that none of
+/// its writes can commit.
+pub(crate) const ABORT_TRANSACTION: &str = "INSERT OR ROLLBACK INTO idem_fence (aborted) VALUES (1)";
 
 pub(crate) const FORGET: &str = "DELETE FROM idem_records
     WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in-flight'";

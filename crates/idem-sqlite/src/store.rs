@@ -11,12 +11,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idem_core::store::backend::{Existing, IN_FLIGHT, claim_purge_at, wait_for_change};
+use idem_core::store::backend::{
+    Existing, IN_FLIGHT, claim_purge_at, claim_state, ran_in_transaction, wait_for_change,
+};
 use idem_core::{
     Store, StoreError, UnixMillis,
     store::{
-        Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, Record, RecordId, Release, ScopeSalt,
-        WaitOutcome,
+        Begin, BeginRequest, Checkpoint, ClaimState, Completion, FencingToken, Purged, Record, RecordId, Release,
+        ScopeSalt, WaitOutcome,
     },
 };
 use rusqlite::{Connection, OptionalExtension, Transaction, params};
@@ -142,6 +144,35 @@ impl Store for SqliteStore {
             .await?;
         self.wake(id);
         Ok(())
+    }
+
+    async fn claim_state(&self, id: &RecordId, token: FencingToken) -> Result<ClaimState, StoreError> {
+        let owned = id.clone();
+        let found = self
+            .conns
+            .read(move |conn| {
+                conn.prepare_cached(sql::CLAIM_STATE)
+                    .and_then(|mut stmt| {
+                        let (scope, key) = (owned.scope.as_str(), owned.key.as_str());
+                        stmt.query_row(params![scope, key, &token.as_bytes()[..]], |row| {
+                            Ok((row.get::<_, String>(0)?, row.get::<_, bool>(1)?))
+                        })
+                        .optional()
+                    })
+                    .map_err(db_error)
+            })
+            .await?;
+        let state = found.map_or(ClaimState::Ended, |(state, is_token)| claim_state(&state, is_token));
+        if state == ClaimState::Completed {
+            // Completed by the handler's own transaction, on a connection of its own that wakes
+            // nobody: waiters in this process learn it now rather than at their next poll.
+            self.wake(id);
+        }
+        Ok(state)
+    }
+
+    fn completes_in_transactions(&self) -> bool {
+        true
     }
 
     async fn release(&self, id: &RecordId, token: FencingToken, release: Release) -> Result<(), StoreError> {
@@ -376,6 +407,14 @@ fn begin_in(tx: &Transaction<'_>, id: RecordId, request: OwnedBegin) -> Result<(
         return Ok((Begin::Acquired { recovered: false }, true));
     }
     if action == Existing::TakeOver {
+        let recovered = if ran_in_transaction(&row.stored) {
+            tx.prepare_cached(sql::HAS_CHECKPOINTS)
+                .and_then(|mut stmt| stmt.query_row(params![scope, key], |row| row.get::<_, bool>(0)))
+                .map_err(db_error)?
+        } else {
+            true
+        };
+        let token = token.for_run(recovered);
         tx.prepare_cached(sql::TAKE_OVER)
             .and_then(|mut stmt| {
                 stmt.execute(params![
@@ -388,7 +427,7 @@ fn begin_in(tx: &Transaction<'_>, id: RecordId, request: OwnedBegin) -> Result<(
                 ])
             })
             .map_err(db_error)?;
-        return Ok((Begin::Acquired { recovered: true }, true));
+        return Ok((Begin::Acquired { recovered }, true));
     }
     let replayed = action == Existing::Replay;
     if replayed {

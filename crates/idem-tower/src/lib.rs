@@ -6,6 +6,10 @@
 //! and stores or releases their answers. A handler can record the steps it has done
 //! ([`Checkpoints`]), so that a run taking over from a crashed one resumes after them.
 //!
+//! A handler whose data lives in the store's database can complete its record inside its own
+//! transaction ([`IdempotencyLayer::with_in_transaction`], [`InTransaction`]): the answer commits
+//! with the business writes, or neither does.
+//!
 //! ```no_run
 //! use axum::{Router, routing::post};
 //! use idem_sqlite::SqliteStore;
@@ -34,7 +38,7 @@ pub use body::{Body, BoxError};
 pub use checkpoints::{CheckpointError, Checkpoints, MAX_CHECKPOINT_BYTES, MAX_CHECKPOINT_NAME};
 pub use idem_core::{
     IDEMPOTENCY_RECOVERED,
-    protocol::{IdempotencyInfo, NoAnswer},
+    protocol::{CompleteInError, IdempotencyInfo, InTransaction, NoAnswer},
 };
 pub use layer::IdempotencyLayer;
 pub use service::IdempotencyService;

@@ -18,8 +18,8 @@ use http_body_util::{BodyExt, Limited};
 use idem_core::{
     Fingerprint, Problem, metric_names,
     protocol::{
-        Admission, Claim, Decision, Keep, NoAnswer, Outcome, PendingAnswer, Protocol, Reply, RunEnd, RunTimedOut,
-        Settlement, Unstored,
+        Admission, Claim, CompletedInTransaction, Decision, InTransaction, Keep, NoAnswer, Outcome, PendingAnswer,
+        Protocol, Reply, RunEnd, RunTimedOut, Settlement, Unstored,
     },
     store::RecordId,
 };
@@ -195,6 +195,9 @@ where
             }
             parts.extensions.insert(claim.info());
             parts.extensions.insert(Checkpoints::new(protocol.clone(), claim.clone()));
+            if protocol.in_transaction() {
+                parts.extensions.insert(InTransaction::new(protocol.clone(), claim.clone()));
+            }
             // Boxed: the handler's future can be large, and it is needed only when the request
             // runs, so a replay's task is small to spawn.
             Box::pin(run(protocol, route, claim, inner, Request::from_parts(parts, full(bytes)), answer)).await;
@@ -300,7 +303,16 @@ async fn run<S, ResBody>(
     };
     let (head, body) = response.into_parts();
     let body = boxed(body);
+    let in_transaction = head
+        .extensions
+        .get::<CompletedInTransaction>()
+        .is_some_and(|done| done.is_of(&claim));
     let settlement = match head.extensions.get::<NoAnswer>() {
+        // Stored by the handler's own transaction, if that committed: read whether it did.
+        _ if in_transaction => {
+            let confirmed = protocol.confirm(&claim).await;
+            protocol.settle(&claim, RunEnd::CompletedInTransaction(confirmed.as_ref().copied()))
+        }
         Some(no_answer) => protocol.settle(&claim, RunEnd::NoAnswer(no_answer)),
         None => protocol.settle(
             &claim,
@@ -311,7 +323,7 @@ async fn run<S, ResBody>(
         ),
     };
     let (response, pending) = match settlement.keep {
-        Keep::Release(_) => {
+        Keep::Release(_) | Keep::Leave => {
             let status = settlement.status.unwrap_or(head.status);
             record_outcome(&route, Some(&id), settlement.outcome, status);
             carry_out_release(&protocol, &claim, settlement.keep).await;

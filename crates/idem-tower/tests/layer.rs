@@ -16,8 +16,8 @@ use idem_core::testkit::counting;
 use idem_core::{
     ManualClock, MissingKeyPolicy, Policy, RouteRule, Routes, Scope, ScopeSource, Store, StoreError, UnixMillis,
     store::{
-        Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, Record, RecordId, Release, ScopeSalt,
-        WaitOutcome,
+        Begin, BeginRequest, Checkpoint, ClaimState, Completion, FencingToken, Purged, Record, RecordId, Release,
+        ScopeSalt, WaitOutcome,
     },
 };
 use idem_sqlite::SqliteStore;
@@ -444,6 +444,12 @@ impl Store for Unreachable {
     async fn complete(&self, _: &RecordId, _: FencingToken, _: Completion) -> Result<(), StoreError> {
         Err(down())
     }
+    async fn claim_state(&self, _: &RecordId, _: FencingToken) -> Result<ClaimState, StoreError> {
+        Err(down())
+    }
+    fn completes_in_transactions(&self) -> bool {
+        false
+    }
     async fn release(&self, _: &RecordId, _: FencingToken, _: Release) -> Result<(), StoreError> {
         Err(down())
     }
@@ -605,6 +611,12 @@ impl Store for Held {
     }
     async fn complete(&self, id: &RecordId, token: FencingToken, done: Completion) -> Result<(), StoreError> {
         self.store.complete(id, token, done).await
+    }
+    async fn claim_state(&self, id: &RecordId, token: FencingToken) -> Result<ClaimState, StoreError> {
+        self.store.claim_state(id, token).await
+    }
+    fn completes_in_transactions(&self) -> bool {
+        self.store.completes_in_transactions()
     }
     async fn release(&self, id: &RecordId, token: FencingToken, how: Release) -> Result<(), StoreError> {
         self.store.release(id, token, how).await

@@ -57,12 +57,13 @@ impl Protocol {
         let mut waited = false;
         loop {
             let now = self.now();
-            let token = FencingToken::random();
+            let token = self.new_token();
             let record = match self.claim_or_read(&id, fingerprint, now, token, provisional).await {
                 Err(err) => return self.store_failed(&err, id),
                 // A key new in this scope may have been run under the caller's scope of before a
                 // change of hashing: decided on that record if there is one.
                 Ok(Begin::Acquired { recovered }) if !earlier.is_empty() => {
+                    let token = token.for_run(recovered);
                     match self.adopt_earlier(&id, token, &std::mem::take(&mut earlier), now).await {
                         Ok(None) => return Decision::Run(self.claimed(id, token, recovered, provisional)),
                         Ok(Some(adopted)) => {
@@ -73,6 +74,7 @@ impl Protocol {
                     }
                 }
                 Ok(Begin::Acquired { recovered }) => {
+                    let token = token.for_run(recovered);
                     return Decision::Run(self.claimed(id, token, recovered, provisional));
                 }
                 Ok(Begin::Existing(record)) => record,
@@ -110,6 +112,21 @@ impl Protocol {
                 return self.store_failed(&err, id);
             }
         }
+    }
+
+    /// The token of a new claim: an in-transaction one on a route whose handlers complete in their
+    /// own transaction, if the store can take such completions.
+    fn new_token(&self) -> FencingToken {
+        if self.inner.policy.in_transaction && self.inner.store.completes_in_transactions() {
+            FencingToken::random_in_transaction()
+        } else {
+            FencingToken::random()
+        }
+    }
+
+    /// True if this protocol's claims are completed in their handlers' own transactions.
+    pub fn in_transaction(&self) -> bool {
+        self.inner.policy.in_transaction && self.inner.store.completes_in_transactions()
     }
 
     fn claimed(&self, id: RecordId, token: FencingToken, recovered: bool, provisional: Option<Duration>) -> Claim {
@@ -241,26 +258,41 @@ impl Protocol {
             // is given up rather than left to answer 409 until its lease ends. Whether it was a
             // takeover is not known: it is left unknown.
             Ok((Err(err @ StoreError::Unavailable(_)), id, store)) => {
-                tokio::spawn(give_up_claim(store, id, token, limit, unknown));
+                give_up_claims(store, id, held_tokens(token, None), limit, unknown);
                 Err(err)
             }
             Ok((begun, _, _)) => begun,
             Err(_) => {
                 tokio::spawn(async move {
-                    let release = match begin.await {
-                        (Ok(Begin::Acquired { recovered: false }), id, store) => Some((Release::Forget, id, store)),
-                        (Ok(Begin::Acquired { recovered: true }) | Err(StoreError::Unavailable(_)), id, store) => {
-                            Some((unknown, id, store))
-                        }
-                        _ => None,
+                    let (begun, id, store) = begin.await;
+                    let (recovered, release) = match begun {
+                        Ok(Begin::Acquired { recovered: false }) => (Some(false), Release::Forget),
+                        Ok(Begin::Acquired { recovered: true }) => (Some(true), unknown),
+                        Err(StoreError::Unavailable(_)) => (None, unknown),
+                        _ => return,
                     };
-                    if let Some((release, id, store)) = release {
-                        give_up_claim(store, id, token, limit, release).await;
-                    }
+                    give_up_claims(store, id, held_tokens(token, recovered), limit, release);
                 });
                 Err(StoreError::unavailable(StoreTimedOut(limit)))
             }
         }
+    }
+}
+
+/// The tokens a claim requested with `token` may hold: the one for its kind of run, or, if it is
+/// not known whether the claim was made or recovered (`None`), each that it could be.
+fn held_tokens(token: FencingToken, recovered: Option<bool>) -> Vec<FencingToken> {
+    match recovered {
+        Some(recovered) => vec![token.for_run(recovered)],
+        None if token.for_run(true) == token => vec![token],
+        None => vec![token, token.for_run(true)],
+    }
+}
+
+/// Gives up, in the background, the claim that one of `tokens` may hold ([`give_up_claim`]).
+fn give_up_claims(store: Arc<dyn Store>, id: RecordId, tokens: Vec<FencingToken>, limit: Duration, release: Release) {
+    for token in tokens {
+        tokio::spawn(give_up_claim(store.clone(), id.clone(), token, limit, release));
     }
 }
 

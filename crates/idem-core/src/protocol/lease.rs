@@ -15,7 +15,7 @@ use super::{Claim, Protocol};
 use crate::metric_names;
 use crate::response::StoredResponse;
 use crate::store::{Checkpoint, RecordId};
-use crate::store::{Completion, StoreError};
+use crate::store::{ClaimState, Completion, StoreError};
 
 /// The most answer bytes held in memory while the store refuses them; beyond it an answer is
 /// given up (its record stays in flight, and a retry after the lease takes it over, marked
@@ -196,8 +196,19 @@ impl Protocol {
             purge_at,
         };
         let store = self.store();
-        self.bounded(store.complete(claim.id(), claim.token(), completion))
+        match self
+            .bounded(store.complete(claim.id(), claim.token(), completion))
             .await
+        {
+            // Stored under this claim already: by an earlier attempt whose reply was lost, or by
+            // the run's own transaction (an upstream that called `idem_complete`).
+            Err(StoreError::Fenced) => match self.bounded(store.claim_state(claim.id(), claim.token())).await {
+                Ok(ClaimState::Completed) => Ok(()),
+                Ok(ClaimState::Current | ClaimState::Ended) => Err(StoreError::Fenced),
+                Err(err) => Err(err),
+            },
+            done => done,
+        }
     }
 }
 
@@ -235,7 +246,18 @@ impl PendingAnswer {
 impl Protocol {
     /// The stored form of an answer (`body: None`: compact).
     pub(crate) fn capture(&self, id: &RecordId, head: &http::response::Parts, body: Option<Bytes>) -> Bytes {
-        let stored = StoredResponse::capture(head.status, &head.headers, &self.inner.policy.stored_headers, body);
+        self.capture_parts(id, head.status, &head.headers, body)
+    }
+
+    /// [`capture`](Self::capture) from an answer's status and headers.
+    pub(crate) fn capture_parts(
+        &self,
+        id: &RecordId,
+        status: http::StatusCode,
+        headers: &http::HeaderMap,
+        body: Option<Bytes>,
+    ) -> Bytes {
+        let stored = StoredResponse::capture(status, headers, &self.inner.policy.stored_headers, body);
         let encoded = stored.encode();
         match &self.inner.keyring {
             Some(keyring) => keyring.seal(id, &encoded),

@@ -10,6 +10,7 @@
 //! | judgement | `judge.rs` | `judge`: a pure function of (record, fingerprint, now) — replay, mismatch, expired, wait |
 //! | the run | `lease.rs` | [`Protocol::drive`]: the lease renewed beside the work, the run timeout, the answer stored or held |
 //! | settle | `settle.rs` | [`Protocol::settle`]: how the run ended decides the record and the client's answer |
+//! | in transaction | `in_transaction.rs` | [`InTransaction`]: the answer completed in the handler's own transaction, then [`Protocol::confirm`]ed |
 //! | bounded store calls | `bounded.rs` | every store operation limited by `store_timeout` (a leaf: imports nothing back) |
 //!
 //! Every row of the outcome table is mapped to the function that decides it in `docs/design.md`.
@@ -33,12 +34,14 @@ use crate::time::{Clock, UnixMillis};
 mod admission;
 mod begin;
 mod bounded;
+mod in_transaction;
 mod judge;
 mod lease;
 mod settle;
 
 pub use admission::{Admission, Keyed};
 pub(crate) use bounded::StoreTimedOut;
+pub use in_transaction::{CompleteInError, CompletedInTransaction, InTransaction};
 pub use lease::{MAX_PENDING_BYTES, PendingAnswer, RunTimedOut, Unstored};
 pub use settle::{Keep, NoAnswer, Reply, RunEnd, Settlement, body_incomplete, internal_error, no_answer_problem};
 

@@ -29,7 +29,7 @@ use http::{Response, StatusCode};
 use super::{Claim, Outcome, Protocol};
 use crate::policy::Policy;
 use crate::problem::{Problem, ProblemKind};
-use crate::store::{Release, StoreError};
+use crate::store::{ClaimState, Release, StoreError};
 use crate::time::UnixMillis;
 
 /// Put into a response's extensions by an inner service whose response is not the handler's
@@ -83,6 +83,10 @@ pub enum RunEnd<'a> {
     AnswerBroke,
     /// The caller hung up after the claim was made and before anything ran.
     CallerLeft,
+    /// The handler answered with an answer it completed in its own transaction
+    /// ([`InTransaction`](super::InTransaction)), and this is where its claim stands now
+    /// ([`Protocol::confirm`]): completed if that transaction committed.
+    CompletedInTransaction(Result<ClaimState, &'a StoreError>),
 }
 
 /// What becomes of the record of a run.
@@ -95,6 +99,9 @@ pub enum Keep {
     StoreCompact,
     /// Release the record this way ([`Protocol::release`]).
     Release(Release),
+    /// Leave the record as it is: its answer was stored by the run's own transaction, or it is
+    /// not this run's any more, or where it stands could not be read (then its lease runs out).
+    Leave,
 }
 
 /// What the client gets.
@@ -147,6 +154,9 @@ struct Run {
     recovered: bool,
     /// This run recorded a checkpoint.
     stepped: bool,
+    /// This run keeps its every effect in the transaction that completes its record, and is not
+    /// a recovered run ([`FencingToken::in_transaction`](crate::store::FencingToken::in_transaction)).
+    in_transaction: bool,
     /// How the run is logged when it answered.
     outcome: Outcome,
     /// The window of a provisional key.
@@ -161,6 +171,7 @@ impl Protocol {
         let run = Run {
             recovered: claim.recovered(),
             stepped: claim.stepped(),
+            in_transaction: claim.token().in_transaction(),
             outcome: claim.outcome(),
             provisional: claim.provisional(),
         };
@@ -204,16 +215,20 @@ fn decide(policy: &Policy, now: UnixMillis, run: Run, end: RunEnd<'_>) -> Settle
     // Kept as unknown: the next run within `ttl` is marked recovered; after it the key is
     // expired until its tombstone ends, as an answered key is.
     let (expires_at, purge_at) = policy.retention(now, run.provisional);
-    let unknown = Keep::Release(Release::Unknown { expires_at, purge_at });
+    let kept_unknown = Keep::Release(Release::Unknown { expires_at, purge_at });
     // A run that had no effect of its own is forgotten, so the retry runs as new — unless an
     // effect may stand from before (a recorded checkpoint, or the unknown outcome of the run this
     // one recovered from), which a plain re-run would repeat unflagged: then the record stays
     // unknown, its checkpoints kept.
     let released = if run.recovered || run.stepped {
-        unknown
+        kept_unknown
     } else {
         Keep::Release(Release::Forget)
     };
+    // An in-transaction run that ends without having completed had no effect either: its
+    // transaction did not commit the answer, so it committed nothing, and once the release has
+    // changed the claim it never can (its completion checks the token under the record's lock).
+    let unknown = if run.in_transaction { released } else { kept_unknown };
     match end {
         RunEnd::Answered { status, body_len } => {
             let keep = if !policy.stores(status) {
@@ -250,6 +265,30 @@ fn decide(policy: &Policy, now: UnixMillis, run: Run, end: RunEnd<'_>) -> Settle
             Settlement::problem(unknown, Problem::new(ProblemKind::UpstreamFailed, detail), run.outcome)
         }
         RunEnd::CallerLeft => Settlement::answer(released, run),
+        RunEnd::CompletedInTransaction(Ok(ClaimState::Completed)) => Settlement::answer(Keep::Leave, run),
+        // The handler answered as if its transaction had committed, but it did not: nothing of it
+        // stands.
+        RunEnd::CompletedInTransaction(Ok(ClaimState::Current)) => {
+            let detail =
+                "the request's transaction did not commit, so it had no effect; send it again with the same key";
+            Settlement::problem(unknown, Problem::new(ProblemKind::Internal, detail), Outcome::Internal)
+        }
+        // Taken over (its lease ran out) or deleted while it ran: its transaction could not commit,
+        // and the run that holds the key now answers.
+        RunEnd::CompletedInTransaction(Ok(ClaimState::Ended)) => {
+            let detail = "another run took this key over while this one ran, and this one's transaction did not commit; retry with the same key to receive that run's answer";
+            let problem = Problem::new(ProblemKind::KeyInFlight, detail).retry_after(policy.retry_after);
+            Settlement::problem(Keep::Leave, problem, run.outcome)
+        }
+        // Committed or not, the record tells the retry: replayed, or (the lease run out, nothing
+        // of it standing) run again.
+        RunEnd::CompletedInTransaction(Err(err)) => {
+            let detail = format!(
+                "the request ran, but whether its transaction committed could not be read ({err}); retry with the same key"
+            );
+            let problem = Problem::new(ProblemKind::StoreUnavailable, detail).retry_after(policy.retry_after);
+            Settlement::problem(Keep::Leave, problem, Outcome::StoreError)
+        }
     }
 }
 
@@ -320,6 +359,7 @@ mod tests {
         Run {
             recovered,
             stepped,
+            in_transaction: false,
             outcome: if recovered { Outcome::Recovered } else { Outcome::New },
             provisional: None,
         }
@@ -416,6 +456,34 @@ mod tests {
                 answered(200, Some(1)),
             );
             assert_eq!(settled.keep, Keep::Store);
+        }
+    }
+
+    #[test]
+    fn an_in_transaction_run_that_did_not_complete_is_forgotten_unless_an_effect_may_stand() {
+        let policy = Policy::default();
+        let lost = NoAnswer::OutcomeUnknown { cause: "reset".into() };
+        let endings = [
+            RunEnd::NoAnswer(&lost),
+            RunEnd::HandlerFailed,
+            RunEnd::Panicked,
+            RunEnd::TimedOut,
+            RunEnd::AnswerBroke,
+            answered(500, None),
+        ];
+        for end in endings {
+            let in_transaction = Run {
+                in_transaction: true,
+                ..run(false, false)
+            };
+            let settled = decide(&policy, UnixMillis::from_i64(NOW_MS), in_transaction, end);
+            assert_eq!(settled.keep, FORGET, "{end:?}: its transaction committed nothing");
+            let stepped = Run {
+                in_transaction: true,
+                ..run(false, true)
+            };
+            let settled = decide(&policy, UnixMillis::from_i64(NOW_MS), stepped, end);
+            assert_eq!(settled.keep, unknown(&policy), "{end:?}: a recorded step stands");
         }
     }
 

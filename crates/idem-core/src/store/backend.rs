@@ -16,7 +16,7 @@ pub use crate::scope::hex;
 pub use crate::store::replay_counts::ReplayCounts;
 use crate::{
     Fingerprint, StoreError, UnixMillis,
-    store::{FencingToken, Record, RecordId, RecordState, WaitOutcome},
+    store::{ClaimState, FencingToken, Record, RecordId, RecordState, WaitOutcome},
 };
 
 /// How long an in-flight record made before claims carried their own `purge_at` is kept once its
@@ -36,6 +36,32 @@ pub fn abandoned_purge_at(lease_until: UnixMillis) -> UnixMillis {
 /// renewal moves it to the new lease's end if that is later.
 pub fn claim_purge_at(purge_at: UnixMillis, lease_until: UnixMillis) -> UnixMillis {
     purge_at.max(lease_until)
+}
+
+/// Whether `taken`, a record that [`Existing::TakeOver`] applies to, is an in-flight claim whose
+/// token says its run keeps every effect in the transaction that completes the record
+/// ([`FencingToken::in_transaction`]). Such a claim, still in flight, did not complete, so its
+/// transaction never committed: unless it recorded checkpoints, nothing of it stands, and the run
+/// that takes it over is a new one, unflagged (`recovered: false`). Every other takeover is
+/// recovered, a released (unknown) record's always. A store reads whether the record holds
+/// checkpoints only when this is true, so that an ordinary takeover costs no read.
+pub fn ran_in_transaction(taken: &StoredRecord) -> bool {
+    taken.state == IN_FLIGHT
+        && taken
+            .token
+            .as_deref()
+            .and_then(|bytes| <[u8; 16]>::try_from(bytes).ok())
+            .is_some_and(|bytes| FencingToken::from_bytes(bytes).in_transaction())
+}
+
+/// Where a claim stands, from its record's stored `state` and whether the claim's token is the
+/// record's (`is_token`: the current claim's when in flight, the completing claim's when completed).
+pub fn claim_state(state: &str, is_token: bool) -> ClaimState {
+    match (state, is_token) {
+        (IN_FLIGHT, true) => ClaimState::Current,
+        (COMPLETED, true) => ClaimState::Completed,
+        _ => ClaimState::Ended,
+    }
 }
 
 /// The stored word of [`RecordState::InFlight`].

@@ -36,13 +36,57 @@ pub struct RecordId {
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct FencingToken([u8; 16]);
 
+/// The first bytes of the token of a claim whose run keeps every effect in its own transaction
+/// and completes the record there ([`FencingToken::in_transaction`]).
+const IN_TRANSACTION: [u8; 4] = *b"idTx";
+/// What [`IN_TRANSACTION`] becomes in the token of such a claim that is itself a recovered run
+/// ([`FencingToken::for_run`]).
+const IN_TRANSACTION_RECOVERED: [u8; 4] = *b"idTr";
+
 impl FencingToken {
     /// A new random token, from the thread's cryptographically secure generator (seeded from the
-    /// system once, not a system call per token).
+    /// system once, not a system call per token). Never one of an [in-transaction
+    /// claim](Self::in_transaction).
     pub fn random() -> Self {
         let mut bytes = [0; 16];
-        rand::rng().fill_bytes(&mut bytes);
+        loop {
+            rand::rng().fill_bytes(&mut bytes);
+            if bytes[..4] != IN_TRANSACTION {
+                return Self(bytes);
+            }
+        }
+    }
+
+    /// A new random token for a claim whose run keeps its every effect in the transaction that
+    /// completes the record (a route with [`Policy::in_transaction`](crate::Policy)): its first
+    /// four bytes say so, the other twelve are random. The claim carries its kind in its token,
+    /// so that the run that takes it over after its holder died can tell that nothing of it
+    /// stands unless it completed ([`crate::store::backend::ran_in_transaction`]).
+    pub fn random_in_transaction() -> Self {
+        let mut bytes = [0; 16];
+        rand::rng().fill_bytes(&mut bytes[4..]);
+        bytes[..4].copy_from_slice(&IN_TRANSACTION);
         Self(bytes)
+    }
+
+    /// True for the token of an in-transaction claim that is not a recovered run: if such a claim
+    /// ends without completing, its run had no effect.
+    pub fn in_transaction(&self) -> bool {
+        self.0[..4] == IN_TRANSACTION
+    }
+
+    /// The token a claim made with this one holds: itself, unless the claim is a recovered run,
+    /// whose token can no longer say "nothing of this run stands" (an effect of the run before it
+    /// may), so an in-transaction token loses its mark. The store and the protocol both derive
+    /// it, from the request's token and whether the claim is recovered.
+    pub fn for_run(self, recovered: bool) -> Self {
+        if recovered && self.in_transaction() {
+            let mut bytes = self.0;
+            bytes[..4].copy_from_slice(&IN_TRANSACTION_RECOVERED);
+            Self(bytes)
+        } else {
+            self
+        }
     }
 
     /// Rebuilds a token from its stored bytes.
@@ -225,6 +269,18 @@ pub enum Release {
     },
 }
 
+/// Where one claim on a record stands ([`Store::claim_state`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClaimState {
+    /// The claim is current: the record is in flight under it.
+    Current,
+    /// The record was completed under this claim (by the run's own transaction, or by a
+    /// [`Store::complete`] whose reply was lost).
+    Completed,
+    /// The claim ended otherwise: released, taken over, deleted, or the record is gone.
+    Ended,
+}
+
 /// How [`Store::wait`] ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WaitOutcome {
@@ -282,7 +338,10 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     ///   new claim (`recovered: false`);
     /// * an in-flight record whose lease ended before `now`, or an unknown-outcome record, with the
     ///   same fingerprint digest, before its `expires_at` (always, for a record that has none):
-    ///   taken over (`recovered: true`), with the request's `expires_at` and `purge_at`;
+    ///   taken over, with the request's `expires_at` and `purge_at`: `recovered: true`, unless
+    ///   nothing of the claim before can stand (an in-transaction claim without checkpoints:
+    ///   [`backend::ran_in_transaction`]). The claim holds the request's token
+    ///   [`for_run`](FencingToken::for_run)`(recovered)`;
     /// * otherwise nothing changes and the record is returned. If it is completed, not expired and
     ///   has the same fingerprint digest, the replay is counted, and the record returned with it.
     ///   A store may write counts a moment later, in batches, so that a replay is a read: its own
@@ -291,6 +350,16 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
 
     /// Stores the answer if `token` is still the current claim; [`StoreError::Fenced`] otherwise.
     async fn complete(&self, id: &RecordId, token: FencingToken, completion: Completion) -> Result<(), StoreError>;
+
+    /// Where the claim `token` on the record stands. A completed record remembers the claim that
+    /// completed it (until it is purged), so that a run whose answer was stored by its own
+    /// transaction, or whose `complete` lost its reply, can tell it was stored.
+    async fn claim_state(&self, id: &RecordId, token: FencingToken) -> Result<ClaimState, StoreError>;
+
+    /// True if the store can complete a record inside the caller's own database transaction
+    /// (PostgreSQL and SQLite): only then does a route with
+    /// [`Policy::in_transaction`](crate::Policy) make in-transaction claims.
+    fn completes_in_transactions(&self) -> bool;
 
     /// Gives the record up if `token` is still the current claim; [`StoreError::Fenced`] otherwise.
     async fn release(&self, id: &RecordId, token: FencingToken, release: Release) -> Result<(), StoreError>;
@@ -371,6 +440,12 @@ impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
     }
     async fn complete(&self, id: &RecordId, token: FencingToken, completion: Completion) -> Result<(), StoreError> {
         (**self).complete(id, token, completion).await
+    }
+    async fn claim_state(&self, id: &RecordId, token: FencingToken) -> Result<ClaimState, StoreError> {
+        (**self).claim_state(id, token).await
+    }
+    fn completes_in_transactions(&self) -> bool {
+        (**self).completes_in_transactions()
     }
     async fn release(&self, id: &RecordId, token: FencingToken, release: Release) -> Result<(), StoreError> {
         (**self).release(id, token, release).await

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 
 use crate::store::{
-    Begin, BeginRequest, Checkpoint, Completion, FencingToken, Purged, Record, RecordId, Release, ScopeSalt, Store,
-    StoreError, WaitOutcome,
+    Begin, BeginRequest, Checkpoint, ClaimState, Completion, FencingToken, Purged, Record, RecordId, Release,
+    ScopeSalt, Store, StoreError, WaitOutcome,
 };
 use crate::time::UnixMillis;
 
@@ -42,11 +42,13 @@ pub enum StoreOperation {
     Checkpoints,
     /// [`Store::scope_salt`]: read once per instance, never per request.
     ScopeSalt,
+    /// [`Store::claim_state`]: after a run that completed its record in its own transaction.
+    ClaimState,
 }
 
 impl StoreOperation {
     /// Every operation, in declaration order.
-    pub const ALL: [Self; 13] = [
+    pub const ALL: [Self; 14] = [
         Self::Begin,
         Self::Complete,
         Self::Release,
@@ -60,6 +62,7 @@ impl StoreOperation {
         Self::Checkpoint,
         Self::Checkpoints,
         Self::ScopeSalt,
+        Self::ClaimState,
     ];
 
     /// The name used in metrics labels and reports.
@@ -78,6 +81,7 @@ impl StoreOperation {
             Self::Checkpoint => "checkpoint",
             Self::Checkpoints => "checkpoints",
             Self::ScopeSalt => "scope_salt",
+            Self::ClaimState => "claim_state",
         }
     }
 
@@ -156,6 +160,13 @@ impl<S: Store, O: Observer> Store for Observed<S, O> {
     async fn complete(&self, id: &RecordId, token: FencingToken, completion: Completion) -> Result<(), StoreError> {
         self.measure(StoreOperation::Complete, self.inner.complete(id, token, completion))
             .await
+    }
+    async fn claim_state(&self, id: &RecordId, token: FencingToken) -> Result<ClaimState, StoreError> {
+        self.measure(StoreOperation::ClaimState, self.inner.claim_state(id, token))
+            .await
+    }
+    fn completes_in_transactions(&self) -> bool {
+        self.inner.completes_in_transactions()
     }
     async fn release(&self, id: &RecordId, token: FencingToken, release: Release) -> Result<(), StoreError> {
         self.measure(StoreOperation::Release, self.inner.release(id, token, release))
