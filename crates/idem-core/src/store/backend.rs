@@ -78,7 +78,8 @@ pub struct StoredRecord {
     pub state: String,
     /// [`Fingerprint::encode`]'s output.
     pub fingerprint: Vec<u8>,
-    /// The current claim's token (in flight only).
+    /// The current claim's token when in flight; the completing claim's when completed (a store
+    /// may keep it, for [`Store::claim_state`](crate::Store::claim_state)).
     pub token: Option<Vec<u8>>,
     /// The end of the current lease (in flight only).
     pub lease_until: Option<i64>,
