@@ -201,7 +201,7 @@ impl Protocol {
             .await
         {
             // Stored under this claim already: by an earlier attempt whose reply was lost, or by
-            // the run's own transaction (an upstream that called `idem_complete`).
+            // the run's own transaction.
             Err(StoreError::Fenced) => match self.bounded(store.claim_state(claim.id(), claim.token())).await {
                 Ok(ClaimState::Completed) => Ok(()),
                 Ok(ClaimState::Current | ClaimState::Ended) => Err(StoreError::Fenced),

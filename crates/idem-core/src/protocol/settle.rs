@@ -252,16 +252,24 @@ fn decide(policy: &Policy, now: UnixMillis, run: Run, end: RunEnd<'_>) -> Settle
         RunEnd::HandlerFailed => Settlement::answer(unknown, run),
         RunEnd::Panicked => Settlement::problem(unknown, internal_error(), Outcome::Internal),
         RunEnd::TimedOut => {
+            let what_now = if unknown == kept_unknown {
+                "whether it took effect is unknown: retry with the same key (the retry is marked recovered)"
+            } else {
+                "it did not complete, so nothing of it stands: retry with the same key"
+            };
             let detail = format!(
-                "the request ran longer than {} and was given up; whether it took effect is unknown: retry with the same key (the retry is marked recovered)",
+                "the request ran longer than {} and was given up; {what_now}",
                 seconds(policy.run_timeout)
             );
             let problem = Problem::new(ProblemKind::UpstreamTimeout, detail).retry_after(policy.retry_after);
             Settlement::problem(unknown, problem, Outcome::RunTimedOut)
         }
         RunEnd::AnswerBroke => {
-            let detail =
-                "the answer was lost before it was complete; retry with the same key (the retry is marked recovered)";
+            let detail = if unknown == kept_unknown {
+                "the answer was lost before it was complete; retry with the same key (the retry is marked recovered)"
+            } else {
+                "the answer was lost before it was complete; retry with the same key"
+            };
             Settlement::problem(unknown, Problem::new(ProblemKind::UpstreamFailed, detail), run.outcome)
         }
         RunEnd::CallerLeft => Settlement::answer(released, run),
