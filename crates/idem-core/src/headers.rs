@@ -15,3 +15,9 @@ pub const IDEMPOTENCY_REPLAY: HeaderName = HeaderName::from_static("idempotency-
 /// The header that tells a handler (or the gateway's upstream) that an earlier run of this key may
 /// have had effects: check before acting again.
 pub const IDEMPOTENCY_RECOVERED: HeaderName = HeaderName::from_static("idempotency-recovered");
+
+/// The header that carries a run's completion token to the gateway's upstream, on a PostgreSQL
+/// store: the upstream passes it to `idem_complete(token, status, headers, body)` inside its own
+/// transaction ([`InTransaction::completion_token`](crate::protocol::InTransaction::completion_token)).
+/// The gateway removes any a client sends.
+pub const IDEMPOTENCY_TOKEN: HeaderName = HeaderName::from_static("idempotency-token");

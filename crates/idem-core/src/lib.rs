@@ -69,7 +69,9 @@ pub mod store;
 #[cfg(feature = "testkit")]
 pub mod testkit;
 
-pub use headers::{IDEMPOTENCY_KEY, IDEMPOTENCY_RECOVERED, IDEMPOTENCY_REPLAY, IDEMPOTENCY_REPLAYED};
+pub use headers::{
+    IDEMPOTENCY_KEY, IDEMPOTENCY_RECOVERED, IDEMPOTENCY_REPLAY, IDEMPOTENCY_REPLAYED, IDEMPOTENCY_TOKEN,
+};
 pub use key::{IdempotencyKey, KeyError, KeyTimeFormats, KeyTimeFormatsError, MAX_KEY_LEN};
 pub use problem::{Problem, ProblemKind};
 pub use time::{Clock, ManualClock, SystemClock, UnixMillis};

@@ -28,6 +28,12 @@ const MIGRATION_LOCK: i64 = 0x6964_656d_0000_0001;
 ///    transaction, so a holder that lost its claim cannot commit its business writes. It runs on
 ///    the schema it was created in (`SET search_path FROM CURRENT`), whatever the caller's
 ///    connection is set to.
+/// 6. `idem_complete(token, status, headers, body)`: the same, for an upstream in any language,
+///    from the `Idempotency-Token` the gateway sends it (`InTransaction::completion_token`). It
+///    reads the record, the claim and the retention from the token, keeps the headers of the
+///    default allow-list, refuses statuses that are not stored (`IDEM2`) and tokens that are not
+///    one (`IDEM3`), and writes the answer in idem's stored form, uncompressed and unsealed, on
+///    the database's clock.
 const MIGRATIONS: &[(i32, &str)] = &[
     (
         1,
@@ -117,6 +123,74 @@ BEGIN
 END
 $fn$;
 ",
+    ),
+    (
+        6,
+        r#"
+CREATE FUNCTION idem_complete(p_token TEXT, p_status INTEGER, p_headers JSONB, p_body BYTEA)
+RETURNS void
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $fn$
+DECLARE
+    parts   TEXT[] := string_to_array(p_token, '.');
+    v_scope TEXT;
+    v_key   TEXT;
+    v_token BYTEA;
+    v_ttl   BIGINT;
+    v_keep  BIGINT;
+    v_now   BIGINT := (extract(epoch FROM clock_timestamp()) * 1000)::bigint;
+    v_heads BYTEA := '\x'::bytea;
+    v_count INTEGER := 0;
+    h       RECORD;
+BEGIN
+    IF p_token IS NULL OR cardinality(parts) <> 6 OR parts[1] <> 'idem1' THEN
+        RAISE EXCEPTION 'idem: this is not an Idempotency-Token' USING ERRCODE = 'IDEM3';
+    END IF;
+    BEGIN
+        v_scope := convert_from(decode(parts[2], 'hex'), 'UTF8');
+        v_key := convert_from(decode(parts[3], 'hex'), 'UTF8');
+        v_token := decode(parts[4], 'hex');
+        v_ttl := parts[5]::bigint;
+        v_keep := parts[6]::bigint;
+    EXCEPTION WHEN OTHERS THEN
+        RAISE EXCEPTION 'idem: this is not an Idempotency-Token' USING ERRCODE = 'IDEM3';
+    END;
+    IF p_status IS NULL OR p_status < 200 OR p_status > 499 OR p_status IN (408, 409, 425, 429) THEN
+        RAISE EXCEPTION 'idem: a % answer is not stored (a retry runs the request again); do not complete with it', p_status
+            USING ERRCODE = 'IDEM2';
+    END IF;
+    IF p_headers IS NOT NULL AND jsonb_typeof(p_headers) <> 'object' THEN
+        RAISE EXCEPTION 'idem: headers must be a JSON object of names to a value or an array of values'
+            USING ERRCODE = 'IDEM2';
+    END IF;
+    FOR h IN
+        SELECT lower(e.key) AS name, v.value AS value
+        FROM jsonb_each(COALESCE(p_headers, '{}'::jsonb)) AS e,
+             LATERAL jsonb_array_elements_text(
+                 CASE jsonb_typeof(e.value) WHEN 'array' THEN e.value ELSE jsonb_build_array(e.value) END
+             ) AS v(value)
+        WHERE lower(e.key) IN ('content-type', 'content-encoding', 'vary', 'location', 'content-location', 'etag', 'link')
+    LOOP
+        IF h.value ~ '[\x01-\x08\x0a-\x1f\x7f]' THEN
+            RAISE EXCEPTION 'idem: the value of header % is not a valid header value', h.name USING ERRCODE = 'IDEM2';
+        END IF;
+        v_heads := v_heads
+            || int4send(octet_length(h.name)) || convert_to(h.name, 'UTF8')
+            || int4send(octet_length(convert_to(h.value, 'UTF8'))) || convert_to(h.value, 'UTF8');
+        v_count := v_count + 1;
+    END LOOP;
+    PERFORM idem_complete_claim(
+        v_scope, v_key, v_token,
+        '\x4944523100'::bytea || int2send(p_status::smallint) || int2send(v_count::smallint) || v_heads
+            || COALESCE(p_body, '\x'::bytea),
+        v_now, v_now + v_ttl, v_now + v_keep,
+        encode(substr(sha256(int8send(octet_length(v_scope)::bigint) || convert_to(v_scope, 'UTF8')
+            || convert_to(v_key, 'UTF8')), 1, 16), 'hex')
+    );
+END
+$fn$;
+"#,
     ),
 ];
 

@@ -50,6 +50,7 @@ pub(crate) const HAS_CHECKPOINTS: &str =
 /// Rolls the caller's whole transaction back (the `CHECK` of `idem_fence` fails, and `OR ROLLBACK`
 /// ends the transaction): run in a handler's transaction whose claim was lost, so that none of
 /// its writes can commit.
+#[cfg(feature = "sqlx")]
 pub(crate) const ABORT_TRANSACTION: &str = "INSERT OR ROLLBACK INTO idem_fence (aborted) VALUES (1)";
 
 pub(crate) const FORGET: &str = "DELETE FROM idem_records

@@ -51,13 +51,14 @@ impl IdempotencyLayer {
         }
     }
 
-    /// The handlers complete their records in their own database transaction
-    /// ([`Policy::in_transaction`]), on a store that can (PostgreSQL, SQLite; elsewhere this
-    /// changes nothing). Each keyed handler then finds an [`InTransaction`](crate::InTransaction)
-    /// in its request's extensions, to hand to the store's `complete_in` with its transaction and
-    /// its answer. A run that ends without completing had no effect: its key runs again
-    /// unflagged, as does a key whose holder died before its commit. Only for handlers whose every
-    /// effect is in that transaction (or is idempotent by the key).
+    /// Declares that the handlers complete their records in their own database transaction and
+    /// have no effect outside it, or only effects idempotent by the key
+    /// ([`Policy::in_transaction`]). On a store that completes in transactions (PostgreSQL,
+    /// SQLite) every keyed handler finds an [`InTransaction`](crate::InTransaction) in its
+    /// request's extensions, declared or not, to hand to the store's `complete_in` with its
+    /// transaction and its answer. Declared, a run that ends without completing had no effect: its
+    /// key runs again unflagged, as does a key whose holder died before its commit. Undeclared,
+    /// such keys run again flagged recovered, as for any handler. On Redis this changes nothing.
     pub fn with_in_transaction(mut self, in_transaction: bool) -> Self {
         self.policy.in_transaction = in_transaction;
         self

@@ -195,7 +195,7 @@ where
             }
             parts.extensions.insert(claim.info());
             parts.extensions.insert(Checkpoints::new(protocol.clone(), claim.clone()));
-            if protocol.in_transaction() {
+            if protocol.completes_in_transactions() {
                 parts.extensions.insert(InTransaction::new(protocol.clone(), claim.clone()));
             }
             // Boxed: the handler's future can be large, and it is needed only when the request

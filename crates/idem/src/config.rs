@@ -57,6 +57,15 @@ pub(crate) struct UpstreamOptions {
     pub(crate) ca: Option<PathBuf>,
     /// HTTP/2 by prior knowledge (h2c) to an `http://` upstream (`--upstream-http2`).
     pub(crate) http2: bool,
+    /// Send each keyed run's `Idempotency-Token`, for `idem_complete`: on a PostgreSQL store.
+    pub(crate) completion_tokens: bool,
+}
+
+/// Whether the store at `url` installs `idem_complete`, with which an upstream completes a run in
+/// its own transaction: PostgreSQL.
+fn completes_with_sql(url: &str) -> bool {
+    let scheme = url.split_once(':').map_or(url, |(scheme, _)| scheme);
+    matches!(scheme, "postgres" | "postgresql")
 }
 
 /// The keys that seal stored answers, from `IDEM_ENCRYPTION_KEYS` (an environment variable only:
@@ -188,6 +197,21 @@ impl ServeConfig {
             tls_key,
             ..
         } = settings;
+        let completion_tokens = completes_with_sql(&store);
+        let in_transaction = policy.in_transaction
+            || routes
+                .iter()
+                .any(|route| matches!(&route.rule, RouteRule::Protect(policy) if policy.in_transaction));
+        if in_transaction && !completion_tokens {
+            return Err(Misconfigured {
+                flag: "in-transaction",
+                reason: format!(
+                    "needs a PostgreSQL store, in whose database the upstream completes its runs with idem_complete; the store is {}",
+                    idem_core::redact_url(&store)
+                ),
+            }
+            .into());
+        }
         Ok(Self {
             upstream,
             listen,
@@ -200,6 +224,7 @@ impl ServeConfig {
             upstream_options: UpstreamOptions {
                 ca: upstream_ca,
                 http2: upstream_http2,
+                completion_tokens,
             },
             tls_cert,
             tls_key,

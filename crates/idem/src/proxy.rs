@@ -21,8 +21,8 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use idem_core::{
-    HOP_BY_HOP, IDEMPOTENCY_RECOVERED as RECOVERED, metric_names,
-    protocol::{IdempotencyInfo, NoAnswer},
+    HOP_BY_HOP, IDEMPOTENCY_RECOVERED as RECOVERED, IDEMPOTENCY_TOKEN, metric_names,
+    protocol::{IdempotencyInfo, InTransaction, NoAnswer},
 };
 use idem_tower::Body;
 
@@ -39,6 +39,8 @@ pub(crate) struct Proxy {
     /// The upstream as logs show it: any password in it masked.
     shown: Arc<str>,
     timeout: Duration,
+    /// Whether keyed runs carry their `Idempotency-Token` (a PostgreSQL store).
+    completion_tokens: bool,
 }
 
 impl Proxy {
@@ -125,6 +127,7 @@ impl Proxy {
             shown: idem_core::redact_url(&upstream.to_string()).into(),
             upstream,
             timeout,
+            completion_tokens: options.completion_tokens,
         })
     }
 
@@ -158,6 +161,14 @@ impl Proxy {
         parts.headers.remove(RECOVERED);
         if keyed.as_ref().is_some_and(|info| info.recovered) {
             parts.headers.insert(RECOVERED, HeaderValue::from_static("true"));
+        }
+        // Only the gateway says which run may complete which record: a client's is never passed on.
+        parts.headers.remove(IDEMPOTENCY_TOKEN);
+        if self.completion_tokens
+            && let Some(run) = parts.extensions.get::<InTransaction>()
+            && let Ok(token) = HeaderValue::from_str(&run.completion_token())
+        {
+            parts.headers.insert(IDEMPOTENCY_TOKEN, token);
         }
         if let Some(addr) = client_addr {
             let forwarded_for = match parts.headers.get("x-forwarded-for").and_then(|v| v.to_str().ok()) {
@@ -334,11 +345,14 @@ mod tests {
         );
         let ca = UpstreamOptions {
             ca: Some("ca.pem".into()),
-            http2: false,
+            ..UpstreamOptions::default()
         };
         let err = Proxy::with_options("http://127.0.0.1:3000".parse().unwrap(), second, &ca).unwrap_err();
         assert_eq!(err.flag, "upstream-ca");
-        let h2c = UpstreamOptions { ca: None, http2: true };
+        let h2c = UpstreamOptions {
+            http2: true,
+            ..UpstreamOptions::default()
+        };
         let err = Proxy::with_options("https://127.0.0.1:3000".parse().unwrap(), second, &h2c).unwrap_err();
         assert_eq!(err.flag, "upstream-http2");
         assert!(Proxy::with_options("http://127.0.0.1:3000".parse().unwrap(), second, &h2c).is_ok());

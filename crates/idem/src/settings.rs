@@ -359,6 +359,15 @@ settings! {
         arg: [num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = BoolishValueParser::new()],
         shown: shown::text,
     },
+    /// The upstream completes every keyed request in its own PostgreSQL transaction with
+    /// `idem_complete` and has no effect outside it: a run that ends without completing is then
+    /// forgotten (its retry runs unflagged), and so is one whose gateway died before the upstream
+    /// committed.
+    in_transaction: bool {
+        flag: "in-transaction", env: "IDEM_IN_TRANSACTION", default: policy, route: true,
+        arg: [num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = BoolishValueParser::new()],
+        shown: shown::text,
+    },
     /// Forward requests unprotected when the store is down, instead of 503.
     fail_open: bool {
         flag: "fail-open", env: "IDEM_FAIL_OPEN", default: policy, route: false,

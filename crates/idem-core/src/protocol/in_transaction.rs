@@ -1,16 +1,19 @@
 //! Exactly once with the business write: a handler whose data lives in the store's own database
 //! completes its record inside its own transaction.
 //!
-//! On a route with [`Policy::in_transaction`](crate::Policy) (and a store that
-//! [completes in transactions](crate::Store::completes_in_transactions)), the handler is given an
-//! [`InTransaction`]. It hands its transaction and its answer to the store's `complete_in`
+//! On a store that [completes in transactions](crate::Store::completes_in_transactions), every
+//! keyed handler is given an [`InTransaction`] (the gateway passes its
+//! [`completion_token`](InTransaction::completion_token) to its upstream). It hands its transaction and its answer to the store's `complete_in`
 //! (`idem_postgres`, `idem_sqlite`), which checks the claim's token under the record's lock, stores
 //! the answer and marks the record completed — all in that transaction. Then:
 //!
 //! * the transaction commits: the business write and the answer stand together, and the layer
 //!   sends the answer without storing it again ([`Protocol::confirm`] reads that it was stored);
-//! * it rolls back, or the process dies before the commit: neither stands, and the claim is given
-//!   up (or, its holder dead, taken over) as a run that had no effect: the retry runs unflagged;
+//! * it rolls back, or the process dies before the commit: neither stands. On a route that
+//!   declares every effect of its handlers to be in that transaction
+//!   ([`Policy::in_transaction`](crate::Policy)), the claim is given up (or, its holder dead,
+//!   taken over) as a run that had no effect: the retry runs unflagged; elsewhere it is flagged
+//!   recovered, as for any handler;
 //! * the claim was lost meanwhile (a holder frozen past its lease and taken over): the completion
 //!   fails and aborts the transaction, so the holder's business write never commits.
 
@@ -19,7 +22,9 @@ use http::{Response, StatusCode};
 
 use super::{Claim, Protocol};
 use crate::problem::{Problem, ProblemKind};
+use crate::scope::hex;
 use crate::store::{ClaimState, Completion, FencingToken, RecordId, StoreError};
+use crate::time::UnixMillis;
 
 /// What a handler on an in-transaction route finds in its request's extensions: the claim it runs
 /// under, to complete in its own transaction.
@@ -130,6 +135,27 @@ impl InTransaction {
         })
     }
 
+    /// The run's completion token, for an upstream in any language to pass to the SQL function
+    /// `idem_complete(token, status, headers, body)` that the PostgreSQL store installs:
+    /// `idem1.<scope>.<key>.<fencing token>.<ttl ms>.<record ms>`, the first three in hex. It names
+    /// this record and this claim only, and is unguessable (the fencing token's random bytes);
+    /// the two durations are the route's retention, from the completion.
+    pub fn completion_token(&self) -> String {
+        let (expires_at, purge_at) = self
+            .protocol
+            .policy()
+            .retention(UnixMillis(0), self.claim.provisional());
+        let id = self.id();
+        format!(
+            "idem1.{}.{}.{}.{}.{}",
+            hex(id.scope.as_str().as_bytes()),
+            hex(id.key.as_str().as_bytes()),
+            hex(self.token().as_bytes()),
+            expires_at.as_i64(),
+            purge_at.as_i64()
+        )
+    }
+
     /// Marks `response` as completed in the transaction: the layer will not store it again.
     pub fn mark<B>(&self, response: &mut Response<B>) {
         response.extensions_mut().insert(CompletedInTransaction {
@@ -139,6 +165,12 @@ impl InTransaction {
 }
 
 impl Protocol {
+    /// True if the store can complete records in a handler's own transaction: then every keyed
+    /// handler is given an [`InTransaction`].
+    pub fn completes_in_transactions(&self) -> bool {
+        self.store().completes_in_transactions()
+    }
+
     /// Where the run under `claim` stands once its handler answered with an answer it completed in
     /// its own transaction: [`ClaimState::Completed`] if that transaction committed,
     /// [`ClaimState::Current`] if it did not (nothing of it stands), [`ClaimState::Ended`] if the

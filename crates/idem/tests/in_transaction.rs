@@ -1,0 +1,358 @@
+//! The gateway and an upstream that completes its runs in its own PostgreSQL transaction: the
+//! upstream receives `Idempotency-Token` and calls `idem_complete(token, status, headers, body)`
+//! beside its business write (a ledger row), so the answer commits with the write or neither does.
+//! Real `idem serve` processes, killed with SIGKILL; the upstream is this test's, on a real socket.
+
+mod common;
+mod servers;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use common::{Gateway, client, send};
+use tokio::sync::{Mutex, Notify};
+
+/// What the upstream's next run does after its ledger row and `idem_complete`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Then {
+    /// Commits and answers.
+    Commit,
+    /// Waits until the test says, then commits and answers.
+    WaitThenCommit,
+    /// Rolls back and drops the connection without an answer, as an upstream process that died.
+    Die,
+}
+
+/// One run as the upstream saw it.
+#[derive(Debug, Clone)]
+struct Run {
+    token: Option<String>,
+    recovered: bool,
+    /// What `idem_complete` said: `None` if it completed, the SQLSTATE otherwise.
+    refused: Option<String>,
+}
+
+#[derive(Clone)]
+struct Upstream {
+    /// The base URL of PostgreSQL (no options), and the store's schema.
+    database: String,
+    schema: String,
+    then: Arc<Mutex<Vec<Then>>>,
+    runs: Arc<Mutex<Vec<Run>>>,
+    resume: Arc<Notify>,
+    started: Arc<Notify>,
+}
+
+impl Upstream {
+    async fn start(database: String, schema: String) -> (Self, String) {
+        let (client, connection) = tokio_postgres::connect(&database, tokio_postgres::NoTls)
+            .await
+            .expect("connect to PostgreSQL");
+        tokio::spawn(connection);
+        client
+            .batch_execute(&format!(
+                "CREATE TABLE IF NOT EXISTS \"{schema}\".ledger (id BIGSERIAL PRIMARY KEY, key TEXT NOT NULL)"
+            ))
+            .await
+            .expect("create the ledger");
+        let upstream = Self {
+            database,
+            schema,
+            then: Arc::default(),
+            runs: Arc::default(),
+            resume: Arc::default(),
+            started: Arc::default(),
+        };
+        let app = axum::Router::new()
+            .route("/pay", post(pay))
+            .with_state(upstream.clone());
+        let listener = tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0)))
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        (upstream, format!("http://{addr}"))
+    }
+
+    /// What the next runs do, in order (then `Commit`).
+    async fn plan(&self, then: &[Then]) {
+        *self.then.lock().await = then.iter().rev().copied().collect();
+    }
+
+    async fn runs(&self) -> Vec<Run> {
+        self.runs.lock().await.clone()
+    }
+
+    async fn ledger_rows(&self, key: &str) -> i64 {
+        let (client, connection) = tokio_postgres::connect(&self.database, tokio_postgres::NoTls)
+            .await
+            .expect("connect to PostgreSQL");
+        tokio::spawn(connection);
+        client
+            .query_one(
+                &format!("SELECT count(*) FROM \"{}\".ledger WHERE key = $1", self.schema),
+                &[&key],
+            )
+            .await
+            .expect("count the ledger")
+            .get(0)
+    }
+
+    /// Calls `idem_complete` with `token` in a transaction of its own; the SQLSTATE if it raised.
+    async fn complete_with(&self, token: &str) -> Option<String> {
+        let (mut client, connection) = tokio_postgres::connect(&self.database, tokio_postgres::NoTls)
+            .await
+            .expect("connect to PostgreSQL");
+        tokio::spawn(connection);
+        let tx = client.transaction().await.expect("begin");
+        let called = complete(&tx, &self.schema, token).await;
+        drop(tx.rollback().await);
+        called.err()
+    }
+}
+
+/// `idem_complete` for a `201` JSON answer; the SQLSTATE if it raised.
+async fn complete(tx: &tokio_postgres::Transaction<'_>, schema: &str, token: &str) -> Result<(), String> {
+    let headers = r#"{"Content-Type": "application/json", "Set-Cookie": "session=secret", "Location": "/charges/1"}"#;
+    tx.execute(
+        &format!("SELECT \"{schema}\".idem_complete($1, 201, $2::text::jsonb, $3)"),
+        &[&token, &headers, &&br#"{"charged":true}"#[..]],
+    )
+    .await
+    .map(drop)
+    .map_err(|err| {
+        err.code()
+            .map_or_else(|| err.to_string(), |code| code.code().to_owned())
+    })
+}
+
+/// `POST /pay`: a ledger row and `idem_complete` in one transaction, then as planned. The run goes
+/// on in a task of its own when its caller goes away, as an upstream process would.
+async fn pay(State(upstream): State<Upstream>, headers: HeaderMap) -> Response {
+    match tokio::spawn(run(upstream, headers)).await {
+        Ok(response) => response,
+        Err(died) => std::panic::resume_unwind(died.into_panic()),
+    }
+}
+
+async fn run(upstream: Upstream, headers: HeaderMap) -> Response {
+    let then = upstream.then.lock().await.pop().unwrap_or(Then::Commit);
+    let token = headers
+        .get("idempotency-token")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let key = headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .trim_matches('"')
+        .to_owned();
+    let recovered = headers.get("idempotency-recovered").is_some_and(|v| v == "true");
+    let (mut client, connection) = tokio_postgres::connect(&upstream.database, tokio_postgres::NoTls)
+        .await
+        .expect("connect to PostgreSQL");
+    tokio::spawn(connection);
+    let tx = client.transaction().await.expect("begin");
+    tx.execute(
+        &format!("INSERT INTO \"{}\".ledger (key) VALUES ($1)", upstream.schema),
+        &[&key],
+    )
+    .await
+    .expect("the ledger row");
+    if then == Then::WaitThenCommit {
+        let resumed = upstream.resume.notified();
+        upstream.started.notify_one();
+        resumed.await;
+    }
+    let refused = complete(&tx, &upstream.schema, token.as_deref().unwrap_or_default())
+        .await
+        .err();
+    upstream.runs.lock().await.push(Run {
+        token,
+        recovered,
+        refused: refused.clone(),
+    });
+    if then == Then::Die {
+        drop(tx.rollback().await);
+        panic!("the upstream dies before its commit (this panic is the test's)");
+    }
+    if refused.is_some() {
+        // The transaction is aborted: its commit rolls back.
+        drop(tx.commit().await);
+        return (StatusCode::CONFLICT, "taken over").into_response();
+    }
+    tx.commit().await.expect("commit");
+    (
+        StatusCode::CREATED,
+        [("content-type", "application/json"), ("set-cookie", "session=secret")],
+        r#"{"charged":true}"#,
+    )
+        .into_response()
+}
+
+/// A PostgreSQL store in a schema of its own, and an upstream on its database.
+async fn set_up() -> (String, Upstream, String) {
+    let store = servers::postgres_url();
+    let (database, schema) = store.split_once("?schema=").expect("a schema option");
+    // The schema and its functions exist once the store migrated: `idem migrate` does it.
+    let migrated = common::run_idem(&["migrate", "--store", &store], Duration::from_secs(60)).await;
+    assert!(migrated.status.success(), "{}", common::describe(&migrated));
+    let (upstream, url) = Upstream::start(database.to_owned(), schema.to_owned()).await;
+    (store, upstream, url)
+}
+
+fn pay_request(gateway: &Gateway, key: &str) -> reqwest::RequestBuilder {
+    client()
+        .post(gateway.url("/pay"))
+        .header("idempotency-key", format!("\"{key}\""))
+        .header("content-type", "application/json")
+        .body("{}")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_that_completes_in_its_transaction_is_replayed_and_not_stored_again() {
+    let (store, upstream, url) = set_up().await;
+    let gateway = Gateway::start_on_store(&url, &store, &[]).await;
+    let first = send(pay_request(&gateway, "k1").header("idempotency-token", "forged-by-the-client")).await;
+    assert_eq!(first.status, 201, "{first}");
+    let runs = upstream.runs().await;
+    assert_eq!(runs.len(), 1);
+    let token = runs[0].token.clone().expect("the upstream received a token");
+    assert!(token.starts_with("idem1."), "the client's header was replaced: {token}");
+    assert_eq!(runs[0].refused, None, "idem_complete took the answer");
+
+    let replay = send(pay_request(&gateway, "k1")).await;
+    assert!(replay.replayed(), "{replay}");
+    assert_eq!(replay.status, 201);
+    assert_eq!(
+        replay.text(),
+        r#"{"charged":true}"#,
+        "the answer the upstream's transaction stored"
+    );
+    assert_eq!(replay.header("content-type").as_deref(), Some("application/json"));
+    assert_eq!(replay.header("location").as_deref(), Some("/charges/1"));
+    assert_eq!(replay.header("set-cookie"), None, "never stored");
+    assert_eq!(upstream.runs().await.len(), 1, "the upstream ran once");
+    assert_eq!(upstream.ledger_rows("k1").await, 1);
+
+    // The token is this run's only: once used it is stale, and it is no token for another key.
+    assert_eq!(upstream.complete_with(&token).await.as_deref(), Some("IDEM1"));
+    let other_key = {
+        let mut parts: Vec<String> = token.split('.').map(str::to_owned).collect();
+        parts[2] = "6b32".to_owned(); // "k2"
+        parts.join(".")
+    };
+    drop(send(pay_request(&gateway, "k2")).await);
+    assert_eq!(upstream.complete_with(&other_key).await.as_deref(), Some("IDEM1"));
+    assert_eq!(upstream.complete_with("idem1.zz").await.as_deref(), Some("IDEM3"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_that_died_before_its_commit_runs_again_unflagged_on_an_in_transaction_route() {
+    let (store, upstream, url) = set_up().await;
+    let gateway = Gateway::start_on_store(&url, &store, &["--in-transaction"]).await;
+    upstream.plan(&[Then::Die]).await;
+    let lost = send(pay_request(&gateway, "k1")).await;
+    assert_eq!(lost.status, 502, "{lost}");
+    assert_eq!(upstream.ledger_rows("k1").await, 0, "rolled back");
+
+    let retry = send(pay_request(&gateway, "k1")).await;
+    assert_eq!(retry.status, 201, "{retry}");
+    let runs = upstream.runs().await;
+    assert_eq!(runs.len(), 2);
+    assert!(
+        !runs[1].recovered,
+        "nothing of the first run stood: the retry is not flagged"
+    );
+    assert_eq!(upstream.ledger_rows("k1").await, 1);
+
+    // Without the route's declaration, the same loss is flagged, as for any upstream.
+    let gateway = Gateway::start_on_store(&url, &store, &[]).await;
+    upstream.plan(&[Then::Die]).await;
+    assert_eq!(send(pay_request(&gateway, "k2")).await.status, 502);
+    assert_eq!(send(pay_request(&gateway, "k2")).await.status, 201);
+    assert!(
+        upstream.runs().await[3].recovered,
+        "undeclared: the retry is flagged recovered"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_killed_while_its_upstream_ran_leaves_the_answer_to_the_upstreams_commit() {
+    let (store, upstream, url) = set_up().await;
+    let mut first = Gateway::start_on_store(&url, &store, &["--in-transaction", "--lease", "1s"]).await;
+    upstream.plan(&[Then::WaitThenCommit]).await;
+    let started = upstream.started.notified();
+    let pending = tokio::spawn(pay_request(&first, "k1").send());
+    started.await;
+    first.kill().await;
+    drop(pending.await);
+    upstream.resume.notify_one();
+    // The upstream commits its row and the answer together, though nobody is listening.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while upstream.runs().await.is_empty() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the upstream's run never finished"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(upstream.runs().await[0].refused, None);
+
+    let second = Gateway::start_on_store(&url, &store, &["--in-transaction", "--lease", "1s"]).await;
+    let retry = send(pay_request(&second, "k1")).await;
+    assert!(retry.replayed(), "the answer the upstream committed: {retry}");
+    assert_eq!(upstream.runs().await.len(), 1, "no second run");
+    assert_eq!(upstream.ledger_rows("k1").await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_killed_before_its_upstream_committed_is_taken_over_unflagged_and_the_old_run_cannot_commit() {
+    let (store, upstream, url) = set_up().await;
+    let mut first = Gateway::start_on_store(&url, &store, &["--in-transaction", "--lease", "1s"]).await;
+    upstream.plan(&[Then::WaitThenCommit, Then::Commit]).await;
+    let started = upstream.started.notified();
+    let pending = tokio::spawn(pay_request(&first, "k1").send());
+    started.await;
+    first.kill().await;
+    drop(pending.await);
+    // Past the dead gateway's lease, another instance takes the key over while the first run's
+    // transaction is still open.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let second = Gateway::start_on_store(&url, &store, &["--in-transaction", "--lease", "1s"]).await;
+    let retry = send(pay_request(&second, "k1")).await;
+    assert_eq!(retry.status, 201, "{retry}");
+    assert!(!retry.replayed());
+    // The first run wakes and tries to complete: its claim is gone, its transaction aborts.
+    upstream.resume.notify_one();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while upstream.runs().await.len() < 2 {
+        assert!(tokio::time::Instant::now() < deadline, "the first run never finished");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let runs = upstream.runs().await;
+    let (takeover, old) = (&runs[0], &runs[1]);
+    assert!(
+        !takeover.recovered,
+        "the dead gateway's run had not committed: the takeover is unflagged"
+    );
+    assert_eq!(takeover.refused, None);
+    assert_eq!(
+        old.refused.as_deref(),
+        Some("IDEM1"),
+        "the old run's token is no longer current"
+    );
+    assert_eq!(upstream.ledger_rows("k1").await, 1, "only the takeover's row committed");
+    let replay = send(pay_request(&second, "k1")).await;
+    assert!(replay.replayed(), "{replay}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_transaction_on_a_store_without_idem_complete_is_refused_at_start() {
+    common::assert_serve_refuses(&["--in-transaction"], "in-transaction").await;
+}
