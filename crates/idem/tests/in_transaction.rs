@@ -356,3 +356,98 @@ async fn a_gateway_killed_before_its_upstream_committed_is_taken_over_unflagged_
 async fn in_transaction_on_a_store_without_idem_complete_is_refused_at_start() {
     common::assert_serve_refuses(&["--in-transaction"], "in-transaction").await;
 }
+
+/// The Python upstream of `examples/python-upstream`, on an ephemeral port; stops when dropped.
+struct PythonUpstream {
+    child: tokio::process::Child,
+    url: String,
+}
+
+impl PythonUpstream {
+    async fn start(database: &str, schema: &str) -> Self {
+        use tokio::io::AsyncBufReadExt;
+        let script = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../examples/python-upstream/upstream.py"
+        );
+        let mut child = tokio::process::Command::new("python3")
+            .arg(script)
+            .env("DATABASE_URL", database)
+            .env("IDEM_SCHEMA", schema)
+            .env("PORT", "0")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("python3 runs (bash .ci/services checks it and installs psycopg)");
+        let mut lines = tokio::io::BufReader::new(child.stdout.take().expect("stdout")).lines();
+        let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
+            .await
+            .expect("the Python upstream starts within 30 s")
+            .expect("its stdout");
+        let Some(line) = line else {
+            let output = child.wait_with_output().await.expect("its output");
+            panic!(
+                "the Python upstream did not start (is psycopg installed? `bash .ci/services` installs it): {}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+        };
+        let url = line
+            .strip_prefix("python upstream listening on ")
+            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+            .to_owned();
+        Self { child, url }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_python_upstream_completes_in_its_transaction_and_twenty_copies_charge_once() {
+    let store = servers::postgres_url();
+    let (database, schema) = store.split_once("?schema=").expect("a schema option");
+    let migrated = common::run_idem(&["migrate", "--store", &store], Duration::from_secs(60)).await;
+    assert!(migrated.status.success(), "{}", common::describe(&migrated));
+    let python = PythonUpstream::start(database, schema).await;
+    let gateway = Gateway::start_on_store(&python.url, &store, &["--in-transaction"]).await;
+    let copies = (0..20).map(|_| {
+        let request = client()
+            .post(gateway.url("/pay"))
+            .header("idempotency-key", "\"py-1\"")
+            .header("content-type", "application/json")
+            .body(r#"{"amount": 1250}"#);
+        tokio::spawn(common::try_send(request))
+    });
+    let mut charges = std::collections::BTreeSet::new();
+    for copy in futures_util::future::join_all(copies).await {
+        match copy.expect("a copy") {
+            Ok(reply) if reply.status == 201 => drop(charges.insert(reply.charge())),
+            // A copy still waiting for the first after the wait: the key is in flight.
+            Ok(reply) => reply.assert_problem(409, "key-in-flight"),
+            Err(err) => panic!("{err}"),
+        }
+    }
+    assert_eq!(charges.len(), 1, "every answer is the one charge: {charges:?}");
+    let replay = send(
+        client()
+            .post(gateway.url("/pay"))
+            .header("idempotency-key", "\"py-1\"")
+            .header("content-type", "application/json")
+            .body(r#"{"amount": 1250}"#),
+    )
+    .await;
+    assert!(replay.replayed(), "{replay}");
+    assert_eq!(replay.header("content-type").as_deref(), Some("application/json"));
+    let (client, connection) = tokio_postgres::connect(database, tokio_postgres::NoTls)
+        .await
+        .expect("connect");
+    tokio::spawn(connection);
+    let rows: i64 = client
+        .query_one(
+            &format!("SELECT count(*) FROM \"{schema}\".python_ledger WHERE key = 'py-1'"),
+            &[],
+        )
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(rows, 1, "one ledger row, committed with the answer");
+    drop(python.child);
+}
