@@ -63,7 +63,7 @@ pub(crate) struct UpstreamOptions {
 
 /// Whether the store at `url` installs `idem_complete`, with which an upstream completes a run in
 /// its own transaction: PostgreSQL.
-fn completes_with_sql(url: &str) -> bool {
+pub(crate) fn completes_with_sql(url: &str) -> bool {
     let scheme = url.split_once(':').map_or(url, |(scheme, _)| scheme);
     matches!(scheme, "postgres" | "postgresql")
 }

@@ -10,7 +10,7 @@ use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::Limits;
+use crate::config::{Limits, UpstreamOptions, completes_with_sql};
 use crate::proxy::Proxy;
 use crate::serve::Gateway;
 use crate::stores;
@@ -133,7 +133,14 @@ async fn run_instance(
                             policy: *policy,
                             ..Default::default()
                         },
-                        Proxy::new(config.upstream, config.upstream_timeout)?,
+                        Proxy::with_options(
+                            config.upstream,
+                            config.upstream_timeout,
+                            &UpstreamOptions {
+                                completion_tokens: completes_with_sql(&url),
+                                ..UpstreamOptions::default()
+                            },
+                        )?,
                     ),
                     grace,
                 )

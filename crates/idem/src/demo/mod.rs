@@ -1,7 +1,8 @@
 //! `idem demo`: why idempotency keys need one shared store. In this process: a payments service
 //! that records every charge, gateway instances behind a round-robin balancer that drops answers
 //! and resets connections, and clients that retry with `idem-client`; one instance is killed
-//! partway and restarted. The same traffic runs in three set-ups, counted in one table.
+//! partway and restarted. The same traffic runs in three set-ups, counted in one table; on a
+//! PostgreSQL store a fourth, whose payments service commits each charge with its answer.
 
 mod clients;
 mod instance;
@@ -42,10 +43,21 @@ enum SetUp {
     StorePerInstance,
     /// Every instance on the one store.
     SharedStore,
+    /// Every instance on the one PostgreSQL store, and the payments service commits each charge
+    /// with its answer (`idem_complete`) in the store's database.
+    InTransaction,
 }
 
 impl SetUp {
-    const ALL: [SetUp; 3] = [Self::NoIdempotency, Self::StorePerInstance, Self::SharedStore];
+    /// The set-ups a run shows: the fourth needs the shared store to be PostgreSQL, in whose
+    /// database the payments service keeps its charges.
+    fn for_store(store: &str) -> Vec<SetUp> {
+        let mut set_ups = vec![Self::NoIdempotency, Self::StorePerInstance, Self::SharedStore];
+        if crate::config::completes_with_sql(store) {
+            set_ups.push(Self::InTransaction);
+        }
+        set_ups
+    }
 
     /// The name in the JSON output.
     fn id(self) -> &'static str {
@@ -53,6 +65,7 @@ impl SetUp {
             Self::NoIdempotency => "no-idempotency",
             Self::StorePerInstance => "store-per-instance",
             Self::SharedStore => "shared-store",
+            Self::InTransaction => "in-transaction",
         }
     }
 
@@ -62,6 +75,7 @@ impl SetUp {
             Self::NoIdempotency => "no idempotency",
             Self::StorePerInstance => "a store per instance",
             Self::SharedStore => "one shared store",
+            Self::InTransaction => "shared, charge and answer in one transaction",
         }
     }
 }
@@ -110,8 +124,9 @@ pub(crate) async fn run(args: DemoArgs) -> anyhow::Result<()> {
     };
     let started = Instant::now();
     let mut rows = Vec::new();
-    for (n, set_up) in SetUp::ALL.into_iter().enumerate() {
-        eprintln!("idem demo: set-up {} of 3, {} …", n + 1, set_up.title());
+    let set_ups = SetUp::for_store(&plan.store);
+    for (n, &set_up) in set_ups.iter().enumerate() {
+        eprintln!("idem demo: set-up {} of {}, {} …", n + 1, set_ups.len(), set_up.title());
         let row = run_set_up(&plan, set_up)
             .await
             .with_context(|| format!("the set-up {:?} failed", set_up.title()))?;
@@ -141,7 +156,7 @@ pub(crate) async fn run(args: DemoArgs) -> anyhow::Result<()> {
 /// Runs the traffic once through `set_up`.
 async fn run_set_up(plan: &Plan, set_up: SetUp) -> anyhow::Result<Row> {
     let started = Instant::now();
-    let payments = Payments::start().await?;
+    let payments = Payments::start((set_up == SetUp::InTransaction).then_some(plan.store.as_str())).await?;
     let config = |index: usize| InstanceConfig {
         listen: SocketAddr::from(([127, 0, 0, 1], 0)),
         upstream: payments.uri(),
@@ -158,6 +173,14 @@ async fn run_set_up(plan: &Plan, set_up: SetUp) -> anyhow::Result<Row> {
             SetUp::SharedStore => Protection::Store {
                 url: plan.store.clone(),
                 policy: Box::new(policy()),
+            },
+            // The payments service completes every run in its transaction, and has no other effect.
+            SetUp::InTransaction => Protection::Store {
+                url: plan.store.clone(),
+                policy: Box::new(Policy {
+                    in_transaction: true,
+                    ..policy()
+                }),
             },
         },
     };
@@ -218,7 +241,7 @@ async fn run_set_up(plan: &Plan, set_up: SetUp) -> anyhow::Result<Row> {
         instance.stop().await;
     }
 
-    let tally = payments.ledger().tally(plan.payments);
+    let tally = payments.tally(plan.payments).await?;
     let counters = balancer.counters();
     Ok(Row {
         set_up: set_up.id(),

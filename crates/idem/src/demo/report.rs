@@ -79,8 +79,9 @@ impl Report {
             "double charges",
             "lost",
             "client errors",
+            "recovered runs",
         ];
-        let cells: Vec<[String; 6]> = self
+        let cells: Vec<[String; 7]> = self
             .rows
             .iter()
             .map(|row| {
@@ -91,6 +92,7 @@ impl Report {
                     row.double_charges.to_string(),
                     row.lost.to_string(),
                     row.client_errors.to_string(),
+                    row.recovered_runs.to_string(),
                 ]
             })
             .collect();
@@ -136,7 +138,9 @@ impl Report {
         let _ = writeln!(
             out,
             "\ndouble charges: charges beyond a payment's first; lost: payments never charged;\n\
-             client errors: payments whose client ended without a 2xx answer. Finished in {:.1} s.",
+             client errors: payments whose client ended without a 2xx answer; recovered runs: runs that\n\
+             reached the payments service flagged Idempotency-Recovered (it must check before charging).\n\
+             Finished in {:.1} s.",
             self.seconds
         );
         out
