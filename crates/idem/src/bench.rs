@@ -9,13 +9,16 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::Context as _;
 use axum::Router;
 use axum::body::Body;
+use axum::extract::Extension;
 use axum::http::{Request, StatusCode};
+use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use idem_tower::IdempotencyLayer;
+use idem_postgres::PostgresStore;
+use idem_tower::{IdempotencyInfo, IdempotencyLayer, InTransaction};
 use tokio::task::JoinSet;
 use tower::ServiceExt;
 
-use crate::cli::BenchArgs;
+use crate::cli::{BenchArgs, BusinessWrite};
 use crate::stores;
 
 /// Every operation's latency samples.
@@ -58,11 +61,23 @@ pub(crate) async fn run(args: BenchArgs) -> anyhow::Result<()> {
     if let Some(keyring) = keyring {
         layer = layer.with_encryption(keyring);
     }
+    let route = match args.write {
+        BusinessWrite::None => post(move || std::future::ready((StatusCode::CREATED, body.clone()).into_response())),
+        write => {
+            let writes = Arc::new(Writes::connect(&args.store.store).await?);
+            if write == BusinessWrite::InTransaction {
+                layer = layer.with_in_transaction(true);
+            }
+            post(
+                move |info: Extension<IdempotencyInfo>, run: Option<Extension<InTransaction>>| {
+                    let (writes, body) = (writes.clone(), body.clone());
+                    async move { writes.pay(write, &info, run.as_deref(), body).await }
+                },
+            )
+        }
+    };
     let app = Router::new()
-        .route(
-            "/pay",
-            post(move || std::future::ready((StatusCode::CREATED, body.clone()))),
-        )
+        .route("/pay", route)
         .layer(layer)
         // Built once, as `axum::serve` does: an unfinished router applies its layers anew for
         // every request, which is not what a service pays.
@@ -93,10 +108,90 @@ pub(crate) async fn run(args: BenchArgs) -> anyhow::Result<()> {
             &idem_core::redact_url(&args.store.store),
             args.concurrency,
             sealing.as_deref(),
+            args.write,
             &phases
         )
     );
     Ok(())
+}
+
+/// The handler's own table, in the store's database, and the store to complete in its
+/// transactions.
+struct Writes {
+    pool: deadpool_postgres::Pool,
+    store: PostgresStore,
+    /// `idem_bench_writes` in the store's schema.
+    table: String,
+}
+
+impl Writes {
+    async fn connect(url: &str) -> anyhow::Result<Self> {
+        anyhow::ensure!(
+            crate::config::completes_with_sql(url),
+            "--write needs a PostgreSQL store, in whose database the handler writes"
+        );
+        let store = PostgresStore::connect(url)
+            .await
+            .context("cannot open the PostgreSQL store")?;
+        let (_, schema) = stores::postgres_database(url);
+        let writes = Self {
+            pool: stores::postgres_pool(url, 16)?,
+            store,
+            table: stores::in_schema(schema, "idem_bench_writes"),
+        };
+        writes
+            .pool
+            .get()
+            .await?
+            .batch_execute(&format!(
+                "CREATE TABLE IF NOT EXISTS {} (id BIGSERIAL PRIMARY KEY, key TEXT NOT NULL)",
+                writes.table
+            ))
+            .await
+            .context("cannot create the bench's table")?;
+        Ok(writes)
+    }
+
+    /// A row for the key, then the answer: committed on their own (`Separate`), or together.
+    async fn pay(
+        &self,
+        write: BusinessWrite,
+        info: &IdempotencyInfo,
+        run: Option<&InTransaction>,
+        body: String,
+    ) -> Response {
+        match self.write(write, info, run, body).await {
+            Ok(response) => response,
+            Err(err) => (StatusCode::INTERNAL_SERVER_ERROR, format!("{err:#}")).into_response(),
+        }
+    }
+
+    async fn write(
+        &self,
+        write: BusinessWrite,
+        info: &IdempotencyInfo,
+        run: Option<&InTransaction>,
+        body: String,
+    ) -> anyhow::Result<Response> {
+        let insert = format!("INSERT INTO {} (key) VALUES ($1)", self.table);
+        let mut client = self.pool.get().await?;
+        let key = info.key.as_str();
+        let run = match (write, run) {
+            (BusinessWrite::InTransaction, Some(run)) => run,
+            _ => {
+                client.execute(&insert, &[&key]).await?;
+                return Ok((StatusCode::CREATED, body).into_response());
+            }
+        };
+        let tx = client.transaction().await?;
+        tx.execute(&insert, &[&key]).await?;
+        let mut answer = http::Response::builder()
+            .status(StatusCode::CREATED)
+            .body(bytes::Bytes::from(body))?;
+        self.store.complete_in_client(&*tx, run, &mut answer).await?;
+        tx.commit().await?;
+        Ok(answer.map(Body::from).into_response())
+    }
 }
 
 /// Sends one keyed `POST /pay` per key, `concurrency` at a time; every answer must be a 201.
@@ -129,12 +224,15 @@ async fn drive(app: &Router, keys: Arc<Vec<String>>, concurrency: usize) -> anyh
     Ok(())
 }
 
-fn report(store: &str, concurrency: usize, sealing: Option<&str>, phases: &[Phase]) -> String {
+fn report(store: &str, concurrency: usize, sealing: Option<&str>, write: BusinessWrite, phases: &[Phase]) -> String {
     let sealed = match sealing {
         Some(key) => format!("sealed by key {key}"),
         None => "not sealed".to_owned(),
     };
-    let mut out = format!("idem bench  store: {store}  concurrency: {concurrency}  answers: {sealed}\n\n");
+    let mut out = format!(
+        "idem bench  store: {store}  concurrency: {concurrency}  answers: {sealed}  write: {}\n\n",
+        write.name()
+    );
     out.push_str("phase    requests  req/s    store ops/request  operation      p50       p99       max\n");
     for phase in phases {
         let total: usize = phase.operations.values().map(Vec::len).sum();

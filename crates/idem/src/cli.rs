@@ -124,6 +124,33 @@ pub(crate) struct BenchArgs {
     /// The size of each stored answer's body, in bytes.
     #[arg(long, default_value_t = 256)]
     pub(crate) body_size: usize,
+    /// What each new key's handler writes besides its answer, in the store's database (PostgreSQL):
+    /// `none`; `separate`, a row committed on its own, then the answer stored by the layer; or
+    /// `in-transaction`, the row and the answer committed together (`complete_in_client`).
+    #[arg(long, value_enum, default_value = "none")]
+    pub(crate) write: BusinessWrite,
+}
+
+/// What `idem bench`'s handler writes besides its answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum BusinessWrite {
+    /// Nothing.
+    None,
+    /// A row in a transaction of its own; the layer stores the answer.
+    Separate,
+    /// A row and the answer in one transaction.
+    InTransaction,
+}
+
+impl BusinessWrite {
+    /// As the flag spells it.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::Separate => "separate",
+            Self::InTransaction => "in-transaction",
+        }
+    }
 }
 
 #[derive(Debug, Args)]

@@ -52,21 +52,9 @@ impl Database {
     /// Connects to the database of the idem store `store_url` (a `postgres://` URL whose idem
     /// options are dropped), in the store's schema, and makes the demo's table of charges anew.
     async fn connect(store_url: &str) -> anyhow::Result<Self> {
-        let (base, options) = store_url.split_once('?').unwrap_or((store_url, ""));
-        let schema = options
-            .split('&')
-            .find_map(|option| option.strip_prefix("schema="))
-            .map(str::to_owned);
-        let config: tokio_postgres::Config = base.parse().context("the store's URL is not a PostgreSQL URL")?;
-        let manager = deadpool_postgres::Manager::new(config, tokio_postgres::NoTls);
-        let pool = deadpool_postgres::Pool::builder(manager)
-            .max_size(8)
-            .build()
-            .context("cannot make the payments service's pool")?;
-        let qualify = |name: &str| match &schema {
-            Some(schema) => format!("\"{schema}\".{name}"),
-            None => name.to_owned(),
-        };
+        let (_, schema) = crate::stores::postgres_database(store_url);
+        let pool = crate::stores::postgres_pool(store_url, 8).context("for the payments service")?;
+        let qualify = |name: &str| crate::stores::in_schema(schema, name);
         let database = Self {
             pool,
             charges: qualify("idem_demo_charges"),
