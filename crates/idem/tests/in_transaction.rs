@@ -451,3 +451,29 @@ async fn a_python_upstream_completes_in_its_transaction_and_twenty_copies_charge
     assert_eq!(rows, 1, "one ledger row, committed with the answer");
     drop(python.child);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idem_bench_writes_the_row_and_the_answer_in_one_transaction() {
+    let store = servers::postgres_url();
+    let args = ["bench", "--store", &store, "--requests", "20", "--concurrency", "4"];
+    let output = common::run_idem(
+        &[&args[..], &["--write", "in-transaction"]].concat(),
+        Duration::from_secs(120),
+    )
+    .await;
+    assert!(output.status.success(), "{}", common::describe(&output));
+    let report = String::from_utf8_lossy(&output.stdout);
+    assert!(report.contains("write: in-transaction"), "{report}");
+    assert!(
+        report.contains("claim_state×20"),
+        "each new key is confirmed by one read: {report}"
+    );
+    assert!(!report.contains("complete×"), "and never stored by the layer: {report}");
+    let output = common::run_idem(
+        &[&args[..], &["--write", "separate"]].concat(),
+        Duration::from_secs(120),
+    )
+    .await;
+    assert!(output.status.success(), "{}", common::describe(&output));
+    assert!(String::from_utf8_lossy(&output.stdout).contains("complete×20"));
+}
