@@ -22,6 +22,10 @@ use crate::{Charge, Config, PayRequest, Shop};
 
 /// The ledger's table: one row per payment, `(id, key, charge, amount, currency)`. On PostgreSQL
 /// it is made in the store's schema when the URL names one (`schema=`).
+///
+/// `key` is indexed, not unique: on PostgreSQL a unique key would make the run that takes a
+/// frozen holder's key over wait on the holder's uncommitted row until its transaction ends. The
+/// fencing of `complete_in` is what keeps a holder whose key was taken over from committing.
 pub const LEDGER_TABLE: &str = "payments_ledger";
 
 /// How long a SQLite connection of the ledger waits for the file's write lock.

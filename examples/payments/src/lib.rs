@@ -19,19 +19,6 @@
 //! without charging again. The provider is the service's own books, or an HTTP service
 //! ([`Config::provider`]: `POST /charges`, `POST /receipts`).
 //!
-//! ## Exactly once with the ledger
-//!
-//! With [`Config::database`] (`PAYMENTS_DATABASE`: a `postgres://` URL or a SQLite file),
-//! [`app_on_database`] keeps a ledger (table [`LEDGER_TABLE`]) in the same database as the
-//! idempotency records, and `POST /pay` completes its record in the transaction that writes the
-//! ledger row (`idem_tower::InTransaction`, the stores' `complete_in`): the stored answer commits
-//! with the row, or neither does. A run that dies before its commit leaves nothing, and its retry
-//! runs again *unflagged*; a run frozen past its lease whose key was taken over cannot commit its
-//! row. The one effect outside the transaction, the provider's charge, is safe because the
-//! service passes the request's `Idempotency-Key` on to the provider, which charges once per key.
-//! The receipt is sent after the commit. Only `/pay` is in-transaction: the order routes keep
-//! the ordinary policy, since their effects are in memory.
-//!
 //! ```no_run
 //! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
 //! let store = idem_sqlite::SqliteStore::open("payments-idem.db").await?;
@@ -40,6 +27,21 @@
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! ## Exactly once with the ledger
+//!
+//! With [`Config::database`] (`PAYMENTS_DATABASE`: a `postgres://` URL or a SQLite file),
+//! [`app_on_database`] keeps a ledger (table [`LEDGER_TABLE`]) in the same database as the
+//! idempotency records, and `POST /pay` completes its record in the transaction that writes the
+//! ledger row (`idem_tower::InTransaction`, the stores' `complete_in`): the stored answer commits
+//! with the row, or neither does. A run that dies before its commit leaves nothing, and its retry
+//! runs again *unflagged*; a run frozen past its lease whose key was taken over cannot commit its
+//! row (on SQLite the frozen holder keeps the file's write lock, so no one takes its key over
+//! until it resumes). The one effect outside the transaction, the provider's charge, is safe
+//! because the service passes the request's `Idempotency-Key` on to the provider, which must
+//! charge once per key: a provider that does not cannot be called from such a handler. The
+//! receipt is sent after the commit, at most once. Only `/pay` is in-transaction: the order
+//! routes keep the ordinary policy, since their effects are in memory.
 #![forbid(unsafe_code)]
 
 mod in_transaction;
