@@ -27,14 +27,33 @@
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! ## Exactly once with the ledger
+//!
+//! With [`Config::database`] (`PAYMENTS_DATABASE`: a `postgres://` URL or a SQLite file),
+//! [`app_on_database`] keeps a ledger (table [`LEDGER_TABLE`]) in the same database as the
+//! idempotency records, and `POST /pay` completes its record in the transaction that writes the
+//! ledger row (`idem_tower::InTransaction`, the stores' `complete_in`): the stored answer commits
+//! with the row, or neither does. A run that dies before its commit leaves nothing, and its retry
+//! runs again *unflagged*; a run frozen past its lease whose key was taken over cannot commit its
+//! row (on SQLite the frozen holder keeps the file's write lock, so no one takes its key over
+//! until it resumes). The one effect outside the transaction, the provider's charge, is safe
+//! because the service passes the request's `Idempotency-Key` on to the provider, which must
+//! charge once per key: a provider that does not cannot be called from such a handler. The
+//! receipt is sent after the commit, at most once. Only `/pay` is in-transaction: the order
+//! routes keep the ordinary policy, since their effects are in memory.
 #![forbid(unsafe_code)]
+
+mod in_transaction;
+
+pub use in_transaction::{LEDGER_TABLE, StartError, app_on_database};
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use axum::extract::{Path, State};
-use axum::http::{StatusCode, header};
+use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
@@ -49,6 +68,11 @@ pub struct Config {
     pub provider: Option<String>,
     /// The lease of a running request: how soon a request whose instance died can be taken over.
     pub lease: Duration,
+    /// The database that holds both the idempotency records and the payments ledger
+    /// (`PAYMENTS_DATABASE`): a `postgres://` URL, or a SQLite file (`sqlite://relative.db`,
+    /// `sqlite:///absolute.db`, or a plain path). When set, [`app_on_database`] opens it and
+    /// `POST /pay` completes its record in the transaction that writes the ledger row.
+    pub database: Option<String>,
 }
 
 impl Default for Config {
@@ -56,6 +80,7 @@ impl Default for Config {
         Self {
             provider: None,
             lease: Duration::from_secs(60),
+            database: None,
         }
     }
 }
@@ -65,29 +90,23 @@ pub fn app(store: impl idem_core::Store) -> Router {
     app_with(store, Config::default())
 }
 
-/// The service as `config` says.
+/// The service as `config` says, its records in `store` (`config.database` is not read here:
+/// see [`app_on_database`]).
 pub fn app_with(store: impl idem_core::Store, config: Config) -> Router {
-    let provider = match config.provider {
-        Some(base) => Provider::Http {
-            base,
-            client: reqwest::Client::builder()
-                .no_proxy()
-                .timeout(Duration::from_secs(30))
-                .build()
-                .expect("an HTTP client without TLS builds"),
-        },
-        None => Provider::Books,
-    };
+    let shop = Shop::new(config.provider);
     Router::new()
         .route("/pay", post(pay))
+        .merge(orders())
+        .with_state(shop)
+        .layer(IdempotencyLayer::new(store).with_lease(config.lease))
+}
+
+/// The order routes, whose effects are in the service's memory.
+fn orders() -> Router<Shop> {
+    Router::new()
         .route("/orders", post(create_order))
         .route("/orders/{id}", get(order))
         .route("/orders/{id}/cancel", post(cancel_order))
-        .with_state(Shop {
-            books: Arc::default(),
-            provider: Arc::new(provider),
-        })
-        .layer(IdempotencyLayer::new(store).with_lease(config.lease))
 }
 
 /// The service's own records, and where it charges.
@@ -114,12 +133,33 @@ enum Provider {
 }
 
 impl Shop {
+    /// Books of its own, charging the HTTP provider at `provider` if given.
+    fn new(provider: Option<String>) -> Self {
+        let provider = match provider {
+            Some(base) => Provider::Http {
+                base,
+                client: reqwest::Client::builder()
+                    .no_proxy()
+                    .timeout(Duration::from_secs(30))
+                    .build()
+                    .expect("an HTTP client without TLS builds"),
+            },
+            None => Provider::Books,
+        };
+        Self {
+            books: Arc::default(),
+            provider: Arc::new(provider),
+        }
+    }
+
     fn books(&self) -> MutexGuard<'_, Books> {
         // Every critical section leaves the books consistent.
         self.books.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    async fn charge(&self, pay: &PayRequest) -> Result<Charge, PayError> {
+    /// Charges the provider; `key`, when given, is sent as the charge's `Idempotency-Key`, by
+    /// which the provider charges once however often it is asked.
+    async fn charge(&self, pay: &PayRequest, key: Option<&HeaderValue>) -> Result<Charge, PayError> {
         match &*self.provider {
             Provider::Books => {
                 let mut books = self.books();
@@ -132,7 +172,11 @@ impl Shop {
                 Ok(charge)
             }
             Provider::Http { base, client } => {
-                let sent = client.post(format!("{base}/charges")).json(pay).send().await;
+                let mut request = client.post(format!("{base}/charges")).json(pay);
+                if let Some(key) = key {
+                    request = request.header("idempotency-key", key.clone());
+                }
+                let sent = request.send().await;
                 let answer = sent.and_then(reqwest::Response::error_for_status);
                 match answer {
                     Ok(answer) => answer.json().await.map_err(PayError::provider),
@@ -229,8 +273,8 @@ async fn pay(
     Json(pay): Json<PayRequest>,
 ) -> Result<Json<Charge>, PayError> {
     let charge = match steps {
-        Some(Extension(steps)) => steps.step("charge_created", || shop.charge(&pay)).await?,
-        None => shop.charge(&pay).await?,
+        Some(Extension(steps)) => steps.step("charge_created", || shop.charge(&pay, None)).await?,
+        None => shop.charge(&pay, None).await?,
     };
     shop.send_receipt(&charge).await?;
     Ok(Json(charge))

@@ -1,57 +1,128 @@
 //! A payment provider for the example's tests, on a real socket: it counts charges and receipts,
-//! and its first receipt fails the way a test asks. Shared by the tests of a payment whose receipt
-//! step goes wrong after the charge.
-#![allow(dead_code, reason = "each test crate uses one way for the first receipt to go wrong")]
+//! charges once per `Idempotency-Key` (a charge asked again under a key it has seen is the first
+//! charge, not a new one), and its first charge or first receipt goes wrong the way a test asks.
+//! Shared by the tests of a payment whose steps go wrong.
+#![allow(
+    dead_code,
+    reason = "each test crate uses some of the ways for a first call to go wrong"
+)]
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use axum::Json;
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
 use serde_json::{Value, json};
+use tokio::sync::watch;
 
-/// How the provider's first receipt goes wrong.
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum FirstReceipt {
-    /// It never answers (the payments instance dies while it waits).
+/// How the provider's first call of a kind (charge, receipt) goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum First {
+    /// Like every other.
+    Answers,
+    /// It does its work (counts, charges), then does not answer until the test releases it
+    /// ([`Provider::release`]); never, if the test does not (the payments instance dies while it
+    /// waits).
     Hangs,
     /// It answers `500`.
     Fails,
 }
 
+/// The ways of the first receipt, as the tests of the checkpointed payment name them.
+pub(crate) type FirstReceipt = First;
+
 /// The provider's counters.
 #[derive(Clone)]
 pub(crate) struct Provider {
+    /// Distinct charges made.
     pub(crate) charges: Arc<AtomicUsize>,
+    /// Charge requests, copies under a known key included.
+    pub(crate) charge_calls: Arc<AtomicUsize>,
+    /// Receipt requests.
     pub(crate) receipts: Arc<AtomicUsize>,
-    first_receipt: FirstReceipt,
+    /// The charge made under each key.
+    by_key: Arc<Mutex<HashMap<String, Value>>>,
+    first_charge: First,
+    first_receipt: First,
+    /// Set to true to let a hanging first call answer.
+    released: watch::Sender<bool>,
 }
 
 impl Provider {
-    /// Charges so far.
+    /// Distinct charges so far.
     pub(crate) fn charges(&self) -> usize {
         self.charges.load(Ordering::SeqCst)
+    }
+
+    /// Charge requests so far (a copy under a key already charged counts here, not in `charges`).
+    pub(crate) fn charge_calls(&self) -> usize {
+        self.charge_calls.load(Ordering::SeqCst)
     }
 
     /// Receipts asked for so far.
     pub(crate) fn receipts(&self) -> usize {
         self.receipts.load(Ordering::SeqCst)
     }
+
+    /// Lets a hanging first call (charge or receipt) answer.
+    pub(crate) fn release(&self) {
+        self.released.send_replace(true);
+    }
+
+    /// Waits for [`release`](Self::release).
+    async fn wait_for_release(&self) {
+        let mut released = self.released.subscribe();
+        // The sender lives in `self`: the channel never closes while this waits.
+        let _ = released.wait_for(|released| *released).await;
+    }
 }
 
-async fn charge(State(provider): State<Provider>, Json(request): Json<Value>) -> Json<Value> {
-    let n = provider.charges.fetch_add(1, Ordering::SeqCst) + 1;
-    Json(json!({"charge": format!("ch_{n}"), "amount": request["amount"], "currency": request["currency"]}))
+async fn charge(
+    State(provider): State<Provider>,
+    headers: HeaderMap,
+    Json(request): Json<Value>,
+) -> (StatusCode, Json<Value>) {
+    let first = provider.charge_calls.fetch_add(1, Ordering::SeqCst) == 0;
+    let key = headers
+        .get("idempotency-key")
+        .map(|key| String::from_utf8_lossy(key.as_bytes()).into_owned());
+    if first && provider.first_charge == First::Fails {
+        return (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            Json(json!({"error": "the bank is down"})),
+        );
+    }
+    let charged = {
+        let mut by_key = provider.by_key.lock().expect("not poisoned");
+        match key.as_ref().and_then(|key| by_key.get(key)) {
+            Some(charged) => charged.clone(),
+            None => {
+                let n = provider.charges.fetch_add(1, Ordering::SeqCst) + 1;
+                let charged =
+                    json!({"charge": format!("ch_{n}"), "amount": request["amount"], "currency": request["currency"]});
+                if let Some(key) = key {
+                    by_key.insert(key, charged.clone());
+                }
+                charged
+            }
+        }
+    };
+    if first && provider.first_charge == First::Hangs {
+        provider.wait_for_release().await;
+    }
+    (StatusCode::OK, Json(charged))
 }
 
 async fn receipt(State(provider): State<Provider>) -> (StatusCode, &'static str) {
     if provider.receipts.fetch_add(1, Ordering::SeqCst) == 0 {
         match provider.first_receipt {
-            FirstReceipt::Hangs => std::future::pending::<()>().await,
-            FirstReceipt::Fails => return (StatusCode::INTERNAL_SERVER_ERROR, "the mail server is down"),
+            First::Answers => {}
+            First::Hangs => provider.wait_for_release().await,
+            First::Fails => return (StatusCode::INTERNAL_SERVER_ERROR, "the mail server is down"),
         }
     }
     (StatusCode::OK, "sent")
@@ -68,11 +139,20 @@ pub(crate) async fn serve(app: axum::Router) -> String {
 }
 
 /// Starts a provider whose first receipt goes wrong as `first_receipt` says.
-pub(crate) async fn start(first_receipt: FirstReceipt) -> (Provider, String) {
+pub(crate) async fn start(first_receipt: First) -> (Provider, String) {
+    start_with(First::Answers, first_receipt).await
+}
+
+/// Starts a provider whose first charge and first receipt go as said.
+pub(crate) async fn start_with(first_charge: First, first_receipt: First) -> (Provider, String) {
     let provider = Provider {
         charges: Arc::default(),
+        charge_calls: Arc::default(),
         receipts: Arc::default(),
+        by_key: Arc::default(),
+        first_charge,
         first_receipt,
+        released: watch::Sender::new(false),
     };
     let app = axum::Router::new()
         .route("/charges", post(charge))
