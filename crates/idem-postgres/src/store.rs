@@ -202,8 +202,9 @@ impl PostgresStore {
         &self.inner.replication
     }
 
-    /// The schema the tables are in, if the URL named one (else the connection's `search_path`).
-    pub(crate) fn schema(&self) -> Option<&str> {
+    /// The PostgreSQL schema of the store's tables and functions (`idem_complete`), if the URL
+    /// named one (`schema=`); else they are on the connection's `search_path`.
+    pub fn schema(&self) -> Option<&str> {
         self.inner.schema.as_deref()
     }
 
