@@ -25,15 +25,16 @@ const MIGRATION_LOCK: i64 = 0x6964_656d_0000_0001;
 ///    nobody waits on do not `NOTIFY` (see `WAIT_ON` in the store).
 /// 5. `idem_complete_claim`: completes a record in the caller's own transaction, under the row's
 ///    lock, if the token is the current claim's; otherwise raises `IDEM1`, which aborts that
-///    transaction, so a holder that lost its claim cannot commit its business writes. It runs on
-///    the schema it was created in (`SET search_path FROM CURRENT`), whatever the caller's
-///    connection is set to.
+///    transaction, so a holder that lost its claim cannot commit its business writes. Its
+///    `search_path` is pinned to the schema that holds the tables (then `pg_temp`), whatever the
+///    caller's connection is set to. The answer is kept at least as long as the claim promised.
 /// 6. `idem_complete(token, status, headers, body)`: the same, for an upstream in any language,
 ///    from the `Idempotency-Token` the gateway sends it (`InTransaction::completion_token`). It
-///    reads the record, the claim and the retention from the token, keeps the headers of the
-///    default allow-list, refuses statuses that are not stored (`IDEM2`) and tokens that are not
-///    one (`IDEM3`), and writes the answer in idem's stored form, uncompressed and unsealed, on
-///    the database's clock.
+///    reads the record, the claim and the retention from the token (a retention shorter than the
+///    claim's is raised to it, so a token altered to expire its key at once cannot), keeps the
+///    headers of the default allow-list (string values only), refuses statuses that are not
+///    stored (`IDEM2`) and tokens that are not one (`IDEM3`), and writes the answer in idem's
+///    stored form, uncompressed and unsealed, on the database's clock.
 const MIGRATIONS: &[(i32, &str)] = &[
     (
         1,
@@ -101,15 +102,18 @@ CREATE FUNCTION idem_complete_claim(
     p_completed_at BIGINT, p_expires_at BIGINT, p_purge_at BIGINT, p_notice TEXT
 ) RETURNS void
 LANGUAGE plpgsql
-SET search_path FROM CURRENT
 AS $fn$
 DECLARE
     woken INTEGER;
 BEGIN
+    IF p_response IS NULL OR p_completed_at IS NULL OR p_expires_at IS NULL OR p_purge_at IS NULL THEN
+        RAISE EXCEPTION 'idem: a completion needs an answer and its times' USING ERRCODE = 'IDEM2';
+    END IF;
+    -- Never kept for less than the claim itself promised (its ttl and tombstone from the claim).
     UPDATE idem_records
     SET state = 'completed', lease_until = NULL, response = p_response,
-        completed_at = p_completed_at, expires_at = p_expires_at, purge_at = p_purge_at,
-        checkpoint_names = '{}', checkpoint_values = '{}'
+        completed_at = p_completed_at, expires_at = GREATEST(p_expires_at, expires_at),
+        purge_at = GREATEST(p_purge_at, purge_at), checkpoint_names = '{}', checkpoint_values = '{}'
     WHERE scope = p_scope AND key = p_key AND token = p_token AND state = 'in-flight'
     RETURNING waiters INTO woken;
     IF NOT FOUND THEN
@@ -122,6 +126,14 @@ BEGIN
     END IF;
 END
 $fn$;
+-- Pinned to the schema that holds the tables now (not to a search_path whose \"$user\" would be
+-- the caller's own schema), then pg_temp, so that no caller's objects stand in for them.
+DO $pin$ BEGIN
+    EXECUTE format(
+        'ALTER FUNCTION idem_complete_claim(TEXT, TEXT, BYTEA, BYTEA, BIGINT, BIGINT, BIGINT, TEXT) SET search_path = %I, pg_temp',
+        current_schema()
+    );
+END $pin$;
 ",
     ),
     (
@@ -130,7 +142,6 @@ $fn$;
 CREATE FUNCTION idem_complete(p_token TEXT, p_status INTEGER, p_headers JSONB, p_body BYTEA)
 RETURNS void
 LANGUAGE plpgsql
-SET search_path FROM CURRENT
 AS $fn$
 DECLARE
     parts   TEXT[] := string_to_array(p_token, '.');
@@ -165,13 +176,17 @@ BEGIN
             USING ERRCODE = 'IDEM2';
     END IF;
     FOR h IN
-        SELECT lower(e.key) AS name, v.value AS value
+        SELECT lower(e.key) AS name, v.value #>> '{}' AS value, jsonb_typeof(v.value) AS kind
         FROM jsonb_each(COALESCE(p_headers, '{}'::jsonb)) AS e,
-             LATERAL jsonb_array_elements_text(
+             LATERAL jsonb_array_elements(
                  CASE jsonb_typeof(e.value) WHEN 'array' THEN e.value ELSE jsonb_build_array(e.value) END
              ) AS v(value)
         WHERE lower(e.key) IN ('content-type', 'content-encoding', 'vary', 'location', 'content-location', 'etag', 'link')
     LOOP
+        IF h.kind <> 'string' THEN
+            RAISE EXCEPTION 'idem: the value of header % must be a string (or an array of strings), not %', h.name, h.kind
+                USING ERRCODE = 'IDEM2';
+        END IF;
         IF h.value ~ '[\x01-\x08\x0a-\x1f\x7f]' THEN
             RAISE EXCEPTION 'idem: the value of header % is not a valid header value', h.name USING ERRCODE = 'IDEM2';
         END IF;
@@ -190,6 +205,12 @@ BEGIN
     );
 END
 $fn$;
+DO $pin$ BEGIN
+    EXECUTE format(
+        'ALTER FUNCTION idem_complete(TEXT, INTEGER, JSONB, BYTEA) SET search_path = %I, pg_temp',
+        current_schema()
+    );
+END $pin$;
 "#,
     ),
 ];

@@ -303,15 +303,22 @@ async fn run<S, ResBody>(
     };
     let (head, body) = response.into_parts();
     let body = boxed(body);
-    let in_transaction = head
+    let marked = head
         .extensions
         .get::<CompletedInTransaction>()
         .is_some_and(|done| done.is_of(&claim));
     let settlement = match head.extensions.get::<NoAnswer>() {
-        // Stored by the handler's own transaction, if that committed: read whether it did.
-        _ if in_transaction => {
+        // Stored by the handler's own transaction, if that committed (or, on a route declared to
+        // complete in transactions, stored by no run at all): read whether it did.
+        None if marked || protocol.in_transaction() => {
             let confirmed = protocol.confirm(&claim).await;
-            protocol.settle(&claim, RunEnd::CompletedInTransaction(confirmed.as_ref().copied()))
+            protocol.settle(
+                &claim,
+                RunEnd::AnsweredInTransaction {
+                    marked,
+                    state: confirmed.as_ref().copied(),
+                },
+            )
         }
         Some(no_answer) => protocol.settle(&claim, RunEnd::NoAnswer(no_answer)),
         None => protocol.settle(

@@ -26,6 +26,10 @@ enum Then {
     WaitThenCommit,
     /// Rolls back and drops the connection without an answer, as an upstream process that died.
     Die,
+    /// Rolls back after `idem_complete`, and answers `201` all the same.
+    RollBackAndAnswer,
+    /// Commits, having changed the token's retention to nothing (a token tampered with).
+    CommitExpiringAtOnce,
 }
 
 /// One run as the upstream saw it.
@@ -105,14 +109,49 @@ impl Upstream {
 
     /// Calls `idem_complete` with `token` in a transaction of its own; the SQLSTATE if it raised.
     async fn complete_with(&self, token: &str) -> Option<String> {
+        self.complete_with_headers(token, r#"{"Content-Type": "application/json"}"#)
+            .await
+    }
+
+    /// [`complete_with`](Self::complete_with) with these headers (JSON).
+    async fn complete_with_headers(&self, token: &str, headers: &str) -> Option<String> {
         let (mut client, connection) = tokio_postgres::connect(&self.database, tokio_postgres::NoTls)
             .await
             .expect("connect to PostgreSQL");
         tokio::spawn(connection);
         let tx = client.transaction().await.expect("begin");
-        let called = complete(&tx, &self.schema, token).await;
+        let called = tx
+            .execute(
+                &format!("SELECT \"{}\".idem_complete($1, 201, $2::text::jsonb, $3)", self.schema),
+                &[&token, &headers, &&b"{}"[..]],
+            )
+            .await
+            .map(drop)
+            .map_err(|err| {
+                err.code()
+                    .map_or_else(|| err.to_string(), |code| code.code().to_owned())
+            });
         drop(tx.rollback().await);
         called.err()
+    }
+
+    /// The `search_path` each of the store's functions runs with.
+    async fn function_search_paths(&self) -> Vec<(String, Vec<String>)> {
+        let (client, connection) = tokio_postgres::connect(&self.database, tokio_postgres::NoTls)
+            .await
+            .expect("connect to PostgreSQL");
+        tokio::spawn(connection);
+        client
+            .query(
+                "SELECT p.proname::text, p.proconfig FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+                 WHERE n.nspname = $1 AND p.proname LIKE 'idem_complete%' ORDER BY 1",
+                &[&self.schema],
+            )
+            .await
+            .expect("read pg_proc")
+            .iter()
+            .map(|row| (row.get(0), row.get::<_, Option<Vec<String>>>(1).unwrap_or_default()))
+            .collect()
     }
 }
 
@@ -169,9 +208,16 @@ async fn run(upstream: Upstream, headers: HeaderMap) -> Response {
         upstream.started.notify_one();
         resumed.await;
     }
-    let refused = complete(&tx, &upstream.schema, token.as_deref().unwrap_or_default())
-        .await
-        .err();
+    let token_used = match (then, &token) {
+        (Then::CommitExpiringAtOnce, Some(token)) => {
+            let mut parts: Vec<&str> = token.split('.').collect();
+            parts[4] = "0";
+            parts[5] = "0";
+            parts.join(".")
+        }
+        _ => token.clone().unwrap_or_default(),
+    };
+    let refused = complete(&tx, &upstream.schema, &token_used).await.err();
     upstream.runs.lock().await.push(Run {
         token,
         recovered,
@@ -180,6 +226,10 @@ async fn run(upstream: Upstream, headers: HeaderMap) -> Response {
     if then == Then::Die {
         drop(tx.rollback().await);
         panic!("the upstream dies before its commit (this panic is the test's)");
+    }
+    if then == Then::RollBackAndAnswer {
+        drop(tx.rollback().await);
+        return (StatusCode::CREATED, r#"{"charged":true}"#).into_response();
     }
     if refused.is_some() {
         // The transaction is aborted: its commit rolls back.
@@ -250,6 +300,56 @@ async fn an_upstream_that_completes_in_its_transaction_is_replayed_and_not_store
     drop(send(pay_request(&gateway, "k2")).await);
     assert_eq!(upstream.complete_with(&other_key).await.as_deref(), Some("IDEM1"));
     assert_eq!(upstream.complete_with("idem1.zz").await.as_deref(), Some("IDEM3"));
+    // Headers are checked before the claim: a value that is not a string never makes an answer.
+    for headers in [
+        r#"{"Location": null}"#,
+        r#"{"Link": ["</a>", null]}"#,
+        r#"{"ETag": 7}"#,
+        r#"{"Location": "/a\r\nSet-Cookie: x"}"#,
+    ] {
+        assert_eq!(
+            upstream.complete_with_headers(&token, headers).await.as_deref(),
+            Some("IDEM2"),
+            "{headers}"
+        );
+    }
+    // The functions find the store's tables whoever calls them: their search_path is the schema's.
+    let schema = &upstream.schema;
+    for (function, config) in upstream.function_search_paths().await {
+        assert_eq!(config, [format!("search_path={schema}, pg_temp")], "{function}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_an_in_transaction_route_an_answer_whose_transaction_rolled_back_is_not_stored() {
+    let (store, upstream, url) = set_up().await;
+    let gateway = Gateway::start_on_store(&url, &store, &["--in-transaction"]).await;
+    upstream.plan(&[Then::RollBackAndAnswer]).await;
+    let first = send(pay_request(&gateway, "k1")).await;
+    assert_eq!(first.status, 201, "passed on: {first}");
+    assert_eq!(upstream.ledger_rows("k1").await, 0);
+    let retry = send(pay_request(&gateway, "k1")).await;
+    assert!(
+        !retry.replayed(),
+        "a success whose writes rolled back is never replayed: {retry}"
+    );
+    let runs = upstream.runs().await;
+    assert_eq!(runs.len(), 2);
+    assert!(!runs[1].recovered, "nothing of the first run stood");
+    assert_eq!(upstream.ledger_rows("k1").await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_tampered_to_expire_its_key_at_once_keeps_the_claims_retention() {
+    let (store, upstream, url) = set_up().await;
+    let gateway = Gateway::start_on_store(&url, &store, &[]).await;
+    upstream.plan(&[Then::CommitExpiringAtOnce]).await;
+    assert_eq!(send(pay_request(&gateway, "k1")).await.status, 201);
+    assert_eq!(upstream.runs().await[0].refused, None);
+    let retry = send(pay_request(&gateway, "k1")).await;
+    assert!(retry.replayed(), "still replayed, not run again: {retry}");
+    assert_eq!(upstream.runs().await.len(), 1);
+    assert_eq!(upstream.ledger_rows("k1").await, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -83,10 +83,18 @@ pub enum RunEnd<'a> {
     AnswerBroke,
     /// The caller hung up after the claim was made and before anything ran.
     CallerLeft,
-    /// The handler answered with an answer it completed in its own transaction
-    /// ([`InTransaction`](super::InTransaction)), and this is where its claim stands now
-    /// ([`Protocol::confirm`]): completed if that transaction committed.
-    CompletedInTransaction(Result<ClaimState, &'a StoreError>),
+    /// The handler answered on a route whose runs complete in their own transaction, and this is
+    /// where its claim stands now ([`Protocol::confirm`]): completed if that transaction committed.
+    /// `marked`: the answer says it was completed so
+    /// ([`CompletedInTransaction`](super::CompletedInTransaction)); an unmarked one is an answer
+    /// of a run declared to complete in its transaction that did not (a validation error, or an
+    /// upstream that rolled back).
+    AnsweredInTransaction {
+        /// The answer was completed in the handler's transaction, by its own account.
+        marked: bool,
+        /// Where the claim stands.
+        state: Result<ClaimState, &'a StoreError>,
+    },
 }
 
 /// What becomes of the record of a run.
@@ -273,24 +281,40 @@ fn decide(policy: &Policy, now: UnixMillis, run: Run, end: RunEnd<'_>) -> Settle
             Settlement::problem(unknown, Problem::new(ProblemKind::UpstreamFailed, detail), run.outcome)
         }
         RunEnd::CallerLeft => Settlement::answer(released, run),
-        RunEnd::CompletedInTransaction(Ok(ClaimState::Completed)) => Settlement::answer(Keep::Leave, run),
+        RunEnd::AnsweredInTransaction {
+            state: Ok(ClaimState::Completed),
+            ..
+        } => Settlement::answer(Keep::Leave, run),
         // The handler answered as if its transaction had committed, but it did not: nothing of it
         // stands.
-        RunEnd::CompletedInTransaction(Ok(ClaimState::Current)) => {
+        RunEnd::AnsweredInTransaction {
+            marked: true,
+            state: Ok(ClaimState::Current),
+        } => {
             let detail =
                 "the request's transaction did not commit, so it had no effect; send it again with the same key";
             Settlement::problem(unknown, Problem::new(ProblemKind::Internal, detail), Outcome::Internal)
         }
+        // Answered without completing: the run is declared to have no effect outside the
+        // transaction that completes, so nothing of it stands. The answer is passed on, not stored
+        // (storing it would replay a success whose writes rolled back), and the retry runs again.
+        RunEnd::AnsweredInTransaction {
+            marked: false,
+            state: Ok(ClaimState::Current),
+        } => Settlement::answer(released, run),
         // Taken over (its lease ran out) or deleted while it ran: its transaction could not commit,
         // and the run that holds the key now answers.
-        RunEnd::CompletedInTransaction(Ok(ClaimState::Ended)) => {
+        RunEnd::AnsweredInTransaction {
+            state: Ok(ClaimState::Ended),
+            ..
+        } => {
             let detail = "another run took this key over while this one ran, and this one's transaction did not commit; retry with the same key to receive that run's answer";
             let problem = Problem::new(ProblemKind::KeyInFlight, detail).retry_after(policy.retry_after);
             Settlement::problem(Keep::Leave, problem, run.outcome)
         }
         // Committed or not, the record tells the retry: replayed, or (the lease run out, nothing
         // of it standing) run again.
-        RunEnd::CompletedInTransaction(Err(err)) => {
+        RunEnd::AnsweredInTransaction { state: Err(err), .. } => {
             let detail = format!(
                 "the request ran, but whether its transaction committed could not be read ({err}); retry with the same key"
             );

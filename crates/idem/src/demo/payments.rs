@@ -135,6 +135,20 @@ impl Database {
     }
 }
 
+/// Takes a few milliseconds, then answers `201` with the charge.
+async fn charged(charge: u64, payment: u64) -> Response {
+    tokio::time::sleep(Duration::from_millis(2 + payment % 7)).await;
+    (
+        StatusCode::CREATED,
+        [
+            (header::CONTENT_TYPE, "application/json".to_owned()),
+            (header::LOCATION, format!("/charges/{charge}")),
+        ],
+        answer_body(charge, payment),
+    )
+        .into_response()
+}
+
 /// The body of a charge's answer.
 fn answer_body(charge: u64, payment: u64) -> String {
     format!(r#"{{"charge":{charge},"payment":{payment}}}"#)
@@ -302,16 +316,7 @@ async fn pay(State(service): State<Arc<Service>>, Query(query): Query<PayQuery>,
             return (StatusCode::SERVICE_UNAVAILABLE, "the payments database failed").into_response();
         }
     };
-    tokio::time::sleep(Duration::from_millis(2 + query.payment % 7)).await;
-    (
-        StatusCode::CREATED,
-        [
-            (header::CONTENT_TYPE, "application/json".to_owned()),
-            (header::LOCATION, format!("/charges/{charge}")),
-        ],
-        answer_body(charge, query.payment),
-    )
-        .into_response()
+    charged(charge, query.payment).await
 }
 
 /// [`pay`] with the charges in memory: the gateway's flag is what keeps a retry from charging again.
@@ -325,16 +330,7 @@ async fn pay_in_memory(ledger: &Ledger, query: PayQuery, headers: &HeaderMap) ->
         .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"true"));
     // Charged first, before any await: a caller that vanishes afterwards cannot undo it.
     let charge = ledger.charge(query.payment, key, recovered);
-    tokio::time::sleep(Duration::from_millis(2 + query.payment % 7)).await;
-    (
-        StatusCode::CREATED,
-        [
-            (header::CONTENT_TYPE, "application/json".to_owned()),
-            (header::LOCATION, format!("/charges/{charge}")),
-        ],
-        answer_body(charge, query.payment),
-    )
-        .into_response()
+    charged(charge, query.payment).await
 }
 
 #[cfg(test)]
