@@ -3,9 +3,10 @@
 //!
 //! On a store that [completes in transactions](crate::Store::completes_in_transactions), every
 //! keyed handler is given an [`InTransaction`] (the gateway passes its
-//! [`completion_token`](InTransaction::completion_token) to its upstream). It hands its transaction and its answer to the store's `complete_in`
-//! (`idem_postgres`, `idem_sqlite`), which checks the claim's token under the record's lock, stores
-//! the answer and marks the record completed — all in that transaction. Then:
+//! [`completion_token`](InTransaction::completion_token) to its upstream). It hands its
+//! transaction and its answer to the store's `complete_in` (`idem_postgres`, `idem_sqlite`), which
+//! checks the claim's token under the record's lock, stores the answer and marks the record
+//! completed — all in that transaction. Then:
 //!
 //! * the transaction commits: the business write and the answer stand together, and the layer
 //!   sends the answer without storing it again ([`Protocol::confirm`] reads that it was stored);
@@ -26,8 +27,8 @@ use crate::scope::hex;
 use crate::store::{ClaimState, Completion, FencingToken, RecordId, StoreError};
 use crate::time::UnixMillis;
 
-/// What a handler on an in-transaction route finds in its request's extensions: the claim it runs
-/// under, to complete in its own transaction.
+/// What a keyed handler on a store that completes in transactions finds in its request's
+/// extensions: the claim it runs under, to complete in its own transaction.
 #[derive(Debug, Clone)]
 pub struct InTransaction {
     protocol: Protocol,
