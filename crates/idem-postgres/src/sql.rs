@@ -73,7 +73,8 @@ WITH completed AS (
 SELECT (SELECT pg_notify('idem_records', $8) WHERE completed.waiters > 0) FROM completed";
 
 /// Where the claim `$3` stands: the record's state and whether `$3` is its token (the current
-/// claim's when in flight, the completing claim's when completed); no row without a record.
+/// claim's when in flight, the completing claim's when completed); no row without a record. A
+/// waiter reads it too, to learn whether the claim it waits on is still current.
 pub(crate) const CLAIM_STATE: &str =
     "SELECT state, token IS NOT DISTINCT FROM $3 FROM idem_records WHERE scope = $1 AND key = $2";
 
@@ -169,12 +170,6 @@ pub(crate) const SCOPE_SALT_SELECT: &str =
 pub(crate) const WAIT_ON: &str = "
 UPDATE idem_records SET waiters = waiters + 1
 WHERE scope = $1 AND key = $2 AND state = 'in-flight' AND token = $3";
-
-pub(crate) const HOLDS: &str = "
-SELECT EXISTS (
-    SELECT 1 FROM idem_records
-    WHERE scope = $1 AND key = $2 AND state = 'in-flight' AND token = $3
-)";
 
 /// Keyed on the schema that holds the tables, so that stores in different schemas of one
 /// database do not keep each other from purging.

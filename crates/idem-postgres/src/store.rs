@@ -220,16 +220,28 @@ impl PostgresStore {
         move |err| Failure::db(operation, &self.inner.target, err)
     }
 
-    /// Whether `token` is still the current claim on the record.
-    async fn holds(&self, id: &RecordId, token: FencingToken) -> Result<bool, StoreError> {
-        let db = self.db("wait");
-        let client = self.client("wait").await?;
-        let stmt = client.prepare_cached(sql::HOLDS).await.map_err(db)?;
+    /// Where the claim `token` on the record stands, read for `operation` (`claim_state`, or a
+    /// waiter's check that the claim is still current).
+    async fn read_claim_state(
+        &self,
+        operation: &'static str,
+        id: &RecordId,
+        token: FencingToken,
+    ) -> Result<ClaimState, StoreError> {
+        let db = self.db(operation);
+        let client = self.client(operation).await?;
+        let stmt = client.prepare_cached(sql::CLAIM_STATE).await.map_err(db)?;
         let row = client
-            .query_one(&stmt, &[&id.scope.as_str(), &id.key.as_str(), &&token.as_bytes()[..]])
+            .query_opt(&stmt, &[&id.scope.as_str(), &id.key.as_str(), &&token.as_bytes()[..]])
             .await
             .map_err(db)?;
-        row.try_get(0).map_err(db)
+        match row {
+            None => Ok(ClaimState::Ended),
+            Some(row) => Ok(claim_state(
+                &row.try_get::<_, String>(0).map_err(db)?,
+                row.try_get(1).map_err(db)?,
+            )),
+        }
     }
 }
 
@@ -388,20 +400,7 @@ impl Store for PostgresStore {
     }
 
     async fn claim_state(&self, id: &RecordId, token: FencingToken) -> Result<ClaimState, StoreError> {
-        let db = self.db("claim_state");
-        let client = self.client("claim_state").await?;
-        let stmt = client.prepare_cached(sql::CLAIM_STATE).await.map_err(db)?;
-        let row = client
-            .query_opt(&stmt, &[&id.scope.as_str(), &id.key.as_str(), &&token.as_bytes()[..]])
-            .await
-            .map_err(db)?;
-        match row {
-            None => Ok(ClaimState::Ended),
-            Some(row) => Ok(claim_state(
-                &row.try_get::<_, String>(0).map_err(db)?,
-                row.try_get(1).map_err(db)?,
-            )),
-        }
+        self.read_claim_state("claim_state", id, token).await
     }
 
     fn completes_in_transactions(&self) -> bool {
@@ -568,7 +567,10 @@ impl Store for PostgresStore {
         }
         let max_poll = self.inner.poll_interval;
         let notify = subscription.as_ref().map(|s| s.notify());
-        wait_for_change(notify, deadline, max_poll / 4, max_poll, || self.holds(id, token)).await
+        wait_for_change(notify, deadline, max_poll / 4, max_poll, || async {
+            Ok(self.read_claim_state("wait", id, token).await? == ClaimState::Current)
+        })
+        .await
     }
 
     async fn purge(&self, now: UnixMillis, batch: usize) -> Result<Purged, StoreError> {

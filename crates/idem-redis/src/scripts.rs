@@ -306,19 +306,9 @@ redis.call('DEL', rec, body, steps)
 return answer(fields, response)
 "#;
 
-/// Whether a claim is still current, for the polls of `wait`. ARGV: nonce, token. Returns
-/// `{rec, nonce, 1}` if the record is in flight under this token, `{rec, nonce, 0}` otherwise.
-const HOLDS: &str = r#"
-local cur = redis.call('HMGET', rec, 'state', 'token')
-if cur[1] == 'in-flight' and cur[2] == ARGV[2] then
-  return answer(1)
-end
-return answer(0)
-"#;
-
-/// `claim_state`. ARGV: nonce, token. Returns `{rec, nonce, 2}` if the record is in flight under
-/// the token, `{rec, nonce, 1}` if it was completed under it (`completed_by`), `{rec, nonce, 0}`
-/// otherwise.
+/// `claim_state`, and the polls of `wait`. ARGV: nonce, token. Returns `{rec, nonce, 2}` if the
+/// record is in flight under the token, `{rec, nonce, 1}` if it was completed under it
+/// (`completed_by`), `{rec, nonce, 0}` otherwise.
 const CLAIM_STATE: &str = r#"
 local cur = redis.call('HMGET', rec, 'state', 'token', 'completed_by')
 if cur[1] == 'in-flight' and cur[2] == ARGV[2] then
@@ -402,7 +392,6 @@ pub(crate) static RELEASE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(REL
 pub(crate) static RENEW_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(RENEW));
 pub(crate) static GET_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(GET));
 pub(crate) static DELETE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(DELETE));
-pub(crate) static HOLDS_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(HOLDS));
 pub(crate) static CLAIM_STATE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(CLAIM_STATE));
 pub(crate) static CHECKPOINT_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(CHECKPOINT));
 pub(crate) static CHECKPOINTS_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(CHECKPOINTS));

@@ -28,7 +28,7 @@ use crate::keys::{RecordKeys, record_pattern, scope_salt_key};
 use crate::notify::Subscriptions;
 use crate::scripts::{
     BEGIN_SCRIPT, CHECKPOINT_SCRIPT, CHECKPOINTS_SCRIPT, CLAIM_STATE_SCRIPT, COMPLETE_SCRIPT, COUNT_REPLAYS_SCRIPT,
-    DELETE_SCRIPT, GET_SCRIPT, HOLDS_SCRIPT, RELEASE_SCRIPT, RENEW_SCRIPT, SCOPE_SALT_SCRIPT,
+    DELETE_SCRIPT, GET_SCRIPT, RELEASE_SCRIPT, RENEW_SCRIPT, SCOPE_SALT_SCRIPT,
 };
 use crate::timeouts::RESPONSE_TIMEOUT;
 use crate::url::Target;
@@ -202,14 +202,24 @@ impl RedisStore {
         }
     }
 
-    /// Whether `token` is still the current claim on the record.
-    async fn holds(&self, keys: &RecordKeys, token: FencingToken) -> Result<bool, StoreError> {
+    /// Where the claim `token` on the record stands, read for `what` (`claim_state`, or a
+    /// waiter's check that the claim is still current).
+    async fn read_claim_state(
+        &self,
+        what: &'static str,
+        keys: &RecordKeys,
+        token: FencingToken,
+    ) -> Result<ClaimState, StoreError> {
         let flag = self
-            .run_flag(Durability::Primary, "wait", &HOLDS_SCRIPT, keys, |script| {
+            .run_flag(Durability::Primary, what, &CLAIM_STATE_SCRIPT, keys, |script| {
                 script.arg(&token.as_bytes()[..]);
             })
             .await?;
-        Ok(flag == 1)
+        Ok(match flag {
+            2 => ClaimState::Current,
+            1 => ClaimState::Completed,
+            _ => ClaimState::Ended,
+        })
     }
 
     /// The latest `purge_at` among the records under the store's prefix (`None`: it holds none), for
@@ -432,23 +442,7 @@ impl Store for RedisStore {
     /// Redis expires their keys (native expiry runs relative to the `now` of the write, which
     /// may lag the clock).
     async fn claim_state(&self, id: &RecordId, token: FencingToken) -> Result<ClaimState, StoreError> {
-        let keys = self.record_keys(id);
-        let flag = self
-            .run_flag(
-                Durability::Primary,
-                "claim_state",
-                &CLAIM_STATE_SCRIPT,
-                &keys,
-                |script| {
-                    script.arg(&token.as_bytes()[..]);
-                },
-            )
-            .await?;
-        Ok(match flag {
-            2 => ClaimState::Current,
-            1 => ClaimState::Completed,
-            _ => ClaimState::Ended,
-        })
+        self.read_claim_state("claim_state", &self.record_keys(id), token).await
     }
 
     /// Redis keeps no transaction of the caller's: a route that completes in transactions is an
@@ -546,7 +540,10 @@ impl Store for RedisStore {
             // Not subscribed (the deadline came first, or the runtime shuts down): poll only.
             .unwrap_or_else(|| Arc::new(Notify::new()));
         let cap = self.inner.poll_interval;
-        wait_for_change(Some(&notify), deadline, cap / 4, cap, || self.holds(&keys, token)).await
+        wait_for_change(Some(&notify), deadline, cap / 4, cap, || async {
+            Ok(self.read_claim_state("wait", &keys, token).await? == ClaimState::Current)
+        })
+        .await
     }
 
     /// Does nothing and returns [`Purged::default()`]: Redis expires records by itself. An

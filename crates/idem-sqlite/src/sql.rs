@@ -98,10 +98,6 @@ pub(crate) const DELETE_IN_FLIGHT: &str = "UPDATE idem_records
 /// An operator's delete of any other record.
 pub(crate) const DELETE: &str = "DELETE FROM idem_records WHERE scope = ?1 AND key = ?2";
 
-/// Whether the claim `?3` is the record's current one.
-pub(crate) const HOLDS: &str = "SELECT EXISTS (SELECT 1 FROM idem_records
-    WHERE scope = ?1 AND key = ?2 AND state = 'in-flight' AND token = ?3)";
-
 /// Deletes up to `?2` records due at `?1`. `DELETE ... LIMIT` is not compiled into the bundled
 /// SQLite: delete by rowid.
 pub(crate) const PURGE_DELETE: &str = "DELETE FROM idem_records WHERE rowid IN

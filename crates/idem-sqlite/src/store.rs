@@ -79,21 +79,24 @@ impl SqliteStore {
         self.conns.path()
     }
 
-    /// Whether `token` is still the current claim on the record.
-    async fn holds(&self, id: &RecordId, token: FencingToken) -> Result<bool, StoreError> {
-        let id = id.clone();
-        self.conns
+    /// Where the claim `token` on the record stands.
+    async fn read_claim_state(&self, id: &RecordId, token: FencingToken) -> Result<ClaimState, StoreError> {
+        let owned = id.clone();
+        let found = self
+            .conns
             .read(move |conn| {
-                conn.prepare_cached(sql::HOLDS)
+                conn.prepare_cached(sql::CLAIM_STATE)
                     .and_then(|mut stmt| {
-                        stmt.query_row(
-                            params![id.scope.as_str(), id.key.as_str(), &token.as_bytes()[..]],
-                            |row| row.get(0),
-                        )
+                        let (scope, key) = (owned.scope.as_str(), owned.key.as_str());
+                        stmt.query_row(params![scope, key, &token.as_bytes()[..]], |row| {
+                            Ok((row.get::<_, String>(0)?, row.get::<_, bool>(1)?))
+                        })
+                        .optional()
                     })
                     .map_err(db_error)
             })
-            .await
+            .await?;
+        Ok(found.map_or(ClaimState::Ended, |(state, is_token)| claim_state(&state, is_token)))
     }
 
     fn wake(&self, id: &RecordId) {
@@ -147,22 +150,7 @@ impl Store for SqliteStore {
     }
 
     async fn claim_state(&self, id: &RecordId, token: FencingToken) -> Result<ClaimState, StoreError> {
-        let owned = id.clone();
-        let found = self
-            .conns
-            .read(move |conn| {
-                conn.prepare_cached(sql::CLAIM_STATE)
-                    .and_then(|mut stmt| {
-                        let (scope, key) = (owned.scope.as_str(), owned.key.as_str());
-                        stmt.query_row(params![scope, key, &token.as_bytes()[..]], |row| {
-                            Ok((row.get::<_, String>(0)?, row.get::<_, bool>(1)?))
-                        })
-                        .optional()
-                    })
-                    .map_err(db_error)
-            })
-            .await?;
-        let state = found.map_or(ClaimState::Ended, |(state, is_token)| claim_state(&state, is_token));
+        let state = self.read_claim_state(id, token).await?;
         if state == ClaimState::Completed {
             // Completed by the handler's own transaction, on a connection of its own that wakes
             // nobody: waiters in this process learn it now rather than at their next poll.
@@ -283,8 +271,8 @@ impl Store for SqliteStore {
         deadline: tokio::time::Instant,
     ) -> Result<WaitOutcome, StoreError> {
         let subscription = Subscription::new(self.conns.database(), id);
-        wait_for_change(Some(subscription.notify()), deadline, POLL_FIRST, POLL_MAX, || {
-            self.holds(id, token)
+        wait_for_change(Some(subscription.notify()), deadline, POLL_FIRST, POLL_MAX, || async {
+            Ok(self.read_claim_state(id, token).await? == ClaimState::Current)
         })
         .await
     }
