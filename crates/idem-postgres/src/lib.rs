@@ -38,7 +38,8 @@
 //!
 //! A handler whose business data is in the same database completes its record inside its own
 //! transaction: [`PostgresStore::complete_in_client`] for tokio-postgres and, with the feature
-//! `sqlx`, `PostgresStore::complete_in` for sqlx. The answer commits with the business writes, or
+//! `sqlx`, `PostgresStore::complete_in` for sqlx. [`StoreDatabase`] gives its own connections the
+//! store's database, without the store's options, and its schema. The answer commits with the business writes, or
 //! neither does (`docs/design.md`, "Exactly once with the business write").
 #![forbid(unsafe_code)]
 
@@ -56,3 +57,4 @@ mod url;
 pub use error::{BoxError, PostgresError};
 pub use replication::{Replication, SynchronousCommit};
 pub use store::PostgresStore;
+pub use url::StoreDatabase;

@@ -40,6 +40,62 @@ pub(crate) struct Settings {
     pub(crate) poll_interval: Duration,
     /// `schema=NAME`: the PostgreSQL schema that holds the tables, created if missing.
     pub(crate) schema: Option<String>,
+    /// The URL with this store's options taken out, as other clients of the database connect.
+    pub(crate) database_url: String,
+}
+
+/// The database a store URL names, for a service's own connections beside the store (its
+/// business tables, written in the transactions that complete records): the URL without the
+/// store's own options (`pool_size`, `notify`, `poll_interval`, `schema`), which sqlx or
+/// tokio-postgres connect with, and the store's schema. Parsed as the store parses its URL, so a
+/// password holding `?` or `#` is never taken for options.
+#[derive(Clone)]
+pub struct StoreDatabase {
+    url: String,
+    schema: Option<String>,
+}
+
+impl StoreDatabase {
+    /// Reads the database of the store URL `url`; refused as [`PostgresStore::connect`]
+    /// would refuse it.
+    ///
+    /// [`PostgresStore::connect`]: crate::PostgresStore::connect
+    pub fn parse(url: &str) -> Result<Self, PostgresError> {
+        let settings = Settings::parse(url)?;
+        Ok(Self {
+            url: settings.database_url,
+            schema: settings.schema,
+        })
+    }
+
+    /// The URL to connect with: the store's, its own options taken out (it may hold a password).
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The schema of the store's tables and functions (`schema=`), if the URL named one.
+    pub fn schema(&self) -> Option<&str> {
+        self.schema.as_deref()
+    }
+
+    /// `name` in the store's schema (`"schema".name`), or as it is without one, for SQL.
+    pub fn qualify(&self, name: &str) -> String {
+        match &self.schema {
+            // Checked when the URL was read: lower-case letters, digits and `_`.
+            Some(schema) => format!("\"{schema}\".{name}"),
+            None => name.to_owned(),
+        }
+    }
+}
+
+impl std::fmt::Debug for StoreDatabase {
+    /// Never shows the password.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoreDatabase")
+            .field("url", &redact_url(&self.url))
+            .field("schema", &self.schema)
+            .finish()
+    }
 }
 
 impl Settings {
@@ -145,6 +201,7 @@ impl Settings {
             notify,
             poll_interval,
             schema,
+            database_url: rest,
         })
     }
 }
@@ -259,6 +316,21 @@ mod tests {
             assert!(err.contains(why), "{url}: {err}");
             assert!(!err.contains("secret"), "{url}: {err}");
         }
+    }
+
+    #[test]
+    fn the_store_database_is_the_url_without_the_store_options() {
+        let database =
+            StoreDatabase::parse("postgres://u:p?w@h:5432/d?pool_size=4&schema=pay_1&application_name=pay").unwrap();
+        assert_eq!(database.url(), "postgres://u:p?w@h:5432/d?application_name=pay");
+        assert_eq!(database.schema(), Some("pay_1"));
+        assert_eq!(database.qualify("ledger"), "\"pay_1\".ledger");
+        assert!(!format!("{database:?}").contains(":p?w@"), "{database:?}");
+        let database = StoreDatabase::parse("postgres://h/d?notify=off").unwrap();
+        assert_eq!((database.url(), database.schema()), ("postgres://h/d", None));
+        assert_eq!(database.qualify("ledger"), "ledger");
+        let database = StoreDatabase::parse("postgres://h/d").unwrap();
+        assert_eq!((database.url(), database.schema()), ("postgres://h/d", None));
     }
 
     #[test]

@@ -133,11 +133,11 @@ impl Writes {
         let store = PostgresStore::connect(url)
             .await
             .context("cannot open the PostgreSQL store")?;
-        let (_, schema) = stores::postgres_database(url);
+        let database = idem_postgres::StoreDatabase::parse(url)?;
         let writes = Self {
-            pool: stores::postgres_pool(url, 16)?,
+            pool: stores::postgres_pool(&database, 16)?,
             store,
-            table: stores::in_schema(schema, "idem_bench_writes"),
+            table: database.qualify("idem_bench_writes"),
         };
         writes
             .pool

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use anyhow::Context as _;
 use idem_core::{Store, redact_url};
-use idem_postgres::PostgresStore;
+use idem_postgres::{PostgresStore, StoreDatabase};
 use idem_redis::RedisStore;
 use idem_sqlite::SqliteStore;
 
@@ -39,29 +39,13 @@ pub(crate) async fn open(url: &str) -> anyhow::Result<Arc<dyn Store>> {
     }
 }
 
-/// What another client of the database of a `postgres://` store URL needs: the URL without its
-/// query (idem's options among the rest), and the store's schema (`schema=`), if any.
-pub(crate) fn postgres_database(url: &str) -> (&str, Option<&str>) {
-    let (base, options) = url.split_once('?').unwrap_or((url, ""));
-    let schema = options.split('&').find_map(|option| option.strip_prefix("schema="));
-    (base, schema)
-}
-
-/// `name` in the store's schema (quoted; schema names are letters, digits and `_`), or bare.
-pub(crate) fn in_schema(schema: Option<&str>, name: &str) -> String {
-    match schema {
-        Some(schema) => format!("\"{schema}\".{name}"),
-        None => name.to_owned(),
-    }
-}
-
-/// A small pool of plain connections to the database of a `postgres://` store URL, for the demo's
-/// and the bench's own tables.
-pub(crate) fn postgres_pool(url: &str, size: usize) -> anyhow::Result<deadpool_postgres::Pool> {
-    let (base, _) = postgres_database(url);
-    let config: tokio_postgres::Config = base
+/// A small pool of plain connections to the database of a `postgres://` store (`database`), for
+/// the demo's and the bench's own tables.
+pub(crate) fn postgres_pool(database: &StoreDatabase, size: usize) -> anyhow::Result<deadpool_postgres::Pool> {
+    let config: tokio_postgres::Config = database
+        .url()
         .parse()
-        .with_context(|| format!("{} is not a PostgreSQL URL", redact_url(url)))?;
+        .with_context(|| format!("{} is not a PostgreSQL URL", redact_url(database.url())))?;
     let manager = deadpool_postgres::Manager::new(config, tokio_postgres::NoTls);
     deadpool_postgres::Pool::builder(manager)
         .max_size(size)

@@ -13,7 +13,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use bytes::Bytes;
 use idem_core::{MissingKeyPolicy, Policy, RouteRule, Routes};
-use idem_postgres::PostgresStore;
+use idem_postgres::{PostgresStore, StoreDatabase};
 use idem_sqlite::SqliteStore;
 use idem_tower::{IdempotencyInfo, IdempotencyLayer, InTransaction};
 use serde::Serialize;
@@ -30,9 +30,6 @@ pub const LEDGER_TABLE: &str = "payments_ledger";
 
 /// How long a SQLite connection of the ledger waits for the file's write lock.
 const SQLITE_BUSY_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// The options of a store URL that are idem's own, which sqlx does not know.
-const STORE_OPTIONS: [&str; 4] = ["pool_size", "notify", "poll_interval", "schema"];
 
 /// Why the service could not start on its database.
 #[derive(Debug)]
@@ -113,7 +110,9 @@ pub async fn app_on_database(config: Config) -> Result<Router, StartError> {
         let store = PostgresStore::connect(database)
             .await
             .map_err(|err| StartError::Store(Box::new(err)))?;
-        let (pool, table) = postgres_ledger(database).await.map_err(StartError::Ledger)?;
+        // The store read the URL already: its database, without the store's own options.
+        let database = StoreDatabase::parse(database).map_err(|err| StartError::Store(Box::new(err)))?;
+        let (pool, table) = postgres_ledger(&database).await.map_err(StartError::Ledger)?;
         (
             Ledger::Postgres {
                 store: store.clone(),
@@ -176,44 +175,11 @@ fn sqlite_path(database: &str) -> &str {
     }
 }
 
-/// `url` without idem's own options, for sqlx; and the schema it names, if any.
-fn postgres_url_for_sqlx(url: &str) -> (String, Option<String>) {
-    // The query starts after the user info: a password may hold a `?`.
-    let hosts_at = url.find("://").map_or(0, |at| {
-        at + 3 + idem_core::url_userinfo_end(&url[at + 3..]).map_or(0, |end| end + 1)
-    });
-    let Some(at) = url[hosts_at..].find('?').map(|at| hosts_at + at) else {
-        return (url.to_owned(), None);
-    };
-    let mut schema = None;
-    let mut kept = Vec::new();
-    for pair in url[at + 1..].split('&').filter(|pair| !pair.is_empty()) {
-        let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
-        if name == "schema" {
-            schema = Some(value.to_owned());
-        }
-        if !STORE_OPTIONS.contains(&name) {
-            kept.push(pair);
-        }
-    }
-    let base = &url[..at];
-    let url = if kept.is_empty() {
-        base.to_owned()
-    } else {
-        format!("{base}?{}", kept.join("&"))
-    };
-    (url, schema)
-}
-
 /// The ledger's pool on PostgreSQL, its table made if missing (in the store's schema, which the
 /// store made and whose name it checked: lower-case letters, digits and `_`).
-async fn postgres_ledger(url: &str) -> Result<(sqlx::PgPool, String), sqlx::Error> {
-    let (url, schema) = postgres_url_for_sqlx(url);
-    let pool = sqlx::PgPool::connect(&url).await?;
-    let table = match &schema {
-        Some(schema) => format!("\"{schema}\".{LEDGER_TABLE}"),
-        None => LEDGER_TABLE.to_owned(),
-    };
+async fn postgres_ledger(database: &StoreDatabase) -> Result<(sqlx::PgPool, String), sqlx::Error> {
+    let pool = sqlx::PgPool::connect(database.url()).await?;
+    let table = database.qualify(LEDGER_TABLE);
     // Two instances starting at once would race to make the table: one at a time.
     let mut tx = pool.begin().await?;
     sqlx::query("SELECT pg_advisory_xact_lock(hashtext('idem-example-payments ledger'))")
@@ -449,25 +415,6 @@ fn database_failed(err: &sqlx::Error) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_store_options_are_taken_out_for_sqlx() {
-        assert_eq!(
-            postgres_url_for_sqlx("postgres://u:p?w@h:5432/d?pool_size=4&schema=pay_1&application_name=pay"),
-            (
-                "postgres://u:p?w@h:5432/d?application_name=pay".to_owned(),
-                Some("pay_1".to_owned())
-            )
-        );
-        assert_eq!(
-            postgres_url_for_sqlx("postgres://h/d?notify=off"),
-            ("postgres://h/d".to_owned(), None)
-        );
-        assert_eq!(
-            postgres_url_for_sqlx("postgres://h/d"),
-            ("postgres://h/d".to_owned(), None)
-        );
-    }
 
     #[test]
     fn databases_are_told_apart() {

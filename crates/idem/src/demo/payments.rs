@@ -52,13 +52,12 @@ impl Database {
     /// Connects to the database of the idem store `store_url` (a `postgres://` URL whose idem
     /// options are dropped), in the store's schema, and makes the demo's table of charges anew.
     async fn connect(store_url: &str) -> anyhow::Result<Self> {
-        let (_, schema) = crate::stores::postgres_database(store_url);
-        let pool = crate::stores::postgres_pool(store_url, 8).context("for the payments service")?;
-        let qualify = |name: &str| crate::stores::in_schema(schema, name);
+        let store_database = idem_postgres::StoreDatabase::parse(store_url)?;
+        let pool = crate::stores::postgres_pool(&store_database, 8).context("for the payments service")?;
         let database = Self {
             pool,
-            charges: qualify("idem_demo_charges"),
-            complete: qualify("idem_complete"),
+            charges: store_database.qualify("idem_demo_charges"),
+            complete: store_database.qualify("idem_complete"),
         };
         let client = database
             .pool
