@@ -6,9 +6,9 @@
 //! The lease is one second.
 
 mod provider;
+mod service;
 
 use std::path::PathBuf;
-use std::process::Stdio;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
@@ -18,8 +18,7 @@ use idem_test_support::servers::{drop_postgres_schema, postgres_url, unique_name
 use provider::First;
 use serde_json::Value;
 use sqlx::Connection;
-use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::{Child, Command};
+use tokio::process::Child;
 
 /// Longer than the lease: a claim whose holder died or froze can be taken over after it.
 const PAST_THE_LEASE: Duration = Duration::from_millis(1500);
@@ -159,25 +158,12 @@ struct Instance {
 impl Instance {
     /// The payments binary on `db`, charging `provider`, with a one-second lease.
     async fn start(db: &Db, provider: &str) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_payments"))
-            .env("PAYMENTS_LISTEN", "127.0.0.1:0")
-            .env("PAYMENTS_DATABASE", &db.url)
-            .env("PAYMENTS_PROVIDER", provider)
-            .env("PAYMENTS_LEASE_SECS", "1")
-            .stdout(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("spawn the payments binary");
-        let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
-        let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
-            .await
-            .expect("the service starts within 30 s")
-            .expect("read stdout")
-            .unwrap_or_else(|| panic!("the service exited before listening: {:?}", child.try_wait()));
-        let base = line
-            .strip_prefix("payments listening on ")
-            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-            .to_owned();
+        let (child, base) = service::start_payments(&[
+            ("PAYMENTS_DATABASE", &db.url),
+            ("PAYMENTS_PROVIDER", provider),
+            ("PAYMENTS_LEASE_SECS", "1"),
+        ])
+        .await;
         Self { child, base }
     }
 

@@ -4,37 +4,23 @@
 //! sends the receipt without charging again. The provider counts its charges.
 
 mod provider;
+mod service;
 
-use std::process::Stdio;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use provider::{FirstReceipt, assert_charged_once};
-use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::{Child, Command};
+use tokio::process::Child;
 
 /// The payments binary on `store`, charging `provider`, with a one-second lease.
 async fn start_payments(store: &std::path::Path, provider: &str) -> (Child, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_payments"))
-        .env("PAYMENTS_LISTEN", "127.0.0.1:0")
-        .env("PAYMENTS_STORE", store)
-        .env("PAYMENTS_PROVIDER", provider)
-        .env("PAYMENTS_LEASE_SECS", "1")
-        .stdout(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("spawn the payments binary");
-    let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
-    let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
-        .await
-        .expect("the service starts within 30 s")
-        .expect("read stdout")
-        .expect("a listening line");
-    let base = line
-        .strip_prefix("payments listening on ")
-        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-        .to_owned();
-    (child, base)
+    let store = store.to_str().expect("a UTF-8 temporary path");
+    service::start_payments(&[
+        ("PAYMENTS_STORE", store),
+        ("PAYMENTS_PROVIDER", provider),
+        ("PAYMENTS_LEASE_SECS", "1"),
+    ])
+    .await
 }
 
 async fn wait_for(counter: &AtomicUsize, n: usize) {
