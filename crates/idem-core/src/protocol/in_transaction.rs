@@ -74,10 +74,7 @@ impl CompleteInError {
     /// `503 store-unavailable` when the database failed.
     pub fn problem(&self) -> Problem {
         match self {
-            Self::Fenced => Problem::new(
-                ProblemKind::KeyInFlight,
-                "another run took this key over while this one ran, and this one's writes did not commit; retry with the same key to receive that run's answer",
-            ),
+            Self::Fenced => claim_lost(),
             Self::NotStored(status) => Problem::new(
                 ProblemKind::Internal,
                 format!("the handler tried to complete its record with a {status} answer, which is not stored"),
@@ -90,6 +87,16 @@ impl CompleteInError {
             ),
         }
     }
+}
+
+/// `409 key-in-flight`: the claim of a run that completes in its transaction was lost while it ran
+/// (taken over after its lease, or deleted), so its writes did not commit; the run that holds the
+/// key now answers the retry.
+pub(crate) fn claim_lost() -> Problem {
+    Problem::new(
+        ProblemKind::KeyInFlight,
+        "another run took this key over while this one ran, and this one's writes did not commit; retry with the same key to receive that run's answer",
+    )
 }
 
 impl InTransaction {

@@ -26,6 +26,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{Response, StatusCode};
 
+use super::in_transaction::claim_lost;
 use super::{Claim, Outcome, Protocol};
 use crate::policy::Policy;
 use crate::problem::{Problem, ProblemKind};
@@ -307,11 +308,7 @@ fn decide(policy: &Policy, now: UnixMillis, run: Run, end: RunEnd<'_>) -> Settle
         RunEnd::AnsweredInTransaction {
             state: Ok(ClaimState::Ended),
             ..
-        } => {
-            let detail = "another run took this key over while this one ran, and this one's transaction did not commit; retry with the same key to receive that run's answer";
-            let problem = Problem::new(ProblemKind::KeyInFlight, detail).retry_after(policy.retry_after);
-            Settlement::problem(Keep::Leave, problem, run.outcome)
-        }
+        } => Settlement::problem(Keep::Leave, claim_lost().retry_after(policy.retry_after), run.outcome),
         // Committed or not, the record tells the retry: replayed, or (the lease run out, nothing
         // of it standing) run again.
         RunEnd::AnsweredInTransaction { state: Err(err), .. } => {
