@@ -56,6 +56,8 @@ pub mod protocol;
 #[cfg(feature = "server")]
 mod redact;
 #[cfg(feature = "server")]
+pub mod replay_cache;
+#[cfg(feature = "server")]
 mod response;
 #[cfg(feature = "server")]
 mod route;

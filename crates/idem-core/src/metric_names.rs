@@ -17,13 +17,16 @@ pub const STORE_OPERATION_SECONDS: &str = "idem_store_operation_seconds";
 pub const STORE_ERRORS_TOTAL: &str = "idem_store_errors_total";
 /// Counter: records purged (deleted or turned into tombstones).
 pub const PURGED_RECORDS_TOTAL: &str = "idem_purged_records_total";
+/// Counter: keyed requests answered from this instance's replay cache, without a store round
+/// trip (each is also counted in [`REQUESTS_TOTAL`] by its outcome).
+pub const REPLAY_CACHE_ANSWERS_TOTAL: &str = "idem_replay_cache_answers_total";
 /// Histogram: the upstream's time to its answer's head, by `result` (gateway).
 pub const UPSTREAM_SECONDS: &str = "idem_upstream_seconds";
 /// Gauge: open connections by `listener` (gateway).
 pub const CONNECTIONS_OPEN: &str = "idem_connections_open";
 
 /// Every name above, for documentation and tests.
-pub const ALL: [&str; 10] = [
+pub const ALL: [&str; 11] = [
     REQUESTS_TOTAL,
     WAIT_SECONDS,
     WAITERS,
@@ -32,6 +35,7 @@ pub const ALL: [&str; 10] = [
     STORE_OPERATION_SECONDS,
     STORE_ERRORS_TOTAL,
     PURGED_RECORDS_TOTAL,
+    REPLAY_CACHE_ANSWERS_TOTAL,
     UPSTREAM_SECONDS,
     CONNECTIONS_OPEN,
 ];

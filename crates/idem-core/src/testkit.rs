@@ -1370,6 +1370,113 @@ pub async fn scope_salt_tells_how_long_older_records_live(h: &impl Harness) {
     );
 }
 
+/// Polls `condition` every 10 ms until it holds; panics with `what` if it does not within `limit`.
+pub async fn eventually(limit: Duration, what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + limit;
+    while !condition() {
+        assert!(tokio::time::Instant::now() < deadline, "{what}: not within {limit:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// How long a store may take to tell another instance's replay cache of a delete: at once
+/// through its channel (Redis, PostgreSQL, SQLite in one process), within
+/// `idem_sqlite::DELETIONS_POLL_INTERVAL` (500 ms) from another process; a margin for a loaded
+/// machine on top.
+pub const DELETE_REACHES_CACHES_WITHIN: Duration = Duration::from_secs(3);
+
+/// A replay cache in one instance keeps an answer another instance stored, answers only before
+/// its `expires_at` on the clock it is given, counts the replays it answers in the store, and
+/// forgets the answer as soon as a third instance deletes the record: the store announces every
+/// delete to every instance.
+pub async fn replay_cache_forgets_what_any_instance_deletes(h: &impl Harness) {
+    use crate::replay_cache::{Lookup, ReplayCache, ReplayCacheConfig};
+
+    let (here, there, operator) = (h.open().await, h.open().await, h.open().await);
+    let config = ReplayCacheConfig {
+        max_age: Duration::from_secs(3600),
+        ..ReplayCacheConfig::DEFAULT
+    };
+    let cache = ReplayCache::for_store(&*here, config).expect("every store announces its deletes");
+    let invalidations = here.invalidations().expect("the store's invalidations");
+    eventually(Duration::from_secs(10), "the store's channel is up", || {
+        invalidations.is_listening()
+    })
+    .await;
+
+    let (id, fp, now) = (fresh_id(), fingerprint("a"), UnixMillis::now());
+    let token = acquire(&*there, &id, &fp, now).await;
+    there
+        .complete(&id, token, completion(b"answer", now, DAY, 7 * DAY))
+        .await
+        .expect("complete");
+    let digest = id.digest();
+    let Lookup::Miss(generation) = cache.lookup(&digest, &id, now) else {
+        panic!("an empty cache holds nothing");
+    };
+    let record = existing(begin(&*here, &id, &fp, now).await.0);
+    cache.keep(digest, &record, now, generation);
+    match cache.lookup(&digest, &id, now) {
+        Lookup::Hit(cached) => assert_eq!(stored_response(&cached).as_deref(), Some(b"answer".as_slice())),
+        Lookup::Miss(_) => panic!("the completed answer read from the store is kept"),
+    }
+
+    // Replays answered from the cache are counted in the store, as the one `begin` answered.
+    here.count_replay(&id);
+    here.count_replay(&id);
+    let mut replays = 0;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while replays != 3 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        replays = there.get(&id).await.expect("get").expect("record").replays;
+    }
+    assert_eq!(replays, 3, "the replays answered from the cache reach the store");
+
+    // An answer past its expiry is never answered from the cache: the store decides.
+    let (short, short_now) = (fresh_id(), UnixMillis::now());
+    let token = acquire(&*there, &short, &fp, short_now).await;
+    let ttl = Duration::from_secs(60);
+    there
+        .complete(&short, token, completion(b"short", short_now, ttl, 7 * DAY))
+        .await
+        .expect("complete");
+    let Lookup::Miss(generation) = cache.lookup(&short.digest(), &short, short_now) else {
+        panic!("not kept yet");
+    };
+    let record = existing(begin(&*here, &short, &fp, short_now).await.0);
+    cache.keep(short.digest(), &record, short_now, generation);
+    assert!(matches!(
+        cache.lookup(&short.digest(), &short, short_now.plus(ttl - Duration::from_millis(1))),
+        Lookup::Hit(_)
+    ));
+    assert!(
+        matches!(
+            cache.lookup(&short.digest(), &short, short_now.plus(ttl)),
+            Lookup::Miss(_)
+        ),
+        "at its expires_at the answer is the store's to give"
+    );
+
+    operator
+        .delete(&id)
+        .await
+        .expect("delete")
+        .expect("the record was there");
+    eventually(
+        DELETE_REACHES_CACHES_WITHIN,
+        "the delete reaches the other instance's cache",
+        || matches!(cache.lookup(&digest, &id, now), Lookup::Miss(_)),
+    )
+    .await;
+    assert!(
+        matches!(
+            begin(&*here, &id, &fp, now).await.0,
+            Begin::Acquired { recovered: false }
+        ),
+        "the key is free again"
+    );
+}
+
 /// Generates one `#[tokio::test]` per conformance case, each calling `$harness` for its store:
 /// a store crate's test file holds its [`Harness`] and the line
 /// `idem_core::conformance_tests!(MyHarness::new());`.
@@ -1398,7 +1505,8 @@ macro_rules! conformance_tests {
             checkpoints_belong_to_the_current_claim, checkpoints_survive_a_takeover_and_end_with_the_run,
             a_new_claim_never_sees_old_checkpoints, scope_salt_is_one_per_store,
             scope_salt_tells_how_long_older_records_live, claim_state_follows_the_claim,
-            an_in_transaction_claim_that_died_is_taken_over_unflagged }
+            an_in_transaction_claim_that_died_is_taken_over_unflagged,
+            replay_cache_forgets_what_any_instance_deletes }
     };
     (@cases $harness:expr; $($case:ident),* $(,)?) => {
         $(

@@ -13,8 +13,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use idem_core::store::RecordId;
-use sha2::{Digest, Sha256};
+use idem_core::replay_cache::Invalidations;
+use idem_core::store::{RecordDigest, RecordId};
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio_postgres::tls::NoTlsStream;
@@ -39,21 +39,40 @@ const HEALTH_TIMEOUT: Duration = Duration::from_secs(10);
 /// The notification payload for a record: 32 hex digits of a SHA-256 of its scope and key.
 /// Short (payloads are limited to 8000 bytes, and keys may be 255), and it reveals neither.
 pub(crate) fn payload(id: &RecordId) -> String {
-    let (scope, key) = (id.scope.as_str(), id.key.as_str());
-    let mut hasher = Sha256::new();
-    hasher.update((scope.len() as u64).to_be_bytes());
-    hasher.update(scope.as_bytes());
-    hasher.update(key.as_bytes());
-    let digest = hasher.finalize();
-    digest[..16].iter().map(|b| format!("{b:02x}")).collect()
+    id.digest().iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// The waiters of one store, by notification payload.
+/// What a delete announces to the replay caches of every instance: `deleted:` and the record's
+/// [`payload`]. No waiter has such a payload.
+const DELETED: &str = "deleted:";
+
+/// The payload that announces the delete of `id`.
+pub(crate) fn deleted_payload(id: &RecordId) -> String {
+    format!("{DELETED}{}", payload(id))
+}
+
+/// The record digest a delete's payload names, if it is one.
+fn deleted_digest(payload: &str) -> Option<RecordDigest> {
+    let hex = payload.strip_prefix(DELETED)?;
+    if hex.len() != 32 {
+        return None;
+    }
+    let mut digest = [0; 16];
+    for (byte, pair) in digest.iter_mut().zip(hex.as_bytes().chunks(2)) {
+        *byte = u8::from_str_radix(std::str::from_utf8(pair).ok()?, 16).ok()?;
+    }
+    Some(digest)
+}
+
+/// The waiters of one store, by notification payload, and the replay caches its deletes reach.
 #[derive(Debug, Default)]
 pub(crate) struct Registry {
     waiters: Mutex<HashMap<String, Arc<Notify>>>,
     /// Whether the listening connection is up (shown by the store's `Debug`).
     listening: AtomicBool,
+    /// Told of every delete, and of the connection's losses: replay caches answer only while it
+    /// listens.
+    invalidations: Arc<Invalidations>,
 }
 
 impl Registry {
@@ -88,6 +107,27 @@ impl Registry {
 
     pub(crate) fn is_listening(&self) -> bool {
         self.listening.load(Ordering::SeqCst)
+    }
+
+    pub(crate) fn invalidations(&self) -> &Arc<Invalidations> {
+        &self.invalidations
+    }
+
+    /// The connection listens (again), or stopped: waiters and replay caches are told.
+    fn set_listening(&self, listening: bool) {
+        self.listening.store(listening, Ordering::SeqCst);
+        if listening {
+            self.invalidations.resumed();
+        } else {
+            self.invalidations.lost();
+        }
+    }
+
+    fn dispatch(&self, payload: &str) {
+        match deleted_digest(payload) {
+            Some(digest) => self.invalidations.deleted(&digest),
+            None => self.wake(payload),
+        }
     }
 }
 
@@ -130,7 +170,7 @@ impl Listener {
     pub(crate) async fn start(config: tokio_postgres::Config, target: String) -> Result<Self, tokio_postgres::Error> {
         let registry = Arc::new(Registry::default());
         let session = Session::open(&config, &registry).await?;
-        registry.listening.store(true, Ordering::SeqCst);
+        registry.set_listening(true);
         let task = tokio::spawn(run(config, target, Arc::clone(&registry), session));
         Ok(Self {
             registry,
@@ -196,7 +236,7 @@ async fn drive(mut connection: Connection<Socket, NoTlsStream>, registry: Arc<Re
         match std::future::poll_fn(|cx| connection.poll_message(cx)).await {
             Some(Ok(AsyncMessage::Notification(note))) => {
                 if note.channel() == CHANNEL {
-                    registry.wake(note.payload());
+                    registry.dispatch(note.payload());
                 }
             }
             Some(Ok(AsyncMessage::Notice(notice))) => {
@@ -219,7 +259,7 @@ async fn run(config: tokio_postgres::Config, target: String, registry: Arc<Regis
         if let Some(current) = session.take() {
             let since = Instant::now();
             let why = current.serve().await;
-            registry.listening.store(false, Ordering::SeqCst);
+            registry.set_listening(false);
             tracing::warn!(server = %target, reason = %why, "lost the PostgreSQL LISTEN connection; waiters poll until it is back");
             if since.elapsed() >= STABLE_AFTER {
                 backoff = RECONNECT_FIRST;
@@ -230,7 +270,7 @@ async fn run(config: tokio_postgres::Config, target: String, registry: Arc<Regis
         }
         match Session::open(&config, &registry).await {
             Ok(reopened) => {
-                registry.listening.store(true, Ordering::SeqCst);
+                registry.set_listening(true);
                 tracing::info!(server = %target, "listening for PostgreSQL notifications again");
                 registry.wake_all();
                 session = Some(reopened);

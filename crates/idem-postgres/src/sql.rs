@@ -105,7 +105,8 @@ SELECT (SELECT pg_notify('idem_records', $5) WHERE released.waiters > 0) FROM re
 /// flight, fences it (no token) and leaves the key unknown with the claim's retention, its
 /// checkpoints dropped; waiters on it are woken to look again. The row is locked as it is read,
 /// so the change is made to the row returned. A claim too damaged to have a token or a lease is
-/// deleted, so that an operator can always clear it.
+/// deleted, so that an operator can always clear it. Every delete is announced ($4, on commit) to
+/// the replay caches of every instance.
 pub(crate) const DELETE: &str = "
 WITH found AS (
     SELECT state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays,
@@ -124,7 +125,8 @@ WITH found AS (
     WHERE r.scope = $1 AND r.key = $2 AND NOT found.in_flight
 )
 SELECT state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays,
-    (SELECT pg_notify('idem_records', $3) WHERE found.waiters > 0)
+    (SELECT pg_notify('idem_records', $3) WHERE found.waiters > 0),
+    pg_notify('idem_records', $4)
 FROM found";
 
 /// Renewing moves the `purge_at` of the claim to the new lease's end if that is later; a claim

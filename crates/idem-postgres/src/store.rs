@@ -23,6 +23,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
+use idem_core::replay_cache::Invalidations;
 use idem_core::store::backend::{
     Existing, ReplayCounts, claim_purge_at, claim_state, ran_in_transaction, wait_for_change,
 };
@@ -37,7 +38,7 @@ use tokio_postgres::NoTls;
 
 use crate::decode::{StoredRow, checkpoints_from_row, scope_salt_from_row};
 use crate::error::Failure;
-use crate::listener::{Listener, payload};
+use crate::listener::{Listener, deleted_payload, payload};
 use crate::url::Settings;
 use crate::{PostgresError, Replication, replays, replication, schema, sql};
 
@@ -529,7 +530,10 @@ impl Store for PostgresStore {
         let client = self.client("delete").await?;
         let stmt = client.prepare_cached(sql::DELETE).await.map_err(db)?;
         let row = client
-            .query_opt(&stmt, &[&id.scope.as_str(), &id.key.as_str(), &payload(id)])
+            .query_opt(
+                &stmt,
+                &[&id.scope.as_str(), &id.key.as_str(), &payload(id), &deleted_payload(id)],
+            )
             .await
             .map_err(db)?;
         let record = row
@@ -614,6 +618,17 @@ impl Store for PostgresStore {
         u64::try_from(millis)
             .map(UnixMillis)
             .map_err(|_| StoreError::Corrupt(format!("the server's clock reads {millis} ms since 1970")))
+    }
+
+    /// The deletes announced on the `LISTEN` connection; none without one (`notify=false`),
+    /// so no replay cache is kept then.
+    fn invalidations(&self) -> Option<Arc<Invalidations>> {
+        let listener = self.inner.listener.as_ref()?;
+        Some(Arc::clone(listener.registry().invalidations()))
+    }
+
+    fn count_replay(&self, id: &RecordId) {
+        self.inner.replays.count(id);
     }
 }
 

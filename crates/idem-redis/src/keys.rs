@@ -57,6 +57,13 @@ pub(crate) fn scope_salt_key(prefix: &str) -> String {
     format!("{prefix}:scope-salt")
 }
 
+/// The channel on which every delete of a record is announced, with the record's digest, to the
+/// replay caches of every instance: `PREFIX:deletions`. A plain (not sharded) channel, so that on
+/// a cluster the announcement reaches every node, whatever the slot of the record deleted.
+pub(crate) fn deletions_channel(prefix: &str) -> String {
+    format!("{prefix}:deletions")
+}
+
 /// The string that says the store's primaries have had replicas: `PREFIX:replicated`. Written
 /// (with no expiry) by the first instance that sees a replica for every primary; under
 /// `replicas=auto`, an instance or a command that starts while a replica is cut off reads it and

@@ -27,6 +27,7 @@ use std::convert::Infallible;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
+use idem_core::replay_cache::Invalidations;
 use redis::aio::MultiplexedConnection;
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
@@ -41,10 +42,36 @@ use crate::url::{Config, SentinelTarget, Target};
 /// The longest pause between two attempts to reconnect the pub/sub connection.
 const MAX_RECONNECT_PAUSE: Duration = Duration::from_secs(2);
 
-/// The channels waited on in this store, and how to wake their waiters.
-#[derive(Debug, Default)]
+/// The channels waited on in this store, and how to wake their waiters; and the deletions
+/// channel, whose messages go to the replay caches.
+#[derive(Debug)]
 pub(crate) struct Registry {
     channels: Mutex<HashMap<Vec<u8>, Arc<Notify>>>,
+    deletions: Deletions,
+}
+
+/// The store's deletions channel (`PREFIX:deletions`, see `keys.rs`) and the replay caches it
+/// tells. It is watched for as long as the store lives; while it is not subscribed the caches
+/// answer nothing ([`Invalidations::lost`]).
+#[derive(Debug, Clone)]
+pub(crate) struct Deletions {
+    pub(crate) channel: String,
+    pub(crate) invalidations: Arc<Invalidations>,
+}
+
+impl Deletions {
+    fn is(&self, channel: &str) -> bool {
+        self.channel == channel
+    }
+
+    /// Tells the caches whether the channel is subscribed now.
+    fn subscribed(&self, subscribed: bool) {
+        if subscribed {
+            self.invalidations.resumed();
+        } else {
+            self.invalidations.lost();
+        }
+    }
 }
 
 impl Registry {
@@ -59,9 +86,20 @@ impl Registry {
         if !matches!(push.kind, PushKind::Message | PushKind::SMessage) {
             return;
         }
-        if let Some(Value::BulkString(channel)) = push.data.first()
-            && let Some(notify) = self.channels().get(channel.as_slice())
-        {
+        let Some(Value::BulkString(channel)) = push.data.first() else {
+            return;
+        };
+        if channel.as_slice() == self.deletions.channel.as_bytes() {
+            match push.data.get(1) {
+                Some(Value::BulkString(digest)) if digest.len() == 16 => {
+                    let mut record = [0; 16];
+                    record.copy_from_slice(digest);
+                    self.deletions.invalidations.deleted(&record);
+                }
+                // Not a digest (another version's message?): forget everything, to be safe.
+                _ => self.deletions.invalidations.flush(),
+            }
+        } else if let Some(notify) = self.channels().get(channel.as_slice()) {
             notify.notify_waiters();
         }
     }
@@ -92,8 +130,11 @@ pub(crate) struct Subscriptions {
 
 impl Subscriptions {
     /// Opens the pub/sub connection and starts the subscription task on the current runtime.
-    pub(crate) async fn connect(config: &Config) -> redis::RedisResult<Self> {
-        let registry = Arc::new(Registry::default());
+    pub(crate) async fn connect(config: &Config, deletions: Deletions) -> redis::RedisResult<Self> {
+        let registry = Arc::new(Registry {
+            channels: Mutex::default(),
+            deletions,
+        });
         let link = Link::connect(config, Arc::clone(&registry)).await?;
         let (requests, inbox) = mpsc::unbounded_channel();
         tokio::spawn(run(link, registry, inbox));
@@ -191,11 +232,25 @@ impl Link {
         Ok(Self::Standalone(Box::new(own)))
     }
 
+    /// A cluster's subscription: sharded for a record's channel, plain for the deletions channel
+    /// (published to every node).
+    async fn cluster_subscribe(
+        conn: &mut ClusterConnection,
+        channel: &str,
+        deletions: &Deletions,
+    ) -> redis::RedisResult<()> {
+        if deletions.is(channel) {
+            conn.subscribe(channel).await
+        } else {
+            conn.ssubscribe(channel).await
+        }
+    }
+
     /// Subscribes to `channel`; `false` if it is not subscribed now (polling finds changes).
-    async fn subscribe(&mut self, channel: &str) -> bool {
+    async fn subscribe(&mut self, channel: &str, deletions: &Deletions) -> bool {
         match self {
             Self::Standalone(own) => own.confirm(Change::Subscribe, channel).await == Ok(true),
-            Self::Cluster(conn) => match conn.ssubscribe(channel).await {
+            Self::Cluster(conn) => match Self::cluster_subscribe(conn, channel, deletions).await {
                 Ok(()) => true,
                 Err(err) => {
                     tracing::debug!(%channel, error = %err, "cannot subscribe; polling instead");
@@ -358,8 +413,11 @@ impl Own {
         }
         self.pause = Duration::ZERO;
         tracing::debug!(channels = watched.len(), "the pub/sub connection is back");
-        // Whatever was published while the connection was down is lost: every waiter looks again.
+        // Whatever was published while the connection was down is lost: every waiter looks again,
+        // and the replay caches start afresh.
         self.registry.wake_all();
+        let deletions = &self.registry.deletions;
+        deletions.subscribed(watched.get(&deletions.channel).is_some_and(|entry| entry.subscribed));
     }
 }
 
@@ -382,6 +440,7 @@ async fn run(mut link: Link, registry: Arc<Registry>, mut inbox: mpsc::Unbounded
                     for entry in watched.values_mut() {
                         entry.subscribed = false;
                     }
+                    registry.deletions.invalidations.lost();
                 }
                 (LinkEvent::Due, Link::Standalone(own)) => own.resubscribe(&mut watched).await,
                 (LinkEvent::Due, Link::Cluster(_)) => {}
@@ -404,7 +463,10 @@ async fn handle(link: &mut Link, registry: &Registry, watched: &mut HashMap<Stri
             if !entry.subscribed {
                 // A failed subscription is retried by the channel's next waiter, or when the
                 // connection is made again; until then polling finds the change.
-                entry.subscribed = link.subscribe(&channel).await;
+                entry.subscribed = link.subscribe(&channel, &registry.deletions).await;
+                if registry.deletions.is(&channel) {
+                    registry.deletions.subscribed(entry.subscribed);
+                }
             }
             let _ = subscribed.send(notify);
         }

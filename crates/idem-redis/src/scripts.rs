@@ -273,16 +273,20 @@ end
 return answer(fields_of(cur), response)
 "#;
 
-/// `delete`. ARGV: nonce, channel, publish command. Returns `{rec, nonce, the record's fields or
+/// `delete`. ARGV: nonce, channel, publish command, the store's deletions channel, the record's
+/// digest. Returns `{rec, nonce, the record's fields or
 /// nil, body or nil}` as they were, judged at that clock as `get` judges them (a record past
 /// purge_at was already absent), and, as `Store::delete` says, deletes the record, its body and its
 /// checkpoints, or, for a claim in flight, fences it (no token) and leaves it unknown with the
 /// claim's expires_at (its purge_at for a claim written without one) and its expiry, its
 /// checkpoints deleted. A record whose fields cannot be read is deleted all the same and returned
-/// as it is, for the caller to report. Wakes whoever waits on the record.
+/// as it is, for the caller to report. Wakes whoever waits on the record, and announces the delete
+/// to every instance's replay cache with a plain `PUBLISH` of the digest on the deletions
+/// channel (a cluster passes it to every node, whatever the record's slot).
 const DELETE: &str = r#"
 now = server_now()
 local channel, publish = ARGV[2], ARGV[3]
+redis.call('PUBLISH', ARGV[4], ARGV[5])
 local fields, response = false, false
 if redis.call('EXISTS', rec) == 1 then
   local cur = read_record()

@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use idem_core::replay_cache::Invalidations;
 use idem_core::store::backend::{ReplayCounts, abandoned_purge_at, claim_purge_at, wait_for_change};
 use idem_core::{
     Store, StoreError, UnixMillis,
@@ -24,8 +25,8 @@ use crate::ack::Acknowledgement;
 use crate::call::{Call, Durability, run_script};
 use crate::conn::{Commands, Conn, Node, follow_sentinels};
 use crate::decode::{StoredHash, parse_begin, parse_checkpoints, parse_millis, parse_scan, parse_scope_salt};
-use crate::keys::{RecordKeys, record_pattern, scope_salt_key};
-use crate::notify::Subscriptions;
+use crate::keys::{RecordKeys, deletions_channel, record_pattern, scope_salt_key};
+use crate::notify::{Deletions, Subscriptions, Watch};
 use crate::scripts::{
     BEGIN_SCRIPT, CHECKPOINT_SCRIPT, CHECKPOINTS_SCRIPT, CLAIM_STATE_SCRIPT, COMPLETE_SCRIPT, COUNT_REPLAYS_SCRIPT,
     DELETE_SCRIPT, GET_SCRIPT, RELEASE_SCRIPT, RENEW_SCRIPT, SCOPE_SALT_SCRIPT,
@@ -63,6 +64,10 @@ struct Inner {
     /// `PUBLISH` on one server, `SPUBLISH` on a cluster (the channel lives on the record's shard).
     publish: &'static str,
     subscriptions: Subscriptions,
+    /// Holds the deletions channel subscribed for as long as the store lives.
+    _deletions: Watch,
+    /// What the deletions channel tells this instance's replay caches.
+    invalidations: Arc<Invalidations>,
     /// Replays counted here and not yet added to their records.
     replays: Arc<ReplayCounts>,
     /// Claims whose `complete` failed as unavailable: it may have stored their answer unseen.
@@ -121,7 +126,18 @@ impl RedisStore {
             .await
             .map_err(connect_error)?;
         let ack = Acknowledgement::new(&config, &commands).await.map_err(connect_error)?;
-        let subscriptions = Subscriptions::connect(&config).await.map_err(connect_error)?;
+        let invalidations = Arc::new(Invalidations::new());
+        let deletions = Deletions {
+            channel: deletions_channel(&config.prefix),
+            invalidations: Arc::clone(&invalidations),
+        };
+        let subscriptions = Subscriptions::connect(&config, deletions.clone())
+            .await
+            .map_err(connect_error)?;
+        // Subscribed before the store is used; if it cannot be yet, replay caches answer nothing
+        // until it is.
+        let mut deletions_watch = subscriptions.watch(&deletions.channel);
+        deletions_watch.subscribed().await;
         let publish = if commands.is_cluster() { "SPUBLISH" } else { "PUBLISH" };
         tracing::debug!(url = %config.display, prefix = %config.prefix, "Redis store connected");
         let inner = Arc::new(Inner {
@@ -132,6 +148,8 @@ impl RedisStore {
             url: config.display,
             publish,
             subscriptions,
+            _deletions: deletions_watch,
+            invalidations,
             replays: Arc::default(),
             unseen_completions: Mutex::default(),
         });
@@ -462,13 +480,18 @@ impl Store for RedisStore {
     }
 
     /// Deletes the record and its answer in one script, which also publishes on the record's
-    /// channel so that its waiters look again; returns the record as [`Store::get`] would have
+    /// channel so that its waiters look again, and on the deletions channel so that every
+    /// instance's replay cache forgets it; returns the record as [`Store::get`] would have
     /// read it.
     async fn delete(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         let keys = self.record_keys(id);
         let mut items = self
             .run(self.writes(), "delete", &DELETE_SCRIPT, &keys, |script| {
-                script.arg(&keys.channel).arg(self.inner.publish);
+                script
+                    .arg(&keys.channel)
+                    .arg(self.inner.publish)
+                    .arg(deletions_channel(&self.inner.prefix))
+                    .arg(&id.digest()[..]);
             })
             .await?;
         let fields = items.next().unwrap_or_default();
@@ -597,6 +620,14 @@ impl Store for RedisStore {
                 Err(call.misrouted(&reply))
             }
         }
+    }
+
+    fn invalidations(&self) -> Option<Arc<Invalidations>> {
+        Some(Arc::clone(&self.inner.invalidations))
+    }
+
+    fn count_replay(&self, id: &RecordId) {
+        self.inner.replays.count(id);
     }
 }
 

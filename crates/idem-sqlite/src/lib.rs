@@ -36,6 +36,7 @@
 mod checkpoints;
 mod conn;
 mod decode;
+mod deletions;
 mod error;
 #[cfg(feature = "sqlx")]
 mod in_transaction;
@@ -45,5 +46,6 @@ mod store;
 mod url;
 mod waiters;
 
+pub use deletions::DELETIONS_POLL_INTERVAL;
 pub use error::SqliteError;
 pub use store::SqliteStore;

@@ -29,6 +29,10 @@ pub(crate) const VERSION: i64 = 3;
 /// `idem_fence` stays empty: a completion in a handler's own transaction whose claim was lost
 /// inserts a row its `CHECK` refuses, `OR ROLLBACK`, which rolls the whole transaction back
 /// (`complete_in`). New as a whole, like the salt's table, it needs no version of its own.
+///
+/// `idem_deletions` holds one row at most: how many deletes were made in the file, which every
+/// store reads to tell its replay caches of other processes' deletes (`deletions.rs`). New as a
+/// whole too.
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS idem_records (
     scope        TEXT    NOT NULL,
@@ -51,6 +55,10 @@ CREATE INDEX IF NOT EXISTS idem_records_purge_at ON idem_records (purge_at);
 CREATE INDEX IF NOT EXISTS idem_records_expires_at ON idem_records (expires_at) WHERE response IS NOT NULL;
 CREATE TABLE IF NOT EXISTS idem_fence (
     aborted INTEGER NOT NULL CHECK (aborted = 0)
+) STRICT;
+CREATE TABLE IF NOT EXISTS idem_deletions (
+    id    INTEGER PRIMARY KEY CHECK (id = 1),
+    count INTEGER NOT NULL
 ) STRICT;
 CREATE TABLE IF NOT EXISTS idem_scope_salt (
     id                  INTEGER PRIMARY KEY CHECK (id = 1),

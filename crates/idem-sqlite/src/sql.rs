@@ -32,6 +32,9 @@ pub(crate) const TAKE_OVER: &str = "UPDATE idem_records
 /// A replay is counted in the same transaction that read the record.
 pub(crate) const COUNT_REPLAY: &str = "UPDATE idem_records SET replays = replays + 1 WHERE scope = ?1 AND key = ?2";
 
+/// Adds replays answered from a replay cache to a record (nothing if it is gone).
+pub(crate) const ADD_REPLAYS: &str = "UPDATE idem_records SET replays = replays + ?3 WHERE scope = ?1 AND key = ?2";
+
 /// The run is over, and so are its checkpoints. The token stays, as the claim that completed the
 /// record ([`CLAIM_STATE`]). Also run in a handler's own transaction (`complete_in`).
 pub(crate) const COMPLETE: &str = "UPDATE idem_records

@@ -5,14 +5,16 @@
 //! The statements are in `sql.rs`, rows are read in `decode.rs`, and the connections (and the
 //! blocking threads they run on) are `conn.rs`'s: this module is the operations.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use idem_core::replay_cache::Invalidations;
 use idem_core::store::backend::{
-    Existing, IN_FLIGHT, claim_purge_at, claim_state, ran_in_transaction, wait_for_change,
+    Existing, IN_FLIGHT, ReplayCounts, claim_purge_at, claim_state, ran_in_transaction, wait_for_change,
 };
 use idem_core::{
     Store, StoreError, UnixMillis,
@@ -25,6 +27,7 @@ use rusqlite::{Connection, OptionalExtension, Transaction, params};
 
 use crate::conn::{Connections, db_error};
 use crate::decode::{self, StoredRow};
+use crate::deletions::{self, FileDeletions};
 use crate::sql;
 use crate::waiters::{self, Subscription};
 use crate::{SqliteError, checkpoints, schema};
@@ -43,7 +46,14 @@ const POLL_MAX: Duration = Duration::from_millis(100);
 #[derive(Clone)]
 pub struct SqliteStore {
     conns: Arc<Connections>,
+    /// The file's deletes, told to this process's replay caches.
+    deletions: Arc<FileDeletions>,
+    /// Replays answered from a replay cache, counted here and added to their records in batches.
+    replays: Arc<ReplayCounts>,
 }
+
+/// How often the replays answered from a replay cache are added to their records.
+const FLUSH_REPLAYS_EVERY: Duration = Duration::from_millis(500);
 
 impl fmt::Debug for SqliteStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -57,10 +67,44 @@ impl SqliteStore {
     /// The directory must exist. `":memory:"` opens a private in-memory database (for tests; it
     /// is gone when the store is dropped, and no other store can see it).
     pub async fn open(path: impl AsRef<Path>) -> Result<Self, SqliteError> {
-        let conns = Connections::open(path.as_ref().to_owned()).await?;
-        let store = Self { conns: Arc::new(conns) };
+        let conns = Arc::new(Connections::open(path.as_ref().to_owned()).await?);
+        let deletions = deletions::of(conns.database());
+        let store = Self {
+            conns,
+            deletions,
+            replays: Arc::default(),
+        };
         store.migrate().await?;
+        store.follow_deletions().await;
+        let conns = Arc::downgrade(&store.conns);
+        ReplayCounts::flush_forever(
+            Arc::clone(&store.replays),
+            FLUSH_REPLAYS_EVERY,
+            conns.clone(),
+            move |counts| write_replays(conns.upgrade(), counts),
+        );
         Ok(store)
+    }
+
+    /// Reads the file's count of deletes now, and every [`deletions::DELETIONS_POLL_INTERVAL`] while the
+    /// store lives and a replay cache listens, so that deletes made by other processes reach
+    /// this one's caches.
+    async fn follow_deletions(&self) {
+        let poll = |conns: Arc<Connections>, file: Arc<FileDeletions>| async move {
+            let count = conns.read(|conn| deletions::read_count(conn).map_err(db_error)).await;
+            file.polled(count.ok());
+        };
+        poll(Arc::clone(&self.conns), Arc::clone(&self.deletions)).await;
+        let (conns, file) = (Arc::downgrade(&self.conns), Arc::clone(&self.deletions));
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(deletions::DELETIONS_POLL_INTERVAL).await;
+                let Some(conns) = conns.upgrade() else { return };
+                if file.invalidations().is_watched() {
+                    poll(conns, Arc::clone(&file)).await;
+                }
+            }
+        });
     }
 
     /// Opens the database named by a URL: `sqlite://relative/path.db`, `sqlite:///absolute/path.db`
@@ -209,9 +253,11 @@ impl Store for SqliteStore {
 
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         let id = id.clone();
-        self.conns
+        let record = self
+            .conns
             .read(move |conn| find(conn, &id)?.map(|row| row.into_record(id)).transpose())
-            .await
+            .await?;
+        Ok(record.map(|record| self.replays.with_pending(record)))
     }
 
     async fn checkpoint(&self, id: &RecordId, token: FencingToken, checkpoint: Checkpoint) -> Result<(), StoreError> {
@@ -254,14 +300,22 @@ impl Store for SqliteStore {
                 tx.prepare_cached(statement)
                     .and_then(|mut stmt| stmt.execute(params![scope, key]))
                     .map_err(db_error)?;
-                Ok(found)
+                let count = match found {
+                    Some(_) => Some(deletions::count_delete(tx).map_err(db_error)?),
+                    None => None,
+                };
+                Ok(found.zip(count))
             })
             .await?;
-        let Some(row) = deleted else {
-            return Ok(None);
+        let Some((row, count)) = deleted else {
+            return self.replays.deleted(id, Ok(None));
         };
+        self.deletions.deleted(&id.digest(), count);
         self.wake(id);
-        row.map_err(db_error)?.into_record(id.clone()).map(Some)
+        let record = row
+            .map_err(db_error)
+            .and_then(|row| row.into_record(id.clone()).map(Some));
+        self.replays.deleted(id, record)
     }
 
     async fn wait(
@@ -312,6 +366,42 @@ impl Store for SqliteStore {
         // The file is on a local file system (WAL needs shared memory), so every process using
         // it shares this machine's clock.
         Ok(UnixMillis::now())
+    }
+
+    fn invalidations(&self) -> Option<Arc<Invalidations>> {
+        Some(Arc::clone(self.deletions.invalidations()))
+    }
+
+    fn count_replay(&self, id: &RecordId) {
+        self.replays.count(id);
+    }
+}
+
+/// Adds `counts` to their records in one transaction; returns them all if it failed (or the store
+/// is gone), to try again.
+async fn write_replays(conns: Option<Arc<Connections>>, counts: HashMap<RecordId, u64>) -> HashMap<RecordId, u64> {
+    let Some(conns) = conns else {
+        return HashMap::new();
+    };
+    let written = Arc::new(counts);
+    let batch = Arc::clone(&written);
+    let result = conns
+        .write(move |tx| {
+            let mut stmt = tx.prepare_cached(sql::ADD_REPLAYS).map_err(db_error)?;
+            for (id, n) in batch.iter() {
+                let n = i64::try_from(*n).unwrap_or(i64::MAX);
+                stmt.execute(params![id.scope.as_str(), id.key.as_str(), n])
+                    .map_err(db_error)?;
+            }
+            Ok(())
+        })
+        .await;
+    match result {
+        Ok(()) => HashMap::new(),
+        Err(err) => {
+            tracing::warn!(error = %err, records = written.len(), "could not write replay counts; trying again");
+            Arc::try_unwrap(written).unwrap_or_else(|shared| (*shared).clone())
+        }
     }
 }
 

@@ -6,6 +6,7 @@ use std::time::Duration;
 use idem_core::{
     Clock, HeaderAllowList, Keyring, MissingKeyPolicy, Policy, Routes, ScopeSecrets, ScopeSource, Store,
     protocol::{Protocol, ScopeHashing},
+    replay_cache::{ReplayCache, ReplayCacheConfig},
     store::StoreClock,
 };
 use tokio_util::task::TaskTracker;
@@ -29,6 +30,8 @@ pub struct IdempotencyLayer {
     clock: Arc<dyn Clock>,
     response_timeout: Option<Duration>,
     tasks: TaskTracker,
+    /// Completed answers kept in memory, shared by every service this layer makes.
+    replay_cache: Option<Arc<ReplayCache>>,
 }
 
 impl IdempotencyLayer {
@@ -41,6 +44,7 @@ impl IdempotencyLayer {
     pub fn from_shared(store: Arc<dyn Store>) -> Self {
         Self {
             clock: StoreClock::new(store.clone()),
+            replay_cache: ReplayCache::for_store(&*store, ReplayCacheConfig::DEFAULT),
             store,
             policy: Policy::default(),
             routes: Routes::new(),
@@ -49,6 +53,17 @@ impl IdempotencyLayer {
             response_timeout: None,
             tasks: TaskTracker::new(),
         }
+    }
+
+    /// Sizes the replay cache, or turns it off ([`ReplayCacheConfig::OFF`]). On by default
+    /// ([`ReplayCacheConfig::DEFAULT`]: 10 000 answers, 32 MiB): a replay of an answer this
+    /// instance has read before is answered from memory, judged exactly as the store's record
+    /// would be, until the record's `expires_at`; a delete anywhere reaches it through the
+    /// store's notification channel at once, and each entry is read again from the store once it
+    /// is `max_age` old ([`idem_core::replay_cache`]).
+    pub fn with_replay_cache(mut self, config: ReplayCacheConfig) -> Self {
+        self.replay_cache = ReplayCache::for_store(&*self.store, config);
+        self
     }
 
     /// Declares that the handlers complete their records in their own database transaction and
@@ -243,6 +258,7 @@ impl IdempotencyLayer {
         Protocol::with_clock(self.store.clone(), self.policy.clone(), self.clock.clone())
             .with_keyring(self.keyring.clone())
             .with_scope_hashing(self.scope_hashing.clone())
+            .with_replay_cache(self.replay_cache.clone())
     }
 }
 

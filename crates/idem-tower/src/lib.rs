@@ -39,6 +39,7 @@ pub use checkpoints::{CheckpointError, Checkpoints, MAX_CHECKPOINT_BYTES, MAX_CH
 pub use idem_core::{
     IDEMPOTENCY_RECOVERED,
     protocol::{CompleteInError, IdempotencyInfo, InTransaction, NoAnswer},
+    replay_cache::ReplayCacheConfig,
 };
 pub use layer::IdempotencyLayer;
 pub use service::IdempotencyService;

@@ -483,6 +483,10 @@ impl Store for Unreachable {
     async fn clock(&self) -> Result<UnixMillis, StoreError> {
         Err(down())
     }
+    fn invalidations(&self) -> Option<std::sync::Arc<idem_core::replay_cache::Invalidations>> {
+        None
+    }
+    fn count_replay(&self, _: &RecordId) {}
 }
 
 #[tokio::test]
@@ -657,6 +661,12 @@ impl Store for Held {
     }
     async fn clock(&self) -> Result<UnixMillis, StoreError> {
         self.store.clock().await
+    }
+    fn invalidations(&self) -> Option<std::sync::Arc<idem_core::replay_cache::Invalidations>> {
+        self.store.invalidations()
+    }
+    fn count_replay(&self, id: &RecordId) {
+        self.store.count_replay(id);
     }
 }
 

@@ -10,6 +10,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use idem_core::replay_cache::ReplayCacheConfig;
 use idem_core::{Keyring, Policy, RouteError, RoutePattern, RouteRule, Routes, ScopeSecret, ScopeSecrets, ScopeSource};
 
 use crate::cli::ServeArgs;
@@ -151,6 +152,8 @@ pub(crate) struct ServeConfig {
     pub(crate) keyring: Option<Keyring>,
     /// Mixed into the hash of credential scopes (`IDEM_SCOPE_SECRET`).
     pub(crate) scope_secrets: ScopeSecrets,
+    /// The replay cache's size.
+    pub(crate) replay_cache: ReplayCacheConfig,
     origins: Origins,
 }
 
@@ -185,6 +188,7 @@ impl ServeConfig {
         .with_readings(settings.path_readings);
         let keyring = keyring_from_env()?;
         let scope_secrets = scope_secrets_from_env()?;
+        let replay_cache = settings.replay_cache();
         let Resolved {
             upstream,
             listen,
@@ -230,6 +234,7 @@ impl ServeConfig {
             tls_key,
             keyring,
             scope_secrets,
+            replay_cache,
             origins,
         })
     }

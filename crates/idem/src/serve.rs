@@ -9,6 +9,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use std::sync::Arc;
 
+use idem_core::replay_cache::ReplayCacheConfig;
 use idem_core::{Keyring, Policy, Routes, ScopeSecrets, Store, protocol::Protocol, redact_url, store::StoreClock};
 use idem_tower::IdempotencyLayer;
 use tokio::net::TcpListener;
@@ -69,6 +70,7 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
         routes: config.routes.clone(),
         keyring: config.keyring.clone(),
         scope_secrets: config.scope_secrets.clone(),
+        replay_cache: config.replay_cache,
     };
     let gateway = Gateway::protected(store.clone(), clock, protection, proxy);
     if let Some(protocol) = &gateway.protocol {
@@ -159,6 +161,8 @@ pub(crate) struct Protection {
     pub(crate) keyring: Option<Keyring>,
     /// Mixed into the hash of credential scopes.
     pub(crate) scope_secrets: ScopeSecrets,
+    /// The replay cache's size.
+    pub(crate) replay_cache: ReplayCacheConfig,
 }
 
 /// The gateway's service: the idempotency layer around the proxy, or the bare proxy.
@@ -182,7 +186,8 @@ impl Gateway {
             .with_clock(clock)
             .with_policy(protection.policy)
             .with_routes(protection.routes)
-            .with_scope_secrets(protection.scope_secrets);
+            .with_scope_secrets(protection.scope_secrets)
+            .with_replay_cache(protection.replay_cache);
         if let Some(keyring) = protection.keyring {
             layer = layer.with_encryption(keyring);
         }

@@ -12,6 +12,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::builder::BoolishValueParser;
+use idem_core::replay_cache::ReplayCacheConfig;
 use idem_core::{AnonymousPolicy, KeyTimeFormats, MissingKeyPolicy, PathReadings, Policy, ScopeSource};
 
 use crate::misconfigured::Misconfigured;
@@ -152,6 +153,15 @@ macro_rules! settings {
         }
 
         impl Resolved {
+            /// The replay cache's size.
+            pub(crate) fn replay_cache(&self) -> ReplayCacheConfig {
+                ReplayCacheConfig {
+                    entries: self.replay_cache_entries,
+                    bytes: self.replay_cache_bytes,
+                    max_age: self.replay_cache_max_age,
+                }
+            }
+
             /// The protocol's settings as a [`Policy`] (the rest of it at its defaults).
             pub(crate) fn policy(&self) -> Policy {
                 let mut policy = Policy::default();
@@ -367,6 +377,29 @@ settings! {
         flag: "in-transaction", env: "IDEM_IN_TRANSACTION", default: policy, route: true,
         arg: [num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = BoolishValueParser::new()],
         shown: shown::text,
+    },
+    /// The most answers kept in memory to answer replays without a store round trip (0 turns
+    /// the cache off). An entry answers exactly as the store's record would, until the record
+    /// expires; a delete anywhere reaches every gateway's cache through the store's notification
+    /// channel.
+    replay_cache_entries: usize {
+        flag: "replay-cache-entries", env: "IDEM_REPLAY_CACHE_ENTRIES", default: (ReplayCacheConfig::DEFAULT.entries), route: false,
+        shown: shown::text,
+    },
+    /// The most bytes of answers the replay cache keeps; an answer over an eighth of it is not kept.
+    replay_cache_bytes: usize {
+        flag: "replay-cache-bytes", env: "IDEM_REPLAY_CACHE_BYTES", default: (ReplayCacheConfig::DEFAULT.bytes), route: false,
+        arg: [value_parser = parse_size],
+        file: [deserialize_with = "de::size"],
+        shown: shown::size,
+    },
+    /// How long a cached answer is used before it is read from the store again: the longest a
+    /// delete whose notification was lost unnoticed leaves an answer replayed from memory.
+    replay_cache_max_age: Duration {
+        flag: "replay-cache-max-age", env: "IDEM_REPLAY_CACHE_MAX_AGE", default: (ReplayCacheConfig::DEFAULT.max_age), route: false,
+        arg: [value_parser = parse_duration],
+        file: [deserialize_with = "de::duration"],
+        shown: shown::duration,
     },
     /// Forward requests unprotected when the store is down, instead of 503.
     fail_open: bool {

@@ -8,13 +8,17 @@ use super::admission::KeySource;
 use super::judge::{Judgement, judge};
 use super::lease::Gauged;
 use super::{Claim, Decision, Keyed, Outcome, Protocol, StoreTimedOut};
+use crate::content_coding::AcceptEncoding;
 use crate::credential::CredentialScopes;
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 use crate::metric_names;
 use crate::problem::{Problem, ProblemKind};
+use crate::replay_cache::{Generation, Lookup, ReplayCache};
 use crate::scope::{Caller, Scope, hex};
-use crate::store::{Begin, BeginRequest, FencingToken, Record, RecordId, RecordState, Release, Store, StoreError};
+use crate::store::{
+    Begin, BeginRequest, FencingToken, Record, RecordDigest, RecordId, RecordState, Release, Store, StoreError,
+};
 use crate::time::UnixMillis;
 
 impl Protocol {
@@ -57,6 +61,10 @@ impl Protocol {
         let mut waited = false;
         loop {
             let now = self.now();
+            let cached = match self.answer_from_replay_cache(&id, fingerprint, now, &keyed.accept) {
+                Ok(decision) => return decision,
+                Err(generation) => generation,
+            };
             let token = self.new_token();
             let record = match self.claim_or_read(&id, fingerprint, now, token, provisional).await {
                 Err(err) => return self.store_failed(&err, id),
@@ -79,6 +87,9 @@ impl Protocol {
                 }
                 Ok(Begin::Existing(record)) => record,
             };
+            if let Some((cache, digest, generation)) = cached {
+                cache.keep(digest, &record, now, generation);
+            }
             let (holder, lease_until) = match judge(
                 &record,
                 fingerprint,
@@ -111,6 +122,41 @@ impl Protocol {
             {
                 return self.store_failed(&err, id);
             }
+        }
+    }
+
+    /// The answer to a replay from the replay cache, if it holds the key's completed record; else
+    /// what to keep the store's record under (nothing without a cache).
+    fn answer_from_replay_cache<'c>(
+        &'c self,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        now: UnixMillis,
+        accept: &AcceptEncoding,
+    ) -> Result<Decision, ToKeep<'c>> {
+        let Some(cache) = self.inner.replay_cache.as_deref() else {
+            return Err(None);
+        };
+        let digest = id.digest();
+        let record = match cache.lookup(&digest, id, now) {
+            Lookup::Hit(record) => record,
+            Lookup::Miss(generation) => return Err(Some((cache, digest, generation))),
+        };
+        // Judged as the store's record would be: a completed, unexpired record is answered
+        // (replayed, or refused for another body), never waited on.
+        match judge(&record, fingerprint, now, false, self.inner.keyring.as_deref(), accept) {
+            Judgement::Answer(response, outcome) => {
+                if outcome == Outcome::Replayed {
+                    self.inner.store.count_replay(id);
+                }
+                metrics::counter!(metric_names::REPLAY_CACHE_ANSWERS_TOTAL).increment(1);
+                Ok(Decision::Respond {
+                    response,
+                    outcome,
+                    id: id.clone(),
+                })
+            }
+            Judgement::Wait { .. } => Err(None),
         }
     }
 
@@ -278,6 +324,10 @@ impl Protocol {
         }
     }
 }
+
+/// Where to keep what the store says of a record the replay cache did not answer: the cache, the
+/// record's digest and the cache's generation before the store was asked (`None`: no cache).
+type ToKeep<'c> = Option<(&'c ReplayCache, RecordDigest, Generation)>;
 
 /// The tokens a claim requested with `token` may hold: the one for its kind of run, or, if it is
 /// not known whether the claim was made or recovered (`None`), each that it could be.

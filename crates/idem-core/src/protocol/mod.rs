@@ -25,6 +25,7 @@ use http::Response;
 
 use crate::key::IdempotencyKey;
 use crate::policy::Policy;
+use crate::replay_cache::{ReplayCache, ReplayCacheConfig};
 use crate::scope::Scope;
 use crate::seal::Keyring;
 use crate::store::clock::StoreClock;
@@ -240,6 +241,9 @@ pub(crate) struct Inner {
     credentials: Arc<ScopeHashing>,
     /// Answers held while the store refuses them.
     pub(crate) pending: Arc<Pending>,
+    /// Completed answers kept in memory, shared by every protocol derived from this one (`None`:
+    /// every replay reads the store).
+    replay_cache: Option<Arc<ReplayCache>>,
 }
 
 impl fmt::Debug for Protocol {
@@ -259,8 +263,10 @@ impl Protocol {
         Self::with_clock(store, policy, clock)
     }
 
-    /// The protocol with an injected clock (tests of leases and retention).
+    /// The protocol with an injected clock (tests of leases and retention). It keeps a replay
+    /// cache of the default size ([`ReplayCacheConfig::DEFAULT`]) if the store can invalidate one.
     pub fn with_clock(store: Arc<dyn Store>, policy: Policy, clock: Arc<dyn Clock>) -> Self {
+        let replay_cache = ReplayCache::for_store(&*store, ReplayCacheConfig::DEFAULT);
         Self {
             inner: Arc::new(Inner {
                 store,
@@ -269,8 +275,21 @@ impl Protocol {
                 keyring: None,
                 credentials: Arc::default(),
                 pending: Arc::default(),
+                replay_cache,
             }),
         }
+    }
+
+    /// The same protocol, answering replays from `cache` (made with [`ReplayCache::for_store`]
+    /// on this protocol's store, and shared by every protocol that should share its entries), or
+    /// always from the store (`None`).
+    pub fn with_replay_cache(&self, cache: Option<Arc<ReplayCache>>) -> Self {
+        self.derived(|inner| inner.replay_cache = cache)
+    }
+
+    /// The replay cache in use, if any.
+    pub fn replay_cache(&self) -> Option<&Arc<ReplayCache>> {
+        self.inner.replay_cache.as_ref()
     }
 
     /// The same protocol (store, clock, keys, scope hashing and held answers) under another

@@ -11,6 +11,7 @@ pub use observed::{Observed, Observer, StoreOperation};
 
 use std::error::Error as StdError;
 use std::fmt;
+use std::sync::Arc;
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -18,6 +19,7 @@ use rand::RngCore;
 
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
+use crate::replay_cache::Invalidations;
 use crate::scope::{Scope, hex};
 use crate::time::UnixMillis;
 
@@ -28,6 +30,26 @@ pub struct RecordId {
     pub scope: Scope,
     /// The caller's idempotency key.
     pub key: IdempotencyKey,
+}
+
+/// A short digest of a [`RecordId`] ([`RecordId::digest`]): what stores' notifications name a record
+/// by, and what the replay cache keys it by.
+pub type RecordDigest = [u8; 16];
+
+impl RecordId {
+    /// The first 16 bytes of a SHA-256 of the scope (length-prefixed) and the key: short, stable
+    /// across instances and versions, unambiguous, and it reveals neither.
+    pub fn digest(&self) -> RecordDigest {
+        use sha2::{Digest, Sha256};
+        let (scope, key) = (self.scope.as_str(), self.key.as_str());
+        let mut hasher = Sha256::new();
+        hasher.update((scope.len() as u64).to_be_bytes());
+        hasher.update(scope.as_bytes());
+        hasher.update(key.as_bytes());
+        let mut digest = [0; 16];
+        digest.copy_from_slice(&hasher.finalize()[..16]);
+        digest
+    }
 }
 
 /// The random token of one claim on a record. Only the current token can complete, release or
@@ -431,10 +453,20 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// clocks are skewed still agree ([`StoreClock`] follows it). The server's
     /// clock for PostgreSQL and Redis; the machine's for SQLite, whose file is local.
     async fn clock(&self) -> Result<UnixMillis, StoreError>;
+
+    /// How this store tells this instance's [replay caches](crate::replay_cache) that a record
+    /// was deleted, by any instance or by an operator: every [`Store::delete`] announces it on
+    /// the store's notification channel, and the store reports the channel's losses. `None` for a
+    /// store that cannot announce deletes: no replay cache is kept in front of it.
+    fn invalidations(&self) -> Option<Arc<Invalidations>>;
+
+    /// Counts a replay of `id` answered from a replay cache, as [`Store::begin`] counts one it
+    /// answers (possibly in a later batch).
+    fn count_replay(&self, id: &RecordId);
 }
 
 #[async_trait]
-impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
+impl<S: Store + ?Sized> Store for Arc<S> {
     async fn begin(&self, request: BeginRequest<'_>) -> Result<Begin, StoreError> {
         (**self).begin(request).await
     }
@@ -484,5 +516,11 @@ impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
     }
     async fn clock(&self) -> Result<UnixMillis, StoreError> {
         (**self).clock().await
+    }
+    fn invalidations(&self) -> Option<Arc<Invalidations>> {
+        (**self).invalidations()
+    }
+    fn count_replay(&self, id: &RecordId) {
+        (**self).count_replay(id);
     }
 }

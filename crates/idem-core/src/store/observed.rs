@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 
+use crate::replay_cache::Invalidations;
 use crate::store::{
     Begin, BeginRequest, Checkpoint, ClaimState, Completion, FencingToken, Purged, Record, RecordId, Release,
     ScopeSalt, Store, StoreError, WaitOutcome,
@@ -215,5 +216,11 @@ impl<S: Store, O: Observer> Store for Observed<S, O> {
     }
     async fn clock(&self) -> Result<UnixMillis, StoreError> {
         self.measure(StoreOperation::Clock, self.inner.clock()).await
+    }
+    fn invalidations(&self) -> Option<std::sync::Arc<Invalidations>> {
+        self.inner.invalidations()
+    }
+    fn count_replay(&self, id: &RecordId) {
+        self.inner.count_replay(id);
     }
 }

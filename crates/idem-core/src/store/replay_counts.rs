@@ -32,6 +32,11 @@ impl ReplayCounts {
         record
     }
 
+    /// Counts one replay of `id` answered without reading its record (from a replay cache).
+    pub fn count(&self, id: &RecordId) {
+        self.add(id);
+    }
+
     /// `record` with the replays of it counted here and not yet written added to its stored count.
     pub fn with_pending(&self, mut record: Record) -> Record {
         record.replays += self.pending(&record.id);

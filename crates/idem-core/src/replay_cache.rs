@@ -1,0 +1,528 @@
+//! The replay cache: completed answers kept in this instance's memory, so that a replay is
+//! answered without a store round trip.
+//!
+//! It never changes an answer, only where it is read from:
+//! * an entry is a completed record exactly as the store returned it, and the request is judged on
+//!   it as on the store's (the fingerprint compared, `422` on another body);
+//! * it answers only before the record's `expires_at`, on the protocol's clock (the store's):
+//!   from then on the store decides (a replay, a tombstone's `key-expired`);
+//! * a delete anywhere reaches every instance's cache at once through the store's own notification
+//!   channel ([`Invalidations`]: Redis pub/sub, PostgreSQL `NOTIFY`, in-process for SQLite, with a
+//!   polled counter for other processes on the same file);
+//! * while that channel is down the cache answers nothing, and it is emptied when the channel is
+//!   back, since deletes announced meanwhile were lost;
+//! * a notification lost without the channel noticing (a silently dead connection, a cluster
+//!   node's resubscription) cannot leave an entry answering for long: each entry is read from the
+//!   store again once it is [`ReplayCacheConfig::max_age`] old.
+//!
+//! A read that raced a delete is not kept: every invalidation moves the cache's generation on,
+//! and an entry is kept only if the generation is the one seen before the store was asked.
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::time::{Duration, Instant};
+
+use crate::store::{Record, RecordDigest, RecordId, RecordState, Store};
+use crate::time::UnixMillis;
+
+/// How large a [`ReplayCache`] may grow, and how long an entry is trusted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReplayCacheConfig {
+    /// The most answers kept; `0` turns the cache off.
+    pub entries: usize,
+    /// The most bytes kept (the answers' encoded size, with their records' keys and
+    /// fingerprints). An answer larger than an eighth of it is never kept.
+    pub bytes: usize,
+    /// How long an entry answers before it is read from the store again: the bound on how long
+    /// an answer deleted elsewhere can still be replayed here if the delete's notification was
+    /// lost without the channel noticing.
+    pub max_age: Duration,
+}
+
+impl ReplayCacheConfig {
+    /// The default: 10 000 answers, 32 MiB, entries read again after 10 s.
+    pub const DEFAULT: Self = Self {
+        entries: 10_000,
+        bytes: 32 << 20,
+        max_age: Duration::from_secs(10),
+    };
+
+    /// No cache: every replay is read from the store.
+    pub const OFF: Self = Self {
+        entries: 0,
+        bytes: 0,
+        max_age: Duration::ZERO,
+    };
+
+    /// True if this configuration keeps nothing.
+    pub fn is_off(&self) -> bool {
+        self.entries == 0 || self.bytes == 0 || self.max_age.is_zero()
+    }
+}
+
+impl Default for ReplayCacheConfig {
+    fn default() -> Self {
+        Self::DEFAULT
+    }
+}
+
+/// What a store's notification channel tells the replay caches of this instance: which records
+/// were deleted (by any instance, or by an operator's `idem delete`), and whether the channel is
+/// up. A store keeps one and hands it out with [`Store::invalidations`](crate::Store).
+#[derive(Default)]
+pub struct Invalidations {
+    caches: Mutex<Vec<Weak<ReplayCache>>>,
+    /// Whether the store's channel is up: while it is down, deletes may go unannounced, and no
+    /// cache answers.
+    listening: AtomicBool,
+}
+
+impl Invalidations {
+    /// A channel that is not up yet: caches answer once the store calls [`Self::resumed`].
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The record with `digest` was deleted: every cache forgets it.
+    pub fn deleted(&self, digest: &RecordDigest) {
+        self.each(|cache| cache.forget(digest));
+    }
+
+    /// Records may have changed without notice (several deletes, or deletes whose notifications
+    /// may have been missed): every cache forgets everything.
+    pub fn flush(&self) {
+        self.each(|cache| cache.clear());
+    }
+
+    /// The channel went down: deletes from now on may go unannounced, so caches stop answering
+    /// (and forget what they hold) until [`Self::resumed`].
+    pub fn lost(&self) {
+        self.listening.store(false, Ordering::SeqCst);
+        self.flush();
+    }
+
+    /// The channel is up (again): caches forget what they held (deletes announced while it was
+    /// down were lost) and answer again.
+    pub fn resumed(&self) {
+        // Flushed after the flag is up: an entry kept in between was read after the channel was
+        // back, and a flush before it could miss one read while it was down.
+        self.listening.store(true, Ordering::SeqCst);
+        self.flush();
+    }
+
+    /// Whether the channel is up.
+    pub fn is_listening(&self) -> bool {
+        self.listening.load(Ordering::SeqCst)
+    }
+
+    /// Whether any cache listens, so that a store can skip work nobody needs (polling).
+    pub fn is_watched(&self) -> bool {
+        self.lock().iter().any(|cache| cache.strong_count() > 0)
+    }
+
+    fn watch(&self, cache: &Arc<ReplayCache>) {
+        let mut caches = self.lock();
+        caches.retain(|cache| cache.strong_count() > 0);
+        caches.push(Arc::downgrade(cache));
+    }
+
+    fn each(&self, mut apply: impl FnMut(&ReplayCache)) {
+        for cache in self.lock().iter().filter_map(Weak::upgrade) {
+            apply(&cache);
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Vec<Weak<ReplayCache>>> {
+        // Every critical section is one call on the list: it stays consistent after a panic.
+        self.caches.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl fmt::Debug for Invalidations {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Invalidations")
+            .field("caches", &self.lock().len())
+            .field("listening", &self.is_listening())
+            .finish()
+    }
+}
+
+/// Completed answers kept in memory, bounded by entries and bytes, the oldest entry making way
+/// first. Shared by every route of a layer (or gateway); see the [module](self) for why it never
+/// changes an answer.
+pub struct ReplayCache {
+    config: ReplayCacheConfig,
+    invalidations: Arc<Invalidations>,
+    entries: Mutex<Entries>,
+}
+
+/// What a look-up found.
+#[derive(Debug)]
+pub(crate) enum Lookup {
+    /// The record, completed and unexpired.
+    Hit(Arc<Record>),
+    /// Nothing usable: ask the store, and keep what it says with [`ReplayCache::keep`] under this
+    /// generation.
+    Miss(Generation),
+}
+
+/// The cache's generation when the store was asked (see the [module](self)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Generation(u64);
+
+#[derive(Default)]
+struct Entries {
+    map: HashMap<RecordDigest, Entry>,
+    /// Insertion order, for eviction: each item names an entry by digest and serial; one whose
+    /// entry was replaced or removed since is skipped.
+    order: VecDeque<(RecordDigest, u64)>,
+    bytes: usize,
+    serial: u64,
+    generation: u64,
+}
+
+struct Entry {
+    record: Arc<Record>,
+    kept_at: Instant,
+    size: usize,
+    serial: u64,
+}
+
+impl ReplayCache {
+    /// A cache of `config`'s size whose entries are invalidated by `invalidations` (the store's);
+    /// `None` if `config` keeps nothing.
+    pub fn new(config: ReplayCacheConfig, invalidations: Arc<Invalidations>) -> Option<Arc<Self>> {
+        if config.is_off() {
+            return None;
+        }
+        let cache = Arc::new(Self {
+            config,
+            invalidations: Arc::clone(&invalidations),
+            entries: Mutex::default(),
+        });
+        invalidations.watch(&cache);
+        Some(cache)
+    }
+
+    /// A cache of `config`'s size in front of `store`, invalidated by its notification channel;
+    /// `None` if `config` keeps nothing or the store cannot announce deletes.
+    pub fn for_store(store: &dyn Store, config: ReplayCacheConfig) -> Option<Arc<Self>> {
+        Self::new(config, store.invalidations()?)
+    }
+
+    /// The cache's configuration.
+    pub fn config(&self) -> ReplayCacheConfig {
+        self.config
+    }
+
+    /// How many answers it holds, and their bytes.
+    pub fn usage(&self) -> (usize, usize) {
+        let entries = self.lock();
+        (entries.map.len(), entries.bytes)
+    }
+
+    /// The completed record of `id`, if kept, not past its `expires_at` at `now` and younger
+    /// than `max_age`.
+    pub(crate) fn lookup(&self, digest: &RecordDigest, id: &RecordId, now: UnixMillis) -> Lookup {
+        let mut entries = self.lock();
+        let generation = Generation(entries.generation);
+        if !self.invalidations.is_listening() {
+            return Lookup::Miss(generation);
+        }
+        let Some(entry) = entries.map.get(digest) else {
+            return Lookup::Miss(generation);
+        };
+        let usable = entry.record.id == *id
+            && entry.kept_at.elapsed() < self.config.max_age
+            && matches!(entry.record.state, RecordState::Completed { expires_at, .. } if now < expires_at);
+        if usable {
+            return Lookup::Hit(Arc::clone(&entry.record));
+        }
+        entries.remove(digest);
+        Lookup::Miss(generation)
+    }
+
+    /// Keeps `record` if it is a completed answer not past its `expires_at` at `now`, no
+    /// invalidation came since `generation`, and the channel is up.
+    pub(crate) fn keep(&self, digest: RecordDigest, record: &Record, now: UnixMillis, generation: Generation) {
+        let RecordState::Completed {
+            response: Some(response),
+            expires_at,
+            ..
+        } = &record.state
+        else {
+            return;
+        };
+        if now >= *expires_at {
+            return;
+        }
+        let size = response.len()
+            + record.fingerprint.encode().len()
+            + record.id.scope.as_str().len()
+            + record.id.key.as_str().len()
+            + ENTRY_OVERHEAD;
+        if size > self.config.bytes / 8 {
+            return;
+        }
+        let mut entries = self.lock();
+        if entries.generation != generation.0 || !self.invalidations.is_listening() {
+            return;
+        }
+        entries.insert(digest, Arc::new(record.clone()), size, &self.config);
+    }
+
+    fn forget(&self, digest: &RecordDigest) {
+        let mut entries = self.lock();
+        entries.generation += 1;
+        entries.remove(digest);
+    }
+
+    fn clear(&self) {
+        let mut entries = self.lock();
+        let generation = entries.generation + 1;
+        *entries = Entries {
+            generation,
+            ..Entries::default()
+        };
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Entries> {
+        // Every critical section leaves the entries consistent before anything can panic.
+        self.entries.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// What an entry costs besides its bytes: the map's slot, the record's fixed fields, the order's
+/// item.
+const ENTRY_OVERHEAD: usize = 256;
+
+impl Entries {
+    fn insert(&mut self, digest: RecordDigest, record: Arc<Record>, size: usize, config: &ReplayCacheConfig) {
+        self.serial += 1;
+        let serial = self.serial;
+        self.remove(&digest);
+        self.map.insert(
+            digest,
+            Entry {
+                record,
+                kept_at: Instant::now(),
+                size,
+                serial,
+            },
+        );
+        self.bytes += size;
+        self.order.push_back((digest, serial));
+        while self.map.len() > config.entries || self.bytes > config.bytes {
+            let Some((oldest, serial)) = self.order.pop_front() else {
+                break;
+            };
+            if self.map.get(&oldest).is_some_and(|entry| entry.serial == serial) {
+                self.remove(&oldest);
+            }
+        }
+        // Entries replaced or removed leave their items behind: dropped once they outnumber the
+        // live ones, so that the order stays within twice the entries.
+        if self.order.len() > 2 * self.map.len() + 64 {
+            let map = &self.map;
+            self.order
+                .retain(|(digest, serial)| map.get(digest).is_some_and(|entry| entry.serial == *serial));
+        }
+    }
+
+    fn remove(&mut self, digest: &RecordDigest) {
+        if let Some(entry) = self.map.remove(digest) {
+            self.bytes -= entry.size;
+        }
+    }
+}
+
+impl fmt::Debug for ReplayCache {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (entries, bytes) = self.usage();
+        f.debug_struct("ReplayCache")
+            .field("config", &self.config)
+            .field("entries", &entries)
+            .field("bytes", &bytes)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+    use http::{HeaderMap, Method};
+
+    use super::*;
+    use crate::{Fingerprint, IdempotencyKey, Scope};
+
+    fn id(key: &str) -> RecordId {
+        RecordId {
+            scope: Scope::from_stored("s"),
+            key: IdempotencyKey::new(key).unwrap(),
+        }
+    }
+
+    fn completed(key: &str, body: usize, expires_at: u64) -> Record {
+        Record {
+            id: id(key),
+            fingerprint: Fingerprint::of(&Method::POST, &"/pay".parse().unwrap(), &HeaderMap::new(), b"{}"),
+            created_at: UnixMillis(1),
+            replays: 0,
+            state: RecordState::Completed {
+                response: Some(Bytes::from(vec![b'x'; body])),
+                completed_at: UnixMillis(1),
+                expires_at: UnixMillis(expires_at),
+                purge_at: UnixMillis(expires_at * 2),
+            },
+        }
+    }
+
+    fn listening() -> Arc<Invalidations> {
+        let invalidations = Arc::new(Invalidations::new());
+        invalidations.resumed();
+        invalidations
+    }
+
+    fn new_cache(config: ReplayCacheConfig) -> (Arc<ReplayCache>, Arc<Invalidations>) {
+        let invalidations = listening();
+        (
+            ReplayCache::new(config, Arc::clone(&invalidations)).unwrap(),
+            invalidations,
+        )
+    }
+
+    fn keep(cache: &ReplayCache, record: &Record, now: u64) {
+        let digest = record.id.digest();
+        let Lookup::Miss(generation) = cache.lookup(&digest, &record.id, UnixMillis(now)) else {
+            panic!("expected a miss");
+        };
+        cache.keep(digest, record, UnixMillis(now), generation);
+    }
+
+    fn hit(cache: &ReplayCache, key: &str, now: u64) -> bool {
+        let id = id(key);
+        matches!(cache.lookup(&id.digest(), &id, UnixMillis(now)), Lookup::Hit(_))
+    }
+
+    #[test]
+    fn answers_until_the_record_expires_on_the_given_clock() {
+        let (cache, _) = new_cache(ReplayCacheConfig::DEFAULT);
+        keep(&cache, &completed("a", 10, 1_000), 10);
+        assert!(hit(&cache, "a", 999));
+        assert!(!hit(&cache, "a", 1_000), "at expires_at the store decides");
+        assert!(
+            !hit(&cache, "a", 10),
+            "an expired entry is dropped, not kept for a clock that goes back"
+        );
+        keep(&cache, &completed("b", 10, 1_000), 1_000);
+        assert!(!hit(&cache, "b", 10), "an expired record is never kept");
+    }
+
+    #[test]
+    fn keeps_only_completed_answers() {
+        let (cache, _) = new_cache(ReplayCacheConfig::DEFAULT);
+        let mut tombstone = completed("t", 10, 1_000);
+        if let RecordState::Completed { response, .. } = &mut tombstone.state {
+            *response = None;
+        }
+        keep(&cache, &tombstone, 10);
+        let unknown = Record {
+            state: RecordState::Unknown {
+                expires_at: UnixMillis(1_000),
+                purge_at: UnixMillis(2_000),
+            },
+            ..completed("u", 10, 1_000)
+        };
+        keep(&cache, &unknown, 10);
+        assert_eq!(cache.usage().0, 0);
+    }
+
+    #[test]
+    fn stays_within_its_entries_and_bytes_dropping_the_oldest() {
+        let config = ReplayCacheConfig {
+            entries: 3,
+            bytes: 1 << 20,
+            max_age: Duration::from_secs(60),
+        };
+        let (cache, _) = new_cache(config);
+        for key in ["a", "b", "c", "d"] {
+            keep(&cache, &completed(key, 10, 1_000), 10);
+        }
+        assert_eq!(cache.usage().0, 3);
+        assert!(!hit(&cache, "a", 10) && hit(&cache, "d", 10));
+
+        let config = ReplayCacheConfig {
+            entries: 100,
+            bytes: 8 * 1024,
+            max_age: Duration::from_secs(60),
+        };
+        let (cache, _) = new_cache(config);
+        keep(&cache, &completed("huge", 2 * 1024, 1_000), 10);
+        assert_eq!(cache.usage().0, 0, "larger than an eighth of the bytes: never kept");
+        for n in 0..100 {
+            keep(&cache, &completed(&format!("k{n}"), 500, 1_000), 10);
+            assert!(cache.usage().1 <= 8 * 1024);
+        }
+        assert!(hit(&cache, "k99", 10) && !hit(&cache, "k0", 10));
+    }
+
+    #[test]
+    fn the_order_does_not_grow_with_entries_kept_again() {
+        let (cache, _) = new_cache(ReplayCacheConfig::DEFAULT);
+        for _ in 0..10_000 {
+            keep(&cache, &completed("a", 10, 1_000), 10);
+            cache.forget(&id("a").digest());
+        }
+        assert!(cache.lock().order.len() <= 65);
+    }
+
+    #[test]
+    fn a_delete_or_a_lost_channel_empties_it_and_a_raced_read_is_not_kept() {
+        let (cache, invalidations) = new_cache(ReplayCacheConfig::DEFAULT);
+        keep(&cache, &completed("a", 10, 1_000), 10);
+        keep(&cache, &completed("b", 10, 1_000), 10);
+        invalidations.deleted(&id("a").digest());
+        assert!(!hit(&cache, "a", 10) && hit(&cache, "b", 10));
+
+        // A read that started before a delete reached this instance.
+        let record = completed("c", 10, 1_000);
+        let Lookup::Miss(generation) = cache.lookup(&record.id.digest(), &record.id, UnixMillis(10)) else {
+            panic!("expected a miss");
+        };
+        invalidations.deleted(&id("someone-else").digest());
+        cache.keep(record.id.digest(), &record, UnixMillis(10), generation);
+        assert!(!hit(&cache, "c", 10), "kept after an invalidation it may have missed");
+
+        invalidations.lost();
+        assert!(!hit(&cache, "b", 10));
+        keep(&cache, &completed("d", 10, 1_000), 10);
+        assert!(!hit(&cache, "d", 10), "nothing is kept while the channel is down");
+        invalidations.resumed();
+        keep(&cache, &completed("d", 10, 1_000), 10);
+        assert!(hit(&cache, "d", 10));
+    }
+
+    #[test]
+    fn entries_are_read_again_after_max_age() {
+        let config = ReplayCacheConfig {
+            max_age: Duration::from_millis(50),
+            ..ReplayCacheConfig::DEFAULT
+        };
+        let (cache, _) = new_cache(config);
+        keep(&cache, &completed("a", 10, 1_000), 10);
+        assert!(hit(&cache, "a", 10));
+        std::thread::sleep(Duration::from_millis(60));
+        assert!(!hit(&cache, "a", 10));
+    }
+
+    #[test]
+    fn a_channel_never_up_answers_nothing() {
+        let invalidations = Arc::new(Invalidations::new());
+        let cache = ReplayCache::new(ReplayCacheConfig::DEFAULT, invalidations).unwrap();
+        keep(&cache, &completed("a", 10, 1_000), 10);
+        assert!(!hit(&cache, "a", 10));
+        assert!(ReplayCache::new(ReplayCacheConfig::OFF, listening()).is_none());
+    }
+}
