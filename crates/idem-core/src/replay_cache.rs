@@ -20,7 +20,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
@@ -77,12 +77,36 @@ pub struct Invalidations {
     /// Whether the store's channel is up: while it is down, deletes may go unannounced, and no
     /// cache answers.
     listening: AtomicBool,
+    /// How many times the channel came up.
+    resumptions: AtomicU64,
+    /// How long a delete made elsewhere may take to reach this instance's caches while the channel
+    /// is up: nothing for a pushed announcement, the interval for a polled one.
+    reach: Duration,
 }
 
 impl Invalidations {
-    /// A channel that is not up yet: caches answer once the store calls [`Self::resumed`].
+    /// A channel that pushes each announcement (pub/sub, `NOTIFY`), not up yet: caches answer
+    /// once the store calls [`Self::resumed`].
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A channel that this instance reads every `interval` (and again before answering if it
+    /// could not), not up yet.
+    pub fn polled_every(interval: Duration) -> Self {
+        Self {
+            // A poll that started just before the delete committed, then the next one.
+            reach: interval * 2,
+            ..Self::default()
+        }
+    }
+
+    /// How long a delete made by another process may take to reach this instance's caches while
+    /// the channel is up: zero for a pushed announcement (it is delivered as soon as the delete
+    /// commits), two intervals for a polled one. An operator's `idem delete` waits this long
+    /// before it returns, so that no instance replays the answer once it has.
+    pub fn reach(&self) -> Duration {
+        self.reach
     }
 
     /// The record with `digest` was deleted: every cache forgets it.
@@ -110,6 +134,12 @@ impl Invalidations {
         // back, and a flush before it could miss one read while it was down.
         self.listening.store(true, Ordering::SeqCst);
         self.flush();
+        self.resumptions.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// How many times the channel came up (at the start, and after each loss).
+    pub fn resumptions(&self) -> u64 {
+        self.resumptions.load(Ordering::SeqCst)
     }
 
     /// Whether the channel is up.

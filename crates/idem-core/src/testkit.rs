@@ -1381,7 +1381,7 @@ pub async fn eventually(limit: Duration, what: &str, mut condition: impl FnMut()
 
 /// How long a store may take to tell another instance's replay cache of a delete: at once
 /// through its channel (Redis, PostgreSQL, SQLite in one process), within
-/// `idem_sqlite::DELETIONS_POLL_INTERVAL` (500 ms) from another process; a margin for a loaded
+/// two `idem_sqlite::DELETIONS_POLL_INTERVAL`s (100 ms) from another process; a margin for a loaded
 /// machine on top.
 pub const DELETE_REACHES_CACHES_WITHIN: Duration = Duration::from_secs(3);
 
@@ -1474,6 +1474,72 @@ pub async fn replay_cache_forgets_what_any_instance_deletes(h: &impl Harness) {
             Begin::Acquired { recovered: false }
         ),
         "the key is free again"
+    );
+}
+
+/// A delete made while `here`'s notification channel is cut (by `cut`, which returns once it is)
+/// is not missed by `here`'s replay cache: the cache answers nothing while the channel is down,
+/// and it starts afresh once the channel is back, so the deleted answer is never replayed from
+/// it. `there` is another instance on the same store. Each store's own tests cut its channel
+/// their way (a killed pub/sub connection, a terminated `LISTEN` backend).
+pub async fn a_delete_while_the_channel_is_down_is_not_missed<F>(here: Arc<dyn Store>, there: Arc<dyn Store>, cut: F)
+where
+    F: std::future::Future<Output = ()>,
+{
+    use crate::replay_cache::{Lookup, ReplayCache, ReplayCacheConfig};
+
+    let config = ReplayCacheConfig {
+        max_age: Duration::from_secs(3600),
+        ..ReplayCacheConfig::DEFAULT
+    };
+    let cache = ReplayCache::for_store(&*here, config).expect("the store announces its deletes");
+    let invalidations = here.invalidations().expect("the store's invalidations");
+    eventually(Duration::from_secs(10), "the store's channel is up", || {
+        invalidations.is_listening()
+    })
+    .await;
+    let (id, fp, now) = (fresh_id(), fingerprint("a"), UnixMillis::now());
+    let token = acquire(&*there, &id, &fp, now).await;
+    there
+        .complete(&id, token, completion(b"answer", now, DAY, 7 * DAY))
+        .await
+        .expect("complete");
+    let digest = id.digest();
+    let Lookup::Miss(generation) = cache.lookup(&digest, &id, now) else {
+        panic!("an empty cache holds nothing");
+    };
+    let record = existing(begin(&*here, &id, &fp, now).await.0);
+    cache.keep(digest, &record, now, generation);
+    assert!(matches!(cache.lookup(&digest, &id, now), Lookup::Hit(_)), "kept");
+
+    let resumptions = invalidations.resumptions();
+    cut.await;
+    there.delete(&id).await.expect("delete").expect("the record was there");
+    // Whether or not the delete's announcement got through, the answer is gone from the cache
+    // once the channel is back (it may be back already).
+    eventually(Duration::from_secs(30), "the channel is up again", || {
+        invalidations.resumptions() > resumptions && invalidations.is_listening()
+    })
+    .await;
+    assert!(
+        matches!(cache.lookup(&digest, &id, now), Lookup::Miss(_)),
+        "the deleted answer survived the channel's outage in the cache"
+    );
+    // And the cache works again.
+    let (id, now) = (fresh_id(), UnixMillis::now());
+    let token = acquire(&*there, &id, &fp, now).await;
+    there
+        .complete(&id, token, completion(b"again", now, DAY, 7 * DAY))
+        .await
+        .expect("complete");
+    let Lookup::Miss(generation) = cache.lookup(&id.digest(), &id, now) else {
+        panic!("not kept yet");
+    };
+    let record = existing(begin(&*here, &id, &fp, now).await.0);
+    cache.keep(id.digest(), &record, now, generation);
+    assert!(
+        matches!(cache.lookup(&id.digest(), &id, now), Lookup::Hit(_)),
+        "the cache answers again"
     );
 }
 

@@ -266,3 +266,32 @@ async fn only_changes_someone_waits_on_notify() {
         }
     }
 }
+
+/// The `LISTEN` connection terminated by the server and a delete made before it is back: the
+/// replay cache does not keep the deleted answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delete_while_not_listening_is_not_missed_by_the_replay_cache() {
+    let schema = TestSchema::new();
+    let app = format!("idem_test_{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+    let here = schema.connect(&format!("application_name={app}")).await;
+    let there = schema.connect("").await;
+    let admin = schema.client().await;
+    let cut = async move {
+        let killed: i64 = admin
+            .query_one(
+                "SELECT count(pg_terminate_backend(pid, 5000)) FROM pg_stat_activity
+                 WHERE application_name = $1 AND query LIKE 'LISTEN%'",
+                &[&app],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(killed, 1, "the listening connection");
+    };
+    idem_core::testkit::a_delete_while_the_channel_is_down_is_not_missed(
+        std::sync::Arc::new(here),
+        std::sync::Arc::new(there),
+        cut,
+    )
+    .await;
+}

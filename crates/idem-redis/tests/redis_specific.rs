@@ -898,3 +898,26 @@ async fn a_replay_writes_nothing() {
         after - before
     );
 }
+
+/// The pub/sub connection killed by the server (`CLIENT KILL TYPE pubsub`) and a delete made
+/// before it is back: the replay cache does not keep the deleted answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delete_while_the_pubsub_connection_is_down_is_not_missed_by_the_replay_cache() {
+    let redis = PrivateRedis::start();
+    let here = RedisStore::connect(&redis.url()).await.expect("connect");
+    let there = RedisStore::connect(&redis.url()).await.expect("connect");
+    let url = redis.url();
+    let cut = async move {
+        let client = redis::Client::open(url.as_str()).expect("the private server's URL");
+        let mut admin = client.get_multiplexed_async_connection().await.expect("connect");
+        let killed: i64 = redis::cmd("CLIENT")
+            .arg("KILL")
+            .arg("TYPE")
+            .arg("pubsub")
+            .query_async(&mut admin)
+            .await
+            .expect("CLIENT KILL");
+        assert!(killed >= 2, "both stores' pub/sub connections: {killed}");
+    };
+    testkit::a_delete_while_the_channel_is_down_is_not_missed(Arc::new(here), Arc::new(there), cut).await;
+}

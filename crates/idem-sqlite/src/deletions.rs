@@ -16,7 +16,7 @@ use rusqlite::{Connection, OptionalExtension, Transaction};
 
 /// How often a store reads the file's count of deletes: the longest a delete made by another
 /// process leaves an answer in this process's replay caches.
-pub const DELETIONS_POLL_INTERVAL: Duration = Duration::from_millis(500);
+pub const DELETIONS_POLL_INTERVAL: Duration = Duration::from_millis(100);
 
 /// Adds one to the file's count of deletes and returns it.
 const COUNT_DELETE: &str = "
@@ -51,7 +51,7 @@ pub(crate) fn of(database: &Arc<Path>) -> Arc<FileDeletions> {
         return file;
     }
     let file = Arc::new(FileDeletions {
-        invalidations: Arc::new(Invalidations::new()),
+        invalidations: Arc::new(Invalidations::polled_every(DELETIONS_POLL_INTERVAL)),
         seen: AtomicI64::new(UNKNOWN),
     });
     files.insert(Arc::clone(database), Arc::downgrade(&file));

@@ -145,6 +145,12 @@ pub(crate) async fn delete(args: RecordArgs) -> anyhow::Result<()> {
         }
         Err(err) => return Err(anyhow::Error::new(err).context("cannot delete the record")),
     };
+    // Every running instance forgets the answer in its replay cache as the store announces the
+    // delete; a store whose announcement is polled (SQLite, across processes) takes up to this
+    // long, and the command returns only then.
+    if let Some(invalidations) = store.invalidations() {
+        tokio::time::sleep(invalidations.reach()).await;
+    }
     let state = match &deleted.state {
         RecordState::InFlight { .. } => "in-flight",
         RecordState::Completed { response: None, .. } => "tombstone",

@@ -141,3 +141,28 @@ async fn postgres_start_up_log_says_what_the_server_can_lose() {
     );
     assert!(!log.contains("synchronous_commit = off"), "{log}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_delete_reaches_every_gateways_replay_cache() {
+    scenarios::a_delete_reaches_every_gateways_replay_cache(&servers::postgres_url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_a_delete_reaches_every_gateways_replay_cache() {
+    scenarios::a_delete_reaches_every_gateways_replay_cache(&servers::redis_url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_a_delete_reaches_every_gateways_replay_cache() {
+    scenarios::a_delete_reaches_every_gateways_replay_cache(&servers::redis_cluster_url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_cached_answer_stops_at_its_expiry() {
+    scenarios::a_cached_answer_stops_at_its_expiry(&servers::postgres_url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_a_cached_answer_stops_at_its_expiry() {
+    scenarios::a_cached_answer_stops_at_its_expiry(&servers::redis_url()).await;
+}

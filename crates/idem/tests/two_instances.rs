@@ -32,3 +32,15 @@ async fn deleting_a_key_in_flight_marks_the_next_run_recovered_on_sqlite() {
     let dir = tempfile::tempdir().expect("a temp dir");
     scenarios::delete_in_flight_marks_the_next_run_recovered(&sqlite_store(&dir)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delete_by_another_process_reaches_every_gateways_replay_cache_on_sqlite() {
+    let dir = tempfile::tempdir().expect("a temp dir");
+    scenarios::a_delete_reaches_every_gateways_replay_cache(&sqlite_store(&dir)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cached_answer_stops_at_its_expiry_on_sqlite() {
+    let dir = tempfile::tempdir().expect("a temp dir");
+    scenarios::a_cached_answer_stops_at_its_expiry(&sqlite_store(&dir)).await;
+}

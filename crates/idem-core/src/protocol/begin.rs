@@ -61,7 +61,7 @@ impl Protocol {
         let mut waited = false;
         loop {
             let now = self.now();
-            let cached = match self.answer_from_replay_cache(&id, fingerprint, now, &keyed.accept) {
+            let cached = match self.answer_from_replay_cache(&id, fingerprint, now, waited, &keyed.accept) {
                 Ok(decision) => return decision,
                 Err(generation) => generation,
             };
@@ -132,6 +132,7 @@ impl Protocol {
         id: &RecordId,
         fingerprint: &Fingerprint,
         now: UnixMillis,
+        waited: bool,
         accept: &AcceptEncoding,
     ) -> Result<Decision, ToKeep<'c>> {
         let Some(cache) = self.inner.replay_cache.as_deref() else {
@@ -144,9 +145,9 @@ impl Protocol {
         };
         // Judged as the store's record would be: a completed, unexpired record is answered
         // (replayed, or refused for another body), never waited on.
-        match judge(&record, fingerprint, now, false, self.inner.keyring.as_deref(), accept) {
+        match judge(&record, fingerprint, now, waited, self.inner.keyring.as_deref(), accept) {
             Judgement::Answer(response, outcome) => {
-                if outcome == Outcome::Replayed {
+                if matches!(outcome, Outcome::Replayed | Outcome::Waited) {
                     self.inner.store.count_replay(id);
                 }
                 metrics::counter!(metric_names::REPLAY_CACHE_ANSWERS_TOTAL).increment(1);

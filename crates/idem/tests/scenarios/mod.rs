@@ -393,3 +393,111 @@ pub(crate) async fn delete_in_flight_marks_the_next_run_recovered(store: &str) {
         "delete says the key is left unknown:\n{text}"
     );
 }
+
+/// How long a delete may take to reach another gateway's replay cache: at once through the store's
+/// channel, within 200 ms from another process on SQLite (its count of deletes is polled, and
+/// `idem delete` waits that long before it returns);
+/// a margin for a loaded machine on top.
+const DELETE_REACHES_CACHES_WITHIN: Duration = Duration::from_secs(3);
+
+/// The count of `idem_replay_cache_answers_total` on a gateway's `/metrics` (0 before the first).
+async fn cache_answers(gateway: &Gateway) -> u64 {
+    let scrape = send(gateway.client.get(format!("{}/metrics", gateway.admin)))
+        .await
+        .text();
+    scrape
+        .lines()
+        .find_map(|line| line.strip_prefix("idem_replay_cache_answers_total "))
+        .map_or(0, |count| count.trim().parse().expect("a count"))
+}
+
+/// Two gateways, each with its replay cache (on by default): replays of a key are answered on both
+/// from memory (their `/metrics` say so) with the answer the upstream gave once, and a copy with
+/// another body is refused `422` there too. An operator's `idem delete` (another process) reaches
+/// both caches: within the bound the next request runs again at the upstream, and both gateways
+/// then replay the new answer, never the old one.
+pub(crate) async fn a_delete_reaches_every_gateways_replay_cache(store: &str) {
+    let upstream = Upstream::start().await;
+    let a = Gateway::start_on_store(&upstream.url(), store, &[]).await;
+    let b = Gateway::start_on_store(&upstream.url(), store, &[]).await;
+    let key = new_key();
+    let first = send(pay(&a, &key)).await;
+    assert_eq!(first.status, 201, "{first}");
+    for gateway in [&a, &b] {
+        for _ in 0..5 {
+            let replay = send(pay(gateway, &key)).await;
+            assert!(replay.replayed(), "{replay}");
+            assert_eq!(replay.body, first.body, "the answer the upstream gave: {replay}");
+        }
+        // The first replay on each gateway reads the store (a run's own answer is not kept), the
+        // rest are answered from memory.
+        assert!(cache_answers(gateway).await >= 4, "replays are answered from the cache");
+        let other = send(
+            gateway
+                .post("/pay", r#"{"amount":2}"#)
+                .header("content-type", "application/json")
+                .header("idempotency-key", key.as_str()),
+        )
+        .await;
+        assert_eq!(other.status, 422, "another body with the key: {other}");
+    }
+    assert_eq!(count(&upstream.state.pay), 1, "the upstream ran once");
+
+    let deleted = run_idem(&["delete", "--store", store, &key], Duration::from_secs(60)).await;
+    assert!(deleted.status.success(), "idem delete:\n{}", describe(&deleted));
+    let started = tokio::time::Instant::now();
+    let mut stale = 0;
+    let second = loop {
+        let reply = send(pay(&b, &key)).await;
+        if !reply.replayed() {
+            break reply;
+        }
+        assert_eq!(reply.body, first.body, "{reply}");
+        stale += 1;
+        assert!(
+            started.elapsed() < DELETE_REACHES_CACHES_WITHIN,
+            "the deleted answer was still replayed {stale} times after {:?}",
+            started.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(second.status, 201, "{second}");
+    assert_ne!(second.body, first.body, "a new run, a new charge: {second}");
+    assert_eq!(count(&upstream.state.pay), 2, "the key ran again once");
+    let deadline = tokio::time::Instant::now() + DELETE_REACHES_CACHES_WITHIN;
+    loop {
+        let replay = send(pay(&a, &key)).await;
+        assert!(replay.replayed(), "{replay}");
+        if replay.body == second.body {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the other gateway still replays the deleted answer: {replay}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(count(&upstream.state.pay), 2, "and nothing ran a third time");
+}
+
+/// A gateway's cached answer stops at the record's expiry: afterwards the store decides, and the
+/// key is told it expired, never replayed from memory and never run again.
+pub(crate) async fn a_cached_answer_stops_at_its_expiry(store: &str) {
+    let upstream = Upstream::start().await;
+    let gateway = Gateway::start_on_store(&upstream.url(), store, &["--ttl", "2s"]).await;
+    let key = new_key();
+    assert_eq!(send(pay(&gateway, &key)).await.status, 201);
+    for _ in 0..3 {
+        assert!(send(pay(&gateway, &key)).await.replayed());
+    }
+    assert!(
+        cache_answers(&gateway).await >= 2,
+        "replays are answered from the cache"
+    );
+    tokio::time::sleep(Duration::from_millis(2_200)).await;
+    let late = send(pay(&gateway, &key)).await;
+    assert!(!late.replayed(), "past the ttl: {late}");
+    assert_eq!(late.status, 422, "the key expired: {late}");
+    assert!(late.text().contains("key-expired"), "{late}");
+    assert_eq!(count(&upstream.state.pay), 1, "never run again");
+}
