@@ -13,7 +13,9 @@
 //!   back, since deletes announced meanwhile were lost;
 //! * a notification lost without the channel noticing (a silently dead connection, a cluster
 //!   node's resubscription) cannot leave an entry answering for long: each entry is read from the
-//!   store again once it is [`ReplayCacheConfig::max_age`] old.
+//!   store again once it is [`ReplayCacheConfig::max_age`] old;
+//! * a process that was stalled (stopped, paused, starved) for longer than [`STALL`] forgets
+//!   everything before it answers again, since announcements may wait unread in its sockets.
 //!
 //! A read that raced a delete is not kept: every invalidation moves the cache's generation on,
 //! and an entry is kept only if the generation is the one seen before the store was asked.
@@ -186,6 +188,49 @@ pub struct ReplayCache {
     config: ReplayCacheConfig,
     invalidations: Arc<Invalidations>,
     entries: Mutex<Entries>,
+    /// When this instance last showed it was running: see [`STALL`].
+    heartbeat: Heartbeat,
+}
+
+/// A pause of this process longer than this (a `SIGSTOP`, a VM paused, a runtime starved) empties
+/// the cache: announcements that arrived meanwhile wait unread in a socket, and a request served
+/// first must not be answered from memory. Shown by a heartbeat every [`BEAT`]: a look-up that
+/// finds it older, or a beat that comes this late, empties the cache first.
+pub const STALL: Duration = Duration::from_secs(1);
+
+/// How often the heartbeat beats.
+const BEAT: Duration = Duration::from_millis(100);
+
+/// The last beat, in milliseconds since the cache was made (no heartbeat without a runtime: then
+/// never stale).
+struct Heartbeat {
+    origin: Instant,
+    last_ms: std::sync::atomic::AtomicU64,
+    beating: AtomicBool,
+}
+
+impl Heartbeat {
+    fn new() -> Self {
+        Self {
+            origin: Instant::now(),
+            last_ms: AtomicU64::new(0),
+            beating: AtomicBool::new(false),
+        }
+    }
+
+    fn elapsed_ms(&self) -> u64 {
+        u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// Whether the last beat is older than [`STALL`] (never before the heart beats).
+    fn stalled(&self) -> bool {
+        self.beating.load(Ordering::Acquire)
+            && self.elapsed_ms().saturating_sub(self.last_ms.load(Ordering::Acquire)) > STALL.as_millis() as u64
+    }
+
+    fn beat(&self) {
+        self.last_ms.store(self.elapsed_ms(), Ordering::Release);
+    }
 }
 
 /// What a look-up found.
@@ -231,9 +276,35 @@ impl ReplayCache {
             config,
             invalidations: Arc::clone(&invalidations),
             entries: Mutex::default(),
+            heartbeat: Heartbeat::new(),
         });
         invalidations.watch(&cache);
         Some(cache)
+    }
+
+    /// Starts the heartbeat (once, and only within a runtime); it stops with the cache.
+    fn start_heartbeat(self: &Arc<Self>) {
+        if self.heartbeat.beating.load(Ordering::Acquire) {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if self.heartbeat.beating.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        self.heartbeat.beat();
+        let cache = Arc::downgrade(self);
+        runtime.spawn(async move {
+            loop {
+                tokio::time::sleep(BEAT).await;
+                let Some(cache) = cache.upgrade() else { return };
+                if cache.heartbeat.stalled() {
+                    cache.clear();
+                }
+                cache.heartbeat.beat();
+            }
+        });
     }
 
     /// A cache of `config`'s size in front of `store`, invalidated by its notification channel;
@@ -255,7 +326,13 @@ impl ReplayCache {
 
     /// The completed record of `id`, if kept, not past its `expires_at` at `now` and younger
     /// than `max_age`.
-    pub(crate) fn lookup(&self, digest: &RecordDigest, id: &RecordId, now: UnixMillis) -> Lookup {
+    pub(crate) fn lookup(self: &Arc<Self>, digest: &RecordDigest, id: &RecordId, now: UnixMillis) -> Lookup {
+        self.start_heartbeat();
+        if self.heartbeat.stalled() {
+            // What is read from the store from now on was read after the stall.
+            self.clear();
+            self.heartbeat.beat();
+        }
         let mut entries = self.lock();
         let generation = Generation(entries.generation);
         if !self.invalidations.is_listening() {
@@ -423,7 +500,7 @@ mod tests {
         )
     }
 
-    fn keep(cache: &ReplayCache, record: &Record, now: u64) {
+    fn keep(cache: &Arc<ReplayCache>, record: &Record, now: u64) {
         let digest = record.id.digest();
         let Lookup::Miss(generation) = cache.lookup(&digest, &record.id, UnixMillis(now)) else {
             panic!("expected a miss");
@@ -431,7 +508,7 @@ mod tests {
         cache.keep(digest, record, UnixMillis(now), generation);
     }
 
-    fn hit(cache: &ReplayCache, key: &str, now: u64) -> bool {
+    fn hit(cache: &Arc<ReplayCache>, key: &str, now: u64) -> bool {
         let id = id(key);
         matches!(cache.lookup(&id.digest(), &id, UnixMillis(now)), Lookup::Hit(_))
     }
@@ -545,6 +622,21 @@ mod tests {
         assert!(hit(&cache, "a", 10));
         std::thread::sleep(Duration::from_millis(60));
         assert!(!hit(&cache, "a", 10));
+    }
+
+    /// A process that was not running for longer than [`STALL`] (here its one thread blocked, as
+    /// a `SIGSTOP` would) may have announcements waiting unread: it forgets everything before it
+    /// answers again.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_stalled_process_forgets_everything() {
+        let (cache, _) = new_cache(ReplayCacheConfig::DEFAULT);
+        keep(&cache, &completed("a", 10, 1_000), 10);
+        tokio::time::sleep(BEAT * 2).await;
+        assert!(hit(&cache, "a", 10), "a beating heart keeps its entries");
+        std::thread::sleep(STALL + BEAT * 2);
+        assert!(!hit(&cache, "a", 10), "forgotten after the stall");
+        keep(&cache, &completed("a", 10, 1_000), 10);
+        assert!(hit(&cache, "a", 10), "and kept again afterwards");
     }
 
     #[test]

@@ -135,19 +135,21 @@ impl Protocol {
         waited: bool,
         accept: &AcceptEncoding,
     ) -> Result<Decision, ToKeep<'c>> {
-        let Some(cache) = self.inner.replay_cache.as_deref() else {
+        let Some(cache) = self.inner.replay_cache.as_ref() else {
             return Err(None);
         };
         let digest = id.digest();
         let record = match cache.lookup(&digest, id, now) {
             Lookup::Hit(record) => record,
-            Lookup::Miss(generation) => return Err(Some((cache, digest, generation))),
+            Lookup::Miss(generation) => return Err(Some((&**cache, digest, generation))),
         };
         // Judged as the store's record would be: a completed, unexpired record is answered
         // (replayed, or refused for another body), never waited on.
         match judge(&record, fingerprint, now, waited, self.inner.keyring.as_deref(), accept) {
             Judgement::Answer(response, outcome) => {
-                if matches!(outcome, Outcome::Replayed | Outcome::Waited) {
+                // Counted as the store counts a `begin` that finds the record: every answer to
+                // the same request (an unreadable sealed one too), not a refusal of another.
+                if outcome != Outcome::Mismatch {
                     self.inner.store.count_replay(id);
                 }
                 metrics::counter!(metric_names::REPLAY_CACHE_ANSWERS_TOTAL).increment(1);
