@@ -14,7 +14,7 @@ use axum::http::{Request, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use idem_postgres::PostgresStore;
-use idem_tower::{IdempotencyInfo, IdempotencyLayer, InTransaction};
+use idem_tower::{IdempotencyInfo, IdempotencyLayer, InTransaction, ReplayCacheConfig};
 use tokio::task::JoinSet;
 use tower::ServiceExt;
 
@@ -57,7 +57,12 @@ pub(crate) async fn run(args: BenchArgs) -> anyhow::Result<()> {
     // Sealed at rest when IDEM_ENCRYPTION_KEYS is set, as `idem serve` would seal them.
     let keyring = crate::config::keyring_from_env()?;
     let sealing = keyring.as_ref().and_then(|ring| ring.ids().next().map(str::to_owned));
-    let mut layer = IdempotencyLayer::new(store);
+    let cache = if args.replay_cache {
+        ReplayCacheConfig::DEFAULT
+    } else {
+        ReplayCacheConfig::OFF
+    };
+    let mut layer = IdempotencyLayer::new(store).with_replay_cache(cache);
     if let Some(keyring) = keyring {
         layer = layer.with_encryption(keyring);
     }

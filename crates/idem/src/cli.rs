@@ -129,6 +129,10 @@ pub(crate) struct BenchArgs {
     /// `in-transaction`, the row and the answer committed together (`complete_in_client`).
     #[arg(long, value_enum, default_value = "none")]
     pub(crate) write: BusinessWrite,
+    /// Answer replays from the replay cache, as `idem serve` does by default. Off here, so that
+    /// the replay phase measures the store.
+    #[arg(long)]
+    pub(crate) replay_cache: bool,
 }
 
 /// What `idem bench`'s handler writes besides its answer.
