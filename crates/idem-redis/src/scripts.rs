@@ -133,12 +133,13 @@ end
 local lease_ended = state == 'in-flight' and num(cur[LEASE_UNTIL], 'lease_until') <= now
 if state and num(cur[PURGE_AT], 'purge_at') <= now and (state ~= 'in-flight' or lease_ended) then
   -- Past purge_at the record is as good as absent; whoever waits on it must look again.
-  redis.call('DEL', rec)
+  redis.call('DEL', rec, body, steps)
   redis.call(publish, channel, 'replaced')
   state = false
 end
 if not state then
-  redis.call('DEL', body, steps)
+  -- Nothing to clear: a record's body and checkpoints never outlive it (they expire no later, and
+  -- every script that deletes it deletes them).
   redis.call('HSET', rec, 'fingerprint', fingerprint, 'digest', digest, 'created_at', ARGV[2], 'replays', 0,
     'state', 'in-flight', 'token', token, 'lease_until', lease_until, 'expires_at', claim_expires_at,
     'purge_at', claim_purge_at, 'recovered', 0)
@@ -178,12 +179,12 @@ return answer(1)
 
 /// `complete`. ARGV: nonce, token, response, completed_at (the `now` of the expiries),
 /// expires_at, purge_at, channel, publish command, and `again` if an earlier call of this claim
-/// may have stored the answer unseen. Deletes the run's checkpoints and keeps the token as
-/// `completed_by`. Returns `{rec, nonce, 1}`, or `{rec, nonce, 0}` if the token is not the current
+/// may have stored the answer unseen. Deletes the run's checkpoints (if it recorded any: the
+/// record's `stepped`, set by `checkpoint`) and keeps the token as `completed_by`. Returns `{rec, nonce, 1}`, or `{rec, nonce, 0}` if the token is not the current
 /// claim (with `again`: nor the claim whose answer is stored, which is then left as it is).
 const COMPLETE: &str = r#"
 local token, response, channel, publish = ARGV[2], ARGV[3], ARGV[7], ARGV[8]
-local cur = redis.call('HMGET', rec, 'state', 'token', 'completed_by')
+local cur = redis.call('HMGET', rec, 'state', 'token', 'completed_by', 'stepped')
 if ARGV[9] == 'again' and cur[1] == 'completed' and cur[3] == token then
   -- This claim's own answer, stored by a call whose outcome the caller never saw: written once
   -- more (the same value), so that this call writes and its acknowledgement covers the answer.
@@ -194,8 +195,10 @@ if cur[1] ~= 'in-flight' or cur[2] ~= token then
   return answer(0)
 end
 now = num(ARGV[4], 'completed_at')
-redis.call('DEL', steps)
-redis.call('HDEL', rec, 'token', 'lease_until', 'recovered')
+if cur[4] then
+  redis.call('DEL', steps)
+end
+redis.call('HDEL', rec, 'token', 'lease_until', 'recovered', 'stepped')
 redis.call('HSET', rec, 'state', 'completed', 'completed_at', ARGV[4], 'expires_at', ARGV[5], 'purge_at', ARGV[6],
   'completed_by', token)
 local body_ttl = num(ARGV[5], 'expires_at') - now
@@ -300,7 +303,7 @@ if redis.call('EXISTS', rec) == 1 then
   end
   redis.call(publish, channel, 'deleted')
   if live and cur[STATE] == 'in-flight' and cur[TOKEN] and purge_at ~= nil then
-    redis.call('HDEL', rec, 'token', 'lease_until', 'recovered')
+    redis.call('HDEL', rec, 'token', 'lease_until', 'recovered', 'stepped')
     redis.call('HSET', rec, 'state', 'unknown', 'expires_at', cur[EXPIRES_AT] or cur[PURGE_AT])
     redis.call('DEL', body, steps)
     return answer(fields, response)
@@ -337,6 +340,8 @@ end
 if redis.call('HSET', steps, 'value:' .. name, value) == 1 then
   local position = redis.call('HINCRBY', steps, 'count', 1)
   redis.call('HSET', steps, 'name:' .. position, name)
+  -- So that `complete` deletes the hash only when there is one.
+  redis.call('HSET', rec, 'stepped', 1)
 end
 expire_steps_with_record()
 return answer(1)

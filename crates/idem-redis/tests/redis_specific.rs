@@ -921,3 +921,54 @@ async fn a_delete_while_the_pubsub_connection_is_down_is_not_missed_by_the_repla
     };
     testkit::a_delete_while_the_channel_is_down_is_not_missed(Arc::new(here), Arc::new(there), cut).await;
 }
+
+/// The calls a new key's `begin` and `complete` make inside their scripts (`INFO commandstats`
+/// of a private server): a key without checkpoints deletes nothing (a record's body and
+/// checkpoints never outlive it, so a new one has none to clear, and `complete` deletes the
+/// checkpoints only when the run recorded some). Every call costs the server's one thread.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_key_without_checkpoints_deletes_nothing() {
+    let redis = PrivateRedis::start();
+    let url = redis.url();
+    let store = RedisStore::connect(&url).await.expect("connect");
+    let client = redis::Client::open(url.as_str()).expect("the private server's URL");
+    let mut admin = client.get_multiplexed_async_connection().await.expect("connect");
+    let _: () = redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query_async(&mut admin)
+        .await
+        .expect("CONFIG RESETSTAT");
+    let now = UnixMillis::now();
+    for _ in 0..10 {
+        let id = fresh_id();
+        let token = claim(&store, &id, now).await;
+        store
+            .complete(&id, token, completion(now, DAY, 7 * DAY))
+            .await
+            .expect("complete");
+    }
+    let stats: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut admin)
+        .await
+        .expect("INFO");
+    // Calls that ran: a script's first `EVALSHA` on a fresh server fails (`NOSCRIPT`) and is sent
+    // again with the script.
+    let calls = |command: &str| -> u64 {
+        let Some(line) = stats
+            .lines()
+            .find(|line| line.starts_with(&format!("cmdstat_{command}:")))
+        else {
+            return 0;
+        };
+        let field = |name: &str| -> u64 {
+            line.split([':', ','])
+                .find_map(|part| part.strip_prefix(&format!("{name}=")))
+                .map_or(0, |n| n.parse().expect("a count"))
+        };
+        field("calls") - field("failed_calls")
+    };
+    assert_eq!(calls("evalsha") + calls("eval"), 20, "two scripts per key:\n{stats}");
+    assert_eq!(calls("del") + calls("unlink"), 0, "no DEL:\n{stats}");
+    assert_eq!(calls("hset"), 20, "one HSET in each script:\n{stats}");
+}
