@@ -11,6 +11,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use http::{HeaderMap, Method};
 
+use crate::replay_cache::{Invalidations, Lookup, ReplayCache, ReplayCacheConfig};
 use crate::store::{Observed, Observer, StoreOperation};
 use crate::{
     Fingerprint, IdempotencyKey, Scope, Store, StoreError, UnixMillis,
@@ -1385,41 +1386,59 @@ pub async fn eventually(limit: Duration, what: &str, mut condition: impl FnMut()
 /// machine on top.
 pub const DELETE_REACHES_CACHES_WITHIN: Duration = Duration::from_secs(3);
 
-/// A replay cache in one instance keeps an answer another instance stored, answers only before
-/// its `expires_at` on the clock it is given, counts the replays it answers in the store, and
-/// forgets the answer as soon as a third instance deletes the record: the store announces every
-/// delete to every instance.
-pub async fn replay_cache_forgets_what_any_instance_deletes(h: &impl Harness) {
-    use crate::replay_cache::{Lookup, ReplayCache, ReplayCacheConfig};
-
-    let (here, there, operator) = (h.open().await, h.open().await, h.open().await);
+/// A replay cache on `here` whose entries never age out during a test, once `here`'s channel is
+/// up; and the store's invalidations.
+async fn listening_cache(here: &dyn Store) -> (Arc<ReplayCache>, Arc<Invalidations>) {
     let config = ReplayCacheConfig {
         max_age: Duration::from_secs(3600),
         ..ReplayCacheConfig::DEFAULT
     };
-    let cache = ReplayCache::for_store(&*here, config).expect("every store announces its deletes");
+    let cache = ReplayCache::for_store(here, config).expect("every store announces its deletes");
     let invalidations = here.invalidations().expect("the store's invalidations");
     eventually(Duration::from_secs(10), "the store's channel is up", || {
         invalidations.is_listening()
     })
     .await;
+    (cache, invalidations)
+}
 
-    let (id, fp, now) = (fresh_id(), fingerprint("a"), UnixMillis::now());
-    let token = acquire(&*there, &id, &fp, now).await;
+/// Completes `id` through `there` with `answer` (as of `now`, replayable for `ttl`), and keeps
+/// the record `here` reads in `cache`, as `Protocol::begin` does; asserts it is kept.
+async fn cache_an_answer(
+    cache: &Arc<ReplayCache>,
+    (here, there): (&dyn Store, &dyn Store),
+    id: &RecordId,
+    (now, ttl): (UnixMillis, Duration),
+    answer: &[u8],
+) {
+    let fp = fingerprint("a");
+    let token = acquire(there, id, &fp, now).await;
     there
-        .complete(&id, token, completion(b"answer", now, DAY, 7 * DAY))
+        .complete(id, token, completion(answer, now, ttl, 7 * DAY))
         .await
         .expect("complete");
     let digest = id.digest();
-    let Lookup::Miss(generation) = cache.lookup(&digest, &id, now) else {
-        panic!("an empty cache holds nothing");
+    let Lookup::Miss(generation) = cache.lookup(&digest, id, now) else {
+        panic!("not kept yet");
     };
-    let record = existing(begin(&*here, &id, &fp, now).await.0);
+    let record = existing(begin(here, id, &fp, now).await.0);
     cache.keep(digest, &record, now, generation);
-    match cache.lookup(&digest, &id, now) {
-        Lookup::Hit(cached) => assert_eq!(stored_response(&cached).as_deref(), Some(b"answer".as_slice())),
+    match cache.lookup(&digest, id, now) {
+        Lookup::Hit(cached) => assert_eq!(stored_response(&cached).as_deref(), Some(answer)),
         Lookup::Miss(_) => panic!("the completed answer read from the store is kept"),
     }
+}
+
+/// A replay cache in one instance keeps an answer another instance stored, answers only before
+/// its `expires_at` on the clock it is given, counts the replays it answers in the store, and
+/// forgets the answer as soon as a third instance deletes the record: the store announces every
+/// delete to every instance.
+pub async fn replay_cache_forgets_what_any_instance_deletes(h: &impl Harness) {
+    let (here, there, operator) = (h.open().await, h.open().await, h.open().await);
+    let (cache, _) = listening_cache(&*here).await;
+    let (id, fp, now) = (fresh_id(), fingerprint("a"), UnixMillis::now());
+    cache_an_answer(&cache, (&*here, &*there), &id, (now, DAY), b"answer").await;
+    let digest = id.digest();
 
     // Replays answered from the cache are counted in the store, as the one `begin` answered.
     here.count_replay(&id);
@@ -1433,18 +1452,8 @@ pub async fn replay_cache_forgets_what_any_instance_deletes(h: &impl Harness) {
     assert_eq!(replays, 3, "the replays answered from the cache reach the store");
 
     // An answer past its expiry is never answered from the cache: the store decides.
-    let (short, short_now) = (fresh_id(), UnixMillis::now());
-    let token = acquire(&*there, &short, &fp, short_now).await;
-    let ttl = Duration::from_secs(60);
-    there
-        .complete(&short, token, completion(b"short", short_now, ttl, 7 * DAY))
-        .await
-        .expect("complete");
-    let Lookup::Miss(generation) = cache.lookup(&short.digest(), &short, short_now) else {
-        panic!("not kept yet");
-    };
-    let record = existing(begin(&*here, &short, &fp, short_now).await.0);
-    cache.keep(short.digest(), &record, short_now, generation);
+    let (short, short_now, ttl) = (fresh_id(), UnixMillis::now(), Duration::from_secs(60));
+    cache_an_answer(&cache, (&*here, &*there), &short, (short_now, ttl), b"short").await;
     assert!(matches!(
         cache.lookup(&short.digest(), &short, short_now.plus(ttl - Duration::from_millis(1))),
         Lookup::Hit(_)
@@ -1486,31 +1495,10 @@ pub async fn a_delete_while_the_channel_is_down_is_not_missed<F>(here: Arc<dyn S
 where
     F: std::future::Future<Output = ()>,
 {
-    use crate::replay_cache::{Lookup, ReplayCache, ReplayCacheConfig};
-
-    let config = ReplayCacheConfig {
-        max_age: Duration::from_secs(3600),
-        ..ReplayCacheConfig::DEFAULT
-    };
-    let cache = ReplayCache::for_store(&*here, config).expect("the store announces its deletes");
-    let invalidations = here.invalidations().expect("the store's invalidations");
-    eventually(Duration::from_secs(10), "the store's channel is up", || {
-        invalidations.is_listening()
-    })
-    .await;
-    let (id, fp, now) = (fresh_id(), fingerprint("a"), UnixMillis::now());
-    let token = acquire(&*there, &id, &fp, now).await;
-    there
-        .complete(&id, token, completion(b"answer", now, DAY, 7 * DAY))
-        .await
-        .expect("complete");
+    let (cache, invalidations) = listening_cache(&*here).await;
+    let (id, now) = (fresh_id(), UnixMillis::now());
+    cache_an_answer(&cache, (&*here, &*there), &id, (now, DAY), b"answer").await;
     let digest = id.digest();
-    let Lookup::Miss(generation) = cache.lookup(&digest, &id, now) else {
-        panic!("an empty cache holds nothing");
-    };
-    let record = existing(begin(&*here, &id, &fp, now).await.0);
-    cache.keep(digest, &record, now, generation);
-    assert!(matches!(cache.lookup(&digest, &id, now), Lookup::Hit(_)), "kept");
 
     let resumptions = invalidations.resumptions();
     cut.await;
@@ -1526,21 +1514,14 @@ where
         "the deleted answer survived the channel's outage in the cache"
     );
     // And the cache works again.
-    let (id, now) = (fresh_id(), UnixMillis::now());
-    let token = acquire(&*there, &id, &fp, now).await;
-    there
-        .complete(&id, token, completion(b"again", now, DAY, 7 * DAY))
-        .await
-        .expect("complete");
-    let Lookup::Miss(generation) = cache.lookup(&id.digest(), &id, now) else {
-        panic!("not kept yet");
-    };
-    let record = existing(begin(&*here, &id, &fp, now).await.0);
-    cache.keep(id.digest(), &record, now, generation);
-    assert!(
-        matches!(cache.lookup(&id.digest(), &id, now), Lookup::Hit(_)),
-        "the cache answers again"
-    );
+    cache_an_answer(
+        &cache,
+        (&*here, &*there),
+        &fresh_id(),
+        (UnixMillis::now(), DAY),
+        b"again",
+    )
+    .await;
 }
 
 /// Generates one `#[tokio::test]` per conformance case, each calling `$harness` for its store:
