@@ -166,3 +166,13 @@ async fn postgres_a_cached_answer_stops_at_its_expiry() {
 async fn redis_a_cached_answer_stops_at_its_expiry() {
     scenarios::a_cached_answer_stops_at_its_expiry(&servers::redis_url()).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_a_stopped_gateway_forgets_what_was_deleted_while_it_slept() {
+    scenarios::a_stopped_gateway_forgets_what_was_deleted_while_it_slept(&servers::redis_url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_stopped_gateway_forgets_what_was_deleted_while_it_slept() {
+    scenarios::a_stopped_gateway_forgets_what_was_deleted_while_it_slept(&servers::postgres_url()).await;
+}

@@ -44,3 +44,9 @@ async fn a_cached_answer_stops_at_its_expiry_on_sqlite() {
     let dir = tempfile::tempdir().expect("a temp dir");
     scenarios::a_cached_answer_stops_at_its_expiry(&sqlite_store(&dir)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_gateway_forgets_what_was_deleted_while_it_slept_on_sqlite() {
+    let dir = tempfile::tempdir().expect("a temp dir");
+    scenarios::a_stopped_gateway_forgets_what_was_deleted_while_it_slept(&sqlite_store(&dir)).await;
+}

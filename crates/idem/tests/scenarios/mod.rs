@@ -501,3 +501,51 @@ pub(crate) async fn a_cached_answer_stops_at_its_expiry(store: &str) {
     assert!(late.text().contains("key-expired"), "{late}");
     assert_eq!(count(&upstream.state.pay), 1, "never run again");
 }
+
+/// Sends `signal` (`-STOP`, `-CONT`) to process `pid`.
+fn signal(pid: u32, signal: &str) {
+    let status = std::process::Command::new("kill")
+        .args([signal, &pid.to_string()])
+        .status()
+        .expect("run kill");
+    assert!(status.success(), "kill {signal} {pid}");
+}
+
+/// A gateway stopped (`SIGSTOP`: a paused VM, a stalled runtime) while an operator deletes a key
+/// it holds in its replay cache, and resumed 1.5 s later with requests for that key queued in its
+/// sockets: none of them gets the deleted answer, though the delete's announcement waits unread
+/// behind them (or its next read of the SQLite file is due). The key runs once more, and every
+/// copy gets that run's answer.
+pub(crate) async fn a_stopped_gateway_forgets_what_was_deleted_while_it_slept(store: &str) {
+    let upstream = Upstream::start().await;
+    let a = Gateway::start_on_store(&upstream.url(), store, &[]).await;
+    let b = Gateway::start_on_store(&upstream.url(), store, &[]).await;
+    let key = new_key();
+    let first = send(pay(&a, &key)).await;
+    assert_eq!(first.status, 201, "{first}");
+    for _ in 0..3 {
+        let replay = send(pay(&b, &key)).await;
+        assert!(replay.replayed() && replay.body == first.body, "{replay}");
+    }
+    assert!(cache_answers(&b).await >= 1, "b answers the key from its cache");
+
+    signal(b.pid(), "-STOP");
+    let deleted = run_idem(&["delete", "--store", store, &key], Duration::from_secs(60)).await;
+    assert!(deleted.status.success(), "idem delete:\n{}", describe(&deleted));
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let queued: Vec<_> = (0..5).map(|_| tokio::spawn(send(pay(&b, &key)))).collect();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    signal(b.pid(), "-CONT");
+    let mut bodies = std::collections::HashSet::new();
+    for copy in queued {
+        let reply = copy.await.expect("a copy's task");
+        assert_eq!(reply.status, 201, "{reply}");
+        assert_ne!(
+            reply.body, first.body,
+            "the deleted answer, replayed after the stall: {reply}"
+        );
+        bodies.insert(reply.body);
+    }
+    assert_eq!(bodies.len(), 1, "every copy gets the one new run's answer");
+    assert_eq!(count(&upstream.state.pay), 2, "the key ran once more");
+}
