@@ -82,7 +82,7 @@ pub struct Invalidations {
     /// How many times the channel came up.
     resumptions: AtomicU64,
     /// How long a delete made elsewhere may take to reach this instance's caches while the channel
-    /// is up: nothing for a pushed announcement, the interval for a polled one.
+    /// is up: nothing for a pushed announcement, two intervals for a polled one.
     reach: Duration,
 }
 
@@ -93,8 +93,8 @@ impl Invalidations {
         Self::default()
     }
 
-    /// A channel that this instance reads every `interval` (and again before answering if it
-    /// could not), not up yet.
+    /// A channel that this instance reads every `interval` (a count of deletes in the store),
+    /// not up yet.
     pub fn polled_every(interval: Duration) -> Self {
         Self {
             // A poll that started just before the delete committed, then the next one.
@@ -205,7 +205,7 @@ const BEAT: Duration = Duration::from_millis(100);
 /// never stale).
 struct Heartbeat {
     origin: Instant,
-    last_ms: std::sync::atomic::AtomicU64,
+    last_ms: AtomicU64,
     beating: AtomicBool,
 }
 

@@ -73,6 +73,21 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
         replay_cache: config.replay_cache,
     };
     let gateway = Gateway::protected(store.clone(), clock, protection, proxy);
+    match gateway.protocol.as_ref().and_then(Protocol::replay_cache) {
+        Some(cache) => {
+            let config = cache.config();
+            tracing::info!(
+                entries = config.entries,
+                bytes = config.bytes,
+                max_age = ?config.max_age,
+                "replays of answers read before are answered from memory (the replay cache)"
+            );
+        }
+        None if !config.replay_cache.is_off() => tracing::info!(
+            "no replay cache: the store has no channel to announce deletes on (a PostgreSQL store with notify=off)"
+        ),
+        None => {}
+    }
     if let Some(protocol) = &gateway.protocol {
         // Read (or, in a new store, made) before the first request: the first store to have a
         // salt notes until when the records from before it may live.
