@@ -23,10 +23,11 @@
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use crate::store::{Record, RecordDigest, RecordId, RecordState, Store};
+use crate::store::invalidations::Invalidated;
+use crate::store::{Invalidations, Record, RecordDigest, RecordId, RecordState, Store};
 use crate::time::UnixMillis;
 
 /// How large a [`ReplayCache`] may grow, and how long an entry is trusted.
@@ -67,117 +68,6 @@ impl ReplayCacheConfig {
 impl Default for ReplayCacheConfig {
     fn default() -> Self {
         Self::DEFAULT
-    }
-}
-
-/// What a store's notification channel tells the replay caches of this instance: which records
-/// were deleted (by any instance, or by an operator's `idem delete`), and whether the channel is
-/// up. A store keeps one and hands it out with [`Store::invalidations`](crate::Store).
-#[derive(Default)]
-pub struct Invalidations {
-    caches: Mutex<Vec<Weak<ReplayCache>>>,
-    /// Whether the store's channel is up: while it is down, deletes may go unannounced, and no
-    /// cache answers.
-    listening: AtomicBool,
-    /// How many times the channel came up.
-    resumptions: AtomicU64,
-    /// How long a delete made elsewhere may take to reach this instance's caches while the channel
-    /// is up: nothing for a pushed announcement, two intervals for a polled one.
-    reach: Duration,
-}
-
-impl Invalidations {
-    /// A channel that pushes each announcement (pub/sub, `NOTIFY`), not up yet: caches answer
-    /// once the store calls [`Self::resumed`].
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// A channel that this instance reads every `interval` (a count of deletes in the store),
-    /// not up yet.
-    pub fn polled_every(interval: Duration) -> Self {
-        Self {
-            // A poll that started just before the delete committed, then the next one.
-            reach: interval * 2,
-            ..Self::default()
-        }
-    }
-
-    /// How long a delete made by another process may take to reach this instance's caches while
-    /// the channel is up: zero for a pushed announcement (it is delivered as soon as the delete
-    /// commits), two intervals for a polled one. An operator's `idem delete` waits this long
-    /// before it returns, so that no instance replays the answer once it has.
-    pub fn reach(&self) -> Duration {
-        self.reach
-    }
-
-    /// The record with `digest` was deleted: every cache forgets it.
-    pub fn deleted(&self, digest: &RecordDigest) {
-        self.each(|cache| cache.forget(digest));
-    }
-
-    /// Records may have changed without notice (several deletes, or deletes whose notifications
-    /// may have been missed): every cache forgets everything.
-    pub fn flush(&self) {
-        self.each(|cache| cache.clear());
-    }
-
-    /// The channel went down: deletes from now on may go unannounced, so caches stop answering
-    /// (and forget what they hold) until [`Self::resumed`].
-    pub fn lost(&self) {
-        self.listening.store(false, Ordering::SeqCst);
-        self.flush();
-    }
-
-    /// The channel is up (again): caches forget what they held (deletes announced while it was
-    /// down were lost) and answer again.
-    pub fn resumed(&self) {
-        // Flushed after the flag is up: an entry kept in between was read after the channel was
-        // back, and a flush before it could miss one read while it was down.
-        self.listening.store(true, Ordering::SeqCst);
-        self.flush();
-        self.resumptions.fetch_add(1, Ordering::SeqCst);
-    }
-
-    /// How many times the channel came up (at the start, and after each loss).
-    pub fn resumptions(&self) -> u64 {
-        self.resumptions.load(Ordering::SeqCst)
-    }
-
-    /// Whether the channel is up.
-    pub fn is_listening(&self) -> bool {
-        self.listening.load(Ordering::SeqCst)
-    }
-
-    /// Whether any cache listens, so that a store can skip work nobody needs (polling).
-    pub fn is_watched(&self) -> bool {
-        self.lock().iter().any(|cache| cache.strong_count() > 0)
-    }
-
-    fn watch(&self, cache: &Arc<ReplayCache>) {
-        let mut caches = self.lock();
-        caches.retain(|cache| cache.strong_count() > 0);
-        caches.push(Arc::downgrade(cache));
-    }
-
-    fn each(&self, mut apply: impl FnMut(&ReplayCache)) {
-        for cache in self.lock().iter().filter_map(Weak::upgrade) {
-            apply(&cache);
-        }
-    }
-
-    fn lock(&self) -> MutexGuard<'_, Vec<Weak<ReplayCache>>> {
-        // Every critical section is one call on the list: it stays consistent after a panic.
-        self.caches.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-}
-
-impl fmt::Debug for Invalidations {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Invalidations")
-            .field("caches", &self.lock().len())
-            .field("listening", &self.is_listening())
-            .finish()
     }
 }
 
@@ -278,7 +168,8 @@ impl ReplayCache {
             entries: Mutex::default(),
             heartbeat: Heartbeat::new(),
         });
-        invalidations.watch(&cache);
+        let watcher: Arc<dyn Invalidated> = cache.clone();
+        invalidations.watch(Arc::downgrade(&watcher));
         Some(cache)
     }
 
@@ -380,12 +271,6 @@ impl ReplayCache {
         entries.insert(digest, Arc::new(record.clone()), size, &self.config);
     }
 
-    fn forget(&self, digest: &RecordDigest) {
-        let mut entries = self.lock();
-        entries.generation += 1;
-        entries.remove(digest);
-    }
-
     fn clear(&self) {
         let mut entries = self.lock();
         let generation = entries.generation + 1;
@@ -398,6 +283,18 @@ impl ReplayCache {
     fn lock(&self) -> MutexGuard<'_, Entries> {
         // Every critical section leaves the entries consistent before anything can panic.
         self.entries.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl Invalidated for ReplayCache {
+    fn forget(&self, digest: &RecordDigest) {
+        let mut entries = self.lock();
+        entries.generation += 1;
+        entries.remove(digest);
+    }
+
+    fn forget_all(&self) {
+        self.clear();
     }
 }
 

@@ -11,7 +11,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use http::{HeaderMap, Method};
 
-use crate::replay_cache::{Invalidations, Lookup, ReplayCache, ReplayCacheConfig};
+use crate::replay_cache::{Lookup, ReplayCache, ReplayCacheConfig};
+use crate::store::Invalidations;
 use crate::store::{Observed, Observer, StoreOperation};
 use crate::{
     Fingerprint, IdempotencyKey, Scope, Store, StoreError, UnixMillis,

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use idem_core::replay_cache::Invalidations;
+use idem_core::store::Invalidations;
 use idem_core::store::{RecordDigest, RecordId};
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;

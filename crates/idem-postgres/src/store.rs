@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
-use idem_core::replay_cache::Invalidations;
+use idem_core::store::Invalidations;
 use idem_core::store::backend::{
     Existing, ReplayCounts, claim_purge_at, claim_state, ran_in_transaction, wait_for_change,
 };

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idem_core::replay_cache::Invalidations;
+use idem_core::store::Invalidations;
 use idem_core::store::backend::{ReplayCounts, abandoned_purge_at, claim_purge_at, wait_for_change};
 use idem_core::{
     Store, StoreError, UnixMillis,

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
-use idem_core::replay_cache::Invalidations;
+use idem_core::store::Invalidations;
 use idem_core::store::RecordDigest;
 use rusqlite::{Connection, OptionalExtension, Transaction};
 

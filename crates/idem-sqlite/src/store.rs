@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idem_core::replay_cache::Invalidations;
+use idem_core::store::Invalidations;
 use idem_core::store::backend::{
     Existing, IN_FLIGHT, ReplayCounts, claim_purge_at, claim_state, ran_in_transaction, wait_for_change,
 };

@@ -483,7 +483,7 @@ impl Store for Unreachable {
     async fn clock(&self) -> Result<UnixMillis, StoreError> {
         Err(down())
     }
-    fn invalidations(&self) -> Option<std::sync::Arc<idem_core::replay_cache::Invalidations>> {
+    fn invalidations(&self) -> Option<std::sync::Arc<idem_core::store::Invalidations>> {
         None
     }
     fn count_replay(&self, _: &RecordId) {}
@@ -662,7 +662,7 @@ impl Store for Held {
     async fn clock(&self) -> Result<UnixMillis, StoreError> {
         self.store.clock().await
     }
-    fn invalidations(&self) -> Option<std::sync::Arc<idem_core::replay_cache::Invalidations>> {
+    fn invalidations(&self) -> Option<std::sync::Arc<idem_core::store::Invalidations>> {
         self.store.invalidations()
     }
     fn count_replay(&self, id: &RecordId) {

@@ -3,10 +3,12 @@
 
 pub mod backend;
 pub mod clock;
+pub mod invalidations;
 mod observed;
 pub(crate) mod replay_counts;
 
 pub use clock::{RESYNC_EVERY, StoreClock};
+pub use invalidations::{Invalidations, RecordDigest};
 pub use observed::{Observed, Observer, StoreOperation};
 
 use std::error::Error as StdError;
@@ -19,7 +21,6 @@ use rand::RngCore;
 
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
-use crate::replay_cache::Invalidations;
 use crate::scope::{Scope, hex};
 use crate::time::UnixMillis;
 
@@ -31,10 +32,6 @@ pub struct RecordId {
     /// The caller's idempotency key.
     pub key: IdempotencyKey,
 }
-
-/// A short digest of a [`RecordId`] ([`RecordId::digest`]): what stores' notifications name a record
-/// by, and what the replay cache keys it by.
-pub type RecordDigest = [u8; 16];
 
 impl RecordId {
     /// The first 16 bytes of a SHA-256 of the scope (length-prefixed) and the key: short, stable

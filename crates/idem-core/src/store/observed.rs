@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 
-use crate::replay_cache::Invalidations;
+use crate::store::Invalidations;
 use crate::store::{
     Begin, BeginRequest, Checkpoint, ClaimState, Completion, FencingToken, Purged, Record, RecordId, Release,
     ScopeSalt, Store, StoreError, WaitOutcome,
