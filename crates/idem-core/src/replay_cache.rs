@@ -139,10 +139,12 @@ pub(crate) struct Generation(u64);
 
 #[derive(Default)]
 struct Entries {
-    map: HashMap<RecordDigest, Entry>,
-    /// Insertion order, for eviction: each item names an entry by digest and serial; one whose
-    /// entry was replaced or removed since is skipped.
-    order: VecDeque<(RecordDigest, u64)>,
+    /// By record: a look-up hashes the id, as any map key; the digest a delete is announced by
+    /// is computed once, when an entry is kept.
+    map: HashMap<RecordId, Entry>,
+    /// Insertion order, for eviction: each item names an entry by id and serial; one whose entry
+    /// was replaced or removed since is skipped.
+    order: VecDeque<(RecordId, u64)>,
     bytes: usize,
     serial: u64,
     generation: u64,
@@ -150,6 +152,8 @@ struct Entries {
 
 struct Entry {
     record: Arc<Record>,
+    /// [`RecordId::digest`] of the record: what its delete is announced by.
+    digest: RecordDigest,
     kept_at: Instant,
     size: usize,
     serial: u64,
@@ -217,7 +221,7 @@ impl ReplayCache {
 
     /// The completed record of `id`, if kept, not past its `expires_at` at `now` and younger
     /// than `max_age`.
-    pub(crate) fn lookup(self: &Arc<Self>, digest: &RecordDigest, id: &RecordId, now: UnixMillis) -> Lookup {
+    pub(crate) fn lookup(self: &Arc<Self>, id: &RecordId, now: UnixMillis) -> Lookup {
         self.start_heartbeat();
         if self.heartbeat.stalled() {
             // What is read from the store from now on was read after the stall.
@@ -229,22 +233,21 @@ impl ReplayCache {
         if !self.invalidations.is_listening() {
             return Lookup::Miss(generation);
         }
-        let Some(entry) = entries.map.get(digest) else {
+        let Some(entry) = entries.map.get(id) else {
             return Lookup::Miss(generation);
         };
-        let usable = entry.record.id == *id
-            && entry.kept_at.elapsed() < self.config.max_age
+        let usable = entry.kept_at.elapsed() < self.config.max_age
             && matches!(entry.record.state, RecordState::Completed { expires_at, .. } if now < expires_at);
         if usable {
             return Lookup::Hit(Arc::clone(&entry.record));
         }
-        entries.remove(digest);
+        entries.remove(id);
         Lookup::Miss(generation)
     }
 
     /// Keeps `record` if it is a completed answer not past its `expires_at` at `now`, no
     /// invalidation came since `generation`, and the channel is up.
-    pub(crate) fn keep(&self, digest: RecordDigest, record: &Record, now: UnixMillis, generation: Generation) {
+    pub(crate) fn keep(&self, record: &Record, now: UnixMillis, generation: Generation) {
         let RecordState::Completed {
             response: Some(response),
             expires_at,
@@ -264,11 +267,12 @@ impl ReplayCache {
         if size > self.config.bytes / 8 {
             return;
         }
+        let (record, digest) = (Arc::new(record.clone()), record.id.digest());
         let mut entries = self.lock();
         if entries.generation != generation.0 || !self.invalidations.is_listening() {
             return;
         }
-        entries.insert(digest, Arc::new(record.clone()), size, &self.config);
+        entries.insert(record, digest, size, &self.config);
     }
 
     fn clear(&self) {
@@ -287,10 +291,17 @@ impl ReplayCache {
 }
 
 impl Invalidated for ReplayCache {
+    /// A scan of the entries: deletes are rare, look-ups are every request.
     fn forget(&self, digest: &RecordDigest) {
         let mut entries = self.lock();
         entries.generation += 1;
-        entries.remove(digest);
+        let deleted = entries
+            .map
+            .iter()
+            .find_map(|(id, entry)| (entry.digest == *digest).then(|| id.clone()));
+        if let Some(id) = deleted {
+            entries.remove(&id);
+        }
     }
 
     fn forget_all(&self) {
@@ -298,26 +309,28 @@ impl Invalidated for ReplayCache {
     }
 }
 
-/// What an entry costs besides its bytes: the map's slot, the record's fixed fields, the order's
-/// item.
+/// What an entry costs besides its bytes: the map's slot and key, the record's fixed fields, the
+/// order's item.
 const ENTRY_OVERHEAD: usize = 256;
 
 impl Entries {
-    fn insert(&mut self, digest: RecordDigest, record: Arc<Record>, size: usize, config: &ReplayCacheConfig) {
+    fn insert(&mut self, record: Arc<Record>, digest: RecordDigest, size: usize, config: &ReplayCacheConfig) {
         self.serial += 1;
         let serial = self.serial;
-        self.remove(&digest);
+        let id = record.id.clone();
+        self.remove(&id);
+        self.order.push_back((id.clone(), serial));
         self.map.insert(
-            digest,
+            id,
             Entry {
                 record,
+                digest,
                 kept_at: Instant::now(),
                 size,
                 serial,
             },
         );
         self.bytes += size;
-        self.order.push_back((digest, serial));
         while self.map.len() > config.entries || self.bytes > config.bytes {
             let Some((oldest, serial)) = self.order.pop_front() else {
                 break;
@@ -331,12 +344,12 @@ impl Entries {
         if self.order.len() > 2 * self.map.len() + 64 {
             let map = &self.map;
             self.order
-                .retain(|(digest, serial)| map.get(digest).is_some_and(|entry| entry.serial == *serial));
+                .retain(|(id, serial)| map.get(id).is_some_and(|entry| entry.serial == *serial));
         }
     }
 
-    fn remove(&mut self, digest: &RecordDigest) {
-        if let Some(entry) = self.map.remove(digest) {
+    fn remove(&mut self, id: &RecordId) {
+        if let Some(entry) = self.map.remove(id) {
             self.bytes -= entry.size;
         }
     }
@@ -398,16 +411,15 @@ mod tests {
     }
 
     fn keep(cache: &Arc<ReplayCache>, record: &Record, now: u64) {
-        let digest = record.id.digest();
-        let Lookup::Miss(generation) = cache.lookup(&digest, &record.id, UnixMillis(now)) else {
+        let Lookup::Miss(generation) = cache.lookup(&record.id, UnixMillis(now)) else {
             panic!("expected a miss");
         };
-        cache.keep(digest, record, UnixMillis(now), generation);
+        cache.keep(record, UnixMillis(now), generation);
     }
 
     fn hit(cache: &Arc<ReplayCache>, key: &str, now: u64) -> bool {
         let id = id(key);
-        matches!(cache.lookup(&id.digest(), &id, UnixMillis(now)), Lookup::Hit(_))
+        matches!(cache.lookup(&id, UnixMillis(now)), Lookup::Hit(_))
     }
 
     #[test]
@@ -492,11 +504,11 @@ mod tests {
 
         // A read that started before a delete reached this instance.
         let record = completed("c", 10, 1_000);
-        let Lookup::Miss(generation) = cache.lookup(&record.id.digest(), &record.id, UnixMillis(10)) else {
+        let Lookup::Miss(generation) = cache.lookup(&record.id, UnixMillis(10)) else {
             panic!("expected a miss");
         };
         invalidations.deleted(&id("someone-else").digest());
-        cache.keep(record.id.digest(), &record, UnixMillis(10), generation);
+        cache.keep(&record, UnixMillis(10), generation);
         assert!(!hit(&cache, "c", 10), "kept after an invalidation it may have missed");
 
         invalidations.lost();

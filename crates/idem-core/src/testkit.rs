@@ -1418,13 +1418,12 @@ async fn cache_an_answer(
         .complete(id, token, completion(answer, now, ttl, 7 * DAY))
         .await
         .expect("complete");
-    let digest = id.digest();
-    let Lookup::Miss(generation) = cache.lookup(&digest, id, now) else {
+    let Lookup::Miss(generation) = cache.lookup(id, now) else {
         panic!("not kept yet");
     };
     let record = existing(begin(here, id, &fp, now).await.0);
-    cache.keep(digest, &record, now, generation);
-    match cache.lookup(&digest, id, now) {
+    cache.keep(&record, now, generation);
+    match cache.lookup(id, now) {
         Lookup::Hit(cached) => assert_eq!(stored_response(&cached).as_deref(), Some(answer)),
         Lookup::Miss(_) => panic!("the completed answer read from the store is kept"),
     }
@@ -1439,7 +1438,6 @@ pub async fn replay_cache_forgets_what_any_instance_deletes(h: &impl Harness) {
     let (cache, _) = listening_cache(&*here).await;
     let (id, fp, now) = (fresh_id(), fingerprint("a"), UnixMillis::now());
     cache_an_answer(&cache, (&*here, &*there), &id, (now, DAY), b"answer").await;
-    let digest = id.digest();
 
     // Replays answered from the cache are counted in the store, as the one `begin` answered.
     here.count_replay(&id);
@@ -1456,14 +1454,11 @@ pub async fn replay_cache_forgets_what_any_instance_deletes(h: &impl Harness) {
     let (short, short_now, ttl) = (fresh_id(), UnixMillis::now(), Duration::from_secs(60));
     cache_an_answer(&cache, (&*here, &*there), &short, (short_now, ttl), b"short").await;
     assert!(matches!(
-        cache.lookup(&short.digest(), &short, short_now.plus(ttl - Duration::from_millis(1))),
+        cache.lookup(&short, short_now.plus(ttl - Duration::from_millis(1))),
         Lookup::Hit(_)
     ));
     assert!(
-        matches!(
-            cache.lookup(&short.digest(), &short, short_now.plus(ttl)),
-            Lookup::Miss(_)
-        ),
+        matches!(cache.lookup(&short, short_now.plus(ttl)), Lookup::Miss(_)),
         "at its expires_at the answer is the store's to give"
     );
 
@@ -1475,7 +1470,7 @@ pub async fn replay_cache_forgets_what_any_instance_deletes(h: &impl Harness) {
     eventually(
         DELETE_REACHES_CACHES_WITHIN,
         "the delete reaches the other instance's cache",
-        || matches!(cache.lookup(&digest, &id, now), Lookup::Miss(_)),
+        || matches!(cache.lookup(&id, now), Lookup::Miss(_)),
     )
     .await;
     assert!(
@@ -1499,7 +1494,6 @@ where
     let (cache, invalidations) = listening_cache(&*here).await;
     let (id, now) = (fresh_id(), UnixMillis::now());
     cache_an_answer(&cache, (&*here, &*there), &id, (now, DAY), b"answer").await;
-    let digest = id.digest();
 
     let resumptions = invalidations.resumptions();
     cut.await;
@@ -1511,7 +1505,7 @@ where
     })
     .await;
     assert!(
-        matches!(cache.lookup(&digest, &id, now), Lookup::Miss(_)),
+        matches!(cache.lookup(&id, now), Lookup::Miss(_)),
         "the deleted answer survived the channel's outage in the cache"
     );
     // And the cache works again.

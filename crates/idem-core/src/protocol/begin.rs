@@ -16,9 +16,7 @@ use crate::metric_names;
 use crate::problem::{Problem, ProblemKind};
 use crate::replay_cache::{Generation, Lookup, ReplayCache};
 use crate::scope::{Caller, Scope, hex};
-use crate::store::{
-    Begin, BeginRequest, FencingToken, Record, RecordDigest, RecordId, RecordState, Release, Store, StoreError,
-};
+use crate::store::{Begin, BeginRequest, FencingToken, Record, RecordId, RecordState, Release, Store, StoreError};
 use crate::time::UnixMillis;
 
 impl Protocol {
@@ -87,8 +85,8 @@ impl Protocol {
                 }
                 Ok(Begin::Existing(record)) => record,
             };
-            if let Some((cache, digest, generation)) = cached {
-                cache.keep(digest, &record, now, generation);
+            if let Some((cache, generation)) = cached {
+                cache.keep(&record, now, generation);
             }
             let (holder, lease_until) = match judge(
                 &record,
@@ -138,10 +136,9 @@ impl Protocol {
         let Some(cache) = self.inner.replay_cache.as_ref() else {
             return Err(None);
         };
-        let digest = id.digest();
-        let record = match cache.lookup(&digest, id, now) {
+        let record = match cache.lookup(id, now) {
             Lookup::Hit(record) => record,
-            Lookup::Miss(generation) => return Err(Some((&**cache, digest, generation))),
+            Lookup::Miss(generation) => return Err(Some((&**cache, generation))),
         };
         // Judged as the store's record would be: a completed, unexpired record is answered
         // (replayed, or refused for another body), never waited on.
@@ -328,9 +325,9 @@ impl Protocol {
     }
 }
 
-/// Where to keep what the store says of a record the replay cache did not answer: the cache, the
-/// record's digest and the cache's generation before the store was asked (`None`: no cache).
-type ToKeep<'c> = Option<(&'c ReplayCache, RecordDigest, Generation)>;
+/// Where to keep what the store says of a record the replay cache did not answer: the cache and its
+/// generation before the store was asked (`None`: no cache).
+type ToKeep<'c> = Option<(&'c ReplayCache, Generation)>;
 
 /// The tokens a claim requested with `token` may hold: the one for its kind of run, or, if it is
 /// not known whether the claim was made or recovered (`None`), each that it could be.
