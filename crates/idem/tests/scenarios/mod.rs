@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use crate::common::{Gateway, Upstream, count, describe, new_key, run_idem, send, try_send, wait_for_count};
+use crate::common::{Gateway, Reply, Upstream, count, describe, new_key, run_idem, send, try_send, wait_for_count};
 
 /// `copies` simultaneous copies of one keyed request, spread round-robin over `instances`
 /// gateways sharing `store`: the upstream runs once and every client gets the same 2xx body.
@@ -411,18 +411,25 @@ async fn cache_answers(gateway: &Gateway) -> u64 {
         .map_or(0, |count| count.trim().parse().expect("a count"))
 }
 
-/// Two gateways, each with its replay cache (on by default): replays of a key are answered on both
-/// from memory (their `/metrics` say so) with the answer the upstream gave once, and a copy with
-/// another body is refused `422` there too. An operator's `idem delete` (another process) reaches
-/// both caches: within the bound the next request runs again at the upstream, and both gateways
-/// then replay the new answer, never the old one.
-pub(crate) async fn a_delete_reaches_every_gateways_replay_cache(store: &str) {
+/// An upstream, two gateways on `store` in front of it, and a key paid through the first: its
+/// `201`.
+async fn paid_through_one_of_two_gateways(store: &str) -> (Upstream, Gateway, Gateway, String, Reply) {
     let upstream = Upstream::start().await;
     let a = Gateway::start_on_store(&upstream.url(), store, &[]).await;
     let b = Gateway::start_on_store(&upstream.url(), store, &[]).await;
     let key = new_key();
     let first = send(pay(&a, &key)).await;
     assert_eq!(first.status, 201, "{first}");
+    (upstream, a, b, key, first)
+}
+
+/// Two gateways, each with its replay cache (on by default): replays of a key are answered on both
+/// from memory (their `/metrics` say so) with the answer the upstream gave once, and a copy with
+/// another body is refused `422` there too. An operator's `idem delete` (another process) reaches
+/// both caches: within the bound the next request runs again at the upstream, and both gateways
+/// then replay the new answer, never the old one.
+pub(crate) async fn a_delete_reaches_every_gateways_replay_cache(store: &str) {
+    let (upstream, a, b, key, first) = paid_through_one_of_two_gateways(store).await;
     for gateway in [&a, &b] {
         for _ in 0..5 {
             let replay = send(pay(gateway, &key)).await;
@@ -517,12 +524,7 @@ fn signal(pid: u32, signal: &str) {
 /// behind them (or its next read of the SQLite file is due). The key runs once more, and every
 /// copy gets that run's answer.
 pub(crate) async fn a_stopped_gateway_forgets_what_was_deleted_while_it_slept(store: &str) {
-    let upstream = Upstream::start().await;
-    let a = Gateway::start_on_store(&upstream.url(), store, &[]).await;
-    let b = Gateway::start_on_store(&upstream.url(), store, &[]).await;
-    let key = new_key();
-    let first = send(pay(&a, &key)).await;
-    assert_eq!(first.status, 201, "{first}");
+    let (upstream, _a, b, key, first) = paid_through_one_of_two_gateways(store).await;
     for _ in 0..3 {
         let replay = send(pay(&b, &key)).await;
         assert!(replay.replayed() && replay.body == first.body, "{replay}");
