@@ -7,7 +7,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError, Weak};
 use std::time::Duration;
 
 /// A short digest of a record's id ([`RecordId::digest`](crate::store::RecordId::digest)): what
-/// stores' notifications name a record by, and what the replay cache keys it by.
+/// stores' notifications name a record by, by which a replay cache finds the entry to forget.
 pub type RecordDigest = [u8; 16];
 
 /// What hears of deletes: a replay cache.
