@@ -67,6 +67,7 @@ mod scope;
 pub mod seal;
 #[cfg(feature = "server")]
 pub mod store;
+pub mod trace_context;
 
 #[cfg(feature = "testkit")]
 pub mod testkit;

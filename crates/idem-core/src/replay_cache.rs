@@ -372,6 +372,7 @@ mod tests {
     use http::{HeaderMap, Method};
 
     use super::*;
+    use crate::store::Origin;
     use crate::{Fingerprint, IdempotencyKey, Scope};
 
     fn id(key: &str) -> RecordId {
@@ -393,6 +394,9 @@ mod tests {
                 expires_at: UnixMillis(expires_at),
                 purge_at: UnixMillis(expires_at * 2),
             },
+            origin: Origin::default(),
+            recovered: false,
+            status: None,
         }
     }
 

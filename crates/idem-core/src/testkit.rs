@@ -17,8 +17,8 @@ use crate::store::{Observed, Observer, StoreOperation};
 use crate::{
     Fingerprint, IdempotencyKey, Scope, Store, StoreError, UnixMillis,
     store::{
-        Begin, BeginRequest, Checkpoint, ClaimState, Completion, FencingToken, Record, RecordId, RecordState, Release,
-        ScopeSalt, WaitOutcome,
+        Begin, BeginRequest, Checkpoint, ClaimState, Completion, FencingToken, ListQuery, Listed, ListedState, Origin,
+        Record, RecordId, RecordState, Release, ScopeSalt, WaitOutcome,
     },
 };
 
@@ -73,7 +73,14 @@ pub fn claim<'a>(id: &'a RecordId, fp: &'a Fingerprint, now: UnixMillis, token: 
         expires_at: now.plus(DAY),
         purge_at: now.plus(7 * DAY),
         token,
+        origin: origin(),
     }
+}
+
+/// The origin the suite's claims carry: `POST /payments`, no trace.
+pub fn origin() -> &'static Origin {
+    static ORIGIN: std::sync::LazyLock<Origin> = std::sync::LazyLock::new(|| Origin::new("POST", "/payments", None));
+    &ORIGIN
 }
 
 /// An unknown outcome released at `now`, with a ttl of a day and a tombstone of a week.
@@ -100,6 +107,7 @@ pub async fn acquire(store: &dyn Store, id: &RecordId, fp: &Fingerprint, now: Un
 pub fn completion(body: &[u8], at: UnixMillis, ttl: Duration, tombstone: Duration) -> Completion {
     Completion {
         response: Bytes::copy_from_slice(body),
+        status: 201,
         completed_at: at,
         expires_at: at.plus(ttl),
         purge_at: at.plus(tombstone),
@@ -710,6 +718,7 @@ pub async fn delete_frees_the_key_in_every_state(h: &impl Harness) {
     let written = UnixMillis::now();
     let expired = Completion {
         response: Bytes::from_static(b"old answer"),
+        status: 201,
         completed_at: written.minus(Duration::from_secs(2)),
         expires_at: written.minus(Duration::from_secs(1)),
         purge_at: written.plus(DAY),
@@ -1372,6 +1381,259 @@ pub async fn scope_salt_tells_how_long_older_records_live(h: &impl Harness) {
     );
 }
 
+/// A record keeps what it is about: the request's method and path and the trace id of its latest
+/// run (a takeover's own), whether that run was recovered, and its answer's status; `get` and
+/// `list` both show them.
+pub async fn a_record_keeps_its_origin_status_and_recovery(h: &impl Harness) {
+    let store = h.open().await;
+    let (id, fp, now) = (fresh_id(), fingerprint("a"), UnixMillis::now());
+    let first = Origin::new("POST", "/payments/pay_1", Some(trace_id(1)));
+    let token = FencingToken::random();
+    let begun = store
+        .begin(BeginRequest {
+            origin: &first,
+            ..claim(&id, &fp, now, token)
+        })
+        .await
+        .expect("begin");
+    assert!(matches!(begun, Begin::Acquired { recovered: false }), "{begun:?}");
+    let record = store.get(&id).await.expect("get").expect("the claim");
+    assert_eq!((&record.origin, record.recovered, record.status), (&first, false, None));
+    store.release(&id, token, unknown_at(now)).await.expect("release");
+
+    // The same request again, in another trace: taken over, recovered; the record now names the
+    // run that answers.
+    let retry = Origin::new("POST", "/payments/pay_1", Some(trace_id(2)));
+    let token = FencingToken::random();
+    let later = now.plus(Duration::from_secs(1));
+    let begun = store
+        .begin(BeginRequest {
+            origin: &retry,
+            ..claim(&id, &fp, later, token)
+        })
+        .await
+        .expect("begin");
+    assert!(matches!(begun, Begin::Acquired { recovered: true }), "{begun:?}");
+    let declined = Completion {
+        status: 402,
+        ..completion(b"declined", later, DAY, 7 * DAY)
+    };
+    store.complete(&id, token, declined).await.expect("complete");
+    let record = store.get(&id).await.expect("get").expect("the record");
+    assert_eq!(record.origin, retry, "the trace of the run that answered");
+    assert!(record.recovered, "the answering run was recovered");
+    assert_eq!(record.status, Some(402));
+    assert_eq!(
+        record.created_at, now,
+        "a takeover keeps when the key was first claimed"
+    );
+    let listed = store
+        .list(&ListQuery {
+            path: Some("/payments/pay_1".into()),
+            recovered: true,
+            ..ListQuery::all(later, 1000)
+        })
+        .await
+        .expect("list");
+    let mine: Vec<_> = listed.iter().filter(|listed| listed.id == id).collect();
+    assert_eq!(mine.len(), 1, "{listed:?}");
+    assert_eq!(
+        (
+            mine[0].state,
+            &mine[0].origin,
+            mine[0].status,
+            mine[0].recovered,
+            mine[0].created_at
+        ),
+        (ListedState::Completed, &retry, Some(402), true, now)
+    );
+
+    // A record whose request carried no trace keeps none; its run was not recovered.
+    let plain = fresh_id();
+    let token = acquire(&*store, &plain, &fp, now).await;
+    store
+        .complete(&plain, token, completion(b"ok", now, DAY, 7 * DAY))
+        .await
+        .expect("complete");
+    let record = store.get(&plain).await.expect("get").expect("the record");
+    assert_eq!(
+        (&record.origin, record.recovered, record.status),
+        (origin(), false, Some(201))
+    );
+}
+
+/// `list` answers an operator's questions about the records under one path: by state, judged at
+/// the query's `now` (a tombstone is an answer past its `expires_at`), by recovery, by creation
+/// time, newest first, at most `limit`; a path filter takes the path and what lies below it only.
+pub async fn lists_records_by_state_time_path_and_recovery(h: &impl Harness) {
+    let store = h.open().await;
+    let route = format!("/list-{}", uuid::Uuid::new_v4());
+    let fp = fingerprint("a");
+    let base = UnixMillis::now();
+    let at = |ms: u64| base.plus(Duration::from_millis(ms));
+    let origin_of = |name: &str| Origin::new("POST", &format!("{route}/{name}"), Some(trace_id(7)));
+    let claim_as = |id: &RecordId, name: &str, now: UnixMillis| {
+        let (store, id, origin, fp) = (store.clone(), id.clone(), origin_of(name), fp.clone());
+        async move {
+            let token = FencingToken::random();
+            let begun = store
+                .begin(BeginRequest {
+                    origin: &origin,
+                    ..claim(&id, &fp, now, token)
+                })
+                .await
+                .expect("begin");
+            (begun, token)
+        }
+    };
+    let [in_flight, completed, unknown, tombstone, recovered, outside] = std::array::from_fn(|_| fresh_id());
+    claim_as(&in_flight, "in-flight", at(0)).await;
+    let (_, token) = claim_as(&completed, "completed", at(1)).await;
+    store
+        .complete(&completed, token, completion(b"ok", at(1), DAY, 7 * DAY))
+        .await
+        .expect("complete");
+    let (_, token) = claim_as(&unknown, "unknown", at(2)).await;
+    store
+        .release(&unknown, token, unknown_at(at(2)))
+        .await
+        .expect("release");
+    let (_, token) = claim_as(&tombstone, "tombstone", at(3)).await;
+    let short = Completion {
+        expires_at: at(5),
+        ..completion(b"old", at(3), DAY, 7 * DAY)
+    };
+    store.complete(&tombstone, token, short).await.expect("complete");
+    let (_, token) = claim_as(&recovered, "recovered", at(4)).await;
+    store
+        .release(&recovered, token, unknown_at(at(4)))
+        .await
+        .expect("release");
+    let (begun, token) = claim_as(&recovered, "recovered", at(5)).await;
+    assert!(matches!(begun, Begin::Acquired { recovered: true }), "{begun:?}");
+    store
+        .complete(&recovered, token, completion(b"ok", at(5), DAY, 7 * DAY))
+        .await
+        .expect("complete");
+    // Its path starts like the route's, but is not under it.
+    let stranger = Origin::new("POST", &format!("{route}-old/x"), None);
+    store
+        .begin(BeginRequest {
+            origin: &stranger,
+            ..claim(&outside, &fp, at(6), FencingToken::random())
+        })
+        .await
+        .expect("begin");
+
+    let now = at(10);
+    let query = ListQuery {
+        path: Some(route.clone()),
+        ..ListQuery::all(now, 1000)
+    };
+    let ids = |listed: Vec<Listed>| listed.into_iter().map(|listed| listed.id).collect::<Vec<_>>();
+    let list = |query: ListQuery| {
+        let store = store.clone();
+        async move { ids(store.list(&query).await.expect("list")) }
+    };
+    let everything = store.list(&query).await.expect("list");
+    assert_eq!(
+        everything
+            .iter()
+            .map(|listed| (listed.id.clone(), listed.state))
+            .collect::<Vec<_>>(),
+        [
+            (recovered.clone(), ListedState::Completed),
+            (tombstone.clone(), ListedState::Tombstone),
+            (unknown.clone(), ListedState::Unknown),
+            (completed.clone(), ListedState::Completed),
+            (in_flight.clone(), ListedState::InFlight),
+        ],
+        "every record under {route}, newest first, judged at the query's now"
+    );
+    let first = &everything[0];
+    assert_eq!(
+        (first.origin.method.as_str(), first.origin.trace_id),
+        ("POST", Some(trace_id(7)))
+    );
+    assert_eq!((first.status, first.recovered), (Some(201), true));
+    assert_eq!(everything[4].status, None, "no answer yet");
+    for (state, expected) in [
+        (ListedState::InFlight, vec![in_flight.clone()]),
+        (ListedState::Unknown, vec![unknown.clone()]),
+        (ListedState::Completed, vec![recovered.clone(), completed.clone()]),
+        (ListedState::Tombstone, vec![tombstone.clone()]),
+    ] {
+        assert_eq!(
+            list(ListQuery {
+                state: Some(state),
+                ..query.clone()
+            })
+            .await,
+            expected,
+            "{state}"
+        );
+    }
+    assert_eq!(
+        list(ListQuery {
+            recovered: true,
+            ..query.clone()
+        })
+        .await,
+        [recovered.clone()]
+    );
+    assert_eq!(
+        list(ListQuery {
+            since: Some(at(2)),
+            ..query.clone()
+        })
+        .await,
+        [recovered.clone(), tombstone.clone(), unknown.clone()]
+    );
+    assert_eq!(
+        list(ListQuery {
+            limit: 2,
+            ..query.clone()
+        })
+        .await,
+        [recovered.clone(), tombstone.clone()]
+    );
+    assert_eq!(
+        list(ListQuery {
+            path: Some(format!("{route}/unknown")),
+            ..query.clone()
+        })
+        .await,
+        [unknown.clone()]
+    );
+    assert_eq!(
+        list(ListQuery {
+            path: Some(format!("{route}-old")),
+            ..query.clone()
+        })
+        .await,
+        [outside.clone()]
+    );
+    // The same records a day later, on the store's clock: every answer and unknown outcome is past
+    // its ttl.
+    let later = ListQuery {
+        now: base.plus(DAY + Duration::from_secs(1)),
+        ..query.clone()
+    };
+    assert_eq!(
+        list(ListQuery {
+            state: Some(ListedState::Tombstone),
+            ..later
+        })
+        .await,
+        [recovered, tombstone, unknown, completed]
+    );
+}
+
+/// A trace id made of `n`.
+fn trace_id(n: u8) -> crate::trace_context::TraceId {
+    crate::trace_context::TraceId::from_bytes([n; 16]).expect("not all zero")
+}
+
 /// Polls `condition` every 10 ms until it holds; panics with `what` if it does not within `limit`.
 pub async fn eventually(limit: Duration, what: &str, mut condition: impl FnMut() -> bool) {
     let deadline = tokio::time::Instant::now() + limit;
@@ -1548,7 +1810,8 @@ macro_rules! conformance_tests {
             a_new_claim_never_sees_old_checkpoints, scope_salt_is_one_per_store,
             scope_salt_tells_how_long_older_records_live, claim_state_follows_the_claim,
             an_in_transaction_claim_that_died_is_taken_over_unflagged,
-            replay_cache_forgets_what_any_instance_deletes }
+            replay_cache_forgets_what_any_instance_deletes, a_record_keeps_its_origin_status_and_recovery,
+            lists_records_by_state_time_path_and_recovery }
     };
     (@cases $harness:expr; $($case:ident),* $(,)?) => {
         $(

@@ -12,6 +12,8 @@ use crate::key::{IdempotencyKey, KeyError};
 use crate::policy::{AnonymousPolicy, MissingKeyPolicy};
 use crate::problem::{Problem, ProblemKind};
 use crate::scope::{Caller, Scope, ScopeSource};
+use crate::store::Origin;
+use crate::trace_context::TraceId;
 
 /// How a request enters the protocol.
 #[derive(Debug)]
@@ -34,6 +36,8 @@ pub struct Keyed {
     pub(super) key: KeySource,
     /// What this request's client accepts: a replay is decoded for it when needed.
     pub(super) accept: AcceptEncoding,
+    /// What the record keeps about the request.
+    pub(super) origin: Origin,
 }
 
 #[derive(Debug, Clone)]
@@ -44,6 +48,11 @@ pub(super) enum KeySource {
 }
 
 impl Keyed {
+    /// What the record keeps about this request: its method, path and trace id.
+    pub fn origin(&self) -> &Origin {
+        &self.origin
+    }
+
     /// The caller's scope, if known before [`Protocol::begin`]: a credential's is hashed there,
     /// with the store's salt.
     pub fn scope(&self) -> Option<&Scope> {
@@ -110,6 +119,11 @@ impl Protocol {
             caller,
             key,
             accept: AcceptEncoding::from_headers(&parts.headers),
+            origin: Origin::new(
+                parts.method.as_str(),
+                parts.uri.path(),
+                TraceId::from_headers(&parts.headers),
+            ),
         })
     }
 

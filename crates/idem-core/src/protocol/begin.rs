@@ -16,7 +16,9 @@ use crate::metric_names;
 use crate::problem::{Problem, ProblemKind};
 use crate::replay_cache::{Generation, Lookup, ReplayCache};
 use crate::scope::{Caller, Scope, hex};
-use crate::store::{Begin, BeginRequest, FencingToken, Record, RecordId, RecordState, Release, Store, StoreError};
+use crate::store::{
+    Begin, BeginRequest, FencingToken, Origin, Record, RecordId, RecordState, Release, Store, StoreError,
+};
 use crate::time::UnixMillis;
 
 impl Protocol {
@@ -36,6 +38,7 @@ impl Protocol {
                 )
             }
         };
+        let origin = keyed.origin;
         let (scope, mut earlier) = match self.scope_of(keyed.caller).await {
             Ok(scopes) => scopes,
             Err(err) => {
@@ -64,7 +67,10 @@ impl Protocol {
                 Err(generation) => generation,
             };
             let token = self.new_token();
-            let record = match self.claim_or_read(&id, fingerprint, now, token, provisional).await {
+            let record = match self
+                .claim_or_read(&id, fingerprint, &origin, now, token, provisional)
+                .await
+            {
                 Err(err) => return self.store_failed(&err, id),
                 // A key new in this scope may have been run under the caller's scope of before a
                 // change of hashing: decided on that record if there is one.
@@ -269,12 +275,13 @@ impl Protocol {
         &self,
         id: &RecordId,
         fingerprint: &Fingerprint,
+        origin: &Origin,
         now: UnixMillis,
         token: FencingToken,
         provisional: Option<Duration>,
     ) -> Result<Begin, StoreError> {
         let store = self.inner.store.clone();
-        let (owned_id, owned_fingerprint) = (id.clone(), fingerprint.clone());
+        let (owned_id, owned_fingerprint, owned_origin) = (id.clone(), fingerprint.clone(), origin.clone());
         let lease_until = now.plus(self.inner.policy.lease);
         let (expires_at, purge_at) = self.inner.policy.retention(now, provisional);
         // Owned, so that it can be left to finish in the background if the store is too slow;
@@ -288,6 +295,7 @@ impl Protocol {
                 expires_at,
                 purge_at,
                 token,
+                origin: &owned_origin,
             };
             let begun = store.begin(request).await;
             (begun, owned_id, store)

@@ -137,6 +137,7 @@ impl InTransaction {
         let (expires_at, purge_at) = policy.retention(now, self.claim.provisional());
         Ok(Completion {
             response: stored,
+            status: response.status().as_u16(),
             completed_at: now,
             expires_at,
             purge_at,

@@ -112,7 +112,7 @@ mod tests {
     use crate::key::IdempotencyKey;
     use crate::response::{HeaderAllowList, StoredResponse};
     use crate::scope::Scope;
-    use crate::store::RecordId;
+    use crate::store::{Origin, RecordId};
 
     const NOW: i64 = 10_000_000;
     const CREATED: i64 = 1_000;
@@ -150,6 +150,9 @@ mod tests {
             created_at: at(CREATED),
             replays: 0,
             state,
+            origin: Origin::default(),
+            recovered: false,
+            status: None,
         }
     }
 

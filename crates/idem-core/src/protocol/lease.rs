@@ -38,6 +38,7 @@ pub struct RunTimedOut;
 pub struct PendingAnswer {
     protocol: Protocol,
     claim: Claim,
+    status: u16,
     response: Bytes,
     _held: Held,
 }
@@ -160,7 +161,8 @@ impl Protocol {
         body: Option<Bytes>,
     ) -> Result<(), Unstored> {
         let response = self.capture(claim.id(), head, body);
-        match self.complete(claim, response.clone()).await {
+        let status = head.status.as_u16();
+        match self.complete(claim, status, response.clone()).await {
             Ok(()) => Ok(()),
             Err(err @ (StoreError::Fenced | StoreError::Corrupt(_))) => Err(Unstored::Lost(err)),
             Err(err) => match self.inner().pending.hold(response.len()) {
@@ -169,6 +171,7 @@ impl Protocol {
                     Err(Unstored::Pending(PendingAnswer {
                         protocol: self.clone(),
                         claim: claim.clone(),
+                        status,
                         response,
                         _held: held,
                     }))
@@ -186,11 +189,12 @@ impl Protocol {
         self.inner().pending.answers()
     }
 
-    async fn complete(&self, claim: &Claim, response: Bytes) -> Result<(), StoreError> {
+    async fn complete(&self, claim: &Claim, status: u16, response: Bytes) -> Result<(), StoreError> {
         let now = self.now();
         let (expires_at, purge_at) = self.policy().retention(now, claim.provisional());
         let completion = Completion {
             response,
+            status,
             completed_at: now,
             expires_at,
             purge_at,
@@ -219,6 +223,7 @@ impl PendingAnswer {
         let Self {
             protocol,
             claim,
+            status,
             response,
             _held,
         } = self;
@@ -226,7 +231,7 @@ impl PendingAnswer {
             let mut pause = FIRST_RETRY_PAUSE;
             loop {
                 tokio::time::sleep(pause).await;
-                match protocol.complete(&claim, response.clone()).await {
+                match protocol.complete(&claim, status, response.clone()).await {
                     Ok(()) => {
                         tracing::info!(scope = %claim.id().scope, key = %claim.id().key, "the held answer is stored");
                         return Ok(());

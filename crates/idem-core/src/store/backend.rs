@@ -14,9 +14,10 @@ use tokio::time::Instant;
 
 pub use crate::scope::hex;
 pub use crate::store::replay_counts::ReplayCounts;
+use crate::trace_context::TraceId;
 use crate::{
     Fingerprint, StoreError, UnixMillis,
-    store::{ClaimState, FencingToken, Record, RecordId, RecordState, WaitOutcome},
+    store::{ClaimState, FencingToken, Listed, ListedState, Origin, Record, RecordId, RecordState, WaitOutcome},
 };
 
 /// How long an in-flight record made before claims carried their own `purge_at` is kept once its
@@ -97,6 +98,16 @@ pub struct StoredRecord {
     pub purge_at: Option<i64>,
     /// How many times the answer was replayed.
     pub replays: i64,
+    /// The request's method ([`Origin`]); empty in a record written before records kept it.
+    pub method: String,
+    /// The request's path ([`Origin`]).
+    pub path: String,
+    /// The latest run's trace id, 32 lowercase hex digits ([`Origin`]).
+    pub trace_id: Option<String>,
+    /// Whether the latest run was recovered.
+    pub recovered: bool,
+    /// The stored answer's status.
+    pub status: Option<i64>,
 }
 
 /// What [`Store::begin`](crate::Store::begin) does with a record that already exists, by the
@@ -143,6 +154,7 @@ impl StoredRecord {
     pub fn into_record(self, id: RecordId) -> Result<Record, StoreError> {
         let corrupt = |what: &str| StoreError::Corrupt(format!("record {} {}: {what}", id.scope, id.key));
         let fingerprint = Fingerprint::decode(&self.fingerprint).map_err(|_| corrupt("undecodable fingerprint"))?;
+        let (origin, status) = (self.origin(), self.status());
         let millis = |value: Option<i64>, field: &str| {
             value
                 .map(UnixMillis::from_i64)
@@ -183,8 +195,49 @@ impl StoredRecord {
             created_at: UnixMillis::from_i64(self.created_at),
             replays: u64::try_from(self.replays).map_err(|_| corrupt("negative replay count"))?,
             state,
+            origin,
+            recovered: self.recovered,
+            status,
             id,
         })
+    }
+
+    /// The record as [`Store::list`](crate::Store::list) returns it, judged at `now`; `None` if
+    /// its stored state is no state at all (a corrupt record, which listing skips: the operator
+    /// reads it with `idem inspect`). `has_answer`: whether a completed record still holds its
+    /// answer, where the store can tell without reading it.
+    pub fn listed(&self, id: RecordId, has_answer: bool, now: UnixMillis) -> Option<Listed> {
+        let millis = |value: Option<i64>| value.map(UnixMillis::from_i64);
+        let state = ListedState::at(
+            &self.state,
+            millis(self.expires_at),
+            millis(self.purge_at),
+            has_answer,
+            now,
+        )?;
+        Some(Listed {
+            id,
+            state,
+            origin: self.origin(),
+            status: self.status(),
+            created_at: UnixMillis::from_i64(self.created_at),
+            replays: u64::try_from(self.replays).unwrap_or(0),
+            recovered: self.recovered,
+        })
+    }
+
+    /// What the record keeps about its request. These fields decide nothing, so one that does not
+    /// read (a trace id that is not one) is left out rather than making the record corrupt.
+    fn origin(&self) -> Origin {
+        Origin {
+            method: self.method.clone(),
+            path: self.path.clone(),
+            trace_id: self.trace_id.as_deref().and_then(TraceId::from_hex),
+        }
+    }
+
+    fn status(&self) -> Option<u16> {
+        self.status.and_then(|status| u16::try_from(status).ok())
     }
 }
 
@@ -241,6 +294,7 @@ pub fn claim_rule_cases() -> Vec<ClaimRuleCase> {
             expires_at: Some(200),
             purge_at: Some(300),
             replays: 0,
+            ..StoredRecord::default()
         }
     };
     // Written before records kept `expires_at`.

@@ -4,11 +4,13 @@
 pub mod backend;
 pub mod clock;
 pub mod invalidations;
+mod listing;
 mod observed;
 pub(crate) mod replay_counts;
 
 pub use clock::{RESYNC_EVERY, StoreClock};
 pub use invalidations::{Invalidations, RecordDigest};
+pub use listing::{ListQuery, Listed, ListedState, Newest, path_is_under};
 pub use observed::{Observed, Observer, StoreOperation};
 
 use std::error::Error as StdError;
@@ -23,6 +25,7 @@ use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 use crate::scope::{Scope, hex};
 use crate::time::UnixMillis;
+use crate::trace_context::TraceId;
 
 /// What a record is identified by: never the key alone.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -144,6 +147,49 @@ pub struct BeginRequest<'a> {
     pub purge_at: UnixMillis,
     /// A fresh token for the claim.
     pub token: FencingToken,
+    /// What the record keeps about the request: written by a new claim, its trace id by a
+    /// takeover too (the run that answers is the one to find).
+    pub origin: &'a Origin,
+}
+
+/// The most bytes of a request's path a record keeps; a longer path is cut at a character
+/// boundary and ends with `…`.
+pub const MAX_ORIGIN_PATH: usize = 1024;
+
+/// What a record keeps about the request that made it, for the operator who reads the store
+/// (`idem list`, `idem inspect`): no decision of the protocol depends on it. Empty in a record
+/// written before records kept it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Origin {
+    /// The request's method, as sent.
+    pub method: String,
+    /// The request's path, as sent (no query: it may carry secrets), at most
+    /// [`MAX_ORIGIN_PATH`] bytes.
+    pub path: String,
+    /// The W3C trace id of the run that holds or answered the record (the client's
+    /// `traceparent`), if the request carried one.
+    pub trace_id: Option<TraceId>,
+}
+
+impl Origin {
+    /// The origin of a request with this method, path and trace id; the path cut to
+    /// [`MAX_ORIGIN_PATH`] bytes.
+    pub fn new(method: &str, path: &str, trace_id: Option<TraceId>) -> Self {
+        let path = if path.len() <= MAX_ORIGIN_PATH {
+            path.to_owned()
+        } else {
+            let mut end = MAX_ORIGIN_PATH - '…'.len_utf8();
+            while !path.is_char_boundary(end) {
+                end -= 1;
+            }
+            format!("{}…", &path[..end])
+        };
+        Self {
+            method: method.to_owned(),
+            path,
+            trace_id,
+        }
+    }
 }
 
 /// The result of [`Store::begin`].
@@ -174,6 +220,14 @@ pub struct Record {
     pub replays: u64,
     /// Where it is in its life.
     pub state: RecordState,
+    /// The request that made it, and the trace of its latest run.
+    pub origin: Origin,
+    /// Whether its latest run was a recovered one (it took the key over from a run whose outcome
+    /// is unknown, and carried `Idempotency-Recovered: true`).
+    pub recovered: bool,
+    /// The status of the stored answer, once completed (`None` in a record completed before
+    /// records kept it, or in a record not completed).
+    pub status: Option<u16>,
 }
 
 /// The state machine of a record.
@@ -218,6 +272,8 @@ pub enum RecordState {
 pub struct Completion {
     /// The encoded [`crate::StoredResponse`].
     pub response: Bytes,
+    /// The answer's status, kept beside it in plain (the answer itself may be sealed).
+    pub status: u16,
     /// When the handler finished.
     pub completed_at: UnixMillis,
     /// Until when the answer is replayable.
@@ -460,6 +516,12 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// Counts a replay of `id` answered from a replay cache, as [`Store::begin`] counts one it
     /// answers (possibly in a later batch).
     fn count_replay(&self, id: &RecordId);
+
+    /// The records that `query` asks for, newest first (by `created_at`, then scope and key), at
+    /// most `query.limit`, without their answers: an operator's question, never the protocol's.
+    /// A store uses its indexes where it has them; one without (Redis) scans its keys in bounded
+    /// batches, node by node, holding no more than `query.limit` records at a time.
+    async fn list(&self, query: &ListQuery) -> Result<Vec<Listed>, StoreError>;
 }
 
 #[async_trait]
@@ -519,5 +581,8 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     }
     fn count_replay(&self, id: &RecordId) {
         (**self).count_replay(id);
+    }
+    async fn list(&self, query: &ListQuery) -> Result<Vec<Listed>, StoreError> {
+        (**self).list(query).await
     }
 }

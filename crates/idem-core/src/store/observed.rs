@@ -9,8 +9,8 @@ use async_trait::async_trait;
 
 use crate::store::Invalidations;
 use crate::store::{
-    Begin, BeginRequest, Checkpoint, ClaimState, Completion, FencingToken, Purged, Record, RecordId, Release,
-    ScopeSalt, Store, StoreError, WaitOutcome,
+    Begin, BeginRequest, Checkpoint, ClaimState, Completion, FencingToken, ListQuery, Listed, Purged, Record, RecordId,
+    Release, ScopeSalt, Store, StoreError, WaitOutcome,
 };
 use crate::time::UnixMillis;
 
@@ -45,11 +45,13 @@ pub enum StoreOperation {
     ScopeSalt,
     /// [`Store::claim_state`]: after a run that completed its record in its own transaction.
     ClaimState,
+    /// [`Store::list`]: an operator's question.
+    List,
 }
 
 impl StoreOperation {
     /// Every operation, in declaration order.
-    pub const ALL: [Self; 14] = [
+    pub const ALL: [Self; 15] = [
         Self::Begin,
         Self::Complete,
         Self::Release,
@@ -64,6 +66,7 @@ impl StoreOperation {
         Self::Checkpoints,
         Self::ScopeSalt,
         Self::ClaimState,
+        Self::List,
     ];
 
     /// The name used in metrics labels and reports.
@@ -83,12 +86,14 @@ impl StoreOperation {
             Self::Checkpoints => "checkpoints",
             Self::ScopeSalt => "scope_salt",
             Self::ClaimState => "claim_state",
+            Self::List => "list",
         }
     }
 
-    /// True for the operations an instance makes on its own, never per request.
+    /// True for the operations an instance makes on its own (or an operator asks), never per
+    /// request.
     pub fn per_instance(self) -> bool {
-        matches!(self, Self::Clock | Self::ScopeSalt)
+        matches!(self, Self::Clock | Self::ScopeSalt | Self::List)
     }
 }
 
@@ -222,5 +227,8 @@ impl<S: Store, O: Observer> Store for Observed<S, O> {
     }
     fn count_replay(&self, id: &RecordId) {
         self.inner.count_replay(id);
+    }
+    async fn list(&self, query: &ListQuery) -> Result<Vec<Listed>, StoreError> {
+        self.measure(StoreOperation::List, self.inner.list(query)).await
     }
 }

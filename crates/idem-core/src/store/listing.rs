@@ -1,0 +1,293 @@
+//! What [`Store::list`](super::Store::list) is asked and answers: the records of a store by state,
+//! time, route and recovery, for the operator chasing a payment (`idem list`).
+
+use std::cmp::Ordering;
+use std::fmt;
+use std::str::FromStr;
+
+use super::{Origin, RecordId};
+use crate::time::UnixMillis;
+
+/// Where a listed record is in its life, as an operator asks about it. A record's stored state
+/// and its times at the store's `now` decide it: an answer or an unknown outcome past its
+/// `expires_at` is a tombstone (the key is kept, refused as expired, until `purge_at`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ListedState {
+    /// A run holds the key (its lease may have ended without anyone taking it over yet).
+    InFlight,
+    /// A run ended without an answer (its caller left, the upstream failed): the same request
+    /// runs again, recovered, until `expires_at`.
+    Unknown,
+    /// The answer is stored and replayed.
+    Completed,
+    /// Past `expires_at`: the answer (or the chance to run again) is gone, the key is kept.
+    Tombstone,
+}
+
+impl ListedState {
+    /// Every state, in the order of a record's life.
+    pub const ALL: [Self; 4] = [Self::InFlight, Self::Unknown, Self::Completed, Self::Tombstone];
+
+    /// The word `idem list` reads and writes.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::InFlight => "in-flight",
+            Self::Unknown => "unknown",
+            Self::Completed => "completed",
+            Self::Tombstone => "tombstone",
+        }
+    }
+
+    /// The state of a record stored as `state` (a stored word: `in-flight`, `completed`,
+    /// `unknown`) with these times, at `now`. `has_answer`: a completed record still holds its
+    /// answer (a store that drops answers at `expires_at` may not know; then true).
+    pub fn at(
+        state: &str,
+        expires_at: Option<UnixMillis>,
+        purge_at: Option<UnixMillis>,
+        has_answer: bool,
+        now: UnixMillis,
+    ) -> Option<Self> {
+        let live = |until: Option<UnixMillis>| until.is_some_and(|until| now < until);
+        match state {
+            super::backend::IN_FLIGHT => Some(Self::InFlight),
+            // Released before records kept `expires_at`: taken over until `purge_at`.
+            super::backend::UNKNOWN if live(expires_at.or(purge_at)) => Some(Self::Unknown),
+            super::backend::COMPLETED if has_answer && live(expires_at) => Some(Self::Completed),
+            super::backend::UNKNOWN | super::backend::COMPLETED => Some(Self::Tombstone),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for ListedState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for ListedState {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL.into_iter().find(|state| state.as_str() == s).ok_or_else(|| {
+            let words: Vec<_> = Self::ALL.iter().map(|state| state.as_str()).collect();
+            format!("{s:?} is not a record state; one of {}", words.join(", "))
+        })
+    }
+}
+
+/// Which records [`Store::list`](super::Store::list) returns: every condition given must hold.
+#[derive(Debug, Clone)]
+pub struct ListQuery {
+    /// The store's time, by which states are judged (read with [`Store::clock`](super::Store::clock)).
+    pub now: UnixMillis,
+    /// Only records in this state.
+    pub state: Option<ListedState>,
+    /// Only records whose latest run was recovered.
+    pub recovered: bool,
+    /// Only records created at or after this time.
+    pub since: Option<UnixMillis>,
+    /// Only records of this path or below it: `/payments` matches `/payments` and
+    /// `/payments/pay_1`, not `/payments-old`.
+    pub path: Option<String>,
+    /// At most this many records.
+    pub limit: usize,
+}
+
+impl ListQuery {
+    /// Every record, at most `limit`, judged at `now`.
+    pub fn all(now: UnixMillis, limit: usize) -> Self {
+        Self {
+            now,
+            state: None,
+            recovered: false,
+            since: None,
+            path: None,
+            limit,
+        }
+    }
+
+    /// Whether `listed` answers the query. A store that filters in its own language holds its
+    /// filter to this one (the conformance suite runs both).
+    pub fn matches(&self, listed: &Listed) -> bool {
+        self.state.is_none_or(|state| listed.state == state)
+            && (!self.recovered || listed.recovered)
+            && self.since.is_none_or(|since| listed.created_at >= since)
+            && self
+                .path
+                .as_deref()
+                .is_none_or(|path| path_is_under(&listed.origin.path, path))
+    }
+}
+
+/// Whether `path` is `route` or lies below it (`route` followed by `/`). A `route` that ends
+/// with `/` matches what starts with it.
+pub fn path_is_under(path: &str, route: &str) -> bool {
+    match path.strip_prefix(route) {
+        Some(rest) => rest.is_empty() || rest.starts_with('/') || route.ends_with('/'),
+        None => false,
+    }
+}
+
+/// One record as [`Store::list`](super::Store::list) returns it: what it is about, never its
+/// answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Listed {
+    /// The record.
+    pub id: RecordId,
+    /// Where it is in its life at the query's `now`.
+    pub state: ListedState,
+    /// The request that made it, and the trace of its latest run.
+    pub origin: Origin,
+    /// The stored answer's status (completed records, and tombstones of them, written since
+    /// records kept it).
+    pub status: Option<u16>,
+    /// When it was first claimed.
+    pub created_at: UnixMillis,
+    /// How many times its answer was replayed.
+    pub replays: u64,
+    /// Whether its latest run was a recovered one.
+    pub recovered: bool,
+}
+
+impl Listed {
+    /// The order of [`Store::list`](super::Store::list)'s answer: newest first, then by scope
+    /// and key, so that every store lists the same records in the same order.
+    pub fn newest_first(a: &Self, b: &Self) -> Ordering {
+        b.created_at
+            .cmp(&a.created_at)
+            .then_with(|| a.id.scope.as_str().cmp(b.id.scope.as_str()))
+            .then_with(|| a.id.key.as_str().cmp(b.id.key.as_str()))
+    }
+}
+
+/// The first `limit` records of those offered, in [`Listed::newest_first`] order, holding at most
+/// `limit` at a time: for a store that scans.
+#[derive(Debug)]
+pub struct Newest {
+    limit: usize,
+    kept: Vec<Listed>,
+}
+
+impl Newest {
+    /// Keeps up to `limit` records.
+    pub fn new(limit: usize) -> Self {
+        Self {
+            limit,
+            kept: Vec::with_capacity(limit.min(1024)),
+        }
+    }
+
+    /// Offers one record.
+    pub fn offer(&mut self, listed: Listed) {
+        if self.limit == 0 {
+            return;
+        }
+        if self.kept.len() == self.limit {
+            let last = self.kept.last().expect("limit is not zero");
+            if Listed::newest_first(&listed, last) != Ordering::Less {
+                return;
+            }
+            self.kept.pop();
+        }
+        let at = self
+            .kept
+            .partition_point(|kept| Listed::newest_first(kept, &listed) == Ordering::Less);
+        self.kept.insert(at, listed);
+    }
+
+    /// The records kept, in order.
+    pub fn into_vec(self) -> Vec<Listed> {
+        self.kept
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::IdempotencyKey;
+    use crate::scope::Scope;
+
+    fn listed(key: &str, created_at: i64) -> Listed {
+        Listed {
+            id: RecordId {
+                scope: Scope::from_stored("s"),
+                key: IdempotencyKey::new(key).unwrap(),
+            },
+            state: ListedState::Completed,
+            origin: Origin::new("POST", "/payments/1", None),
+            status: Some(201),
+            created_at: UnixMillis::from_i64(created_at),
+            replays: 0,
+            recovered: false,
+        }
+    }
+
+    #[test]
+    fn newest_keeps_the_newest_in_order() {
+        let mut newest = Newest::new(3);
+        for (i, at) in [5, 1, 9, 7, 3, 9].into_iter().enumerate() {
+            newest.offer(listed(&format!("k{i}"), at));
+        }
+        let kept: Vec<_> = newest
+            .into_vec()
+            .into_iter()
+            .map(|l| (l.created_at.as_i64(), l.id.key.as_str().to_owned()))
+            .collect();
+        assert_eq!(kept, [(9, "k2".to_owned()), (9, "k5".to_owned()), (7, "k3".to_owned())]);
+        assert!(Newest::new(0).into_vec().is_empty());
+    }
+
+    #[test]
+    fn a_route_matches_its_path_and_below_only() {
+        assert!(path_is_under("/payments", "/payments"));
+        assert!(path_is_under("/payments/pay_1", "/payments"));
+        assert!(path_is_under("/payments/pay_1", "/payments/"));
+        assert!(!path_is_under("/payments-old", "/payments"));
+        assert!(!path_is_under("/pay", "/payments"));
+        assert!(path_is_under("/anything", "/"));
+    }
+
+    #[test]
+    fn states_are_judged_at_now() {
+        let at = UnixMillis::from_i64;
+        let now = at(100);
+        assert_eq!(
+            ListedState::at("in-flight", Some(at(50)), Some(at(200)), false, now),
+            Some(ListedState::InFlight)
+        );
+        assert_eq!(
+            ListedState::at("completed", Some(at(150)), Some(at(200)), true, now),
+            Some(ListedState::Completed)
+        );
+        assert_eq!(
+            ListedState::at("completed", Some(at(100)), Some(at(200)), true, now),
+            Some(ListedState::Tombstone)
+        );
+        assert_eq!(
+            ListedState::at("completed", Some(at(150)), Some(at(200)), false, now),
+            Some(ListedState::Tombstone)
+        );
+        assert_eq!(
+            ListedState::at("unknown", Some(at(150)), Some(at(200)), false, now),
+            Some(ListedState::Unknown)
+        );
+        assert_eq!(
+            ListedState::at("unknown", None, Some(at(200)), false, now),
+            Some(ListedState::Unknown)
+        );
+        assert_eq!(
+            ListedState::at("unknown", Some(at(90)), Some(at(200)), false, now),
+            Some(ListedState::Tombstone)
+        );
+        assert_eq!(ListedState::at("bogus", None, None, false, now), None);
+        assert_eq!("tombstone".parse::<ListedState>(), Ok(ListedState::Tombstone));
+        assert!(
+            "done"
+                .parse::<ListedState>()
+                .unwrap_err()
+                .contains("in-flight, unknown, completed, tombstone")
+        );
+    }
+}
