@@ -16,8 +16,8 @@ use idem_core::testkit::counting;
 use idem_core::{
     ManualClock, MissingKeyPolicy, Policy, RouteRule, Routes, Scope, ScopeSource, Store, StoreError, UnixMillis,
     store::{
-        Begin, BeginRequest, Checkpoint, ClaimState, Completion, FencingToken, Purged, Record, RecordId, Release,
-        ScopeSalt, WaitOutcome,
+        Begin, BeginRequest, Checkpoint, ClaimState, Completion, FencingToken, ListQuery, Listed, Purged, Record,
+        RecordId, Release, ScopeSalt, WaitOutcome,
     },
 };
 use idem_sqlite::SqliteStore;
@@ -487,6 +487,9 @@ impl Store for Unreachable {
         None
     }
     fn count_replay(&self, _: &RecordId) {}
+    async fn list(&self, _: &ListQuery) -> Result<Vec<Listed>, StoreError> {
+        Err(down())
+    }
 }
 
 #[tokio::test]
@@ -667,6 +670,9 @@ impl Store for Held {
     }
     fn count_replay(&self, id: &RecordId) {
         self.store.count_replay(id);
+    }
+    async fn list(&self, query: &ListQuery) -> Result<Vec<Listed>, StoreError> {
+        self.store.list(query).await
     }
 }
 
