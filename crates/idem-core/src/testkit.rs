@@ -1579,7 +1579,7 @@ pub async fn lists_records_by_state_time_path_and_recovery(h: &impl Harness) {
             ..query.clone()
         })
         .await,
-        [recovered.clone()]
+        vec![recovered.clone()]
     );
     assert_eq!(
         list(ListQuery {
@@ -1603,7 +1603,7 @@ pub async fn lists_records_by_state_time_path_and_recovery(h: &impl Harness) {
             ..query.clone()
         })
         .await,
-        [unknown.clone()]
+        vec![unknown.clone()]
     );
     assert_eq!(
         list(ListQuery {
@@ -1611,7 +1611,7 @@ pub async fn lists_records_by_state_time_path_and_recovery(h: &impl Harness) {
             ..query.clone()
         })
         .await,
-        [outside.clone()]
+        vec![outside.clone()]
     );
     // The same records a day later, on the store's clock: every answer and unknown outcome is past
     // its ttl.

@@ -1,6 +1,7 @@
 //! Admission: from a request's head alone, whether the protocol applies, and if it does, the key,
 //! the caller and what the client accepts — or the problem that refuses it before anything runs.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use http::request::Parts;
@@ -36,8 +37,8 @@ pub struct Keyed {
     pub(super) key: KeySource,
     /// What this request's client accepts: a replay is decoded for it when needed.
     pub(super) accept: AcceptEncoding,
-    /// What the record keeps about the request.
-    pub(super) origin: Origin,
+    /// What the record keeps about the request (shared: every attempt at the claim carries it).
+    pub(super) origin: Arc<Origin>,
 }
 
 #[derive(Debug, Clone)]
@@ -119,11 +120,11 @@ impl Protocol {
             caller,
             key,
             accept: AcceptEncoding::from_headers(&parts.headers),
-            origin: Origin::new(
+            origin: Arc::new(Origin::new(
                 parts.method.as_str(),
                 parts.uri.path(),
                 TraceId::from_headers(&parts.headers),
-            ),
+            )),
         })
     }
 

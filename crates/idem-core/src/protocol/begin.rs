@@ -275,13 +275,13 @@ impl Protocol {
         &self,
         id: &RecordId,
         fingerprint: &Fingerprint,
-        origin: &Origin,
+        origin: &Arc<Origin>,
         now: UnixMillis,
         token: FencingToken,
         provisional: Option<Duration>,
     ) -> Result<Begin, StoreError> {
         let store = self.inner.store.clone();
-        let (owned_id, owned_fingerprint, owned_origin) = (id.clone(), fingerprint.clone(), origin.clone());
+        let (owned_id, owned_fingerprint, owned_origin) = (id.clone(), fingerprint.clone(), Arc::clone(origin));
         let lease_until = now.plus(self.inner.policy.lease);
         let (expires_at, purge_at) = self.inner.policy.retention(now, provisional);
         // Owned, so that it can be left to finish in the background if the store is too slow;
