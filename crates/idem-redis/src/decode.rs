@@ -1,15 +1,18 @@
 //! The replies of the scripts and commands, read into the stored forms idem-core checks: a record's
 //! fields into a [`StoredRecord`], the checkpoints, the scope salt, the outcome of `begin`, a `SCAN`
-//! step. Anything of the wrong shape is a corrupt record ([`StoreError::Corrupt`]), never a panic.
+//! step, a record as `list` finds it. Anything of the wrong shape is a corrupt record
+//! ([`StoreError::Corrupt`]), never a panic.
 
 use std::collections::HashMap;
 
 use idem_core::store::backend::{Existing, StoredRecord};
 use idem_core::{
-    StoreError, UnixMillis,
-    store::{Begin, BeginRequest, Checkpoint, Record, RecordId, ScopeSalt},
+    IdempotencyKey, Scope, StoreError, UnixMillis,
+    store::{Begin, BeginRequest, Checkpoint, Listed, Record, RecordId, ScopeSalt},
 };
 use redis::Value;
+
+use crate::origin;
 
 /// The next cursor and the keys of a `SCAN` step, from the replies of its pipeline.
 pub(crate) fn parse_scan(replies: Vec<Value>) -> Result<(Vec<u8>, Vec<Vec<u8>>), StoreError> {
@@ -106,10 +109,10 @@ fn array(value: Value, what: &str) -> Result<Vec<Value>, StoreError> {
     }
 }
 
-/// The fields of a record the scripts return, in this order (`FIELDS` in the scripts' prelude):
-/// one value each, nil where the hash has none. Values only, no names: a shorter reply to send and
-/// to parse on every replay.
-const RECORD_FIELDS: [&str; 10] = [
+/// The fields of a record the scripts return, in this order (`read_record` in the scripts'
+/// prelude): one value each, nil where the hash has none. Values only, no names: a shorter reply to
+/// send and to parse on every replay.
+const RECORD_FIELDS: [&str; 14] = [
     "state",
     "fingerprint",
     "token",
@@ -120,6 +123,24 @@ const RECORD_FIELDS: [&str; 10] = [
     "purge_at",
     "replays",
     "digest",
+    "recovered",
+    "origin",
+    "trace_id",
+    "status",
+];
+
+/// The fields `list` reads of every record it finds (one `HMGET` each): what a [`Listed`] shows,
+/// never the fingerprint, the token or the answer.
+pub(crate) const LISTED_FIELDS: [&str; 9] = [
+    "state",
+    "created_at",
+    "expires_at",
+    "purge_at",
+    "replays",
+    "recovered",
+    "origin",
+    "trace_id",
+    "status",
 ];
 
 /// A record's fields as a script returned them (see [`RECORD_FIELDS`]), and its body.
@@ -134,26 +155,34 @@ impl StoredHash {
         if is_nil(&fields) {
             return Ok(None);
         }
-        let values = array(fields, "the record's fields")?;
-        if values.len() != RECORD_FIELDS.len() {
+        let mut hash = Self::of(&RECORD_FIELDS, array(fields, "the record's fields")?)?;
+        if !is_nil(&body) {
+            hash.body = Some(bulk(body, "the stored answer")?);
+        }
+        Ok(Some(hash))
+    }
+
+    /// The values of the fields `names` (some of [`RECORD_FIELDS`]), in that order, as `HMGET`
+    /// returned them; the others, and the body, none.
+    fn of(names: &[&str], values: Vec<Value>) -> Result<Self, StoreError> {
+        if values.len() != names.len() {
             return Err(StoreError::Corrupt(format!(
                 "the record came with {} fields, not {}",
                 values.len(),
-                RECORD_FIELDS.len()
+                names.len()
             )));
         }
         let mut fields: [Option<Vec<u8>>; RECORD_FIELDS.len()] = Default::default();
-        for ((slot, value), name) in fields.iter_mut().zip(values).zip(RECORD_FIELDS) {
+        for (name, value) in names.iter().zip(values) {
+            let at = RECORD_FIELDS
+                .iter()
+                .position(|field| field == name)
+                .expect("one of RECORD_FIELDS");
             if !is_nil(&value) {
-                *slot = Some(bulk(value, name)?);
+                fields[at] = Some(bulk(value, name)?);
             }
         }
-        let body = if is_nil(&body) {
-            None
-        } else {
-            Some(bulk(body, "the stored answer")?)
-        };
-        Ok(Some(Self { fields, body }))
+        Ok(Self { fields, body: None })
     }
 
     /// The value of field `name`, one of [`RECORD_FIELDS`].
@@ -181,6 +210,10 @@ impl StoredHash {
             purge_at,
             replays,
             _digest,
+            recovered,
+            origin,
+            trace_id,
+            status,
         ] = fields;
         let number = |value: Option<Vec<u8>>, field: &str| -> Result<Option<i64>, StoreError> {
             value
@@ -190,6 +223,7 @@ impl StoredHash {
         let state = state
             .and_then(|bytes| String::from_utf8(bytes).ok())
             .ok_or_else(|| corrupt("no state"))?;
+        let stored_origin = origin.as_deref().and_then(origin::decode);
         Ok(StoredRecord {
             state,
             fingerprint: fingerprint.unwrap_or_default(),
@@ -201,8 +235,69 @@ impl StoredHash {
             expires_at: number(expires_at, "expires_at")?,
             purge_at: number(purge_at, "purge_at")?,
             replays: number(replays, "replays")?.ok_or_else(|| corrupt("no replays"))?,
+            // What the record says about its request decides nothing: a field that does not read
+            // is left out (empty, none, false), never a corrupt record. A record written before
+            // records kept them has none of them.
+            method: stored_origin.map(|origin| origin.method.to_owned()).unwrap_or_default(),
+            path: stored_origin.map(|origin| origin.path.to_owned()).unwrap_or_default(),
+            trace_id: trace_id
+                .filter(|hex| !hex.is_empty())
+                .and_then(|hex| String::from_utf8(hex).ok()),
+            recovered: recovered.as_deref() == Some(b"1"),
+            status: status.as_deref().and_then(parse_millis),
         })
     }
+}
+
+/// What `list` makes of one record it found.
+pub(crate) enum Found {
+    /// The record, judged at the query's `now`.
+    Listed(Listed),
+    /// Gone since the scan found it, or past its `purge_at` (as good as gone: `get` reads none).
+    Gone,
+    /// Written before records kept their scope and key: `list` cannot name it.
+    WithoutOrigin,
+}
+
+/// What the record hash `name` is, from `values` (its reply to an `HMGET` of [`LISTED_FIELDS`]),
+/// judged at `now`; why it does not read otherwise. `record_name` gives the hash name of a record,
+/// to check that the scope and key its `origin` holds are its own.
+pub(crate) fn parse_listed(
+    name: &[u8],
+    values: Value,
+    now: UnixMillis,
+    record_name: impl Fn(&RecordId) -> String,
+) -> Result<Found, String> {
+    let values = match values {
+        Value::Array(values) => values,
+        Value::ServerError(err) => return Err(format!("Redis answered {err:?}")),
+        other => return Err(format!("expected its fields, Redis answered {other:?}")),
+    };
+    let hash = StoredHash::of(&LISTED_FIELDS, values).map_err(|err| err.to_string())?;
+    if hash.field("state").is_none() {
+        return Ok(Found::Gone);
+    }
+    let Some(stored_origin) = hash.field("origin") else {
+        return Ok(Found::WithoutOrigin);
+    };
+    let stored_origin = origin::decode(stored_origin).ok_or("its origin does not read")?;
+    let key = IdempotencyKey::new(stored_origin.key).map_err(|err| format!("its key does not read: {err}"))?;
+    let id = RecordId {
+        scope: Scope::from_stored(stored_origin.scope),
+        key,
+    };
+    // An origin that reads but names another record would make the operator act on that one.
+    if record_name(&id).as_bytes() != name {
+        return Err("its origin names another record".to_owned());
+    }
+    let stored = hash.into_stored(&id).map_err(|err| err.to_string())?;
+    if stored.purge_at.is_some_and(|purge_at| purge_at <= now.as_i64()) {
+        return Ok(Found::Gone);
+    }
+    stored
+        .listed(id, true, now)
+        .map(Found::Listed)
+        .ok_or_else(|| format!("its state {:?} is no state", stored.state))
 }
 
 /// A hash's fields by name.

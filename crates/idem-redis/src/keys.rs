@@ -13,12 +13,22 @@ use sha2::{Digest, Sha256};
 /// `{` and the next `}`). Useful for looking at a record with `redis-cli`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RecordKeys {
-    /// The hash holding the record's state, fingerprint and times.
+    /// The hash holding the record: `state` (`in-flight`, `completed` or `unknown`),
+    /// `fingerprint`, `digest`, `token`, `lease_until`, `created_at`, `completed_at`,
+    /// `expires_at`, `purge_at`, `replays` (times in Unix milliseconds), and what it keeps for the
+    /// operator who reads the store: `origin` (the record's scope and key, which its name only
+    /// hashes, and the method and path of the request that made it: each part its length in
+    /// decimal, a `:` and its bytes, `5:app:a2:k14:POST9:/payments`), `trace_id` (the latest run's
+    /// W3C trace id in hex, empty for none), `recovered` (`1` if the latest run took the key over,
+    /// else `0`) and `status` (the answer's, once completed). A record written before records kept
+    /// `origin`, `trace_id`, `recovered` and `status` has none of them: it reads without them, and
+    /// [`Store::list`](idem_core::Store::list) cannot name it, so leaves it out.
     pub record: String,
     /// The string holding the stored answer, present while it is replayable.
     pub body: String,
-    /// The hash holding the checkpoints of the record's run, present while it has any (its fields
-    /// are described under [Keys](crate#keys)); it never outlives the record.
+    /// The hash holding the checkpoints of the record's run, present while it has any: `count`
+    /// (how many names), `name:<i>` (the i-th name first written, from 1) and `value:<name>` (its
+    /// latest value). It never outlives the record.
     pub checkpoints: String,
     /// The pub/sub channel (sharded on a cluster) that announces a change of holder.
     pub channel: String,

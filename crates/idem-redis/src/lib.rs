@@ -40,6 +40,7 @@ mod decode;
 mod error;
 mod keys;
 mod notify;
+mod origin;
 mod scripts;
 mod sentinel;
 mod store;

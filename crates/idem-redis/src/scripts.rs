@@ -66,19 +66,14 @@ local function server_now()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
--- The record's fields in the order of `RECORD_FIELDS` (decode.rs), then `recovered`, false where
--- the hash has none (every one if there is no record): one HMGET, its reply used as it is.
+-- The record's fields in the order of `RECORD_FIELDS` (decode.rs), false where the hash has none
+-- (every one if there is no record): one HMGET, its reply returned as it is.
 local function read_record()
   return redis.call('HMGET', rec, 'state', 'fingerprint', 'token', 'lease_until', 'created_at', 'completed_at',
-    'expires_at', 'purge_at', 'replays', 'digest', 'recovered')
+    'expires_at', 'purge_at', 'replays', 'digest', 'recovered', 'origin', 'trace_id', 'status')
 end
 -- Positions in what `read_record` returns.
 local STATE, TOKEN, LEASE_UNTIL, EXPIRES_AT, PURGE_AT, DIGEST, RECOVERED = 1, 3, 4, 7, 8, 10, 11
--- What `read_record` returned, as the scripts return a record: the fields of `RECORD_FIELDS`.
-local function fields_of(cur)
-  cur[RECOVERED] = nil
-  return cur
-end
 local function expire_at(key, at)
   set_ttl(key, at - now)
 end
@@ -106,8 +101,12 @@ end
 "#;
 
 /// `begin`. ARGV: nonce, now, lease_until, token, digest, fingerprint, purge_at of the claim,
-/// channel, publish command, expires_at of the claim. A new claim deletes whatever checkpoints an
-/// earlier record left; a takeover keeps them, with the record's new expiry. The claim rule is
+/// channel, publish command, expires_at of the claim, origin (`origin.rs`), trace id (hex, or
+/// empty for none). A new claim deletes whatever checkpoints an earlier record left; a takeover
+/// keeps them, with the record's new expiry. A new claim writes the request's `origin` and
+/// `trace_id` with `recovered` 0; a takeover writes its own `trace_id` (the run that answers is
+/// the one to find) and `recovered` 1, and keeps the `origin` and `created_at` of the claim that
+/// made the record. The claim rule is
 /// `StoredRecord::on_begin`'s (idem-core), kept in step with it by `tests/claim_rules.rs`, which runs
 /// the rule's table (`claim_rule_cases`) against this script: a record past its purge_at is
 /// replaced unless it is a claim whose lease still runs; an abandoned claim or unknown outcome of
@@ -119,11 +118,12 @@ end
 /// one thread, so the common paths make as few as they can.
 ///
 /// Returns `{rec, nonce, 'acquired', recovered}` or
-/// `{rec, nonce, 'existing', the record's fields (see `fields_of`), body or nil}`.
+/// `{rec, nonce, 'existing', the record's fields (see `read_record`), body or nil}`.
 const BEGIN: &str = r#"
 now = num(ARGV[2], 'now')
 local lease_until, token, digest, fingerprint = ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local claim_purge_at, channel, publish, claim_expires_at = ARGV[7], ARGV[8], ARGV[9], ARGV[10]
+local origin, trace_id = ARGV[11], ARGV[12]
 local cur = read_record()
 local state = cur[STATE]
 if state == 'in-flight' and cur[TOKEN] == token then
@@ -142,7 +142,7 @@ if not state then
   -- every script that deletes it deletes them).
   redis.call('HSET', rec, 'fingerprint', fingerprint, 'digest', digest, 'created_at', ARGV[2], 'replays', 0,
     'state', 'in-flight', 'token', token, 'lease_until', lease_until, 'expires_at', claim_expires_at,
-    'purge_at', claim_purge_at, 'recovered', 0)
+    'purge_at', claim_purge_at, 'recovered', 0, 'origin', origin, 'trace_id', trace_id)
   expire_at(rec, num(claim_purge_at, 'purge_at'))
   return answer('acquired', 0)
 end
@@ -151,7 +151,7 @@ local same = cur[DIGEST] == digest
 local expired = cur[EXPIRES_AT] and num(cur[EXPIRES_AT], 'expires_at') <= now
 if same and not expired and (state == 'unknown' or lease_ended) then
   redis.call('HSET', rec, 'state', 'in-flight', 'token', token, 'lease_until', lease_until,
-    'expires_at', claim_expires_at, 'purge_at', claim_purge_at, 'recovered', 1)
+    'expires_at', claim_expires_at, 'purge_at', claim_purge_at, 'recovered', 1, 'trace_id', trace_id)
   expire_at(rec, num(claim_purge_at, 'purge_at'))
   expire_steps_with_record()
   redis.call(publish, channel, 'taken-over')
@@ -162,7 +162,7 @@ local response = false
 if state == 'completed' and now < num(cur[EXPIRES_AT], 'expires_at') then
   response = redis.call('GET', body)
 end
-return answer('existing', fields_of(cur), response)
+return answer('existing', cur, response)
 "#;
 
 /// Adds replays counted by a store to the record, if it still exists (a count never makes a key
@@ -178,10 +178,13 @@ return answer(1)
 "#;
 
 /// `complete`. ARGV: nonce, token, response, completed_at (the `now` of the expiries),
-/// expires_at, purge_at, channel, publish command, and `again` if an earlier call of this claim
-/// may have stored the answer unseen. Deletes the run's checkpoints (if it recorded any: the
-/// record's `stepped`, set by `checkpoint`) and keeps the token as `completed_by`. Returns `{rec, nonce, 1}`, or `{rec, nonce, 0}` if the token is not the current
-/// claim (with `again`: nor the claim whose answer is stored, which is then left as it is).
+/// expires_at, purge_at, channel, publish command, `again` if an earlier call of this claim may
+/// have stored the answer unseen (else empty), and the answer's status. Deletes the run's
+/// checkpoints (if it recorded any: the record's `stepped`, set by `checkpoint`), keeps the token
+/// as `completed_by` and the status as `status`; `recovered` stays, saying whether the run that
+/// answered was recovered. Returns `{rec, nonce, 1}`, or `{rec, nonce, 0}` if the token is not
+/// the current claim (with `again`: nor the claim whose answer is stored, which is then left as
+/// it is).
 const COMPLETE: &str = r#"
 local token, response, channel, publish = ARGV[2], ARGV[3], ARGV[7], ARGV[8]
 local cur = redis.call('HMGET', rec, 'state', 'token', 'completed_by', 'stepped')
@@ -198,9 +201,9 @@ now = num(ARGV[4], 'completed_at')
 if cur[4] then
   redis.call('DEL', steps)
 end
-redis.call('HDEL', rec, 'token', 'lease_until', 'recovered', 'stepped')
+redis.call('HDEL', rec, 'token', 'lease_until', 'stepped')
 redis.call('HSET', rec, 'state', 'completed', 'completed_at', ARGV[4], 'expires_at', ARGV[5], 'purge_at', ARGV[6],
-  'completed_by', token)
+  'completed_by', token, 'status', ARGV[10])
 local body_ttl = num(ARGV[5], 'expires_at') - now
 if body_ttl > 0 then
   redis.call('SET', body, response, 'PX', string.format('%d', body_ttl))
@@ -213,9 +216,10 @@ return answer(1)
 "#;
 
 /// `release`. ARGV: nonce, token, `forget` or `unknown`, purge_at (for `unknown`), channel,
-/// publish command, expires_at (for `unknown`). `forget` deletes the checkpoints with the record; `unknown` keeps them for the
-/// next run, with the record's new expiry. Returns `{rec, nonce, 1}`, or `{rec, nonce, 0}` if
-/// fenced.
+/// publish command, expires_at (for `unknown`). `forget` deletes the checkpoints with the record;
+/// `unknown` keeps them for the next run, with the record's new expiry, and keeps what the record
+/// says about its run (`origin`, `trace_id`, `recovered`). Returns `{rec, nonce, 1}`, or
+/// `{rec, nonce, 0}` if fenced.
 const RELEASE: &str = r#"
 local token, mode, channel, publish = ARGV[2], ARGV[3], ARGV[5], ARGV[6]
 local cur = redis.call('HMGET', rec, 'state', 'token', 'purge_at')
@@ -226,7 +230,7 @@ if mode == 'forget' then
   redis.call('DEL', rec, body, steps)
 else
   local purge_at = num(ARGV[4], 'purge_at')
-  redis.call('HDEL', rec, 'token', 'lease_until', 'recovered')
+  redis.call('HDEL', rec, 'token', 'lease_until')
   redis.call('HSET', rec, 'state', 'unknown', 'expires_at', ARGV[7], 'purge_at', ARGV[4])
   redis.call('DEL', body)
   shift_expiry(rec, cur[3], purge_at, server_now())
@@ -260,8 +264,8 @@ expire_steps_with_record()
 return answer(1)
 "#;
 
-/// `get`. ARGV: nonce. Returns `{rec, nonce, the record's fields (see `fields_of`) or nil, body or
-/// nil}`, read at one instant and judged at the server's clock: a record past purge_at is absent,
+/// `get`. ARGV: nonce. Returns `{rec, nonce, the record's fields (see `read_record`) or nil, body
+/// or nil}`, read at one instant and judged at the server's clock: a record past purge_at is absent,
 /// an answer past expires_at is dropped, even in the moment before their keys expire.
 const GET: &str = r#"
 now = server_now()
@@ -273,7 +277,7 @@ local response = false
 if cur[STATE] == 'completed' and now < num(cur[EXPIRES_AT], 'expires_at') then
   response = redis.call('GET', body)
 end
-return answer(fields_of(cur), response)
+return answer(cur, response)
 "#;
 
 /// `delete`. ARGV: nonce, channel, publish command, the store's deletions channel, the record's
@@ -296,14 +300,14 @@ if redis.call('EXISTS', rec) == 1 then
   local purge_at, expires_at = tonumber(cur[PURGE_AT]), tonumber(cur[EXPIRES_AT])
   local live = not cur[STATE] or purge_at == nil or now < purge_at
   if live then
-    fields = fields_of(cur)
+    fields = cur
     if cur[STATE] == 'completed' and (expires_at == nil or now < expires_at) then
       response = redis.call('GET', body)
     end
   end
   redis.call(publish, channel, 'deleted')
   if live and cur[STATE] == 'in-flight' and cur[TOKEN] and purge_at ~= nil then
-    redis.call('HDEL', rec, 'token', 'lease_until', 'recovered', 'stepped')
+    redis.call('HDEL', rec, 'token', 'lease_until', 'stepped')
     redis.call('HSET', rec, 'state', 'unknown', 'expires_at', cur[EXPIRES_AT] or cur[PURGE_AT])
     redis.call('DEL', body, steps)
     return answer(fields, response)

@@ -14,8 +14,8 @@ use idem_core::store::backend::{ReplayCounts, abandoned_purge_at, claim_purge_at
 use idem_core::{
     Store, StoreError, UnixMillis,
     store::{
-        Begin, BeginRequest, Checkpoint, ClaimState, Completion, FencingToken, Purged, Record, RecordId, Release,
-        ScopeSalt, WaitOutcome,
+        Begin, BeginRequest, Checkpoint, ClaimState, Completion, FencingToken, ListQuery, Listed, Newest, Purged,
+        Record, RecordId, Release, ScopeSalt, WaitOutcome,
     },
 };
 use redis::{Cmd, Pipeline, Script, Value};
@@ -24,7 +24,10 @@ use tokio::sync::Notify;
 use crate::ack::Acknowledgement;
 use crate::call::{Call, Durability, run_script};
 use crate::conn::{Commands, Conn, Node, follow_sentinels};
-use crate::decode::{StoredHash, parse_begin, parse_checkpoints, parse_millis, parse_scan, parse_scope_salt};
+use crate::decode::{
+    Found, LISTED_FIELDS, StoredHash, parse_begin, parse_checkpoints, parse_listed, parse_millis, parse_scan,
+    parse_scope_salt,
+};
 use crate::keys::{RecordKeys, deletions_channel, record_pattern, scope_salt_key};
 use crate::notify::{Deletions, Subscriptions, Watch};
 use crate::scripts::{
@@ -33,7 +36,7 @@ use crate::scripts::{
 };
 use crate::timeouts::RESPONSE_TIMEOUT;
 use crate::url::Target;
-use crate::{RedisError, url};
+use crate::{RedisError, origin, url};
 
 /// An idempotency store in Redis: one server (`redis://`) or a Redis Cluster
 /// (`redis+cluster://`).
@@ -92,7 +95,7 @@ impl fmt::Debug for RedisStore {
     }
 }
 
-/// How many keys one `SCAN` step looks at, at most (a hint to the server): the `purge_at` of the
+/// How many keys one `SCAN` step looks at, at most (a hint to the server): the fields of the
 /// records it finds are then read in one pipeline.
 const SCAN_BATCH: usize = 1000;
 
@@ -241,14 +244,43 @@ impl RedisStore {
     }
 
     /// The latest `purge_at` among the records under the store's prefix (`None`: it holds none), for
-    /// the scope salt kept in `salt_key`. Every node that holds keys is walked with `SCAN`, and the
-    /// `purge_at` of the records each batch finds is read in one pipeline. A record too corrupt to
-    /// have a `purge_at` is left out: no operation can use it anyway.
+    /// the scope salt kept in `salt_key`. A record too corrupt to have a `purge_at` is left out: no
+    /// operation can use it anyway.
     async fn latest_purge_at(&self, salt_key: &str) -> Result<Option<UnixMillis>, StoreError> {
+        let mut latest = None;
+        let read = |reads: &mut Pipeline, record: &[u8]| {
+            reads.cmd("HGET").arg(record).arg("purge_at");
+        };
+        self.for_each_record("scope_salt", salt_key, read, |record, purge_at| match purge_at {
+            // Gone since the scan found it.
+            Value::Nil => {}
+            Value::BulkString(digits) if let Some(at) = parse_millis(&digits) => {
+                latest = latest.max(Some(at));
+            }
+            other => tracing::warn!(
+                record = %String::from_utf8_lossy(record),
+                purge_at = ?other,
+                "a record has no valid purge_at; the scope salt leaves it out"
+            ),
+        })
+        .await?;
+        Ok(latest.map(UnixMillis::from_i64))
+    }
+
+    /// Walks every record hash under the store's prefix, on every node that holds keys (every
+    /// primary of a cluster), with `SCAN`, [`SCAN_BATCH`] keys at a time: for the records of each
+    /// batch, `read` adds one command per record to a pipeline, and `found` gets each record's name
+    /// and the reply to its command. Part of the call `what` about `about`.
+    async fn for_each_record(
+        &self,
+        what: &'static str,
+        about: &str,
+        read: impl Fn(&mut Pipeline, &[u8]),
+        mut found: impl FnMut(&[u8], Value),
+    ) -> Result<(), StoreError> {
         let (mut conn, generation) = self.inner.commands.get();
         let nodes = conn.primaries().await.map_err(StoreError::unavailable)?;
         let pattern = record_pattern(&self.inner.prefix);
-        let mut latest = None;
         for node in &nodes {
             let mut cursor = b"0".to_vec();
             loop {
@@ -259,27 +291,16 @@ impl RedisStore {
                     .arg(&pattern)
                     .arg("COUNT")
                     .arg(SCAN_BATCH);
-                let reply = self.on_node(&mut conn, generation, node, salt_key, scan).await?;
+                let reply = self.on_node(&mut conn, generation, node, (what, about), scan).await?;
                 let (next, records) = parse_scan(reply)?;
                 if !records.is_empty() {
                     let mut reads = redis::pipe();
                     for record in &records {
-                        reads.cmd("HGET").arg(&record[..]).arg("purge_at");
+                        read(&mut reads, record);
                     }
-                    let purge_ats = self.on_node(&mut conn, generation, node, salt_key, reads).await?;
-                    for (record, purge_at) in records.iter().zip(purge_ats) {
-                        match purge_at {
-                            // Gone since the scan found it.
-                            Value::Nil => {}
-                            Value::BulkString(digits) if let Some(at) = parse_millis(&digits) => {
-                                latest = latest.max(Some(at));
-                            }
-                            other => tracing::warn!(
-                                record = %String::from_utf8_lossy(record),
-                                purge_at = ?other,
-                                "a record has no valid purge_at; the scope salt leaves it out"
-                            ),
-                        }
+                    let replies = self.on_node(&mut conn, generation, node, (what, about), reads).await?;
+                    for (record, reply) in records.iter().zip(replies) {
+                        found(record, reply);
                     }
                 }
                 if next == b"0" {
@@ -288,22 +309,22 @@ impl RedisStore {
                 cursor = next;
             }
         }
-        Ok(latest.map(UnixMillis::from_i64))
+        Ok(())
     }
 
     /// Sends `pipeline` to `node` with an `ECHO` of a fresh nonce after it, and returns the
     /// pipeline's replies if the echo comes back last, after exactly as many: these commands have
     /// no record and nonce in their replies, so a shifted connection shows in the echo (and
-    /// connection `generation` is replaced). Part of the `scope_salt` call about `key`.
+    /// connection `generation` is replaced). Part of the call `what` about `about`.
     async fn on_node(
         &self,
         conn: &mut Conn,
         generation: u64,
         node: &Node,
-        key: &str,
+        (what, about): (&'static str, &str),
         mut pipeline: Pipeline,
     ) -> Result<Vec<Value>, StoreError> {
-        let call = Call::new("scope_salt", key);
+        let call = Call::new(what, about);
         let count = pipeline.len();
         pipeline.cmd("ECHO").arg(&call.nonce);
         let mut replies = conn
@@ -352,7 +373,9 @@ impl Store for RedisStore {
                     .arg(millis_arg(claim_purge_at))
                     .arg(&keys.channel)
                     .arg(self.inner.publish)
-                    .arg(millis_arg(request.expires_at));
+                    .arg(millis_arg(request.expires_at))
+                    .arg(origin::encode(request.id, request.origin))
+                    .arg(request.origin.trace_id.map(|id| id.to_string()).unwrap_or_default());
             })
             .await?;
         Ok(match parse_begin(reply, &request)? {
@@ -385,7 +408,8 @@ impl Store for RedisStore {
                     .arg(millis_arg(completion.purge_at))
                     .arg(&keys.channel)
                     .arg(self.inner.publish)
-                    .arg(if again { "again" } else { "" });
+                    .arg(if again { "again" } else { "" })
+                    .arg(completion.status);
             })
             .await;
         let mut unseen_completions = self
@@ -628,6 +652,45 @@ impl Store for RedisStore {
 
     fn count_replay(&self, id: &RecordId) {
         self.inner.replays.count(id);
+    }
+
+    /// Walks every record under the prefix, node by node, a thousand keys at a time, each
+    /// batch's fields read in one pipeline (never an answer), and keeps the newest `query.limit`
+    /// that match: a scan of the whole keyspace, for an operator, never for a request. A record
+    /// past its `purge_at` is left out, as [`Store::get`] reads none; so is one written before
+    /// records kept their scope and key (this version of the store names every record it claims),
+    /// counted in one warning; one that does not read is left out with a warning of its own.
+    async fn list(&self, query: &ListQuery) -> Result<Vec<Listed>, StoreError> {
+        if query.limit == 0 {
+            return Ok(Vec::new());
+        }
+        let prefix = &self.inner.prefix;
+        let pattern = record_pattern(prefix);
+        let mut newest = Newest::new(query.limit);
+        let mut without_origin = 0_u64;
+        let read = |reads: &mut Pipeline, record: &[u8]| {
+            reads.cmd("HMGET").arg(record).arg(&LISTED_FIELDS[..]);
+        };
+        let record_name = |id: &RecordId| RecordKeys::new(prefix, id).record;
+        self.for_each_record("list", &pattern, read, |record, fields| {
+            match parse_listed(record, fields, query.now, record_name) {
+                Ok(Found::Listed(listed)) if query.matches(&listed) => newest.offer(listed),
+                Ok(Found::Listed(_) | Found::Gone) => {}
+                Ok(Found::WithoutOrigin) => without_origin += 1,
+                Err(why) => tracing::warn!(
+                    record = %String::from_utf8_lossy(record),
+                    "a record does not read; the list leaves it out: {why}"
+                ),
+            }
+        })
+        .await?;
+        if without_origin > 0 {
+            tracing::warn!(
+                records = without_origin,
+                "records written before records kept their scope and key cannot be named; the list leaves them out"
+            );
+        }
+        Ok(newest.into_vec())
     }
 }
 

@@ -122,6 +122,7 @@ async fn the_begin_script_follows_the_claim_rule_table() {
             expires_at: now.plus(Duration::from_secs(3600)),
             purge_at: now.plus(Duration::from_secs(7200)),
             token: FencingToken::random(),
+            origin: idem_core::testkit::origin(),
         };
         let begun = store
             .begin(request)

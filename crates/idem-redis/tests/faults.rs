@@ -92,6 +92,7 @@ async fn fixture() -> Fixture {
             completed_at: now,
             expires_at: now.plus(DAY),
             purge_at: now.plus(DAY * 7),
+            status: 200,
         };
         direct.complete(&id, token, completion).await.expect("complete");
         known.push(Known {
@@ -295,6 +296,7 @@ async fn a_reset_with_the_resubscription_held_past_the_timeout_never_misroutes_a
             completed_at: now,
             expires_at: now.plus(DAY),
             purge_at: now.plus(DAY * 7),
+            status: 200,
         };
         fixture.direct.complete(id, *token, completion).await.expect("complete");
     }

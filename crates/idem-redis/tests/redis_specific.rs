@@ -2,8 +2,8 @@
 //! polling, that a record's keys share one cluster slot, that expiry is native and relative to the
 //! caller's clock, that checkpoints expire with their record, that waiters share one subscription,
 //! that a store rides out an outage, that the scope salt counts the records on every node (and
-//! only its prefix's), never expires and is checked when read, and that replay counts are written
-//! later, in batches.
+//! only its prefix's), never expires and is checked when read, that replay counts are written
+//! later, in batches, and that `list` leaves out the records it cannot name.
 //!
 //! The notification tests set `poll_interval=60s`: the first poll would come after 15 s, so a
 //! waiter that returns within 10 s was woken by a message.
@@ -18,7 +18,10 @@ use common::{RedisHarness, Server, connect, delete_keys, fresh_prefix};
 use idem_core::testkit::{self, DAY, LEASE, fingerprint, fresh_id};
 use idem_core::{
     Store, StoreError, UnixMillis,
-    store::{Begin, BeginRequest, Checkpoint, Completion, FencingToken, RecordId, Release, ScopeSalt, WaitOutcome},
+    store::{
+        Begin, BeginRequest, Checkpoint, Completion, FencingToken, ListQuery, Origin, RecordId, RecordState, Release,
+        ScopeSalt, WaitOutcome,
+    },
 };
 use idem_redis::{RecordKeys, RedisError, RedisStore};
 use idem_test_support::private::PrivateRedis;
@@ -138,6 +141,7 @@ async fn takeover_wakes_a_waiter(server: Server) {
         expires_at: later.plus(std::time::Duration::from_secs(24 * 3600)),
         purge_at: later.plus(std::time::Duration::from_secs(7 * 24 * 3600)),
         token,
+        origin: testkit::origin(),
     };
     assert!(matches!(
         holder.begin(request).await.expect("begin"),
@@ -256,6 +260,7 @@ async fn expiry_is_native_and_relative(server: Server) {
         completed_at: base,
         expires_at: base,
         purge_at: base.plus(HOUR),
+        status: 200,
     };
     store.complete(&id, token, stale).await.expect("complete");
     let present: i64 = query(server, redis::cmd("EXISTS").arg(&keys.body));
@@ -348,6 +353,7 @@ async fn checkpoints_expire_with_their_record(server: Server) {
         expires_at: later.plus(std::time::Duration::from_secs(24 * 3600)),
         purge_at: later.plus(std::time::Duration::from_secs(7 * 24 * 3600)),
         token,
+        origin: testkit::origin(),
     };
     let taken = store.begin(request).await.expect("begin");
     assert!(matches!(taken, Begin::Acquired { recovered: true }), "{taken:?}");
@@ -466,6 +472,7 @@ async fn a_replay_is_one_round_trip_with_the_answer() {
         expires_at: now.plus(std::time::Duration::from_secs(24 * 3600)),
         purge_at: now.plus(std::time::Duration::from_secs(7 * 24 * 3600)),
         token: FencingToken::random(),
+        origin: testkit::origin(),
     };
     let Begin::Existing(record) = counting.begin(request).await.expect("begin") else {
         panic!("expected the stored record")
@@ -565,6 +572,7 @@ async fn a_resent_begin_gets_its_own_claim_back() {
         expires_at: now.plus(std::time::Duration::from_secs(24 * 3600)),
         purge_at: now.plus(std::time::Duration::from_secs(7 * 24 * 3600)),
         token,
+        origin: testkit::origin(),
     };
     let first = FencingToken::random();
     for _ in 0..2 {
@@ -611,6 +619,7 @@ async fn corrupt_records_are_reported_as_corrupt() {
         expires_at: now.plus(std::time::Duration::from_secs(24 * 3600)),
         purge_at: now.plus(std::time::Duration::from_secs(7 * 24 * 3600)),
         token: FencingToken::random(),
+        origin: testkit::origin(),
     };
     let err = store.begin(request).await.expect_err("no purge_at");
     assert!(
@@ -643,6 +652,142 @@ async fn completed(store: &RedisStore, id: &RecordId, keep: Duration) -> UnixMil
     let purge_at = done.purge_at;
     store.complete(id, token, done).await.expect("complete");
     purge_at
+}
+
+/// A record written before records kept their scope, key and origin (no `origin`, `trace_id`,
+/// `status` or `recovered` in its hash) still reads, with none of them; `list` cannot name it and
+/// leaves it out, as it leaves out one whose `origin` does not read or names another record, and
+/// lists the rest without failing.
+async fn list_leaves_out_the_records_it_cannot_name(server: Server) {
+    let prefix = fresh_prefix();
+    let _cleanup = Cleanup(server, prefix.clone());
+    let store = connect(server, &prefix, "").await;
+    let [named, old, garbled, impostor] = std::array::from_fn(|_| fresh_id());
+    for id in [&named, &old, &garbled, &impostor] {
+        completed(&store, id, 7 * DAY).await;
+    }
+    let record = |id: &RecordId| store.record_keys(id).record;
+    let _: i64 = query(
+        server,
+        redis::cmd("HDEL")
+            .arg(record(&old))
+            .arg(&["origin", "trace_id", "status", "recovered"]),
+    );
+    let _: i64 = query(
+        server,
+        redis::cmd("HSET")
+            .arg(record(&garbled))
+            .arg("origin")
+            .arg("not an origin"),
+    );
+    let named_origin: Vec<u8> = query(server, redis::cmd("HGET").arg(record(&named)).arg("origin"));
+    let _: i64 = query(
+        server,
+        redis::cmd("HSET")
+            .arg(record(&impostor))
+            .arg("origin")
+            .arg(named_origin),
+    );
+
+    let old_record = store
+        .get(&old)
+        .await
+        .expect("an old record reads")
+        .expect("it is there");
+    assert_eq!(
+        (&old_record.origin, old_record.recovered, old_record.status),
+        (&Origin::default(), false, None)
+    );
+    assert!(
+        matches!(old_record.state, RecordState::Completed { response: Some(_), .. }),
+        "{old_record:?}"
+    );
+    let garbled_record = store
+        .get(&garbled)
+        .await
+        .expect("a garbled origin reads")
+        .expect("it is there");
+    assert_eq!(
+        (&garbled_record.origin, garbled_record.status),
+        (&Origin::default(), Some(201)),
+        "what does not read is left out, the rest is read"
+    );
+
+    let listed = store.list(&ListQuery::all(UnixMillis::now(), 100)).await.expect("list");
+    let ids: Vec<_> = listed.into_iter().map(|listed| listed.id).collect();
+    assert_eq!(ids, [named], "only the record the list can name, once");
+}
+
+/// A takeover names its own run: a request without a trace leaves none of the run before it, and
+/// the record says the run was recovered after a release as unknown and a delete in flight too;
+/// the request's method and path stay the first claim's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_names_its_own_run() {
+    let harness = RedisHarness::standalone();
+    let store = idem_core::testkit::Harness::open(&harness).await;
+    let (id, fp, now) = (fresh_id(), fingerprint("a"), UnixMillis::now());
+    let traced = Origin::new(
+        "PUT",
+        "/orders/1",
+        idem_core::trace_context::TraceId::from_bytes([9; 16]),
+    );
+    let token = FencingToken::random();
+    store
+        .begin(BeginRequest {
+            origin: &traced,
+            ..testkit::claim(&id, &fp, now, token)
+        })
+        .await
+        .expect("begin");
+    store
+        .release(&id, token, testkit::unknown_at(now))
+        .await
+        .expect("release");
+    // `testkit::origin()` is another method and path, and no trace.
+    let token = FencingToken::random();
+    let taken = store.begin(testkit::claim(&id, &fp, now, token)).await.expect("begin");
+    assert!(matches!(taken, Begin::Acquired { recovered: true }), "{taken:?}");
+    let record = store.get(&id).await.expect("get").expect("the record");
+    let untraced = Origin {
+        trace_id: None,
+        ..traced.clone()
+    };
+    assert_eq!((&record.origin, record.recovered), (&untraced, true));
+    store
+        .release(&id, token, testkit::unknown_at(now))
+        .await
+        .expect("release");
+    let record = store.get(&id).await.expect("get").expect("the record");
+    assert_eq!(
+        (&record.origin, record.recovered),
+        (&untraced, true),
+        "a release keeps them"
+    );
+    let token = FencingToken::random();
+    store
+        .begin(BeginRequest {
+            origin: &traced,
+            ..testkit::claim(&id, &fp, now, token)
+        })
+        .await
+        .expect("begin");
+    store.delete(&id).await.expect("delete");
+    let record = store.get(&id).await.expect("get").expect("unknown now");
+    assert_eq!(
+        (&record.origin, record.recovered),
+        (&traced, true),
+        "a delete in flight keeps them"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standalone_list_leaves_out_the_records_it_cannot_name() {
+    list_leaves_out_the_records_it_cannot_name(Server::Standalone).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_list_leaves_out_the_records_it_cannot_name() {
+    list_leaves_out_the_records_it_cannot_name(Server::Cluster).await;
 }
 
 /// The salt's `older_records_until` is exactly the latest `purge_at` of the store's records
@@ -805,6 +950,7 @@ async fn replay(store: &RedisStore, id: &RecordId, now: UnixMillis) -> u64 {
         expires_at: now.plus(std::time::Duration::from_secs(24 * 3600)),
         purge_at: now.plus(std::time::Duration::from_secs(7 * 24 * 3600)),
         token: FencingToken::random(),
+        origin: testkit::origin(),
     };
     match store.begin(request).await.expect("begin") {
         Begin::Existing(record) => record.replays,
