@@ -1,10 +1,11 @@
 //! Rows as the store reads them, turned into the stored forms idem-core checks: a record's row
-//! into a [`StoredRecord`] (and its digest), the scope salt's row into a [`ScopeSalt`].
+//! into a [`StoredRecord`] (and its digest), a listed record's row into a [`Listed`], the scope
+//! salt's row into a [`ScopeSalt`].
 
 use idem_core::store::backend::StoredRecord;
 use idem_core::{
-    StoreError, UnixMillis,
-    store::{Record, RecordId, ScopeSalt},
+    IdempotencyKey, Scope, StoreError, UnixMillis,
+    store::{Listed, Record, RecordId, ScopeSalt},
 };
 use rusqlite::Row;
 
@@ -30,12 +31,63 @@ impl StoredRow {
                 expires_at: row.get(8)?,
                 purge_at: Some(row.get(9)?),
                 replays: row.get(10)?,
+                method: row.get(11)?,
+                path: row.get(12)?,
+                trace_id: row.get(13)?,
+                recovered: row.get(14)?,
+                status: row.get(15)?,
             },
         })
     }
 
     pub(crate) fn into_record(self, id: RecordId) -> Result<Record, StoreError> {
         self.stored.into_record(id)
+    }
+}
+
+/// A row of [`LIST`](crate::sql::LIST): a record without its fingerprint, token or answer, and
+/// whether it holds an answer.
+pub(crate) struct ListedRow {
+    scope: String,
+    key: String,
+    has_answer: bool,
+    stored: StoredRecord,
+}
+
+impl ListedRow {
+    /// Reads the columns of [`LIST`](crate::sql::LIST), in order.
+    pub(crate) fn from_row(row: &Row<'_>) -> rusqlite::Result<Self> {
+        Ok(Self {
+            scope: row.get(0)?,
+            key: row.get(1)?,
+            has_answer: row.get(5)?,
+            stored: StoredRecord {
+                state: row.get(2)?,
+                expires_at: row.get(3)?,
+                purge_at: Some(row.get(4)?),
+                created_at: row.get(6)?,
+                replays: row.get(7)?,
+                method: row.get(8)?,
+                path: row.get(9)?,
+                trace_id: row.get(10)?,
+                recovered: row.get(11)?,
+                status: row.get(12)?,
+                ..StoredRecord::default()
+            },
+        })
+    }
+
+    /// The record as listed at `now`, or why it cannot be (its key is no key, or its state no
+    /// state).
+    pub(crate) fn listed(self, now: UnixMillis) -> Result<Listed, String> {
+        let key =
+            IdempotencyKey::new(&self.key).map_err(|err| format!("record {} {:?}: {err}", self.scope, self.key))?;
+        let id = RecordId {
+            scope: Scope::from_stored(self.scope),
+            key,
+        };
+        let why = format!("record {} {}: unknown state {:?}", id.scope, id.key, self.stored.state);
+        self.stored.listed(id, self.has_answer, now).ok_or(why)
     }
 }
 

@@ -38,6 +38,7 @@ impl SqliteStore {
             .bind(completion.completed_at.as_i64())
             .bind(completion.expires_at.as_i64())
             .bind(completion.purge_at.as_i64())
+            .bind(completion.status)
             .execute(&mut *tx)
             .await
             .map_err(StoreError::unavailable)?;

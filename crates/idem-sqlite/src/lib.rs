@@ -21,9 +21,10 @@
 //! # }
 //! ```
 //!
-//! Schema (`PRAGMA user_version` 3): one `STRICT` table `idem_records`, keyed by `(scope, key)`,
+//! Schema (`PRAGMA user_version` 4): one `STRICT` table `idem_records`, keyed by `(scope, key)`,
 //! indexed on `purge_at` and (for rows that still hold an answer) on `expires_at`, so that
-//! [`Store::purge`](idem_core::Store::purge) never scans the table. The checkpoints of a record's
+//! [`Store::purge`](idem_core::Store::purge) never scans the table, and on `created_at`, so that
+//! [`Store::list`](idem_core::Store::list) reads records newest first. The checkpoints of a record's
 //! current run are one blob in its row, so they go wherever the row goes. The store's
 //! [scope salt](idem_core::Store::scope_salt) is the one row of `idem_scope_salt`, which purging
 //! never touches. A file made by an older version is upgraded in place when it is opened.
@@ -40,6 +41,7 @@ mod deletions;
 mod error;
 #[cfg(feature = "sqlx")]
 mod in_transaction;
+mod list;
 mod schema;
 mod sql;
 mod store;

@@ -2,8 +2,10 @@
 //! scans, and the store's scope salt. `PRAGMA user_version` holds the schema version.
 //!
 //! Versions: 1 is the table of records; 2 adds the `checkpoints` column (the checkpoints of the
-//! current run, see [`crate::checkpoints`]); 3 adds the table `idem_scope_salt`. A file made by an
-//! older version is upgraded in place when it is opened.
+//! current run, see [`crate::checkpoints`]); 3 adds the table `idem_scope_salt`; 4 adds what a
+//! record keeps for the operator (`method`, `path`, `trace_id`, `recovered`, `status`) and the
+//! `created_at` index that lists records newest first. A file made by an older version is upgraded
+//! in place when it is opened.
 
 use std::path::Path;
 
@@ -13,12 +15,17 @@ use crate::SqliteError;
 use crate::conn::retry_busy;
 
 /// The newest schema version this crate writes.
-pub(crate) const VERSION: i64 = 3;
+pub(crate) const VERSION: i64 = 4;
 
 /// The newest schema, for a new file. Idempotent: every statement is `IF NOT EXISTS`. A rowid
 /// table (not `WITHOUT ROWID`) because rows carry response bodies of up to hundreds of KiB, and
-/// purging deletes by rowid. `checkpoints` is the last column, where [`ADD_CHECKPOINTS`] puts it in
-/// an upgraded file, so that new and upgraded tables are alike.
+/// purging deletes by rowid. `checkpoints` and the columns of [`ADD_ORIGIN`] come last, in the
+/// order their `ADD COLUMN`s put them in an upgraded file, so that new and upgraded tables are alike.
+///
+/// `idem_records_created_at` (version 4) serves `Store::list`, which reads records newest first,
+/// from a time on: the index is walked backwards and the walk stops at the query's limit. It is on
+/// `created_at` alone, which every version has, so `IF NOT EXISTS` adds it to an older file too,
+/// and it is as small as an index can be, since every claim writes it.
 ///
 /// `idem_scope_salt` (version 3) holds the store's one scope salt, in a table of its own that
 /// retention never touches: one row at most (`id = 1`, so that a second one cannot be inserted),
@@ -49,10 +56,16 @@ CREATE TABLE IF NOT EXISTS idem_records (
     purge_at     INTEGER NOT NULL,
     replays      INTEGER NOT NULL DEFAULT 0,
     checkpoints  BLOB,
+    method       TEXT    NOT NULL DEFAULT '',
+    path         TEXT    NOT NULL DEFAULT '',
+    trace_id     TEXT,
+    recovered    INTEGER NOT NULL DEFAULT 0,
+    status       INTEGER,
     PRIMARY KEY (scope, key)
 ) STRICT;
 CREATE INDEX IF NOT EXISTS idem_records_purge_at ON idem_records (purge_at);
 CREATE INDEX IF NOT EXISTS idem_records_expires_at ON idem_records (expires_at) WHERE response IS NOT NULL;
+CREATE INDEX IF NOT EXISTS idem_records_created_at ON idem_records (created_at);
 CREATE TABLE IF NOT EXISTS idem_fence (
     aborted INTEGER NOT NULL CHECK (aborted = 0)
 ) STRICT;
@@ -71,6 +84,27 @@ CREATE TABLE IF NOT EXISTS idem_scope_salt (
 /// Version 2, on a file made by version 1: the checkpoints of each record's current run.
 const ADD_CHECKPOINTS: &str = "ALTER TABLE idem_records ADD COLUMN checkpoints BLOB";
 
+/// Version 4, on an older file: what a record keeps about its request, its latest run and its
+/// answer, each column with the statement that adds it, in [`SCHEMA`]'s order. The defaults are
+/// what a record written before them reads as: no method or path, no trace, not recovered, no
+/// status.
+const ADD_ORIGIN: [(&str, &str); 5] = [
+    (
+        "method",
+        "ALTER TABLE idem_records ADD COLUMN method TEXT NOT NULL DEFAULT ''",
+    ),
+    (
+        "path",
+        "ALTER TABLE idem_records ADD COLUMN path TEXT NOT NULL DEFAULT ''",
+    ),
+    ("trace_id", "ALTER TABLE idem_records ADD COLUMN trace_id TEXT"),
+    (
+        "recovered",
+        "ALTER TABLE idem_records ADD COLUMN recovered INTEGER NOT NULL DEFAULT 0",
+    ),
+    ("status", "ALTER TABLE idem_records ADD COLUMN status INTEGER"),
+];
+
 /// Creates the schema if it is absent and upgrades an older one, in one immediate transaction so
 /// that processes starting together on a file do not trip over each other (the second one finds
 /// the work done).
@@ -82,6 +116,11 @@ pub(crate) fn migrate(conn: &mut Connection, path: &Path) -> Result<(), SqliteEr
             tx.execute_batch(SCHEMA)?;
             if !has_column(&tx, "idem_records", "checkpoints")? {
                 tx.execute_batch(ADD_CHECKPOINTS)?;
+            }
+            for (column, add) in ADD_ORIGIN {
+                if !has_column(&tx, "idem_records", column)? {
+                    tx.execute_batch(add)?;
+                }
             }
             if found < VERSION {
                 tx.pragma_update(None, "user_version", VERSION)?;

@@ -5,28 +5,34 @@
 /// The record's columns that [`crate::decode::StoredRow`] reads, in its order, for a key.
 pub(crate) const SELECT_RECORD: &str =
     "SELECT state, fingerprint, digest, token, lease_until, response, created_at, completed_at,
-        expires_at, purge_at, replays
+        expires_at, purge_at, replays, method, path, trace_id, recovered, status
     FROM idem_records WHERE scope = ?1 AND key = ?2";
 
-/// A new key's claim; returns a row only if it made one.
+/// A new key's claim, with what the record keeps about its request (method `?10`, path `?11`,
+/// trace id `?12`); returns a row only if it made one.
 pub(crate) const CLAIM: &str = "INSERT INTO idem_records
         (scope, key, state, fingerprint, digest, token, lease_until, created_at, expires_at, purge_at,
-         replays)
-    VALUES (?1, ?2, 'in-flight', ?3, ?4, ?5, ?6, ?7, ?9, ?8, 0)
+         replays, method, path, trace_id)
+    VALUES (?1, ?2, 'in-flight', ?3, ?4, ?5, ?6, ?7, ?9, ?8, 0, ?10, ?11, ?12)
     ON CONFLICT (scope, key) DO NOTHING
     RETURNING 1";
 
 /// A record past its `purge_at` is claimed anew, as if it were absent: nothing of it is kept,
-/// its checkpoints included.
+/// its checkpoints, its origin, its recovery and its answer's status included. The parameters
+/// are [`CLAIM`]'s.
 pub(crate) const REPLACE: &str = "UPDATE idem_records
     SET state = 'in-flight', fingerprint = ?3, digest = ?4, token = ?5, lease_until = ?6,
         response = NULL, created_at = ?7, completed_at = NULL, expires_at = ?9,
-        purge_at = ?8, replays = 0, checkpoints = NULL
+        purge_at = ?8, replays = 0, checkpoints = NULL, method = ?10, path = ?11, trace_id = ?12,
+        recovered = 0, status = NULL
     WHERE scope = ?1 AND key = ?2";
 
-/// The checkpoints stay: the new run resumes from them. The new run has a ttl of its own.
+/// The checkpoints stay: the new run resumes from them. The new run has a ttl of its own, and
+/// the record now names it: its trace id `?7` (`NULL` if its request carried none) and whether
+/// it is recovered (`?8`). The method, path and creation time are the key's first claim's.
 pub(crate) const TAKE_OVER: &str = "UPDATE idem_records
-    SET state = 'in-flight', token = ?3, lease_until = ?4, purge_at = ?5, expires_at = ?6
+    SET state = 'in-flight', token = ?3, lease_until = ?4, purge_at = ?5, expires_at = ?6,
+        trace_id = ?7, recovered = ?8
     WHERE scope = ?1 AND key = ?2";
 
 /// A replay is counted in the same transaction that read the record.
@@ -36,10 +42,12 @@ pub(crate) const COUNT_REPLAY: &str = "UPDATE idem_records SET replays = replays
 pub(crate) const ADD_REPLAYS: &str = "UPDATE idem_records SET replays = replays + ?3 WHERE scope = ?1 AND key = ?2";
 
 /// The run is over, and so are its checkpoints. The token stays, as the claim that completed the
-/// record ([`CLAIM_STATE`]). Also run in a handler's own transaction (`complete_in`).
+/// record ([`CLAIM_STATE`]), and so does `recovered`, which tells whether the run that answered
+/// was recovered; the answer's status `?8` is kept beside it. Also run in a handler's own
+/// transaction (`complete_in`).
 pub(crate) const COMPLETE: &str = "UPDATE idem_records
     SET state = 'completed', lease_until = NULL, response = ?4,
-        completed_at = ?5, expires_at = ?6, purge_at = ?7, checkpoints = NULL
+        completed_at = ?5, expires_at = ?6, purge_at = ?7, checkpoints = NULL, status = ?8
     WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in-flight'";
 
 /// Where the claim `?3` stands: the record's state and whether `?3` is its token (the current
@@ -109,5 +117,46 @@ pub(crate) const PURGE_DELETE: &str = "DELETE FROM idem_records WHERE rowid IN
 /// Drops up to `?2` answers expired at `?1`, found through the partial `expires_at` index.
 pub(crate) const PURGE_TOMBSTONE: &str = "UPDATE idem_records SET response = NULL WHERE rowid IN
     (SELECT rowid FROM idem_records WHERE response IS NOT NULL AND expires_at <= ?1 LIMIT ?2)";
+
+/// The records an operator asks for ([`idem_core::store::ListQuery`]), newest first, at most
+/// `?6`, with the query's every condition pushed down as [`ListQuery::matches`] states it:
+///
+/// - `?1` is the query's `now`, by which states are judged as [`ListedState::at`] judges them
+///   (the `CASE`; a `NULL` time is never live).
+/// - `?2` the earliest `created_at` (`i64::MIN` for any), a range on `idem_records_created_at`,
+///   which is walked backwards for the order.
+/// - `?3` the listed state's word, or `NULL` for any.
+/// - `?4` true for only the records whose latest run was recovered.
+/// - `?5` the path as a blob, or `NULL` for any: [`path_is_under`] on bytes. SQLite's `substr`
+///   and `length` count characters in text but bytes in blobs, and `LIKE` would read `%` and `_`
+///   in the path as wildcards, so the path is compared as bytes, prefix and following `/` alike.
+///   `substr` of an empty blob is `NULL`, not an empty blob: the empty prefix is tested apart.
+///
+/// Ties in `created_at` are ordered by scope and key under the `BINARY` collation, byte by byte,
+/// as Rust compares strings ([`Listed::newest_first`]). The answers themselves are never read,
+/// only whether there is one.
+///
+/// [`ListQuery::matches`]: idem_core::store::ListQuery::matches
+/// [`ListedState::at`]: idem_core::store::ListedState::at
+/// [`path_is_under`]: idem_core::store::path_is_under
+/// [`Listed::newest_first`]: idem_core::store::Listed::newest_first
+pub(crate) const LIST: &str = "SELECT scope, key, state, expires_at, purge_at, response IS NOT NULL,
+        created_at, replays, method, path, trace_id, recovered, status
+    FROM idem_records
+    WHERE created_at >= ?2
+        AND (?3 IS NULL OR ?3 = CASE
+            WHEN state = 'in-flight' THEN 'in-flight'
+            WHEN state = 'unknown' AND COALESCE(expires_at, purge_at) > ?1 THEN 'unknown'
+            WHEN state = 'completed' AND response IS NOT NULL AND expires_at > ?1 THEN 'completed'
+            ELSE 'tombstone'
+        END)
+        AND (NOT ?4 OR recovered)
+        AND (?5 IS NULL OR (
+            (length(?5) = 0 OR substr(CAST(path AS BLOB), 1, length(?5)) = ?5)
+            AND (length(CAST(path AS BLOB)) = length(?5)
+                OR substr(CAST(path AS BLOB), length(?5) + 1, 1) = X'2F'
+                OR substr(?5, -1, 1) = X'2F')))
+    ORDER BY created_at DESC, scope, key
+    LIMIT ?6";
 
 pub(crate) const PING: &str = "SELECT 1";

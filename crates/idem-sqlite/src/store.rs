@@ -2,8 +2,9 @@
 //! `BEGIN IMMEDIATE` transaction, which takes the database's write lock before it reads, so
 //! concurrent claims, in this process or another one, are serialised by SQLite itself.
 //!
-//! The statements are in `sql.rs`, rows are read in `decode.rs`, and the connections (and the
-//! blocking threads they run on) are `conn.rs`'s: this module is the operations.
+//! The statements are in `sql.rs`, rows are read in `decode.rs`, listing is `list.rs`'s, and the
+//! connections (and the blocking threads they run on) are `conn.rs`'s: this module is the
+//! operations.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -19,8 +20,8 @@ use idem_core::store::backend::{
 use idem_core::{
     Store, StoreError, UnixMillis,
     store::{
-        Begin, BeginRequest, Checkpoint, ClaimState, Completion, FencingToken, Purged, Record, RecordId, Release,
-        ScopeSalt, WaitOutcome,
+        Begin, BeginRequest, Checkpoint, ClaimState, Completion, FencingToken, ListQuery, Listed, Purged, Record,
+        RecordId, Release, ScopeSalt, WaitOutcome,
     },
 };
 use rusqlite::{Connection, OptionalExtension, Transaction, params};
@@ -30,7 +31,7 @@ use crate::decode::{self, StoredRow};
 use crate::deletions::{self, FileDeletions};
 use crate::sql;
 use crate::waiters::{self, Subscription};
-use crate::{SqliteError, checkpoints, schema};
+use crate::{SqliteError, checkpoints, list, schema};
 
 /// Polling for changes made by other processes, which cannot wake this one.
 const POLL_FIRST: Duration = Duration::from_millis(5);
@@ -160,6 +161,9 @@ impl Store for SqliteStore {
             expires_at: request.expires_at,
             purge_at: request.purge_at,
             token: request.token,
+            method: request.origin.method.clone(),
+            path: request.origin.path.clone(),
+            trace_id: request.origin.trace_id.map(|trace_id| trace_id.to_string()),
         };
         let (begun, changed_hands) = self.conns.write(move |tx| begin_in(tx, id, owned)).await?;
         if changed_hands {
@@ -182,7 +186,8 @@ impl Store for SqliteStore {
                             &completion.response[..],
                             completion.completed_at.as_i64(),
                             completion.expires_at.as_i64(),
-                            completion.purge_at.as_i64()
+                            completion.purge_at.as_i64(),
+                            completion.status
                         ])
                     })
                     .map_err(db_error)?;
@@ -375,6 +380,13 @@ impl Store for SqliteStore {
     fn count_replay(&self, id: &RecordId) {
         self.replays.count(id);
     }
+
+    async fn list(&self, query: &ListQuery) -> Result<Vec<Listed>, StoreError> {
+        // Replays counted in memory and not yet written are left out: the counts are statistics,
+        // written within `FLUSH_REPLAYS_EVERY`.
+        let query = query.clone();
+        self.conns.read(move |conn| list::list(conn, &query)).await
+    }
 }
 
 /// Adds `counts` to their records in one transaction; returns them all if it failed (or the store
@@ -434,6 +446,9 @@ fn begin_in(tx: &Transaction<'_>, id: RecordId, request: OwnedBegin) -> Result<(
         expires_at,
         purge_at,
         token,
+        method,
+        path,
+        trace_id,
     } = request;
     let (scope, key) = (id.scope.as_str(), id.key.as_str());
     let purge_at = claim_purge_at(purge_at, lease_until).as_i64();
@@ -451,7 +466,10 @@ fn begin_in(tx: &Transaction<'_>, id: RecordId, request: OwnedBegin) -> Result<(
                     lease_until.as_i64(),
                     now.as_i64(),
                     purge_at,
-                    expires_at
+                    expires_at,
+                    method,
+                    path,
+                    trace_id
                 ],
                 |_| Ok(()),
             )
@@ -478,7 +496,10 @@ fn begin_in(tx: &Transaction<'_>, id: RecordId, request: OwnedBegin) -> Result<(
                     lease_until.as_i64(),
                     now,
                     purge_at,
-                    expires_at
+                    expires_at,
+                    method,
+                    path,
+                    trace_id
                 ])
             })
             .map_err(db_error)?;
@@ -501,7 +522,9 @@ fn begin_in(tx: &Transaction<'_>, id: RecordId, request: OwnedBegin) -> Result<(
                     &token.as_bytes()[..],
                     lease_until.as_i64(),
                     purge_at,
-                    expires_at
+                    expires_at,
+                    trace_id,
+                    recovered
                 ])
             })
             .map_err(db_error)?;
@@ -521,7 +544,8 @@ fn begin_in(tx: &Transaction<'_>, id: RecordId, request: OwnedBegin) -> Result<(
     Ok((Begin::Existing(record), false))
 }
 
-/// A [`BeginRequest`] that can move to the blocking thread.
+/// A [`BeginRequest`] that can move to the blocking thread, its origin as stored (the trace id
+/// as its hex digits).
 struct OwnedBegin {
     fingerprint: Vec<u8>,
     digest: [u8; 32],
@@ -530,6 +554,9 @@ struct OwnedBegin {
     expires_at: UnixMillis,
     purge_at: UnixMillis,
     token: FencingToken,
+    method: String,
+    path: String,
+    trace_id: Option<String>,
 }
 
 /// `checkpoint` inside its transaction: reads the list of the claim `token`, records `checkpoint`
@@ -593,8 +620,12 @@ mod tests {
     use idem_core::Fingerprint;
 
     fn plan(conn: &Connection, sql: &str) -> String {
+        plan_with(conn, sql, params![0, 10])
+    }
+
+    fn plan_with(conn: &Connection, sql: &str, params: &[&dyn rusqlite::ToSql]) -> String {
         let mut stmt = conn.prepare(&format!("EXPLAIN QUERY PLAN {sql}")).unwrap();
-        let rows = stmt.query_map(params![0, 10], |row| row.get::<_, String>(3)).unwrap();
+        let rows = stmt.query_map(params, |row| row.get::<_, String>(3)).unwrap();
         rows.map(Result::unwrap).collect::<Vec<_>>().join("; ")
     }
 
@@ -614,6 +645,28 @@ mod tests {
         assert!(
             tombstoning.contains("USING INDEX idem_records_expires_at"),
             "{tombstoning}"
+        );
+    }
+
+    /// Listing walks the `created_at` index newest first and stops at the limit: it sorts only
+    /// records created in the same millisecond (by scope and key), never the table.
+    #[tokio::test]
+    async fn listing_walks_the_created_at_index() {
+        let store = SqliteStore::open(":memory:").await.unwrap();
+        let conn = store.conns.writer();
+        let path: Option<&[u8]> = Some(b"/payments");
+        let listing = plan_with(
+            &conn,
+            sql::LIST,
+            params![0, i64::MIN, Some("completed"), true, path, 10],
+        );
+        assert!(
+            listing.contains("USING INDEX idem_records_created_at (created_at>?)"),
+            "{listing}"
+        );
+        assert!(
+            listing.contains("TEMP B-TREE FOR LAST 2 TERMS OF ORDER BY"),
+            "{listing}"
         );
     }
 
@@ -645,6 +698,7 @@ mod tests {
             expires_at: UnixMillis(100_000),
             purge_at: UnixMillis(1_000_000),
             token,
+            origin: &idem_core::store::Origin::default(),
         };
         holder.begin(request).await.unwrap();
 
@@ -670,6 +724,7 @@ mod tests {
         notified.as_mut().enable();
         let completion = Completion {
             response: Bytes::from_static(b"answer"),
+            status: 200,
             completed_at: UnixMillis(2_500),
             expires_at: UnixMillis(10_000),
             purge_at: UnixMillis(20_000),

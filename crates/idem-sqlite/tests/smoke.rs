@@ -5,11 +5,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use idem_core::testkit::{LEASE, begin, fingerprint};
+use idem_core::testkit::{LEASE, begin, claim, fingerprint};
+use idem_core::trace_context::TraceId;
 use idem_core::{
     IdempotencyKey, Scope, Store, StoreError, UnixMillis,
     store::{
-        Begin, Checkpoint, Completion, FencingToken, Purged, RecordId, RecordState, Release, ScopeSalt, WaitOutcome,
+        Begin, BeginRequest, Checkpoint, Completion, FencingToken, ListQuery, ListedState, Origin, Purged, RecordId,
+        RecordState, Release, ScopeSalt, WaitOutcome,
     },
 };
 use idem_sqlite::{SqliteError, SqliteStore};
@@ -27,6 +29,7 @@ fn id(key: &str) -> RecordId {
 fn completion(now: UnixMillis, body: &'static [u8]) -> Completion {
     Completion {
         response: Bytes::from_static(body),
+        status: 200,
         completed_at: now,
         expires_at: now.plus(Duration::from_secs(3600)),
         purge_at: now.plus(Duration::from_secs(7200)),
@@ -450,6 +453,17 @@ ALTER TABLE idem_records ADD COLUMN checkpoints BLOB;
 PRAGMA user_version = 2;
 ";
 
+/// Version 3 on a file of [`SCHEMA_V2_FROM_V1`]: the scope salt, before records kept their origin.
+const SCHEMA_V3_FROM_V2: &str = "
+CREATE TABLE idem_scope_salt (
+    id                  INTEGER PRIMARY KEY CHECK (id = 1),
+    salt                BLOB    NOT NULL,
+    created_at          INTEGER NOT NULL,
+    older_records_until INTEGER
+) STRICT;
+PRAGMA user_version = 3;
+";
+
 /// The schema version of the file and the columns of its tables (`table.column`), in order.
 /// Opens the old file at `path` from two stores at once (two processes starting together: one
 /// upgrades it, the other finds it done), and asserts that it is now of the newest version, with
@@ -458,7 +472,7 @@ async fn open_together_upgraded(path: &std::path::Path) -> (SqliteStore, SqliteS
     let (store, other) = tokio::join!(SqliteStore::open(path), SqliteStore::open(path));
     let (store, other) = (store.unwrap(), other.unwrap());
     let (version, columns) = schema_of(path);
-    assert_eq!(version, 3);
+    assert_eq!(version, 4);
     let fresh = path.with_file_name("fresh.db");
     drop(SqliteStore::open(&fresh).await.unwrap());
     assert_eq!(columns, schema_of(&fresh).1, "upgraded tables are like new ones");
@@ -603,6 +617,92 @@ async fn a_file_of_schema_version_2_is_upgraded_and_its_salt_says_how_long_its_r
         "still the newest schema"
     );
     assert_eq!(store.scope_salt(ScopeSalt::random(latest)).await.unwrap(), salt);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_of_schema_version_3_is_upgraded_and_its_records_read_without_an_origin() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("idem.db");
+    let fp = fingerprint("body");
+    let purge_at = T0.plus(Duration::from_secs(7200));
+    {
+        // A file made before records kept their origin: an answer, and an unknown outcome.
+        let conn = rusqlite::Connection::open(&path).unwrap();
+        conn.pragma_update(None, "journal_mode", "WAL").unwrap();
+        conn.execute_batch(SCHEMA_V1).unwrap();
+        conn.execute_batch(SCHEMA_V2_FROM_V1).unwrap();
+        conn.execute_batch(SCHEMA_V3_FROM_V2).unwrap();
+        for (key, state, response) in [
+            ("old-answer", "completed", Some(&b"kept"[..])),
+            ("old-unknown", "unknown", None),
+        ] {
+            let id = id(key);
+            conn.execute(
+                "INSERT INTO idem_records
+                     (scope, key, state, fingerprint, digest, response, created_at, completed_at, expires_at,
+                      purge_at)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7, ?8, ?9)",
+                rusqlite::params![
+                    id.scope.as_str(),
+                    id.key.as_str(),
+                    state,
+                    fp.encode(),
+                    &fp.digest()[..],
+                    response,
+                    T0.as_i64(),
+                    T0.plus(Duration::from_secs(3600)).as_i64(),
+                    purge_at.as_i64()
+                ],
+            )
+            .unwrap();
+        }
+    }
+    assert_eq!(schema_of(&path).0, 3);
+
+    let (store, other) = open_together_upgraded(&path).await;
+    for key in ["old-answer", "old-unknown"] {
+        let record = other.get(&id(key)).await.unwrap().expect("an old record");
+        assert_eq!(
+            (&record.origin, record.recovered, record.status),
+            (&Origin::default(), false, None),
+            "{key}: nothing was kept, and nothing is corrupt"
+        );
+    }
+    let listed = store.list(&ListQuery::all(T0, 10)).await.unwrap();
+    assert_eq!(
+        listed
+            .iter()
+            .map(|listed| (listed.id.key.as_str(), listed.state))
+            .collect::<Vec<_>>(),
+        [
+            ("old-answer", ListedState::Completed),
+            ("old-unknown", ListedState::Unknown)
+        ]
+    );
+    assert!(
+        listed
+            .iter()
+            .all(|listed| listed.origin == Origin::default() && listed.status.is_none())
+    );
+
+    // Taken over now, the old unknown outcome names the run that holds it; it never had a method
+    // or a path, and a takeover keeps those.
+    let trace_id = TraceId::from_bytes([3; 16]);
+    let request = Origin::new("POST", "/payments", trace_id);
+    let token = FencingToken::random();
+    let begun = store
+        .begin(BeginRequest {
+            origin: &request,
+            ..claim(&id("old-unknown"), &fp, T0, token)
+        })
+        .await
+        .unwrap();
+    assert!(matches!(begun, Begin::Acquired { recovered: true }), "{begun:?}");
+    let record = store.get(&id("old-unknown")).await.unwrap().unwrap();
+    assert_eq!(
+        (record.origin.path.as_str(), record.origin.trace_id, record.recovered),
+        ("", trace_id, true)
+    );
 }
 
 #[tokio::test]
