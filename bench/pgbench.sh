@@ -106,16 +106,18 @@ KEY_NEW="'n-' || :run::text || '-' || :client_id::text || '-' || :k::text"
 cat >"$TMP/new.sql" <<EOF
 \\set k random(1, 9000000000000000000)
 INSERT INTO idem_records
-    (scope, key, state, fingerprint, digest, token, lease_until, created_at, purge_at, replays)
+    (scope, key, state, fingerprint, digest, token, lease_until, created_at, purge_at, replays, method, path,
+     trace_id)
 VALUES ($SCOPE, $KEY_NEW, 'in-flight', decode(repeat('ab', 113), 'hex'), decode(repeat('cd', 32), 'hex'),
-        '\\x00112233445566778899aabbccddeeff'::bytea, 1767225660000, 1767225600000, 1767830400000, 0)
+        '\\x00112233445566778899aabbccddeeff'::bytea, 1767225660000, 1767225600000, 1767830400000, 0, 'POST',
+        '/payments', '0af7651916cd43dd8448eb211c80319c')
 ON CONFLICT (scope, key) DO NOTHING
 RETURNING 1;
 WITH completed AS (
     UPDATE idem_records
     SET state = 'completed', token = NULL, lease_until = NULL, response = decode(repeat('ef', 128), 'hex'),
         completed_at = 1767225600001, expires_at = 1767312000000, purge_at = 1767830400000,
-        checkpoint_names = '{}', checkpoint_values = '{}'
+        checkpoint_names = '{}', checkpoint_values = '{}', status = 201
     WHERE scope = $SCOPE AND key = $KEY_NEW AND token = '\\x00112233445566778899aabbccddeeff'::bytea
       AND state = 'in-flight'
     RETURNING waiters
@@ -123,7 +125,8 @@ WITH completed AS (
 SELECT (SELECT pg_notify('idem_records', '0123456789abcdef0123456789abcdef') WHERE completed.waiters > 0)
 FROM completed;
 EOF
-COLUMNS="state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays"
+COLUMNS="state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays,
+    method, path, trace_id, recovered, status"
 cat >"$TMP/replay.sql" <<EOF
 \\set i random(0, 9999)
 SELECT $COLUMNS
@@ -131,16 +134,18 @@ FROM idem_records WHERE scope = $SCOPE AND key = 'r-' || :i::text;
 EOF
 
 # The store's own CLAIM, read from crates/idem-postgres/src/sql.rs (so it never drifts from the
-# store), with the values of the store's sizes written in for $1..$9. On a completed record it
+# store), with the values of the store's sizes written in for $1..$12. On a completed record it
 # reads the record and inserts nothing.
 CLAIM_SQL=$(sed -n '/^pub(crate) const CLAIM: &str = "$/,/";$/p' "$ROOT/crates/idem-postgres/src/sql.rs" | sed '1d;$s/";$//')
-case $CLAIM_SQL in *'$9'*) ;; *) die "cannot read CLAIM (with its parameters \$1..\$9) in crates/idem-postgres/src/sql.rs" ;; esac
+case $CLAIM_SQL in *'$12'*) ;; *) die "cannot read CLAIM (with its parameters \$1..\$12) in crates/idem-postgres/src/sql.rs" ;; esac
 CLAIM_VALUES=("$SCOPE" "'r-' || :i::text" "decode(repeat('ab', 113), 'hex')" "decode(repeat('cd', 32), 'hex')"
-    "'\\x00112233445566778899aabbccddeeff'::bytea" 1767225660000 1767225600000 1767830400000 1767312000000)
-for n in 9 8 7 6 5 4 3 2 1; do
+    "'\\x00112233445566778899aabbccddeeff'::bytea" 1767225660000 1767225600000 1767830400000 1767312000000
+    "'POST'" "'/payments'" "'0af7651916cd43dd8448eb211c80319c'")
+# From the highest: replacing $1 first would eat the start of $10..$12.
+for n in 12 11 10 9 8 7 6 5 4 3 2 1; do
     CLAIM_SQL=${CLAIM_SQL//"\$$n"/${CLAIM_VALUES[$((n - 1))]}}
 done
-case $CLAIM_SQL in *'$'[0-9]*) die "CLAIM in crates/idem-postgres/src/sql.rs has parameters past \$9" ;; esac
+case $CLAIM_SQL in *'$'[0-9]*) die "CLAIM in crates/idem-postgres/src/sql.rs has parameters past \$12" ;; esac
 printf '\\set i random(0, 9999)\n%s;\n' "$CLAIM_SQL" >"$TMP/claim.sql"
 
 # pgb SCRIPT CLIENTS: transactions (one script run) per second, or dies.

@@ -1,11 +1,12 @@
 //! Rows as the store reads them, turned into the stored forms idem-core checks: a record's row into
-//! a [`StoredRecord`] (and its digest), the checkpoint arrays into [`Checkpoint`]s, the scope salt's
-//! row into a [`ScopeSalt`]. A value of the wrong type is a corrupt record, never a panic.
+//! a [`StoredRecord`] (and its digest), a listed row into a [`Listed`], the checkpoint arrays into
+//! [`Checkpoint`]s, the scope salt's row into a [`ScopeSalt`]. A value of the wrong type is a
+//! corrupt record, never a panic.
 
 use idem_core::store::backend::StoredRecord;
 use idem_core::{
-    StoreError, UnixMillis,
-    store::{Checkpoint, Record, RecordId, ScopeSalt},
+    IdempotencyKey, Scope, StoreError, UnixMillis,
+    store::{Checkpoint, Listed, Record, RecordId, ScopeSalt},
 };
 use tokio_postgres::Row;
 
@@ -34,6 +35,11 @@ impl StoredRow {
                     expires_at: row.try_get(8)?,
                     purge_at: Some(row.try_get(9)?),
                     replays: row.try_get(10)?,
+                    method: row.try_get(11)?,
+                    path: row.try_get(12)?,
+                    trace_id: row.try_get(13)?,
+                    recovered: row.try_get(14)?,
+                    status: row.try_get::<_, Option<i32>>(15)?.map(i64::from),
                 },
             })
         };
@@ -43,6 +49,41 @@ impl StoredRow {
     pub(crate) fn into_record(self, id: RecordId) -> Result<Record, StoreError> {
         self.stored.into_record(id)
     }
+}
+
+/// Reads a row of [`LIST`](crate::sql::LIST), its state judged at `now`. What does not read (a
+/// value of the wrong type, a key that is not one, a state that is none) is described, for the
+/// warning with which the listing skips it.
+pub(crate) fn listed_from_row(row: &Row, now: UnixMillis) -> Result<Listed, String> {
+    let (scope, key): (String, String) = (
+        row.try_get(0).map_err(|err| describe(&err))?,
+        row.try_get(1).map_err(|err| describe(&err))?,
+    );
+    let what = |detail: String| format!("record {scope} {key}: {detail}");
+    let read = || -> Result<(StoredRecord, bool), tokio_postgres::Error> {
+        let stored = StoredRecord {
+            state: row.try_get(2)?,
+            expires_at: row.try_get(3)?,
+            purge_at: row.try_get(4)?,
+            created_at: row.try_get(6)?,
+            replays: row.try_get(7)?,
+            method: row.try_get(8)?,
+            path: row.try_get(9)?,
+            trace_id: row.try_get(10)?,
+            recovered: row.try_get(11)?,
+            status: row.try_get::<_, Option<i32>>(12)?.map(i64::from),
+            ..StoredRecord::default()
+        };
+        Ok((stored, row.try_get(5)?))
+    };
+    let (stored, has_answer) = read().map_err(|err| what(describe(&err)))?;
+    let id = RecordId {
+        scope: Scope::from_stored(scope.as_str()),
+        key: IdempotencyKey::new(&key).map_err(|err| what(err.to_string()))?,
+    };
+    stored
+        .listed(id, has_answer, now)
+        .ok_or_else(|| what(format!("no state {:?}", stored.state)))
 }
 
 /// Reads the columns of [`CHECKPOINTS`](crate::sql::CHECKPOINTS); values of the wrong type (or `NULL`s) and arrays that do

@@ -1,6 +1,7 @@
 //! Completing a record inside the handler's own transaction: [`PostgresStore::complete_in`] for a
 //! transaction held in sqlx (feature `sqlx`), [`PostgresStore::complete_in_client`] for one held in
-//! tokio-postgres. Both call `idem_complete_claim`, which the migrations install (schema.rs).
+//! tokio-postgres. Both call `idem_complete_claim`, which the migrations install (schema.rs): its
+//! nine-argument form, which keeps the answer's status too (migration 7).
 
 use std::error::Error as StdError;
 
@@ -16,14 +17,15 @@ use crate::listener::payload;
 const FENCED: &str = "IDEM1";
 
 impl PostgresStore {
-    /// The call of `idem_complete_claim` in this store's schema.
+    /// The call of `idem_complete_claim` in this store's schema, with the status (the eight-argument
+    /// form without it is only for callers deployed before it).
     fn complete_claim_sql(&self) -> String {
         let function = match self.schema() {
             // The schema's name is checked when the URL is read: letters, digits and `_` only.
             Some(schema) => format!("\"{schema}\".idem_complete_claim"),
             None => "idem_complete_claim".to_owned(),
         };
-        format!("SELECT {function}($1, $2, $3, $4, $5, $6, $7, $8)")
+        format!("SELECT {function}($1, $2, $3, $4, $5, $6, $7, $8, $9)")
     }
 
     /// Completes the record of `run` inside the caller's own transaction: `tx` is a sqlx
@@ -59,6 +61,7 @@ impl PostgresStore {
             .bind(completion.expires_at.as_i64())
             .bind(completion.purge_at.as_i64())
             .bind(payload(id))
+            .bind(i32::from(completion.status))
             .execute(&mut *tx)
             .await;
         match called {
@@ -82,6 +85,7 @@ impl PostgresStore {
     ) -> Result<(), CompleteInError> {
         let Completion {
             response: stored,
+            status,
             completed_at,
             expires_at,
             purge_at,
@@ -100,6 +104,7 @@ impl PostgresStore {
                     &expires_at.as_i64(),
                     &purge_at.as_i64(),
                     &payload(id),
+                    &i32::from(status),
                 ],
             )
             .await;

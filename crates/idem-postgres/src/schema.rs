@@ -35,6 +35,13 @@ const MIGRATION_LOCK: i64 = 0x6964_656d_0000_0001;
 ///    headers of the default allow-list (string values only), refuses statuses that are not
 ///    stored (`IDEM2`) and tokens that are not one (`IDEM3`), and writes the answer in idem's
 ///    stored form, uncompressed and unsealed, on the database's clock.
+/// 7. What a record keeps for the operator who reads the store (`Store::list`, `idem inspect`):
+///    the request's `method` and `path`, the `trace_id` of its latest run, whether that run was
+///    `recovered`, and the answer's `status`; an index on `created_at`, for listing newest first.
+///    `idem_complete_claim` gains an overload that stores the status (a ninth argument, last);
+///    the eight-argument one stays, as deployed callers call it, and leaves the status unknown.
+///    The roles that may execute the old one, and only they, may execute the new one.
+///    `idem_complete` calls the new one, so that the status it is given is kept.
 const MIGRATIONS: &[(i32, &str)] = &[
     (
         1,
@@ -202,6 +209,152 @@ BEGIN
         v_now, v_now + v_ttl, v_now + v_keep,
         encode(substr(sha256(int8send(octet_length(v_scope)::bigint) || convert_to(v_scope, 'UTF8')
             || convert_to(v_key, 'UTF8')), 1, 16), 'hex')
+    );
+END
+$fn$;
+DO $pin$ BEGIN
+    EXECUTE format(
+        'ALTER FUNCTION idem_complete(TEXT, INTEGER, JSONB, BYTEA) SET search_path = %I, pg_temp',
+        current_schema()
+    );
+END $pin$;
+"#,
+    ),
+    (
+        7,
+        // Constant defaults (or none): the table is not rewritten, and a record written before
+        // reads with an empty origin, not recovered, without a status. Building the index holds a
+        // lock that makes writes wait; for a large table, build it beforehand with `CREATE INDEX
+        // CONCURRENTLY idem_records_created_at ON idem_records (created_at)`, and this skips it.
+        // `CREATE OR REPLACE` keeps `idem_complete`'s grants, and drops its pinned `search_path`,
+        // which is pinned again.
+        r#"
+ALTER TABLE idem_records
+    ADD COLUMN method    TEXT    NOT NULL DEFAULT '',
+    ADD COLUMN path      TEXT    NOT NULL DEFAULT '',
+    ADD COLUMN trace_id  TEXT,
+    ADD COLUMN recovered BOOLEAN NOT NULL DEFAULT false,
+    ADD COLUMN status    INTEGER;
+CREATE INDEX IF NOT EXISTS idem_records_created_at ON idem_records (created_at);
+CREATE FUNCTION idem_complete_claim(
+    p_scope TEXT, p_key TEXT, p_token BYTEA, p_response BYTEA,
+    p_completed_at BIGINT, p_expires_at BIGINT, p_purge_at BIGINT, p_notice TEXT, p_status INTEGER
+) RETURNS void
+LANGUAGE plpgsql
+AS $fn$
+DECLARE
+    woken INTEGER;
+BEGIN
+    IF p_response IS NULL OR p_completed_at IS NULL OR p_expires_at IS NULL OR p_purge_at IS NULL THEN
+        RAISE EXCEPTION 'idem: a completion needs an answer and its times' USING ERRCODE = 'IDEM2';
+    END IF;
+    -- Never kept for less than the claim itself promised (its ttl and tombstone from the claim).
+    UPDATE idem_records
+    SET state = 'completed', lease_until = NULL, response = p_response, status = p_status,
+        completed_at = p_completed_at, expires_at = GREATEST(p_expires_at, expires_at),
+        purge_at = GREATEST(p_purge_at, purge_at), checkpoint_names = '{}', checkpoint_values = '{}'
+    WHERE scope = p_scope AND key = p_key AND token = p_token AND state = 'in-flight'
+    RETURNING waiters INTO woken;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'idem: the claim on this record is no longer current (its lease ran out and another run took the key, or it was deleted)'
+            USING ERRCODE = 'IDEM1',
+                  HINT = 'this transaction must not commit: the run that holds the key now answers the client';
+    END IF;
+    IF woken > 0 THEN
+        PERFORM pg_notify('idem_records', p_notice);
+    END IF;
+END
+$fn$;
+DO $pin$
+DECLARE
+    grantee TEXT;
+BEGIN
+    EXECUTE format(
+        'ALTER FUNCTION idem_complete_claim(TEXT, TEXT, BYTEA, BYTEA, BIGINT, BIGINT, BIGINT, TEXT, INTEGER) SET search_path = %I, pg_temp',
+        current_schema()
+    );
+    -- The old one's grants, where they were changed (by default anyone may execute both).
+    IF (SELECT proacl IS NOT NULL FROM pg_proc
+        WHERE oid = 'idem_complete_claim(TEXT, TEXT, BYTEA, BYTEA, BIGINT, BIGINT, BIGINT, TEXT)'::regprocedure) THEN
+        REVOKE EXECUTE ON FUNCTION idem_complete_claim(TEXT, TEXT, BYTEA, BYTEA, BIGINT, BIGINT, BIGINT, TEXT, INTEGER)
+            FROM PUBLIC;
+    END IF;
+    FOR grantee IN
+        SELECT DISTINCT CASE a.grantee WHEN 0 THEN 'PUBLIC' ELSE quote_ident(pg_get_userbyid(a.grantee)) END
+        FROM pg_proc p, aclexplode(p.proacl) a
+        WHERE p.oid = 'idem_complete_claim(TEXT, TEXT, BYTEA, BYTEA, BIGINT, BIGINT, BIGINT, TEXT)'::regprocedure
+          AND a.privilege_type = 'EXECUTE'
+    LOOP
+        EXECUTE format(
+            'GRANT EXECUTE ON FUNCTION idem_complete_claim(TEXT, TEXT, BYTEA, BYTEA, BIGINT, BIGINT, BIGINT, TEXT, INTEGER) TO %s',
+            grantee
+        );
+    END LOOP;
+END $pin$;
+CREATE OR REPLACE FUNCTION idem_complete(p_token TEXT, p_status INTEGER, p_headers JSONB, p_body BYTEA)
+RETURNS void
+LANGUAGE plpgsql
+AS $fn$
+DECLARE
+    parts   TEXT[] := string_to_array(p_token, '.');
+    v_scope TEXT;
+    v_key   TEXT;
+    v_token BYTEA;
+    v_ttl   BIGINT;
+    v_keep  BIGINT;
+    v_now   BIGINT := (extract(epoch FROM clock_timestamp()) * 1000)::bigint;
+    v_heads BYTEA := '\x'::bytea;
+    v_count INTEGER := 0;
+    h       RECORD;
+BEGIN
+    IF p_token IS NULL OR cardinality(parts) <> 6 OR parts[1] <> 'idem1' THEN
+        RAISE EXCEPTION 'idem: this is not an Idempotency-Token' USING ERRCODE = 'IDEM3';
+    END IF;
+    BEGIN
+        v_scope := convert_from(decode(parts[2], 'hex'), 'UTF8');
+        v_key := convert_from(decode(parts[3], 'hex'), 'UTF8');
+        v_token := decode(parts[4], 'hex');
+        v_ttl := parts[5]::bigint;
+        v_keep := parts[6]::bigint;
+    EXCEPTION WHEN OTHERS THEN
+        RAISE EXCEPTION 'idem: this is not an Idempotency-Token' USING ERRCODE = 'IDEM3';
+    END;
+    IF p_status IS NULL OR p_status < 200 OR p_status > 499 OR p_status IN (408, 409, 425, 429) THEN
+        RAISE EXCEPTION 'idem: a % answer is not stored (a retry runs the request again); do not complete with it', p_status
+            USING ERRCODE = 'IDEM2';
+    END IF;
+    IF p_headers IS NOT NULL AND jsonb_typeof(p_headers) <> 'object' THEN
+        RAISE EXCEPTION 'idem: headers must be a JSON object of names to a value or an array of values'
+            USING ERRCODE = 'IDEM2';
+    END IF;
+    FOR h IN
+        SELECT lower(e.key) AS name, v.value #>> '{}' AS value, jsonb_typeof(v.value) AS kind
+        FROM jsonb_each(COALESCE(p_headers, '{}'::jsonb)) AS e,
+             LATERAL jsonb_array_elements(
+                 CASE jsonb_typeof(e.value) WHEN 'array' THEN e.value ELSE jsonb_build_array(e.value) END
+             ) AS v(value)
+        WHERE lower(e.key) IN ('content-type', 'content-encoding', 'vary', 'location', 'content-location', 'etag', 'link')
+    LOOP
+        IF h.kind <> 'string' THEN
+            RAISE EXCEPTION 'idem: the value of header % must be a string (or an array of strings), not %', h.name, h.kind
+                USING ERRCODE = 'IDEM2';
+        END IF;
+        IF h.value ~ '[\x01-\x08\x0a-\x1f\x7f]' THEN
+            RAISE EXCEPTION 'idem: the value of header % is not a valid header value', h.name USING ERRCODE = 'IDEM2';
+        END IF;
+        v_heads := v_heads
+            || int4send(octet_length(h.name)) || convert_to(h.name, 'UTF8')
+            || int4send(octet_length(convert_to(h.value, 'UTF8'))) || convert_to(h.value, 'UTF8');
+        v_count := v_count + 1;
+    END LOOP;
+    PERFORM idem_complete_claim(
+        v_scope, v_key, v_token,
+        '\x4944523100'::bytea || int2send(p_status::smallint) || int2send(v_count::smallint) || v_heads
+            || COALESCE(p_body, '\x'::bytea),
+        v_now, v_now + v_ttl, v_now + v_keep,
+        encode(substr(sha256(int8send(octet_length(v_scope)::bigint) || convert_to(v_scope, 'UTF8')
+            || convert_to(v_key, 'UTF8')), 1, 16), 'hex'),
+        p_status
     );
 END
 $fn$;

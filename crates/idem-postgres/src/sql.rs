@@ -7,64 +7,72 @@
 /// found nothing: a replay is a plain index read, without the insert's conflict check (measured
 /// in `bench/README.md`). The read is in the statement's snapshot, which misses a row committed
 /// after it began: then the insert conflicts with that row and does nothing, neither column set
-/// is there, and the claim is tried again.
+/// is there, and the claim is tried again. A new claim keeps the request's origin ($10 to $12:
+/// method, path, trace id), not recovered and without a status (the columns' defaults).
 pub(crate) const CLAIM: &str = "
 WITH found AS (
     SELECT state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at,
-        purge_at, replays
+        purge_at, replays, method, path, trace_id, recovered, status
     FROM idem_records WHERE scope = $1 AND key = $2
 ), claimed AS (
     INSERT INTO idem_records
-        (scope, key, state, fingerprint, digest, token, lease_until, created_at, purge_at, expires_at, replays)
-    SELECT $1, $2, 'in-flight', $3, $4, $5, $6, $7, $8, $9, 0
+        (scope, key, state, fingerprint, digest, token, lease_until, created_at, purge_at, expires_at, replays,
+         method, path, trace_id)
+    SELECT $1, $2, 'in-flight', $3, $4, $5, $6, $7, $8, $9, 0, $10, $11, $12
     WHERE NOT EXISTS (SELECT 1 FROM found)
     ON CONFLICT (scope, key) DO NOTHING
     RETURNING 1
 )
 SELECT f.state, f.fingerprint, f.digest, f.token, f.lease_until, f.response, f.created_at, f.completed_at,
-    f.expires_at, f.purge_at, f.replays, EXISTS (SELECT 1 FROM claimed)
+    f.expires_at, f.purge_at, f.replays, f.method, f.path, f.trace_id, f.recovered, f.status,
+    EXISTS (SELECT 1 FROM claimed)
 FROM (SELECT 1) AS one
 LEFT JOIN found f ON true";
 
 pub(crate) const SELECT: &str = "
-SELECT state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays
+SELECT state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays, method, path, trace_id, recovered, status
 FROM idem_records WHERE scope = $1 AND key = $2";
 
 pub(crate) const SELECT_FOR_UPDATE: &str = "
-SELECT state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays
+SELECT state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays, method, path, trace_id, recovered, status
 FROM idem_records WHERE scope = $1 AND key = $2
 FOR UPDATE";
 
 /// A record past its `purge_at` is claimed anew, as if it were absent: nothing of it is kept,
-/// its checkpoints included.
+/// its checkpoints, origin, recovery and status included.
 pub(crate) const REPLACE: &str = "
 WITH replaced AS (
     UPDATE idem_records
     SET state = 'in-flight', fingerprint = $3, digest = $4, token = $5, lease_until = $6,
         response = NULL, created_at = $7, completed_at = NULL, expires_at = $10,
-        purge_at = $8, replays = 0, checkpoint_names = '{}', checkpoint_values = '{}'
+        purge_at = $8, replays = 0, checkpoint_names = '{}', checkpoint_values = '{}',
+        method = $11, path = $12, trace_id = $13, recovered = false, status = NULL
     WHERE scope = $1 AND key = $2
     RETURNING waiters
 )
 SELECT (SELECT pg_notify('idem_records', $9) WHERE replaced.waiters > 0) FROM replaced";
 
-/// The checkpoints stay: the new run resumes from them. The new run has a ttl of its own.
+/// The checkpoints stay: the new run resumes from them. The new run has a ttl of its own, and the
+/// record names it: its trace id ($8) and whether it is recovered ($9). The method, path and
+/// creation time stay the first claim's.
 pub(crate) const TAKE_OVER: &str = "
 WITH taken AS (
     UPDATE idem_records
-    SET state = 'in-flight', token = $3, lease_until = $4, purge_at = $5, expires_at = $7
+    SET state = 'in-flight', token = $3, lease_until = $4, purge_at = $5, expires_at = $7, trace_id = $8,
+        recovered = $9
     WHERE scope = $1 AND key = $2
     RETURNING waiters
 )
 SELECT (SELECT pg_notify('idem_records', $6) WHERE taken.waiters > 0) FROM taken";
 
 /// The run is over, and so are its checkpoints. The token stays, as the claim that completed the
-/// record ([`CLAIM_STATE`]). `idem_complete_claim` (schema.rs) is the same change, made in a
-/// handler's own transaction.
+/// record ([`CLAIM_STATE`]), and so does the recovery of the run that answered. The answer's
+/// status ($9) is kept beside it, readable without the answer. `idem_complete_claim` (schema.rs)
+/// is the same change, made in a handler's own transaction.
 pub(crate) const COMPLETE: &str = "
 WITH completed AS (
     UPDATE idem_records
-    SET state = 'completed', lease_until = NULL, response = $4,
+    SET state = 'completed', lease_until = NULL, response = $4, status = $9,
         completed_at = $5, expires_at = $6, purge_at = $7,
         checkpoint_names = '{}', checkpoint_values = '{}'
     WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in-flight'
@@ -91,7 +99,7 @@ WITH forgotten AS (
 SELECT (SELECT pg_notify('idem_records', $4) WHERE forgotten.waiters > 0) FROM forgotten";
 
 /// The fingerprint stays: only the same request may take the record over. So do the
-/// checkpoints, for the run that takes it over.
+/// checkpoints, for the run that takes it over, and the origin and recovery of the run released.
 pub(crate) const RELEASE_UNKNOWN: &str = "
 WITH released AS (
     UPDATE idem_records
@@ -109,7 +117,7 @@ SELECT (SELECT pg_notify('idem_records', $5) WHERE released.waiters > 0) FROM re
 /// the replay caches of every instance.
 pub(crate) const DELETE: &str = "
 WITH found AS (
-    SELECT state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays,
+    SELECT state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays, method, path, trace_id, recovered, status,
         waiters, state = 'in-flight' AND token IS NOT NULL AND lease_until IS NOT NULL AS in_flight
     FROM idem_records WHERE scope = $1 AND key = $2
     FOR UPDATE
@@ -124,7 +132,7 @@ WITH found AS (
     USING found
     WHERE r.scope = $1 AND r.key = $2 AND NOT found.in_flight
 )
-SELECT state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays,
+SELECT state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays, method, path, trace_id, recovered, status,
     (SELECT pg_notify('idem_records', $3) WHERE found.waiters > 0),
     pg_notify('idem_records', $4)
 FROM found";
@@ -204,6 +212,30 @@ WHERE ctid = ANY (ARRAY (
     FOR UPDATE SKIP LOCKED
 ))";
 
+/// The records `Store::list` asks for, newest first: $1 the query's `now`, then its conditions,
+/// each left out when `NULL` (false for $3): $2 `since`, $3 `recovered`, $4 `path`, $5 the state's
+/// word; $6 the limit. Run as an unnamed statement, which is planned with its values, so a
+/// condition left out folds away and a `since` bounds the scan of the `created_at` index. The
+/// state is `ListedState::at`'s, in SQL; a path matches as `path_is_under` says, compared with
+/// `starts_with`, in which no character is special. Scopes and keys are ordered by their bytes
+/// (`COLLATE "C"`), as Rust orders strings. An answer is never read: only whether there is one.
+pub(crate) const LIST: &str = r#"
+SELECT scope, key, state, expires_at, purge_at, response IS NOT NULL, created_at, replays,
+    method, path, trace_id, recovered, status
+FROM idem_records
+WHERE ($2::bigint IS NULL OR created_at >= $2::bigint)
+    AND (NOT $3::boolean OR recovered)
+    AND ($4::text IS NULL OR path = $4::text
+        OR starts_with(path, CASE WHEN right($4::text, 1) = '/' THEN $4::text ELSE $4::text || '/' END))
+    AND ($5::text IS NULL OR $5::text = CASE
+        WHEN state = 'in-flight' THEN 'in-flight'
+        WHEN state = 'unknown' AND COALESCE(expires_at, purge_at) > $1::bigint THEN 'unknown'
+        WHEN state = 'completed' AND response IS NOT NULL AND expires_at > $1::bigint THEN 'completed'
+        WHEN state IN ('unknown', 'completed') THEN 'tombstone'
+    END)
+ORDER BY created_at DESC, scope COLLATE "C", key COLLATE "C"
+LIMIT $6::bigint"#;
+
 pub(crate) const PING: &str = "SELECT 1";
 
 /// The server's clock, in Unix milliseconds.
@@ -235,8 +267,17 @@ mod tests {
     }
 
     #[test]
+    fn listing_never_reads_an_answer() {
+        let mentions: Vec<_> = LIST.match_indices("response").map(|(at, _)| &LIST[at..]).collect();
+        assert!(!mentions.is_empty());
+        for mention in mentions {
+            assert!(mention.starts_with("response IS NOT NULL"), "{mention}");
+        }
+    }
+
+    #[test]
     fn the_selects_read_the_columns_in_order() {
-        const COLUMNS: &str = "state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays";
+        const COLUMNS: &str = "state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays, method, path, trace_id, recovered, status";
         assert!(SELECT.contains(COLUMNS));
         assert!(SELECT_FOR_UPDATE.contains(COLUMNS));
         assert_eq!(DELETE.matches(&format!("SELECT {COLUMNS},")).count(), 2, "{DELETE}");

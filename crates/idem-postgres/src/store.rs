@@ -5,7 +5,10 @@
 //! statements on the fencing token. Changes that end a claim `NOTIFY` in the same statement when
 //! someone waits on the record (a waiter marks it first), so that waiters everywhere are woken on
 //! commit, and commits nobody waits for do not queue on the lock every `NOTIFY` takes. A replay is
-//! one read: its count is written later, in batches (`replays`).
+//! one read: its count is written later, in batches (`replays`). A record keeps its request's
+//! origin, its latest run's trace id and recovery and its answer's status, written by the
+//! statements that claim, take over and complete it; `list` reads them, newest first, in one
+//! statement through the `created_at` index.
 //!
 //! The scope salt is the one row of `idem_scope_salt`, made by the first caller with
 //! `INSERT ... ON CONFLICT DO NOTHING` and read by everyone else in a statement of its own.
@@ -30,13 +33,14 @@ use idem_core::store::backend::{
 use idem_core::{
     Store, StoreError, UnixMillis,
     store::{
-        Begin, BeginRequest, Checkpoint, ClaimState, Completion, FencingToken, Purged, Record, RecordId, Release,
-        ScopeSalt, WaitOutcome,
+        Begin, BeginRequest, Checkpoint, ClaimState, Completion, FencingToken, ListQuery, Listed, ListedState, Purged,
+        Record, RecordId, Release, ScopeSalt, WaitOutcome,
     },
 };
 use tokio_postgres::NoTls;
+use tokio_postgres::types::Type;
 
-use crate::decode::{StoredRow, checkpoints_from_row, scope_salt_from_row};
+use crate::decode::{StoredRow, checkpoints_from_row, listed_from_row, scope_salt_from_row};
 use crate::error::Failure;
 use crate::listener::{Listener, deleted_payload, payload};
 use crate::url::Settings;
@@ -259,6 +263,8 @@ impl Store for PostgresStore {
         let lease_until = request.lease_until.as_i64();
         let purge_at = claim_purge_at(request.purge_at, request.lease_until).as_i64();
         let expires_at = request.expires_at.as_i64();
+        let (method, path) = (request.origin.method.as_str(), request.origin.path.as_str());
+        let trace_id = request.origin.trace_id.map(|trace_id| trace_id.to_string());
         let notice = payload(id);
         let mut client = self.client("begin").await?;
         for _ in 0..BEGIN_ATTEMPTS {
@@ -278,11 +284,14 @@ impl Store for PostgresStore {
                         &now,
                         &purge_at,
                         &expires_at,
+                        &method,
+                        &path,
+                        &trace_id,
                     ],
                 )
                 .await
                 .map_err(db)?;
-            if row.try_get::<_, bool>(11).map_err(db)? {
+            if row.try_get::<_, bool>(16).map_err(db)? {
                 return Ok(Begin::Acquired { recovered: false });
             }
             if row.try_get::<_, Option<String>>(0).map_err(db)?.is_none() {
@@ -331,6 +340,9 @@ impl Store for PostgresStore {
                         &purge_at,
                         &notice,
                         &expires_at,
+                        &method,
+                        &path,
+                        &trace_id,
                     ],
                 )
                 .await
@@ -350,7 +362,17 @@ impl Store for PostgresStore {
                     let take_over = tx.prepare_cached(sql::TAKE_OVER).await.map_err(db)?;
                     tx.query(
                         &take_over,
-                        &[&scope, &key, &token, &lease_until, &purge_at, &notice, &expires_at],
+                        &[
+                            &scope,
+                            &key,
+                            &token,
+                            &lease_until,
+                            &purge_at,
+                            &notice,
+                            &expires_at,
+                            &trace_id,
+                            &recovered,
+                        ],
                     )
                     .await
                     .map_err(db)?;
@@ -393,6 +415,7 @@ impl Store for PostgresStore {
                     &completion.expires_at.as_i64(),
                     &completion.purge_at.as_i64(),
                     &payload(id),
+                    &i32::from(completion.status),
                 ],
             )
             .await
@@ -630,6 +653,43 @@ impl Store for PostgresStore {
     fn count_replay(&self, id: &RecordId) {
         self.inner.replays.count(id);
     }
+
+    /// One statement, through the `created_at` index; a row that does not read is skipped, with
+    /// a warning. Replay counts are the rows' (an operator lists from a process of their own, which
+    /// counted none).
+    async fn list(&self, query: &ListQuery) -> Result<Vec<Listed>, StoreError> {
+        let db = self.db("list");
+        let client = self.client("list").await?;
+        let since = query.since.map(UnixMillis::as_i64);
+        let state = query.state.map(ListedState::as_str);
+        let limit = i64::try_from(query.limit).unwrap_or(i64::MAX);
+        // Typed, so that it is sent as an unnamed statement (one round trip), which the server
+        // plans with these values.
+        let rows = client
+            .query_typed(
+                sql::LIST,
+                &[
+                    (&query.now.as_i64(), Type::INT8),
+                    (&since, Type::INT8),
+                    (&query.recovered, Type::BOOL),
+                    (&query.path, Type::TEXT),
+                    (&state, Type::TEXT),
+                    (&limit, Type::INT8),
+                ],
+            )
+            .await
+            .map_err(db)?;
+        Ok(rows
+            .iter()
+            .filter_map(|row| match listed_from_row(row, query.now) {
+                Ok(listed) => Some(listed),
+                Err(reason) => {
+                    tracing::warn!(server = %self.inner.target, %reason, "skipped a record that does not read in a listing");
+                    None
+                }
+            })
+            .collect())
+    }
 }
 
 fn abandoned_purge_at(lease_until: UnixMillis) -> i64 {
@@ -646,11 +706,11 @@ mod tests {
     use super::*;
     use crate::error::describe;
     use crate::sql::{
-        CHECKPOINT, CHECKPOINTS, PURGE_DELETE, PURGE_TOMBSTONE, SCOPE_SALT_INSERT, SELECT, SELECT_FOR_UPDATE,
+        CHECKPOINT, CHECKPOINTS, LIST, PURGE_DELETE, PURGE_TOMBSTONE, SCOPE_SALT_INSERT, SELECT, SELECT_FOR_UPDATE,
     };
 
-    /// The plans of the lookups, of purging and of making the scope salt on a table of 20 000
-    /// records, 100 of them due: indexes, never a scan of the whole table. Runs against the test
+    /// The plans of the lookups, of purging, of making the scope salt and of listing on a table of
+    /// 20 000 records, 100 of them due: indexes, never a scan of the whole table. Runs against the test
     /// server (`IDEM_TEST_POSTGRES_URL`, default `postgres://postgres@127.0.0.1:5432/test`).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn lookups_and_purging_use_the_indexes() {
@@ -727,7 +787,31 @@ mod tests {
         let tombstoning = plan(PURGE_TOMBSTONE, vec![Box::new(1_000_100_i64), Box::new(1000_i64)]).await;
         assert!(tombstoning.contains("Tid Scan"), "{tombstoning}");
         assert!(tombstoning.contains("idem_records_expires_at"), "{tombstoning}");
+        // The newest 50, of every record or of the completed ones since a time: read from the
+        // newest end of the `created_at` index, not sorted out of the whole table.
+        let listing = |since: Option<i64>, state: Option<&'static str>| {
+            plan(
+                LIST,
+                vec![
+                    Box::new(1_000_100_i64),
+                    Box::new(since),
+                    Box::new(false),
+                    Box::new(None::<String>),
+                    Box::new(state),
+                    Box::new(50_i64),
+                ],
+            )
+        };
+        let newest = listing(None, None).await;
+        assert!(
+            newest.contains("Index Scan Backward using idem_records_created_at"),
+            "{newest}"
+        );
+        let since = listing(Some(19_000), Some("completed")).await;
+        assert!(since.contains("Index Cond: (created_at >="), "{since}");
         for plan in [
+            &newest,
+            &since,
             &lookup,
             &locking,
             &checkpoint,

@@ -9,12 +9,12 @@ use common::{TestSchema, base_url};
 use idem_core::testkit::{DAY, LEASE, acquire, begin, completion, fingerprint, fresh_id};
 use idem_core::{
     Store, StoreError, UnixMillis,
-    store::{Begin, Checkpoint, FencingToken, RecordId, RecordState, ScopeSalt},
+    store::{Begin, Checkpoint, FencingToken, ListQuery, Origin, RecordId, RecordState, ScopeSalt},
 };
 use idem_postgres::{PostgresError, PostgresStore};
 
 /// The versions every migration of this crate records, in order.
-const VERSIONS: [i32; 6] = [1, 2, 3, 4, 5, 6];
+const VERSIONS: [i32; 7] = [1, 2, 3, 4, 5, 6, 7];
 
 /// Version 1 of the schema, as the first release created it (`idem_schema_migrations`, then
 /// migration 1), to check that a database made by it is upgraded in place.
@@ -312,12 +312,19 @@ async fn instances_starting_together_upgrade_a_version_2_schema_and_make_one_sal
         "the latest purge_at among the records written before the salt"
     );
 
-    // The records written by version 2 read as before.
+    // The records written by version 2 read as before, without what records keep since version 7.
     let store = &stores[0];
-    match store.get(&latest).await.expect("get").map(|record| record.state) {
-        Some(RecordState::Completed { response, .. }) => assert_eq!(response.as_deref(), Some(&b"ok"[..])),
+    let record = store.get(&latest).await.expect("get").expect("the record");
+    match &record.state {
+        RecordState::Completed { response, .. } => assert_eq!(response.as_deref(), Some(&b"ok"[..])),
         other => panic!("expected the completed record, got {other:?}"),
     }
+    assert_eq!(
+        (record.origin, record.recovered, record.status),
+        (Origin::default(), false, None)
+    );
+    let listed = store.list(&ListQuery::all(now, 10)).await.expect("list");
+    assert_eq!(listed.len(), 4, "{listed:?}");
     assert_eq!(
         store.checkpoints(&running).await.expect("checkpoints"),
         [step("charged", b"ch_1")]
@@ -337,6 +344,37 @@ async fn instances_starting_together_upgrade_a_version_2_schema_and_make_one_sal
     assert_eq!(versions(&schema).await, VERSIONS);
 }
 
+/// The functions the migrations install run on the store's schema whatever the caller's
+/// `search_path`: `idem_complete`, replaced by version 7, is pinned again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_functions_are_pinned_to_the_store_schema() {
+    let schema = TestSchema::new();
+    drop(schema.connect("").await);
+    let rows = schema
+        .client()
+        .await
+        .query(
+            "SELECT p.oid::regprocedure::text, array_to_string(p.proconfig, ',')
+             FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+             WHERE n.nspname = $1",
+            &[&schema.name],
+        )
+        .await
+        .unwrap();
+    let mut functions: Vec<(String, Option<String>)> = rows.iter().map(|row| (row.get(0), row.get(1))).collect();
+    functions.sort();
+    let pinned = Some(format!("search_path={}, pg_temp", schema.name));
+    assert_eq!(
+        functions,
+        [
+            "idem_complete(text,integer,jsonb,bytea)",
+            "idem_complete_claim(text,text,bytea,bytea,bigint,bigint,bigint,text)",
+            "idem_complete_claim(text,text,bytea,bytea,bigint,bigint,bigint,text,integer)",
+        ]
+        .map(|function| (function.to_owned(), pinned.clone()))
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_newer_schema_is_refused() {
     let schema = TestSchema::new();
@@ -354,7 +392,7 @@ async fn a_newer_schema_is_refused() {
             err,
             PostgresError::NewerSchema {
                 found: 999,
-                supported: 6,
+                supported: 7,
                 ..
             }
         ),
