@@ -5,6 +5,8 @@ use std::path::PathBuf;
 
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
+use idem_core::store::ListedState;
+
 use crate::settings::ServeSettings;
 
 /// idem: make HTTP requests safe to retry.
@@ -44,6 +46,11 @@ pub(crate) enum Command {
     /// Show one record: when, which method and path, its state, its stored status, its replays.
     /// A key without a record exits 1, with a message on stderr (with --json too).
     Inspect(InspectArgs),
+    /// List the store's records, newest first, by state, time, path and recovery: one line each
+    /// (created, state, status, replays, recovered, method and path, trace id, scope, key), judged
+    /// on the store's clock. Answers the questions of an investigation: which keys were recovered,
+    /// are stuck in flight, or ended with their outcome unknown.
+    List(ListArgs),
     /// Forget one record and show what it was. A completed record, a tombstone or an unknown outcome
     /// is deleted: the key is free for a new request. A record in flight is not freed, as its run
     /// may have had effects: the run is fenced (its answer is not stored) and the key left unknown,
@@ -79,6 +86,38 @@ pub(crate) struct InspectArgs {
     /// Print the record as one JSON object on one line, for scripts (times in RFC 3339, UTC).
     #[arg(long)]
     pub(crate) json: bool,
+}
+
+/// `idem list`'s question.
+#[derive(Debug, Args)]
+pub(crate) struct ListArgs {
+    #[command(flatten)]
+    pub(crate) store: StoreArgs,
+    /// Only records in this state: `in-flight` (a run holds the key), `unknown` (a run ended
+    /// without an answer: the same request runs again, recovered), `completed` (the answer is
+    /// replayed) or `tombstone` (past its ttl: the key answers key-expired).
+    #[arg(long, value_parser = parse_state)]
+    pub(crate) state: Option<ListedState>,
+    /// Only records whose latest run was recovered (it ran with `Idempotency-Recovered: true`).
+    #[arg(long)]
+    pub(crate) recovered: bool,
+    /// Only records created within this long before now on the store's clock (`1h`, `30m`).
+    #[arg(long, value_parser = crate::units::parse_duration, value_name = "DURATION")]
+    pub(crate) since: Option<std::time::Duration>,
+    /// Only records of this path or below it (`/payments` takes `/payments/pay_1`, not
+    /// `/payments-old`).
+    #[arg(long, value_name = "PATH")]
+    pub(crate) route: Option<String>,
+    /// At most this many records (the newest).
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub(crate) limit: u32,
+    /// One JSON object per record and line, for scripts (times in RFC 3339, UTC).
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+fn parse_state(text: &str) -> Result<ListedState, String> {
+    text.parse()
 }
 
 /// Which record an operator's command is about.

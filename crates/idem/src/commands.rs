@@ -1,4 +1,5 @@
-//! The operator's commands: `inspect`, `delete`, `purge` and `migrate`. Those that judge time
+//! The operator's commands: `inspect`, `delete`, `purge` and `migrate` (`list` has a module of
+//! its own). Those that judge time
 //! (what is expired, what is due for purging) judge it on the store's clock, as `idem serve`
 //! does, never on this machine's.
 
@@ -11,7 +12,7 @@ use idem_core::store::backend::{COMPLETED, IN_FLIGHT, UNKNOWN};
 use idem_core::{
     Clock as _, IdempotencyKey, Keyring, Policy, Scope, Store, StoreError, StoredResponse, UnixMillis,
     protocol::{CredentialScopes, Protocol},
-    store::{Record, RecordId, RecordState, StoreClock},
+    store::{Checkpoint, Record, RecordId, RecordState, StoreClock},
 };
 use serde::Serialize;
 
@@ -24,7 +25,7 @@ const PURGE_BATCH: usize = 1000;
 /// The store's clock, measured now. A machine whose clock is days off (a stopped NTP daemon, a
 /// VM resumed from a pause) would otherwise purge live answers, or show them expired; a store
 /// whose clock cannot be read stops the command rather than let this machine's stand in.
-async fn store_clock(store: &Arc<dyn Store>) -> anyhow::Result<Arc<StoreClock>> {
+pub(crate) async fn store_clock(store: &Arc<dyn Store>) -> anyhow::Result<Arc<StoreClock>> {
     let clock = StoreClock::new(store.clone());
     clock
         .sync()
@@ -95,14 +96,21 @@ pub(crate) async fn inspect(args: InspectArgs) -> anyhow::Result<()> {
         .await
         .context("cannot read the record")?
         .ok_or_else(|| no_record(&id))?;
+    let checkpoints = store
+        .checkpoints(&id)
+        .await
+        .context("cannot read the record's checkpoints")?;
     let now = clock.now();
     if args.json {
-        println!(
-            "{}",
-            serde_json::to_string(&RecordJson::of(&record, keyring.as_ref(), now))?
-        );
+        let mut json = RecordJson::of(&record, keyring.as_ref(), now);
+        json.checkpoints = checkpoints.iter().map(CheckpointJson::of).collect();
+        println!("{}", serde_json::to_string(&json)?);
     } else {
-        print!("{}", describe(&record, keyring.as_ref(), now));
+        let mut out = describe(&record, keyring.as_ref(), now);
+        for checkpoint in &checkpoints {
+            let _ = writeln!(out, "step:     {} ({} bytes)", checkpoint.name, checkpoint.value.len());
+        }
+        print!("{out}");
     }
     Ok(())
 }
@@ -192,6 +200,15 @@ fn describe(record: &Record, keyring: Option<&Keyring>, now: UnixMillis) -> Stri
     let _ = writeln!(out, "key:      {}", record.id.key);
     let _ = writeln!(out, "request:  {} {}", fp.method(), fp.path());
     let _ = writeln!(out, "created:  {}", record.created_at);
+    if let Some(trace_id) = record.origin.trace_id {
+        let _ = writeln!(out, "trace:    {trace_id} (of the latest run)");
+    }
+    if record.recovered {
+        let _ = writeln!(
+            out,
+            "recovered: yes (the latest run took the key over from one whose outcome is unknown)"
+        );
+    }
     match &record.state {
         RecordState::InFlight { lease_until, .. } if now >= *lease_until => {
             let _ = writeln!(
@@ -239,9 +256,14 @@ fn describe(record: &Record, keyring: Option<&Keyring>, now: UnixMillis) -> Stri
                 Some(Err(err)) => {
                     let _ = writeln!(out, "status:   unreadable ({err})");
                 }
-                None => {
-                    let _ = writeln!(out, "status:   expired (tombstone)");
-                }
+                None => match record.status {
+                    Some(status) => {
+                        let _ = writeln!(out, "status:   {status} (the answer expired: tombstone)");
+                    }
+                    None => {
+                        let _ = writeln!(out, "status:   expired (tombstone)");
+                    }
+                },
             }
         }
         RecordState::Unknown { expires_at, purge_at } => {
@@ -279,7 +301,7 @@ struct RecordJson<'a> {
     /// compact), `expired` (a tombstone, or past `expires_at` on the store's clock: the key
     /// answers key-expired) or `unreadable`.
     answer: Option<&'static str>,
-    /// The stored answer's status, when it is kept.
+    /// The stored answer's status, when it is kept (or, past its expiry, when the record kept it).
     status: Option<u16>,
     /// The stored answer's body length, when the body is kept.
     body_bytes: Option<usize>,
@@ -287,6 +309,28 @@ struct RecordJson<'a> {
     /// is stored as it is, or not kept.
     sealed_by: Option<String>,
     replays: u64,
+    /// The W3C trace id of the latest run (from the request's `traceparent`), if it had one.
+    trace_id: Option<String>,
+    /// Whether the latest run was recovered (`Idempotency-Recovered: true`).
+    recovered: bool,
+    /// The steps the run recorded (name and size; their values are the handler's).
+    checkpoints: Vec<CheckpointJson>,
+}
+
+/// A checkpoint in `idem inspect --json`.
+#[derive(Debug, Serialize)]
+struct CheckpointJson {
+    name: String,
+    bytes: usize,
+}
+
+impl CheckpointJson {
+    fn of(checkpoint: &Checkpoint) -> Self {
+        Self {
+            name: checkpoint.name.clone(),
+            bytes: checkpoint.value.len(),
+        }
+    }
 }
 
 impl<'a> RecordJson<'a> {
@@ -309,6 +353,9 @@ impl<'a> RecordJson<'a> {
             body_bytes: None,
             sealed_by: None,
             replays: record.replays,
+            trace_id: record.origin.trace_id.map(|id| id.to_string()),
+            recovered: record.recovered,
+            checkpoints: Vec::new(),
         };
         match &record.state {
             RecordState::InFlight { lease_until, .. } => json.lease_until = Some(lease_until.to_string()),
@@ -334,7 +381,10 @@ impl<'a> RecordJson<'a> {
                         if stored.body.is_some() { "whole" } else { "status" }
                     }
                     Some(Err(_)) => "unreadable",
-                    None => "expired",
+                    None => {
+                        json.status = record.status;
+                        "expired"
+                    }
                 });
             }
             RecordState::Unknown { expires_at, purge_at } => {
@@ -393,6 +443,9 @@ mod tests {
             created_at: UnixMillis(1_000),
             replays: 3,
             state,
+            origin: idem_core::store::Origin::default(),
+            recovered: false,
+            status: None,
         }
     }
 
@@ -430,7 +483,7 @@ mod tests {
                 "created_at": "1970-01-01T00:00:01.000Z", "state": "completed", "lease_until": null,
                 "completed_at": "1970-01-01T00:00:02.000Z", "expires_at": "1970-01-01T00:00:03.000Z",
                 "purge_at": "1970-01-01T00:00:04.000Z", "answer": "whole", "status": 202, "body_bytes": 5,
-                "sealed_by": null, "replays": 3
+                "sealed_by": null, "replays": 3, "trace_id": null, "recovered": false, "checkpoints": []
             })
         );
 
@@ -453,6 +506,30 @@ mod tests {
         let due = serde_json::to_value(RecordJson::of(&kept, None, UnixMillis(3_000))).unwrap();
         assert_eq!(due["answer"], "expired");
         assert_eq!((&due["status"], &due["body_bytes"]), (&Value::Null, &Value::Null));
+
+        // A tombstone whose record kept its answer's status still tells it, as text and as JSON.
+        let mut told = record(completed(None));
+        told.status = Some(201);
+        told.recovered = true;
+        told.origin.trace_id = idem_core::trace_context::TraceId::from_hex("4bf92f3577b34da6a3ce929d0e0e4736");
+        let json = serde_json::to_value(RecordJson::of(&told, None, UnixMillis(2_500))).unwrap();
+        assert_eq!(
+            (&json["answer"], &json["status"], &json["recovered"], &json["trace_id"]),
+            (
+                &json!("expired"),
+                &json!(201),
+                &json!(true),
+                &json!("4bf92f3577b34da6a3ce929d0e0e4736")
+            )
+        );
+        let text = describe(&told, None, UnixMillis(2_500));
+        for expected in [
+            "status:   201 (the answer expired",
+            "recovered: yes",
+            "trace:    4bf92f3577b34da6a3ce929d0e0e4736",
+        ] {
+            assert!(text.contains(expected), "{expected:?} in:\n{text}");
+        }
 
         let text = describe(&record(completed(answer(Some(b"12345")))), None, UnixMillis(3_000));
         assert!(text.contains("expired at") && text.contains("key-expired"), "{text}");

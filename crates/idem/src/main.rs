@@ -7,6 +7,7 @@ mod commands;
 mod config;
 mod demo;
 mod instrumented;
+mod list;
 mod listener;
 mod misconfigured;
 mod proxy;
@@ -53,6 +54,7 @@ async fn main() -> ExitCode {
     let result = match cli.command {
         Command::Serve(args) => serve::run(*args).await,
         Command::Inspect(args) => commands::inspect(args).await,
+        Command::List(args) => list::list(args).await,
         Command::Delete(args) => commands::delete(args).await,
         Command::Purge(args) => commands::purge(args).await,
         Command::Migrate(args) => commands::migrate(args).await,

@@ -56,6 +56,21 @@ async fn redis_cluster_a_skewed_clock_never_takes_over_a_healthy_run() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_list_answers_an_investigations_questions() {
+    scenarios::list_answers_an_investigations_questions(&servers::postgres_url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_list_answers_an_investigations_questions() {
+    scenarios::list_answers_an_investigations_questions(&servers::redis_url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_list_answers_an_investigations_questions() {
+    scenarios::list_answers_an_investigations_questions(&servers::redis_cluster_url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_operator_commands_work() {
     scenarios::operator_commands_work(&servers::postgres_url()).await;
 }

@@ -28,6 +28,12 @@ async fn the_operators_commands_work_on_sqlite() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_answers_an_investigations_questions_on_sqlite() {
+    let dir = tempfile::tempdir().expect("a temp dir");
+    scenarios::list_answers_an_investigations_questions(&sqlite_store(&dir)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deleting_a_key_in_flight_marks_the_next_run_recovered_on_sqlite() {
     let dir = tempfile::tempdir().expect("a temp dir");
     scenarios::delete_in_flight_marks_the_next_run_recovered(&sqlite_store(&dir)).await;

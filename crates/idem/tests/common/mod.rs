@@ -67,6 +67,8 @@ pub(crate) struct UpstreamState {
     pub(crate) break_once: Arc<AtomicUsize>,
     /// Calls of `POST /chunked`.
     pub(crate) chunked: Arc<AtomicUsize>,
+    /// Calls of `/orders/...`, per path.
+    orders: Mutex<HashMap<String, usize>>,
     charges: AtomicUsize,
     last_headers: Mutex<HashMap<&'static str, HeaderMap>>,
     seen: Mutex<Vec<Seen>>,
@@ -145,6 +147,7 @@ impl Upstream {
             .route("/big", post(big))
             .route("/break-once", post(break_once))
             .route("/chunked", post(chunked))
+            .route("/orders/{*rest}", post(order))
             .with_state(state.clone());
         let task = tokio::spawn(async move {
             axum::serve(listener, app).await.expect("the upstream serves");
@@ -263,27 +266,62 @@ async fn big(State(state): Shared, Query(query): Query<HashMap<String, String>>,
         .unwrap()
 }
 
+/// `POST /orders/ANY[?then=break|break-once|hang]`: an order at a path of the test's own (so that
+/// `idem list --route` finds its records only). 201 with the call's number by default; `break`
+/// sends a 200 head and part of a body and breaks the connection on every call (`break-once` on
+/// the path's first only: the gateway leaves the key unknown, and the retry runs recovered);
+/// `hang` answers after two minutes (the key stays in flight).
+async fn order(
+    State(state): Shared,
+    UrlPath(rest): UrlPath<String>,
+    Query(query): Query<HashMap<String, String>>,
+) -> Response {
+    let n = {
+        let mut orders = state.orders.lock().unwrap();
+        let calls = orders.entry(rest).or_default();
+        *calls += 1;
+        *calls
+    };
+    let then = query.get("then").map(String::as_str);
+    if then == Some("hang") {
+        tokio::time::sleep(Duration::from_secs(120)).await;
+    }
+    if then == Some("break") || (then == Some("break-once") && n == 1) {
+        return broken_answer();
+    }
+    Response::builder()
+        .status(StatusCode::CREATED)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from(serde_json::json!({"call": n}).to_string()))
+        .unwrap()
+}
+
+/// A 200 head and part of a JSON body, then a broken connection.
+fn broken_answer() -> Response {
+    let stream = futures_util::stream::unfold(0u8, |step| async move {
+        match step {
+            0 => Some((Ok::<Bytes, std::io::Error>(Bytes::from_static(b"{\"partial\":")), 1)),
+            1 => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                Some((Err(std::io::Error::other("the upstream broke mid-body")), 2))
+            }
+            _ => None,
+        }
+    });
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from_stream(stream))
+        .unwrap()
+}
+
 /// `POST /break-once`: the first call sends a 200 head and part of a body, then breaks the
 /// connection; later calls answer 201 normally.
 async fn break_once(State(state): Shared, headers: HeaderMap) -> Response {
     state.record("break_once", &headers);
     let n = state.break_once.fetch_add(1, Ordering::SeqCst) + 1;
     if n == 1 {
-        let stream = futures_util::stream::unfold(0u8, |step| async move {
-            match step {
-                0 => Some((Ok::<Bytes, std::io::Error>(Bytes::from_static(b"{\"partial\":")), 1)),
-                1 => {
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    Some((Err(std::io::Error::other("the upstream broke mid-body")), 2))
-                }
-                _ => None,
-            }
-        });
-        return Response::builder()
-            .status(StatusCode::OK)
-            .header(header::CONTENT_TYPE, "application/json")
-            .body(Body::from_stream(stream))
-            .unwrap();
+        return broken_answer();
     }
     let recovered = header_text(&headers, "idempotency-recovered");
     let mut response = Response::builder()

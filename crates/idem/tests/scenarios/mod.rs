@@ -8,7 +8,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use crate::common::{Gateway, Reply, Upstream, count, describe, new_key, run_idem, send, try_send, wait_for_count};
+use crate::common::{
+    Gateway, Reply, Upstream, count, describe, new_key, random_u64, run_idem, send, try_send, wait_for_count,
+};
 
 /// `copies` simultaneous copies of one keyed request, spread round-robin over `instances`
 /// gateways sharing `store`: the upstream runs once and every client gets the same 2xx body.
@@ -197,6 +199,137 @@ fn pay(gateway: &Gateway, key: &str) -> reqwest::RequestBuilder {
         .post("/pay", r#"{"amount":1}"#)
         .header("content-type", "application/json")
         .header("idempotency-key", key)
+}
+
+/// `idem list` answers an investigation's questions on the store, from another process, on the
+/// store's clock: which keys are stuck in flight, which ended with their outcome unknown, which ran
+/// recovered (with the trace id of the recovering run), and what happened within the last hour —
+/// newest first, as JSON lines and as a table; `idem inspect` shows the same facts of one key.
+pub(crate) async fn list_answers_an_investigations_questions(store: &str) {
+    let upstream = Upstream::start().await;
+    let gateway = Gateway::start_on_store(&upstream.url(), store, &[]).await;
+    let route = format!("/orders/{:016x}", random_u64());
+    let order = |name: &str, then: &str, key: &str| {
+        gateway
+            .post(&format!("{route}/{name}{then}"), r#"{"amount":1}"#)
+            .header("content-type", "application/json")
+            .header("idempotency-key", key)
+    };
+    let (completed, unknown, recovered, stuck) = (new_key(), new_key(), new_key(), new_key());
+    assert_eq!(send(order("completed", "", &completed)).await.status, 201);
+    send(order("unknown", "?then=break", &unknown))
+        .await
+        .assert_problem(502, "upstream-failed");
+    let first_trace = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+    let second_trace = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let lost = send(order("recovered", "?then=break-once", &recovered).header("traceparent", first_trace)).await;
+    lost.assert_problem(502, "upstream-failed");
+    let rerun = send(order("recovered", "?then=break-once", &recovered).header("traceparent", second_trace)).await;
+    assert_eq!(rerun.status, 201, "{rerun}");
+    // Held by the upstream for two minutes: in flight while the operator looks.
+    let hanging = tokio::spawn(send(order("stuck", "?then=hang", &stuck)));
+    let limit = Duration::from_secs(60);
+    let list = |extra: &[&str]| {
+        let args = [
+            &["list", "--store", store, "--route", route.as_str(), "--json"][..],
+            extra,
+        ]
+        .concat();
+        let args: Vec<String> = args.iter().map(|arg| (*arg).to_owned()).collect();
+        async move {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let output = run_idem(&args, limit).await;
+            assert!(output.status.success(), "idem {args:?}:\n{}", describe(&output));
+            String::from_utf8_lossy(&output.stdout)
+                .lines()
+                .map(|line| serde_json::from_str::<serde_json::Value>(line).expect("one JSON object per line"))
+                .collect::<Vec<_>>()
+        }
+    };
+    let keys = |records: &[serde_json::Value]| {
+        records
+            .iter()
+            .map(|r| r["key"].as_str().unwrap().to_owned())
+            .collect::<Vec<_>>()
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while keys(&list(&["--state", "in-flight"]).await) != [stuck.clone()] {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the hanging order's key is never listed in flight"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    let everything = list(&["--since", "1h"]).await;
+    assert_eq!(
+        keys(&everything),
+        [stuck.clone(), recovered.clone(), unknown.clone(), completed.clone()],
+        "newest first:\n{everything:#?}"
+    );
+    let by_key = |key: &str| everything.iter().find(|r| r["key"] == key).unwrap().clone();
+    let rec = by_key(&recovered);
+    for (field, expected) in [
+        ("state", serde_json::json!("completed")),
+        ("status", serde_json::json!(201)),
+        ("recovered", serde_json::json!(true)),
+        ("method", serde_json::json!("POST")),
+        ("path", serde_json::json!(format!("{route}/recovered"))),
+        ("trace_id", serde_json::json!("4bf92f3577b34da6a3ce929d0e0e4736")),
+        ("scope", serde_json::json!("anonymous")),
+    ] {
+        assert_eq!(rec[field], expected, "{field} of the recovered key:\n{rec:#}");
+    }
+    assert_eq!(by_key(&unknown)["state"], "unknown");
+    assert_eq!(by_key(&unknown)["status"], serde_json::Value::Null);
+    assert_eq!(by_key(&completed)["recovered"], false);
+    assert_eq!(keys(&list(&["--state", "unknown"]).await), [unknown.clone()]);
+    assert_eq!(keys(&list(&["--recovered"]).await), [recovered.clone()]);
+    assert_eq!(
+        keys(&list(&["--state", "completed"]).await),
+        [recovered.clone(), completed.clone()]
+    );
+    assert_eq!(keys(&list(&["--state", "tombstone"]).await), Vec::<String>::new());
+    assert_eq!(keys(&list(&["--limit", "2"]).await), [stuck.clone(), recovered.clone()]);
+    // A future `--since` window on the store's clock holds nothing older than itself.
+    assert_eq!(keys(&list(&["--since", "1ms"]).await), Vec::<String>::new());
+
+    let table = run_idem(&["list", "--store", store, "--route", &route], limit).await;
+    assert!(table.status.success(), "{}", describe(&table));
+    let text = String::from_utf8_lossy(&table.stdout);
+    let lines: Vec<_> = text.lines().collect();
+    assert_eq!(lines.len(), 5, "a header and four records:\n{text}");
+    assert!(
+        lines[0].starts_with("CREATED") && lines[0].contains("RECOVERED"),
+        "{text}"
+    );
+    assert!(
+        lines[2].contains(&format!("POST {route}/recovered")) && lines[2].contains("yes"),
+        "{text}"
+    );
+    let bad = run_idem(&["list", "--store", store, "--state", "done"], limit).await;
+    assert_eq!(
+        bad.status.code(),
+        Some(2),
+        "a state that is none is a usage error:\n{}",
+        describe(&bad)
+    );
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("in-flight, unknown, completed, tombstone"),
+        "{}",
+        describe(&bad)
+    );
+
+    let inspect = run_idem(&["inspect", "--store", store, &recovered], limit).await;
+    let text = String::from_utf8_lossy(&inspect.stdout);
+    for expected in [
+        "trace:    4bf92f3577b34da6a3ce929d0e0e4736",
+        "recovered: yes",
+        "status:   201",
+    ] {
+        assert!(text.contains(expected), "inspect shows {expected:?}:\n{text}");
+    }
+    hanging.abort();
 }
 
 /// The operator's view of a shared store: `/readyz` answers, `idem inspect` shows a completed

@@ -1,0 +1,204 @@
+//! `idem list`: the records of a store by state, time, path and recovery, on the store's clock —
+//! the first step of an investigation (which keys were recovered, which are stuck in flight,
+//! which ended with their outcome unknown), before `idem inspect` of one of them.
+
+use std::fmt::Write as _;
+
+use anyhow::Context as _;
+use idem_core::Clock as _;
+use idem_core::store::{ListQuery, Listed};
+use serde::Serialize;
+
+use crate::cli::ListArgs;
+use crate::commands::store_clock;
+use crate::stores;
+
+/// `idem list`: prints the records the arguments ask for, newest first, as a table or as JSON
+/// lines; says on stderr when none match, or when the limit cut the list short.
+pub(crate) async fn list(args: ListArgs) -> anyhow::Result<()> {
+    let store = stores::open(&args.store.store).await?;
+    let clock = store_clock(&store).await?;
+    let now = clock.now();
+    let limit = args.limit as usize;
+    let query = ListQuery {
+        state: args.state,
+        recovered: args.recovered,
+        since: args.since.map(|since| now.minus(since)),
+        path: args.route.clone(),
+        ..ListQuery::all(now, limit)
+    };
+    let listed = store.list(&query).await.context("cannot list the store's records")?;
+    if args.json {
+        let mut out = String::new();
+        for record in &listed {
+            out.push_str(&serde_json::to_string(&ListedJson::of(record))?);
+            out.push('\n');
+        }
+        print!("{out}");
+    } else if !listed.is_empty() {
+        print!("{}", table(&listed));
+    }
+    if listed.is_empty() {
+        eprintln!("no record matches");
+    } else if listed.len() == limit {
+        eprintln!("the newest {limit} records shown; there may be more (raise --limit, or narrow with --since)");
+    }
+    Ok(())
+}
+
+/// The records as an aligned table with a header, one line each.
+fn table(listed: &[Listed]) -> String {
+    const HEADER: [&str; 9] = [
+        "CREATED",
+        "STATE",
+        "STATUS",
+        "REPLAYS",
+        "RECOVERED",
+        "REQUEST",
+        "TRACE",
+        "SCOPE",
+        "KEY",
+    ];
+    let rows: Vec<[String; 9]> = listed
+        .iter()
+        .map(|record| {
+            [
+                record.created_at.to_string(),
+                record.state.to_string(),
+                record
+                    .status
+                    .map_or_else(|| "-".to_owned(), |status| status.to_string()),
+                record.replays.to_string(),
+                if record.recovered { "yes" } else { "no" }.to_owned(),
+                request(record),
+                record
+                    .origin
+                    .trace_id
+                    .map_or_else(|| "-".to_owned(), |id| id.to_string()),
+                record.id.scope.to_string(),
+                record.id.key.to_string(),
+            ]
+        })
+        .collect();
+    let mut widths = HEADER.map(str::len);
+    for row in &rows {
+        for (width, cell) in widths.iter_mut().zip(row) {
+            *width = (*width).max(cell.chars().count());
+        }
+    }
+    let mut out = String::new();
+    let mut line = |cells: &mut dyn Iterator<Item = &str>| {
+        let mut text = String::new();
+        for (cell, width) in cells.zip(widths) {
+            let _ = write!(text, "{cell:width$}  ");
+        }
+        out.push_str(text.trim_end());
+        out.push('\n');
+    };
+    line(&mut HEADER.into_iter());
+    for row in &rows {
+        line(&mut row.iter().map(String::as_str));
+    }
+    out
+}
+
+/// `METHOD PATH`, or `-` for a record written before records kept them.
+fn request(record: &Listed) -> String {
+    if record.origin.method.is_empty() && record.origin.path.is_empty() {
+        "-".to_owned()
+    } else {
+        format!("{} {}", record.origin.method, record.origin.path)
+    }
+}
+
+/// One line of `idem list --json`: the facts of the table, each in its own field (`null` where a
+/// record has none).
+#[derive(Debug, Serialize)]
+struct ListedJson<'a> {
+    created_at: String,
+    /// `in-flight`, `unknown`, `completed` or `tombstone`.
+    state: &'static str,
+    status: Option<u16>,
+    replays: u64,
+    recovered: bool,
+    /// `null` for a record written before records kept its request.
+    method: Option<&'a str>,
+    path: Option<&'a str>,
+    trace_id: Option<String>,
+    scope: &'a str,
+    key: &'a str,
+}
+
+impl<'a> ListedJson<'a> {
+    fn of(record: &'a Listed) -> Self {
+        let kept = |text: &'a str| (!text.is_empty()).then_some(text);
+        Self {
+            created_at: record.created_at.to_string(),
+            state: record.state.as_str(),
+            status: record.status,
+            replays: record.replays,
+            recovered: record.recovered,
+            method: kept(&record.origin.method),
+            path: kept(&record.origin.path),
+            trace_id: record.origin.trace_id.map(|id| id.to_string()),
+            scope: record.id.scope.as_str(),
+            key: record.id.key.as_str(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use idem_core::store::{ListedState, Origin, RecordId};
+    use idem_core::trace_context::TraceId;
+    use idem_core::{IdempotencyKey, Scope, UnixMillis};
+    use serde_json::json;
+
+    use super::*;
+
+    fn listed(origin: Origin, status: Option<u16>) -> Listed {
+        Listed {
+            id: RecordId {
+                scope: Scope::from_stored("cred-mac:ab12"),
+                key: IdempotencyKey::new("order-7").unwrap(),
+            },
+            state: ListedState::Completed,
+            origin,
+            status,
+            created_at: UnixMillis(1_000),
+            replays: 2,
+            recovered: true,
+        }
+    }
+
+    #[test]
+    fn the_table_lines_up_and_marks_what_a_record_lacks() {
+        let trace = TraceId::from_hex("4bf92f3577b34da6a3ce929d0e0e4736");
+        let table = table(&[
+            listed(Origin::new("POST", "/payments/pay_1", trace), Some(201)),
+            listed(Origin::default(), None),
+        ]);
+        let lines: Vec<_> = table.lines().collect();
+        assert_eq!(lines.len(), 3, "{table}");
+        assert!(lines[0].starts_with("CREATED"), "{table}");
+        let status_at = lines[0].find("STATUS").unwrap();
+        assert_eq!(&lines[1][status_at..status_at + 3], "201", "{table}");
+        assert_eq!(&lines[2][status_at..status_at + 1], "-", "{table}");
+        assert!(lines[1].contains("POST /payments/pay_1") && lines[1].contains("4bf92f3577b34da6a3ce929d0e0e4736"));
+        assert!(lines[1].ends_with("cred-mac:ab12  order-7"), "{table}");
+    }
+
+    #[test]
+    fn json_lines_name_every_fact() {
+        let record = listed(Origin::default(), None);
+        let value = serde_json::to_value(ListedJson::of(&record)).unwrap();
+        assert_eq!(
+            value,
+            json!({
+                "created_at": UnixMillis(1_000).to_string(), "state": "completed", "status": null,
+                "replays": 2, "recovered": true, "method": null, "path": null, "trace_id": null,
+                "scope": "cred-mac:ab12", "key": "order-7",
+            })
+        );
+    }
+}
