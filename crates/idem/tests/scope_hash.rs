@@ -64,6 +64,7 @@ async fn write_as_before(store: &dyn Store, token: &str, key: &str) {
         expires_at: now.plus(std::time::Duration::from_secs(24 * 3600)),
         purge_at: now.plus(std::time::Duration::from_secs(7 * 24 * 3600)),
         token,
+        origin: &idem_core::store::Origin::new("POST", "/pay", None),
     };
     assert!(matches!(
         store.begin(request).await.unwrap(),
@@ -78,6 +79,7 @@ async fn write_as_before(store: &dyn Store, token: &str, key: &str) {
     let day = Duration::from_secs(24 * 3600);
     let completion = Completion {
         response: answer.encode().into(),
+        status: 201,
         completed_at: now,
         expires_at: now.plus(day),
         purge_at: now.plus(7 * day),

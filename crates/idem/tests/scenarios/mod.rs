@@ -283,8 +283,8 @@ pub(crate) async fn list_answers_an_investigations_questions(store: &str) {
     assert_eq!(by_key(&unknown)["state"], "unknown");
     assert_eq!(by_key(&unknown)["status"], serde_json::Value::Null);
     assert_eq!(by_key(&completed)["recovered"], false);
-    assert_eq!(keys(&list(&["--state", "unknown"]).await), [unknown.clone()]);
-    assert_eq!(keys(&list(&["--recovered"]).await), [recovered.clone()]);
+    assert_eq!(keys(&list(&["--state", "unknown"]).await), vec![unknown.clone()]);
+    assert_eq!(keys(&list(&["--recovered"]).await), vec![recovered.clone()]);
     assert_eq!(
         keys(&list(&["--state", "completed"]).await),
         [recovered.clone(), completed.clone()]
