@@ -46,6 +46,9 @@ pub enum ProblemKind {
     /// The key's stored answer cannot be read (sealed under a key not configured, or damaged);
     /// the request is not run again.
     AnswerUnreadable,
+    /// The request's head (request line and headers) is over the gateway's limit; nothing was
+    /// claimed or sent.
+    HeadTooLarge,
 }
 
 impl ProblemKind {
@@ -68,6 +71,7 @@ impl ProblemKind {
             Self::UpstreamFailed => "upstream-failed",
             Self::UpstreamTimeout => "upstream-timeout",
             Self::AnswerUnreadable => "answer-unreadable",
+            Self::HeadTooLarge => "head-too-large",
         }
     }
 
@@ -85,6 +89,7 @@ impl ProblemKind {
             Self::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::UpstreamUnavailable | Self::UpstreamFailed => StatusCode::BAD_GATEWAY,
             Self::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
+            Self::HeadTooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
         }
     }
 
@@ -107,6 +112,7 @@ impl ProblemKind {
             Self::UpstreamFailed => "Upstream connection lost",
             Self::UpstreamTimeout => "Upstream timed out",
             Self::AnswerUnreadable => "Stored answer unreadable",
+            Self::HeadTooLarge => "Request head too large",
         }
     }
 

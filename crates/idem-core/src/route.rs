@@ -269,7 +269,7 @@ fn normal_reading(path: &str, readings: PathReadings) -> Option<Vec<Vec<u8>>> {
 
 /// `text` with every valid `%XX` decoded (to bytes: the result need not be UTF-8); a `%` not
 /// followed by two hex digits stays as it is.
-fn percent_decoded(text: &str) -> Vec<u8> {
+pub(crate) fn percent_decoded(text: &str) -> Vec<u8> {
     let bytes = text.as_bytes();
     let mut decoded = Vec::with_capacity(bytes.len());
     let mut i = 0;

@@ -2,8 +2,9 @@
 //! keeps of it: the trace id, so that an operator who finds a key in the store (`idem list`,
 //! `idem inspect`) can find the trace of the run that answered it.
 //!
-//! Only version `00` is read, as the Trace Context recommendation (level 1) writes it:
-//! `00-<32 hex trace id>-<16 hex parent id>-<2 hex flags>`, lowercase, an all-zero id invalid. A
+//! Version `00` is read as the Trace Context recommendation (level 1) writes it:
+//! `00-<32 hex trace id>-<16 hex parent id>-<2 hex flags>`, lowercase, an all-zero id invalid; a
+//! later version by those four fields, ignoring what it adds after them; `ff` never. A
 //! header that does not parse is ignored, as the recommendation asks, never refused: tracing must
 //! not decide whether a payment runs.
 
@@ -29,11 +30,22 @@ impl TraceId {
         Self::from_traceparent(value.to_str().ok()?)
     }
 
-    /// The trace id of a `traceparent` value of version `00`.
+    /// The trace id of a `traceparent` value. Version `00` must be exactly its four fields; a
+    /// later version (`01` to `fe`) is read as the recommendation asks, by its first four fields,
+    /// whatever follows them after a `-`.
     pub fn from_traceparent(value: &str) -> Option<Self> {
+        let version = value.get(..2)?;
+        let value = match version {
+            "00" => value,
+            "ff" => return None,
+            _ if is_lower_hex(version) && (value.len() == 55 || value.as_bytes().get(55) == Some(&b'-')) => {
+                value.get(..55)?
+            }
+            _ => return None,
+        };
         let mut parts = value.split('-');
-        let (version, trace_id, parent_id, flags) = (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
-        if parts.next().is_some() || version != "00" || parent_id.len() != 16 || flags.len() != 2 {
+        let (_, trace_id, parent_id, flags) = (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+        if parts.next().is_some() || parent_id.len() != 16 || flags.len() != 2 {
             return None;
         }
         if !is_lower_hex(parent_id) || !is_lower_hex(flags) || parent_id.bytes().all(|b| b == b'0') {
@@ -106,7 +118,8 @@ mod tests {
         for bad in [
             "",
             "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
-            "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01x",
             "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
             "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
             "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
@@ -116,6 +129,17 @@ mod tests {
             "00-+bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
         ] {
             assert_eq!(TraceId::from_traceparent(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_later_version_is_read_by_its_first_four_fields() {
+        for later in [
+            "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "cc-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-what-the-future-adds",
+        ] {
+            let id = TraceId::from_traceparent(later).unwrap_or_else(|| panic!("{later}"));
+            assert_eq!(id.to_string(), "4bf92f3577b34da6a3ce929d0e0e4736");
         }
     }
 

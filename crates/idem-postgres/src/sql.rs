@@ -216,8 +216,10 @@ WHERE ctid = ANY (ARRAY (
 /// each left out when `NULL` (false for $3): $2 `since`, $3 `recovered`, $4 `path`, $5 the state's
 /// word; $6 the limit. Run as an unnamed statement, which is planned with its values, so a
 /// condition left out folds away and a `since` bounds the scan of the `created_at` index. The
-/// state is `ListedState::at`'s, in SQL; a path matches as `path_is_under` says, compared with
-/// `starts_with`, in which no character is special. Scopes and keys are ordered by their bytes
+/// state is `ListedState::at`'s, in SQL; a path matches as `path_is_under` says: `$4` is the
+/// query's `route_reading` (in ASCII lower case), compared with the path in ASCII lower case
+/// (`translate`, not `lower`, which would also lower other letters by the database's locale)
+/// with `starts_with`, in which no character is special. Scopes and keys are ordered by their bytes
 /// (`COLLATE "C"`), as Rust orders strings. An answer is never read: only whether there is one.
 pub(crate) const LIST: &str = r#"
 SELECT scope, key, state, expires_at, purge_at, response IS NOT NULL, created_at, replays,
@@ -225,8 +227,9 @@ SELECT scope, key, state, expires_at, purge_at, response IS NOT NULL, created_at
 FROM idem_records
 WHERE ($2::bigint IS NULL OR created_at >= $2::bigint)
     AND (NOT $3::boolean OR recovered)
-    AND ($4::text IS NULL OR path = $4::text
-        OR starts_with(path, CASE WHEN right($4::text, 1) = '/' THEN $4::text ELSE $4::text || '/' END))
+    AND ($4::text IS NULL OR $4::text = '/'
+        OR translate(path, 'ABCDEFGHIJKLMNOPQRSTUVWXYZ', 'abcdefghijklmnopqrstuvwxyz') = $4::text
+        OR starts_with(translate(path, 'ABCDEFGHIJKLMNOPQRSTUVWXYZ', 'abcdefghijklmnopqrstuvwxyz'), $4::text || '/'))
     AND ($5::text IS NULL OR $5::text = CASE
         WHEN state = 'in-flight' THEN 'in-flight'
         WHEN state = 'unknown' AND COALESCE(expires_at, purge_at) > $1::bigint THEN 'unknown'

@@ -663,6 +663,7 @@ impl Store for PostgresStore {
         let since = query.since.map(UnixMillis::as_i64);
         let state = query.state.map(ListedState::as_str);
         let limit = i64::try_from(query.limit).unwrap_or(i64::MAX);
+        let route = query.route_reading();
         // Typed, so that it is sent as an unnamed statement (one round trip), which the server
         // plans with these values.
         let rows = client
@@ -672,7 +673,7 @@ impl Store for PostgresStore {
                     (&query.now.as_i64(), Type::INT8),
                     (&since, Type::INT8),
                     (&query.recovered, Type::BOOL),
-                    (&query.path, Type::TEXT),
+                    (&route, Type::TEXT),
                     (&state, Type::TEXT),
                     (&limit, Type::INT8),
                 ],

@@ -73,7 +73,7 @@ local function read_record()
     'expires_at', 'purge_at', 'replays', 'digest', 'recovered', 'origin', 'trace_id', 'status')
 end
 -- Positions in what `read_record` returns.
-local STATE, TOKEN, LEASE_UNTIL, EXPIRES_AT, PURGE_AT, DIGEST, RECOVERED = 1, 3, 4, 7, 8, 10, 11
+local STATE, TOKEN, LEASE_UNTIL, EXPIRES_AT, PURGE_AT, DIGEST, RECOVERED, ORIGIN = 1, 3, 4, 7, 8, 10, 11, 12
 local function expire_at(key, at)
   set_ttl(key, at - now)
 end
@@ -106,7 +106,7 @@ end
 /// keeps them, with the record's new expiry. A new claim writes the request's `origin` and
 /// `trace_id` with `recovered` 0; a takeover writes its own `trace_id` (the run that answers is
 /// the one to find) and `recovered` 1, and keeps the `origin` and `created_at` of the claim that
-/// made the record. The claim rule is
+/// made the record (a record written before records kept an origin is given the request's). The claim rule is
 /// `StoredRecord::on_begin`'s (idem-core), kept in step with it by `tests/claim_rules.rs`, which runs
 /// the rule's table (`claim_rule_cases`) against this script: a record past its purge_at is
 /// replaced unless it is a claim whose lease still runs; an abandoned claim or unknown outcome of
@@ -152,6 +152,10 @@ local expired = cur[EXPIRES_AT] and num(cur[EXPIRES_AT], 'expires_at') <= now
 if same and not expired and (state == 'unknown' or lease_ended) then
   redis.call('HSET', rec, 'state', 'in-flight', 'token', token, 'lease_until', lease_until,
     'expires_at', claim_expires_at, 'purge_at', claim_purge_at, 'recovered', 1, 'trace_id', trace_id)
+  if not cur[ORIGIN] then
+    -- Written before records kept their origin: named now, so that `list` finds the recovered run.
+    redis.call('HSET', rec, 'origin', origin)
+  end
   expire_at(rec, num(claim_purge_at, 'purge_at'))
   expire_steps_with_record()
   redis.call(publish, channel, 'taken-over')

@@ -780,6 +780,56 @@ async fn a_takeover_names_its_own_run() {
     );
 }
 
+/// An unknown outcome written before records kept their origin, taken over by a retry after the
+/// upgrade, is named by that takeover: the recovered run an investigation looks for is listed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_names_a_record_written_before_origins() {
+    let prefix = fresh_prefix();
+    let _cleanup = Cleanup(Server::Standalone, prefix.clone());
+    let store = connect(Server::Standalone, &prefix, "").await;
+    let (id, fp, now) = (fresh_id(), fingerprint("a"), UnixMillis::now());
+    let token = claim(&store, &id, now).await;
+    store
+        .release(&id, token, testkit::unknown_at(now))
+        .await
+        .expect("release");
+    let record = store.record_keys(&id).record;
+    let _: i64 = query(
+        Server::Standalone,
+        redis::cmd("HDEL")
+            .arg(&record)
+            .arg(&["origin", "trace_id", "recovered"]),
+    );
+    assert!(store.list(&ListQuery::all(now, 100)).await.expect("list").is_empty());
+
+    let retry = Origin::new(
+        "POST",
+        "/payments/7",
+        idem_core::trace_context::TraceId::from_bytes([4; 16]),
+    );
+    let token = FencingToken::random();
+    let taken = store
+        .begin(BeginRequest {
+            origin: &retry,
+            ..testkit::claim(&id, &fp, now, token)
+        })
+        .await
+        .expect("begin");
+    assert!(matches!(taken, Begin::Acquired { recovered: true }), "{taken:?}");
+    let listed = store
+        .list(&ListQuery {
+            recovered: true,
+            ..ListQuery::all(now, 100)
+        })
+        .await
+        .expect("list");
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(
+        (&listed[0].id, &listed[0].origin, listed[0].recovered),
+        (&id, &retry, true)
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn standalone_list_leaves_out_the_records_it_cannot_name() {
     list_leaves_out_the_records_it_cannot_name(Server::Standalone).await;

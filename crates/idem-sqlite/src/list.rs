@@ -16,6 +16,7 @@ use crate::sql;
 /// warning rather than failing the whole list: listing is an operator's question, and the
 /// operator still reads such a record with `idem inspect`. A failure of SQLite itself fails it.
 pub(crate) fn list(conn: &Connection, query: &ListQuery) -> Result<Vec<Listed>, StoreError> {
+    let route = query.route_reading();
     let mut stmt = conn.prepare_cached(sql::LIST).map_err(db_error)?;
     let rows = stmt
         .query_map(
@@ -24,7 +25,7 @@ pub(crate) fn list(conn: &Connection, query: &ListQuery) -> Result<Vec<Listed>, 
                 query.since.map_or(i64::MIN, |since| since.as_i64()),
                 query.state.map(|state| state.as_str()),
                 query.recovered,
-                query.path.as_deref().map(str::as_bytes),
+                route.as_deref().map(str::as_bytes),
                 i64::try_from(query.limit).unwrap_or(i64::MAX)
             ],
             ListedRow::from_row,

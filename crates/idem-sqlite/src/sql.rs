@@ -127,10 +127,13 @@ pub(crate) const PURGE_TOMBSTONE: &str = "UPDATE idem_records SET response = NUL
 ///   which is walked backwards for the order.
 /// - `?3` the listed state's word, or `NULL` for any.
 /// - `?4` true for only the records whose latest run was recovered.
-/// - `?5` the path as a blob, or `NULL` for any: [`path_is_under`] on bytes. SQLite's `substr`
-///   and `length` count characters in text but bytes in blobs, and `LIKE` would read `%` and `_`
-///   in the path as wildcards, so the path is compared as bytes, prefix and following `/` alike.
-///   `substr` of an empty blob is `NULL`, not an empty blob: the empty prefix is tested apart.
+/// - `?5` the query's route (`ListQuery::route_reading`: read as servers read paths, in ASCII
+///   lower case) as a blob, or `NULL` for any: [`path_is_under`] on bytes, against the path in
+///   ASCII lower case (SQLite's `lower` lowers ASCII letters only, as Rust's
+///   `to_ascii_lowercase`). SQLite's `substr` and `length` count characters in text but bytes in
+///   blobs, and `LIKE` would read `%` and `_` in the path as wildcards, so the path is compared as
+///   bytes, prefix and following `/` alike. A route is never empty (the reading of an empty one
+///   is `/`, which takes every path).
 ///
 /// Ties in `created_at` are ordered by scope and key under the `BINARY` collation, byte by byte,
 /// as Rust compares strings ([`Listed::newest_first`]). The answers themselves are never read,
@@ -151,11 +154,10 @@ pub(crate) const LIST: &str = "SELECT scope, key, state, expires_at, purge_at, r
             ELSE 'tombstone'
         END)
         AND (NOT ?4 OR recovered)
-        AND (?5 IS NULL OR (
-            (length(?5) = 0 OR substr(CAST(path AS BLOB), 1, length(?5)) = ?5)
+        AND (?5 IS NULL OR ?5 = X'2F' OR (
+            substr(CAST(lower(path) AS BLOB), 1, length(?5)) = ?5
             AND (length(CAST(path AS BLOB)) = length(?5)
-                OR substr(CAST(path AS BLOB), length(?5) + 1, 1) = X'2F'
-                OR substr(?5, -1, 1) = X'2F')))
+                OR substr(CAST(path AS BLOB), length(?5) + 1, 1) = X'2F')))
     ORDER BY created_at DESC, scope, key
     LIMIT ?6";
 

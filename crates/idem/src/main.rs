@@ -6,6 +6,7 @@ mod cli;
 mod commands;
 mod config;
 mod demo;
+mod head_limit;
 mod instrumented;
 mod list;
 mod listener;
@@ -38,7 +39,8 @@ async fn main() -> ExitCode {
     // table (and writing a line per request would be part of what the bench measures).
     let default_filter = match cli.command {
         Command::Demo(_) => "error",
-        Command::Bench(_) => "warn",
+        // An operator's reading commands print what they found; how the store was opened is noise.
+        Command::Bench(_) | Command::List(_) | Command::Inspect(_) => "warn",
         _ => "info",
     };
     let filter = EnvFilter::try_from_env("IDEM_LOG").unwrap_or_else(|_| EnvFilter::new(default_filter));

@@ -21,7 +21,7 @@ use crate::cli::ServeArgs;
 use crate::config::{Limits, ServeConfig};
 use crate::instrumented::Prometheus;
 use crate::proxy::Proxy;
-use crate::{admin, listener, stores, tls};
+use crate::{admin, head_limit, listener, stores, tls};
 
 /// The buckets of every latency histogram, in seconds: from a local store's half millisecond to
 /// an upstream's minute.
@@ -208,7 +208,9 @@ impl Gateway {
         }
         let layer = layer.with_response_timeout(proxy.timeout());
         let (tasks, protocol) = (layer.tasks(), layer.protocol());
-        let app = axum::Router::new().fallback_service(tower::ServiceBuilder::new().layer(layer).service(proxy));
+        let app = axum::Router::new()
+            .fallback_service(tower::ServiceBuilder::new().layer(layer).service(proxy))
+            .layer(axum::middleware::from_fn(head_limit::refuse_large_heads));
         Self {
             app,
             tasks,
@@ -219,11 +221,13 @@ impl Gateway {
     /// `proxy` with no idempotency at all (`idem demo`'s first set-up).
     pub(crate) fn unprotected(proxy: Proxy) -> Self {
         Self {
-            app: axum::Router::new().fallback_service(
-                tower::ServiceBuilder::new()
-                    .map_request(|request: http::Request<axum::body::Body>| request.map(idem_tower::Body::new))
-                    .service(proxy),
-            ),
+            app: axum::Router::new()
+                .fallback_service(
+                    tower::ServiceBuilder::new()
+                        .map_request(|request: http::Request<axum::body::Body>| request.map(idem_tower::Body::new))
+                        .service(proxy),
+                )
+                .layer(axum::middleware::from_fn(head_limit::refuse_large_heads)),
             tasks: TaskTracker::new(),
             protocol: None,
         }

@@ -845,3 +845,41 @@ async fn a_slow_upstream_gets_504_and_its_answer_is_kept_for_the_retry() {
     );
     assert_eq!(count(&upstream.state.pay), 1, "the upstream ran once");
 }
+
+/// A request whose head is over the gateway's 400 KiB is refused `431` before anything is claimed
+/// or sent, whatever one read of it brings: it never reaches the upstream (where it would break
+/// the connection mid-request and leave its key unknown). Just under the limit, it runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_over_the_limit_is_refused_before_it_reaches_the_upstream() {
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&upstream.url(), &[]).await;
+    for size in [401 * 1024, 450 * 1024, 600 * 1024] {
+        let key = new_key();
+        let request = gw
+            .post("/pay", PAY_BODY)
+            .header("content-type", "application/json")
+            .header("idempotency-key", key.as_str())
+            .header("x-junk", "j".repeat(size));
+        match common::try_send(request).await {
+            Ok(reply) => assert_eq!(reply.status, 431, "a {size}-byte header: {reply}"),
+            // hyper may close instead, when its buffer fills before the head is whole.
+            Err(err) => assert!(
+                err.contains("closed") || err.contains("reset") || err.contains("error"),
+                "{err}"
+            ),
+        }
+        assert_eq!(
+            count(&upstream.state.pay),
+            0,
+            "a {size}-byte header reached the upstream"
+        );
+    }
+    let key = new_key();
+    let fits = gw
+        .post("/pay", PAY_BODY)
+        .header("content-type", "application/json")
+        .header("idempotency-key", key.as_str())
+        .header("x-junk", "j".repeat(300 * 1024));
+    assert_eq!(send(fits).await.status, 201);
+    assert_eq!(count(&upstream.state.pay), 1);
+}

@@ -88,8 +88,9 @@ pub struct ListQuery {
     pub recovered: bool,
     /// Only records created at or after this time.
     pub since: Option<UnixMillis>,
-    /// Only records of this path or below it: `/payments` matches `/payments` and
-    /// `/payments/pay_1`, not `/payments-old`.
+    /// Only records of this path or below it, read as servers may read it and without regard to
+    /// ASCII case ([`path_is_under`]): `/payments` matches `/payments`, `/payments/pay_1` and
+    /// `/PAYMENTS/%70ay_2`, not `/payments-old`.
     pub path: Option<String>,
     /// At most this many records.
     pub limit: usize,
@@ -108,6 +109,13 @@ impl ListQuery {
         }
     }
 
+    /// The route a store compares records' paths with: the query's path as [`path_reading`] reads
+    /// it, in ASCII lower case. A record matches when its path, in ASCII lower case, equals it or
+    /// starts with it and a `/` (every path, for `/`).
+    pub fn route_reading(&self) -> Option<String> {
+        self.path.as_deref().map(route_key)
+    }
+
     /// Whether `listed` answers the query. A store that filters in its own language holds its
     /// filter to this one (the conformance suite runs both).
     pub fn matches(&self, listed: &Listed) -> bool {
@@ -121,13 +129,59 @@ impl ListQuery {
     }
 }
 
-/// Whether `path` is `route` or lies below it (`route` followed by `/`). A `route` that ends
-/// with `/` matches what starts with it.
-pub fn path_is_under(path: &str, route: &str) -> bool {
-    match path.strip_prefix(route) {
-        Some(rest) => rest.is_empty() || rest.starts_with('/') || route.ends_with('/'),
-        None => false,
+/// A request's path as the many servers that route it may read it, for an operator to find
+/// every spelling of one resource under one route: escapes decoded (`%2F` too: a server that
+/// decodes before it routes reads a separator), `;params` dropped from each segment, empty and
+/// `.` segments dropped and `..` resolved. Case is kept (identifiers are case-sensitive); the
+/// route filter ignores ASCII case instead ([`path_is_under`]). Control characters a decoded
+/// escape produced become U+FFFD, so that the reading is a valid text value in every store. A
+/// path that is not absolute (`*`) is kept as it is.
+pub fn path_reading(path: &str) -> String {
+    if !path.starts_with('/') {
+        return path.to_owned();
     }
+    let decoded = String::from_utf8_lossy(&crate::route::percent_decoded(path)).into_owned();
+    let mut segments: Vec<&str> = Vec::new();
+    for segment in decoded.split('/') {
+        let segment = segment.split(';').next().unwrap_or_default();
+        match segment {
+            "" | "." => {}
+            ".." => {
+                segments.pop();
+            }
+            _ => segments.push(segment),
+        }
+    }
+    let mut reading = String::with_capacity(decoded.len() + 1);
+    for segment in &segments {
+        reading.push('/');
+        reading.extend(segment.chars().map(|c| if c.is_control() { '\u{FFFD}' } else { c }));
+    }
+    if reading.is_empty() {
+        reading.push('/');
+    }
+    reading
+}
+
+/// Whether a record's `path` (a [`path_reading`], as records keep it) is `route` or lies below
+/// it, `route` read the same way and both compared without regard to ASCII case:
+/// `/payments` takes `/payments`, `/Payments/pay_1` and `/%70ayments//pay_2`, not
+/// `/payments-old`; `/` takes every path. The route as a store compares it is
+/// [`ListQuery::route_reading`].
+pub fn path_is_under(path: &str, route: &str) -> bool {
+    let route = route_key(route);
+    let path = path.to_ascii_lowercase();
+    route == "/" || path == route || path.strip_prefix(&route).is_some_and(|rest| rest.starts_with('/'))
+}
+
+/// `route`'s reading in lower case; a route written without its leading `/` (or empty) is read
+/// with it.
+fn route_key(route: &str) -> String {
+    let reading = match route.strip_prefix('/') {
+        Some(_) => path_reading(route),
+        None => path_reading(&format!("/{route}")),
+    };
+    reading.to_ascii_lowercase()
 }
 
 /// One record as [`Store::list`](super::Store::list) returns it: what it is about, never its
@@ -244,9 +298,33 @@ mod tests {
         assert!(path_is_under("/payments", "/payments"));
         assert!(path_is_under("/payments/pay_1", "/payments"));
         assert!(path_is_under("/payments/pay_1", "/payments/"));
+        assert!(path_is_under("/Payments/pay_1", "/PAYMENTS"));
+        assert!(path_is_under("/payments/pay_1", "//%70ayments;x/."));
         assert!(!path_is_under("/payments-old", "/payments"));
         assert!(!path_is_under("/pay", "/payments"));
         assert!(path_is_under("/anything", "/"));
+        assert!(path_is_under("/anything", ""));
+        assert!(path_is_under("/payments/pay_1", "payments"));
+    }
+
+    #[test]
+    fn every_spelling_of_a_path_reads_alike() {
+        for spelling in [
+            "/payments/pay_1",
+            "/%70ayments/pay_1",
+            "//payments/pay_1",
+            "/x/../payments/pay_1",
+            "/payments%2Fpay_1",
+            "/payments;jsessionid=7/pay_1/",
+            "/./payments/./pay_1",
+        ] {
+            assert_eq!(path_reading(spelling), "/payments/pay_1", "{spelling}");
+        }
+        assert_eq!(path_reading("/PAYMENTS/Pay_1"), "/PAYMENTS/Pay_1", "case is kept");
+        assert_eq!(path_reading("/a/%00b/%C3%A9"), "/a/\u{FFFD}b/é");
+        assert_eq!(path_reading("/a/%ZZ/%c3"), "/a/%ZZ/\u{FFFD}");
+        assert_eq!(path_reading("/../.."), "/");
+        assert_eq!(path_reading("*"), "*");
     }
 
     #[test]

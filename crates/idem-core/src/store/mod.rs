@@ -10,7 +10,7 @@ pub(crate) mod replay_counts;
 
 pub use clock::{RESYNC_EVERY, StoreClock};
 pub use invalidations::{Invalidations, RecordDigest};
-pub use listing::{ListQuery, Listed, ListedState, Newest, path_is_under};
+pub use listing::{ListQuery, Listed, ListedState, Newest, path_is_under, path_reading};
 pub use observed::{Observed, Observer, StoreOperation};
 
 use std::error::Error as StdError;
@@ -163,8 +163,9 @@ pub const MAX_ORIGIN_PATH: usize = 1024;
 pub struct Origin {
     /// The request's method, as sent.
     pub method: String,
-    /// The request's path, as sent (no query: it may carry secrets), at most
-    /// [`MAX_ORIGIN_PATH`] bytes.
+    /// The request's path as servers may read it ([`path_reading`]: escapes decoded, dot
+    /// segments resolved; no query, which may carry secrets), at most [`MAX_ORIGIN_PATH`] bytes.
+    /// The spelling as sent is in the record's fingerprint.
     pub path: String,
     /// The W3C trace id of the run that holds or answered the record (the client's
     /// `traceparent`), if the request carried one.
@@ -172,11 +173,12 @@ pub struct Origin {
 }
 
 impl Origin {
-    /// The origin of a request with this method, path and trace id; the path cut to
-    /// [`MAX_ORIGIN_PATH`] bytes.
+    /// The origin of a request with this method, path (as sent: it is read with
+    /// [`path_reading`] and cut to [`MAX_ORIGIN_PATH`] bytes) and trace id.
     pub fn new(method: &str, path: &str, trace_id: Option<TraceId>) -> Self {
+        let path = path_reading(path);
         let path = if path.len() <= MAX_ORIGIN_PATH {
-            path.to_owned()
+            path
         } else {
             let mut end = MAX_ORIGIN_PATH - '…'.len_utf8();
             while !path.is_char_boundary(end) {
