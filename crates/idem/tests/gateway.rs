@@ -883,3 +883,33 @@ async fn a_head_over_the_limit_is_refused_before_it_reaches_the_upstream() {
     assert_eq!(send(fits).await.status, 201);
     assert_eq!(count(&upstream.state.pay), 1);
 }
+
+/// The client's W3C trace context reaches the upstream as it was sent, so that the service's own
+/// spans join the client's trace; the record keeps its trace id (`idem inspect`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_trace_context_reaches_the_upstream_and_the_record() {
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&upstream.url(), &[]).await;
+    let key = new_key();
+    let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let request = gw
+        .post("/pay", PAY_BODY)
+        .header("content-type", "application/json")
+        .header("idempotency-key", key.as_str())
+        .header("traceparent", traceparent)
+        .header("tracestate", "vendor=opaque");
+    assert_eq!(send(request).await.status, 201);
+    let seen = upstream.state.last_headers("pay").expect("the upstream was called");
+    assert_eq!(seen.get("traceparent").and_then(|v| v.to_str().ok()), Some(traceparent));
+    assert_eq!(
+        seen.get("tracestate").and_then(|v| v.to_str().ok()),
+        Some("vendor=opaque")
+    );
+    let inspect = common::run_idem(
+        &["inspect", "--json", "--store", &gw.store, &key],
+        Duration::from_secs(60),
+    )
+    .await;
+    let json: serde_json::Value = serde_json::from_slice(&inspect.stdout).expect("one JSON object");
+    assert_eq!(json["trace_id"], "4bf92f3577b34da6a3ce929d0e0e4736", "{json}");
+}

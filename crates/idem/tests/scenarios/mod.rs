@@ -270,7 +270,12 @@ pub(crate) async fn list_answers_an_investigations_questions(store: &str) {
     // The route however spelled: case, a doubled slash, a trailing one.
     let spelled = format!("/{}/", route.to_uppercase());
     let output = run_idem(&["list", "--store", store, "--route", &spelled, "--json"], limit).await;
-    assert_eq!(String::from_utf8_lossy(&output.stdout).lines().count(), 4, "{}", describe(&output));
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout).lines().count(),
+        4,
+        "{}",
+        describe(&output)
+    );
     let by_key = |key: &str| everything.iter().find(|r| r["key"] == key).unwrap().clone();
     let rec = by_key(&recovered);
     for (field, expected) in [
