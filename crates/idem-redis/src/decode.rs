@@ -129,6 +129,23 @@ const RECORD_FIELDS: [&str; 14] = [
     "status",
 ];
 
+/// The fields `begin` reads and returns (`read_claim` in the scripts): the first of
+/// [`RECORD_FIELDS`], without what a record keeps for the operator, which a claim or a replay has
+/// no use for.
+const CLAIM_FIELDS: [&str; 11] = [
+    "state",
+    "fingerprint",
+    "token",
+    "lease_until",
+    "created_at",
+    "completed_at",
+    "expires_at",
+    "purge_at",
+    "replays",
+    "digest",
+    "recovered",
+];
+
 /// The fields `list` reads of every record it finds (one `HMGET` each): what a [`Listed`] shows,
 /// never the fingerprint, the token or the answer.
 pub(crate) const LISTED_FIELDS: [&str; 9] = [
@@ -152,10 +169,15 @@ pub(crate) struct StoredHash {
 impl StoredHash {
     /// `None` for a missing record (nil).
     pub(crate) fn parse(fields: Value, body: Value) -> Result<Option<Self>, StoreError> {
+        Self::parse_fields(&RECORD_FIELDS, fields, body)
+    }
+
+    /// [`parse`](Self::parse) of the fields `names` only, in that order.
+    fn parse_fields(names: &[&str], fields: Value, body: Value) -> Result<Option<Self>, StoreError> {
         if is_nil(&fields) {
             return Ok(None);
         }
-        let mut hash = Self::of(&RECORD_FIELDS, array(fields, "the record's fields")?)?;
+        let mut hash = Self::of(names, array(fields, "the record's fields")?)?;
         if !is_nil(&body) {
             hash.body = Some(bulk(body, "the stored answer")?);
         }
@@ -366,7 +388,7 @@ pub(crate) fn parse_begin(
         b"existing" => {
             let fields = items.next().unwrap_or_default();
             let body = items.next().unwrap_or_default();
-            let stored = StoredHash::parse(fields, body)?
+            let stored = StoredHash::parse_fields(&CLAIM_FIELDS, fields, body)?
                 .ok_or_else(|| StoreError::Corrupt("begin returned an empty record".to_owned()))?;
             let same_request = stored.field("digest") == Some(&request.fingerprint.digest()[..]);
             let stored = stored.into_stored(request.id)?;

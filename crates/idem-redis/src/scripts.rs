@@ -72,8 +72,15 @@ local function read_record()
   return redis.call('HMGET', rec, 'state', 'fingerprint', 'token', 'lease_until', 'created_at', 'completed_at',
     'expires_at', 'purge_at', 'replays', 'digest', 'recovered', 'origin', 'trace_id', 'status')
 end
--- Positions in what `read_record` returns.
-local STATE, TOKEN, LEASE_UNTIL, EXPIRES_AT, PURGE_AT, DIGEST, RECOVERED, ORIGIN = 1, 3, 4, 7, 8, 10, 11, 12
+-- What `begin` reads: the fields of `CLAIM_FIELDS` (decode.rs), the first of `RECORD_FIELDS`,
+-- without what the record keeps for the operator (a replay has no use for it, and its bytes
+-- would cross the network with every replay).
+local function read_claim()
+  return redis.call('HMGET', rec, 'state', 'fingerprint', 'token', 'lease_until', 'created_at', 'completed_at',
+    'expires_at', 'purge_at', 'replays', 'digest', 'recovered')
+end
+-- Positions in what `read_record` and `read_claim` return.
+local STATE, TOKEN, LEASE_UNTIL, EXPIRES_AT, PURGE_AT, DIGEST, RECOVERED = 1, 3, 4, 7, 8, 10, 11
 local function expire_at(key, at)
   set_ttl(key, at - now)
 end
@@ -118,13 +125,13 @@ end
 /// one thread, so the common paths make as few as they can.
 ///
 /// Returns `{rec, nonce, 'acquired', recovered}` or
-/// `{rec, nonce, 'existing', the record's fields (see `read_record`), body or nil}`.
+/// `{rec, nonce, 'existing', the record's fields (see `read_claim`), body or nil}`.
 const BEGIN: &str = r#"
 now = num(ARGV[2], 'now')
 local lease_until, token, digest, fingerprint = ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local claim_purge_at, channel, publish, claim_expires_at = ARGV[7], ARGV[8], ARGV[9], ARGV[10]
 local origin, trace_id = ARGV[11], ARGV[12]
-local cur = read_record()
+local cur = read_claim()
 local state = cur[STATE]
 if state == 'in-flight' and cur[TOKEN] == token then
   -- This very claim was already made: a retry after the reply was lost.
@@ -152,7 +159,7 @@ local expired = cur[EXPIRES_AT] and num(cur[EXPIRES_AT], 'expires_at') <= now
 if same and not expired and (state == 'unknown' or lease_ended) then
   redis.call('HSET', rec, 'state', 'in-flight', 'token', token, 'lease_until', lease_until,
     'expires_at', claim_expires_at, 'purge_at', claim_purge_at, 'recovered', 1, 'trace_id', trace_id)
-  if not cur[ORIGIN] then
+  if redis.call('HEXISTS', rec, 'origin') == 0 then
     -- Written before records kept their origin: named now, so that `list` finds the recovered run.
     redis.call('HSET', rec, 'origin', origin)
   end

@@ -37,8 +37,25 @@ pub struct Keyed {
     pub(super) key: KeySource,
     /// What this request's client accepts: a replay is decoded for it when needed.
     pub(super) accept: AcceptEncoding,
-    /// What the record keeps about the request (shared: every attempt at the claim carries it).
-    pub(super) origin: Arc<Origin>,
+    /// What the record keeps about the request, read into an [`Origin`] only when a claim is
+    /// asked of the store (a replay the replay cache answers needs none).
+    pub(super) request: RequestLine,
+}
+
+/// What a record keeps of a keyed request, as it came (cheap to keep: the method and URI are
+/// shared, not copied).
+#[derive(Debug, Clone)]
+pub(super) struct RequestLine {
+    method: http::Method,
+    uri: http::Uri,
+    trace_id: Option<TraceId>,
+}
+
+impl RequestLine {
+    /// The request's [`Origin`], its path read and cut as records keep it.
+    pub(super) fn origin(&self) -> Arc<Origin> {
+        Arc::new(Origin::new(self.method.as_str(), self.uri.path(), self.trace_id))
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -49,9 +66,9 @@ pub(super) enum KeySource {
 }
 
 impl Keyed {
-    /// What the record keeps about this request: its method, path and trace id.
-    pub fn origin(&self) -> &Origin {
-        &self.origin
+    /// The W3C trace id of the request's `traceparent`, if it has a valid one.
+    pub fn trace_id(&self) -> Option<TraceId> {
+        self.request.trace_id
     }
 
     /// The caller's scope, if known before [`Protocol::begin`]: a credential's is hashed there,
@@ -120,11 +137,11 @@ impl Protocol {
             caller,
             key,
             accept: AcceptEncoding::from_headers(&parts.headers),
-            origin: Arc::new(Origin::new(
-                parts.method.as_str(),
-                parts.uri.path(),
-                TraceId::from_headers(&parts.headers),
-            )),
+            request: RequestLine {
+                method: parts.method.clone(),
+                uri: parts.uri.clone(),
+                trace_id: TraceId::from_headers(&parts.headers),
+            },
         })
     }
 

@@ -38,7 +38,9 @@ impl Protocol {
                 )
             }
         };
-        let origin = keyed.origin;
+        let request = keyed.request;
+        // Read when the store is first asked for a claim: a replay from the cache needs none.
+        let mut origin: Option<Arc<Origin>> = None;
         let (scope, mut earlier) = match self.scope_of(keyed.caller).await {
             Ok(scopes) => scopes,
             Err(err) => {
@@ -68,7 +70,14 @@ impl Protocol {
             };
             let token = self.new_token();
             let record = match self
-                .claim_or_read(&id, fingerprint, &origin, now, token, provisional)
+                .claim_or_read(
+                    &id,
+                    fingerprint,
+                    origin.get_or_insert_with(|| request.origin()),
+                    now,
+                    token,
+                    provisional,
+                )
                 .await
             {
                 Err(err) => return self.store_failed(&err, id),
