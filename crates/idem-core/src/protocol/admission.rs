@@ -39,7 +39,7 @@ pub struct Keyed {
     pub(super) accept: AcceptEncoding,
     /// What the record keeps about the request, read into an [`Origin`] only when a claim is
     /// asked of the store (a replay the replay cache answers needs none).
-    pub(super) request: RequestLine,
+    pub(super) request: Box<RequestLine>,
 }
 
 /// What a record keeps of a keyed request, as it came (cheap to keep: the method and URI are
@@ -137,11 +137,12 @@ impl Protocol {
             caller,
             key,
             accept: AcceptEncoding::from_headers(&parts.headers),
-            request: RequestLine {
+            // Boxed: an `Admission` is returned by value, and a URI is large.
+            request: Box::new(RequestLine {
                 method: parts.method.clone(),
                 uri: parts.uri.clone(),
                 trace_id: TraceId::from_headers(&parts.headers),
-            },
+            }),
         })
     }
 
