@@ -8,31 +8,27 @@
 //! Counting the head here makes the limit the same on every read.
 
 use axum::body::Body;
-use axum::extract::Request;
-use axum::middleware::Next;
-use axum::response::Response;
+use http::{Request, Response};
 use idem_core::{Problem, ProblemKind};
 
 /// The most bytes of a request line and headers the gateway passes on: hyper's own default read
 /// limit (400 KiB), made exact.
 pub(crate) const MAX_HEAD_BYTES: usize = 400 * 1024;
 
-/// Refuses a request whose head is over [`MAX_HEAD_BYTES`].
-pub(crate) async fn refuse_large_heads(request: Request, next: Next) -> Response {
-    let size = head_size(&request);
-    if size > MAX_HEAD_BYTES {
+/// The answer to a request whose head is over [`MAX_HEAD_BYTES`]; `None` for one within it. Run
+/// by the listener before the request reaches the router, without a layer of its own.
+pub(crate) fn refusal<B>(request: &Request<B>) -> Option<Response<Body>> {
+    let size = head_size(request);
+    (size > MAX_HEAD_BYTES).then(|| {
         let detail = format!(
             "the request line and headers are {size} bytes, over the {MAX_HEAD_BYTES} this gateway passes on; nothing was run. Send smaller headers."
         );
-        return Problem::new(ProblemKind::HeadTooLarge, detail)
-            .to_response()
-            .map(Body::from);
-    }
-    next.run(request).await
+        Problem::new(ProblemKind::HeadTooLarge, detail).to_response().map(Body::from)
+    })
 }
 
 /// The bytes of `request`'s head as HTTP/1.1 writes it: the request line and each header line.
-fn head_size(request: &Request) -> usize {
+fn head_size<B>(request: &Request<B>) -> usize {
     let uri = request.uri();
     let target = uri.scheme_str().map_or(0, |scheme| scheme.len() + "://".len())
         + uri.authority().map_or(0, |authority| authority.as_str().len())

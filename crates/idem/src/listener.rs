@@ -31,6 +31,7 @@ use tokio_util::task::TaskTracker;
 use tower::ServiceExt as _;
 
 use crate::config::Limits;
+use crate::head_limit;
 use crate::tls::OverTls;
 
 mod request_body;
@@ -212,9 +213,16 @@ impl Connection {
                 if over_tls {
                     request.extensions_mut().insert(OverTls);
                 }
-                let call = app.clone().oneshot(request);
+                // A head over the limit is answered here, before any layer sees it.
+                let call = match head_limit::refusal(&request) {
+                    Some(refused) => Err(refused),
+                    None => Ok(app.clone().oneshot(request)),
+                };
                 async move {
-                    let response = call.await?;
+                    let response = match call {
+                        Ok(call) => call.await?,
+                        Err(refused) => refused,
+                    };
                     Ok::<_, Infallible>(response.map(|body| Answering {
                         body,
                         _in_flight: in_flight,

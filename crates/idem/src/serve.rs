@@ -21,7 +21,7 @@ use crate::cli::ServeArgs;
 use crate::config::{Limits, ServeConfig};
 use crate::instrumented::Prometheus;
 use crate::proxy::Proxy;
-use crate::{admin, head_limit, listener, stores, tls};
+use crate::{admin, listener, stores, tls};
 
 /// The buckets of every latency histogram, in seconds: from a local store's half millisecond to
 /// an upstream's minute.
@@ -208,9 +208,7 @@ impl Gateway {
         }
         let layer = layer.with_response_timeout(proxy.timeout());
         let (tasks, protocol) = (layer.tasks(), layer.protocol());
-        let app = axum::Router::new()
-            .fallback_service(tower::ServiceBuilder::new().layer(layer).service(proxy))
-            .layer(axum::middleware::from_fn(head_limit::refuse_large_heads));
+        let app = axum::Router::new().fallback_service(tower::ServiceBuilder::new().layer(layer).service(proxy));
         Self {
             app,
             tasks,
@@ -221,13 +219,11 @@ impl Gateway {
     /// `proxy` with no idempotency at all (`idem demo`'s first set-up).
     pub(crate) fn unprotected(proxy: Proxy) -> Self {
         Self {
-            app: axum::Router::new()
-                .fallback_service(
-                    tower::ServiceBuilder::new()
-                        .map_request(|request: http::Request<axum::body::Body>| request.map(idem_tower::Body::new))
-                        .service(proxy),
-                )
-                .layer(axum::middleware::from_fn(head_limit::refuse_large_heads)),
+            app: axum::Router::new().fallback_service(
+                tower::ServiceBuilder::new()
+                    .map_request(|request: http::Request<axum::body::Body>| request.map(idem_tower::Body::new))
+                    .service(proxy),
+            ),
             tasks: TaskTracker::new(),
             protocol: None,
         }
