@@ -6,6 +6,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError, Weak};
 use std::time::Duration;
 
+/// What a pushed announcement is allowed to take from the delete's commit to every subscribed
+/// instance (a Redis Cluster passes a `PUBLISH` from node to node over its bus): `idem delete`
+/// waits this long. A loaded machine can take longer; the cache's `max_age` bounds what is left.
+pub const PUSHED_DELIVERY: Duration = Duration::from_millis(250);
+
 /// A short digest of a record's id ([`RecordId::digest`](crate::store::RecordId::digest)): what
 /// stores' notifications name a record by, by which a replay cache finds the entry to forget.
 pub type RecordDigest = [u8; 16];
@@ -30,7 +35,7 @@ pub struct Invalidations {
     /// How many times the channel came up.
     resumptions: AtomicU64,
     /// How long a delete made elsewhere may take to reach this instance's caches while the channel
-    /// is up: nothing for a pushed announcement, two intervals for a polled one.
+    /// is up: [`PUSHED_DELIVERY`] for a pushed announcement, two intervals for a polled one.
     reach: Duration,
 }
 
@@ -38,7 +43,10 @@ impl Invalidations {
     /// A channel that pushes each announcement (pub/sub, `NOTIFY`), not up yet: caches answer
     /// once the store calls [`Self::resumed`].
     pub fn new() -> Self {
-        Self::default()
+        Self {
+            reach: PUSHED_DELIVERY,
+            ..Self::default()
+        }
     }
 
     /// A channel that this instance reads every `interval` (a count of deletes in the store),
@@ -52,9 +60,10 @@ impl Invalidations {
     }
 
     /// How long a delete made by another process may take to reach this instance's caches while
-    /// the channel is up: zero for a pushed announcement (it is delivered as soon as the delete
-    /// commits), two intervals for a polled one. An operator's `idem delete` waits this long
-    /// before it returns, so that no instance replays the answer once it has.
+    /// the channel is up: [`PUSHED_DELIVERY`] for a pushed announcement (sent when the delete
+    /// commits, delivered a moment later: across a Redis Cluster's bus, then to the subscriber's
+    /// task), two intervals for a polled one. An operator's `idem delete` waits this long before it
+    /// returns, so that no instance replays the answer once it has.
     pub fn reach(&self) -> Duration {
         self.reach
     }

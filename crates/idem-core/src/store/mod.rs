@@ -9,7 +9,7 @@ mod observed;
 pub(crate) mod replay_counts;
 
 pub use clock::{RESYNC_EVERY, StoreClock};
-pub use invalidations::{Invalidations, RecordDigest};
+pub use invalidations::{Invalidations, PUSHED_DELIVERY, RecordDigest};
 pub use listing::{ListQuery, Listed, ListedState, Newest, path_is_under, path_reading};
 pub use observed::{Observed, Observer, StoreOperation};
 
