@@ -5,7 +5,7 @@
 
 use idem_core::store::backend::StoredRecord;
 use idem_core::{
-    IdempotencyKey, Scope, StoreError, UnixMillis,
+    StoreError, UnixMillis,
     store::{Checkpoint, Listed, Record, RecordId, ScopeSalt},
 };
 use tokio_postgres::Row;
@@ -59,7 +59,6 @@ pub(crate) fn listed_from_row(row: &Row, now: UnixMillis) -> Result<Listed, Stri
         row.try_get(0).map_err(|err| describe(&err))?,
         row.try_get(1).map_err(|err| describe(&err))?,
     );
-    let what = |detail: String| format!("record {scope} {key}: {detail}");
     let read = || -> Result<(StoredRecord, bool), tokio_postgres::Error> {
         let stored = StoredRecord {
             state: row.try_get(2)?,
@@ -76,14 +75,8 @@ pub(crate) fn listed_from_row(row: &Row, now: UnixMillis) -> Result<Listed, Stri
         };
         Ok((stored, row.try_get(5)?))
     };
-    let (stored, has_answer) = read().map_err(|err| what(describe(&err)))?;
-    let id = RecordId {
-        scope: Scope::from_stored(scope.as_str()),
-        key: IdempotencyKey::new(&key).map_err(|err| what(err.to_string()))?,
-    };
-    stored
-        .listed(id, has_answer, now)
-        .ok_or_else(|| what(format!("no state {:?}", stored.state)))
+    let (stored, has_answer) = read().map_err(|err| format!("record {scope} {key}: {}", describe(&err)))?;
+    stored.listed_as(&scope, &key, has_answer, now)
 }
 
 /// Reads the columns of [`CHECKPOINTS`](crate::sql::CHECKPOINTS); values of the wrong type (or `NULL`s) and arrays that do

@@ -132,19 +132,7 @@ const RECORD_FIELDS: [&str; 14] = [
 /// The fields `begin` reads and returns (`read_claim` in the scripts): the first of
 /// [`RECORD_FIELDS`], without what a record keeps for the operator, which a claim or a replay has
 /// no use for.
-const CLAIM_FIELDS: [&str; 11] = [
-    "state",
-    "fingerprint",
-    "token",
-    "lease_until",
-    "created_at",
-    "completed_at",
-    "expires_at",
-    "purge_at",
-    "replays",
-    "digest",
-    "recovered",
-];
+const CLAIM_FIELDS: &[&str] = RECORD_FIELDS.split_at(11).0;
 
 /// The fields `list` reads of every record it finds (one `HMGET` each): what a [`Listed`] shows,
 /// never the fingerprint, the token or the answer.
@@ -388,7 +376,7 @@ pub(crate) fn parse_begin(
         b"existing" => {
             let fields = items.next().unwrap_or_default();
             let body = items.next().unwrap_or_default();
-            let stored = StoredHash::parse_fields(&CLAIM_FIELDS, fields, body)?
+            let stored = StoredHash::parse_fields(CLAIM_FIELDS, fields, body)?
                 .ok_or_else(|| StoreError::Corrupt("begin returned an empty record".to_owned()))?;
             let same_request = stored.field("digest") == Some(&request.fingerprint.digest()[..]);
             let stored = stored.into_stored(request.id)?;

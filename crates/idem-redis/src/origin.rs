@@ -5,6 +5,8 @@
 //! Each part is its length in bytes, in decimal, a `:`, then its bytes (`5:app:a2:k14:POST9:/payments`):
 //! any byte may appear in a part, and the value still reads in `redis-cli`.
 
+use std::io::Write as _;
+
 use idem_core::store::{Origin, RecordId};
 
 /// The four parts of a stored `origin`, borrowed from it.
@@ -22,8 +24,8 @@ pub(crate) fn encode(id: &RecordId, origin: &Origin) -> Vec<u8> {
     // Up to 20 digits and a colon per part.
     let mut out = Vec::with_capacity(parts.iter().map(|part| part.len() + 21).sum());
     for part in parts {
-        out.extend_from_slice(part.len().to_string().as_bytes());
-        out.push(b':');
+        // Into the same buffer: `begin` writes an origin on every call.
+        write!(out, "{}:", part.len()).expect("writing to a Vec cannot fail");
         out.extend_from_slice(part.as_bytes());
     }
     out

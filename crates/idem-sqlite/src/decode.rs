@@ -4,7 +4,7 @@
 
 use idem_core::store::backend::StoredRecord;
 use idem_core::{
-    IdempotencyKey, Scope, StoreError, UnixMillis,
+    StoreError, UnixMillis,
     store::{Listed, Record, RecordId, ScopeSalt},
 };
 use rusqlite::Row;
@@ -80,14 +80,7 @@ impl ListedRow {
     /// The record as listed at `now`, or why it cannot be (its key is no key, or its state no
     /// state).
     pub(crate) fn listed(self, now: UnixMillis) -> Result<Listed, String> {
-        let key =
-            IdempotencyKey::new(&self.key).map_err(|err| format!("record {} {:?}: {err}", self.scope, self.key))?;
-        let id = RecordId {
-            scope: Scope::from_stored(self.scope),
-            key,
-        };
-        let why = format!("record {} {}: unknown state {:?}", id.scope, id.key, self.stored.state);
-        self.stored.listed(id, self.has_answer, now).ok_or(why)
+        self.stored.listed_as(&self.scope, &self.key, self.has_answer, now)
     }
 }
 

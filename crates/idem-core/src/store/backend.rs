@@ -16,7 +16,7 @@ pub use crate::scope::hex;
 pub use crate::store::replay_counts::ReplayCounts;
 use crate::trace_context::TraceId;
 use crate::{
-    Fingerprint, StoreError, UnixMillis,
+    Fingerprint, IdempotencyKey, Scope, StoreError, UnixMillis,
     store::{ClaimState, FencingToken, Listed, ListedState, Origin, Record, RecordId, RecordState, WaitOutcome},
 };
 
@@ -224,6 +224,19 @@ impl StoredRecord {
             replays: u64::try_from(self.replays).unwrap_or(0),
             recovered: self.recovered,
         })
+    }
+
+    /// The record a SQL store found under the scope and key of its row, as
+    /// [`listed`](Self::listed) makes it; why it cannot be listed (its key is no key, its state no
+    /// state), naming it, for the warning with which the listing skips it.
+    pub fn listed_as(&self, scope: &str, key: &str, has_answer: bool, now: UnixMillis) -> Result<Listed, String> {
+        let why = |detail: String| format!("record {scope} {key}: {detail}");
+        let id = RecordId {
+            scope: Scope::from_stored(scope),
+            key: IdempotencyKey::new(key).map_err(|err| why(err.to_string()))?,
+        };
+        self.listed(id, has_answer, now)
+            .ok_or_else(|| why(format!("no state {:?}", self.state)))
     }
 
     /// What the record keeps about its request. These fields decide nothing, so one that does not

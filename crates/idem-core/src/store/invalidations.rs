@@ -26,7 +26,6 @@ pub(crate) trait Invalidated: Send + Sync {
 /// What a store's notification channel tells the replay caches of this instance: which records
 /// were deleted (by any instance, or by an operator's `idem delete`), and whether the channel is
 /// up. A store keeps one and hands it out with [`Store::invalidations`](crate::Store).
-#[derive(Default)]
 pub struct Invalidations {
     watchers: Mutex<Vec<Weak<dyn Invalidated>>>,
     /// Whether the store's channel is up: while it is down, deletes may go unannounced, and no
@@ -39,23 +38,33 @@ pub struct Invalidations {
     reach: Duration,
 }
 
+/// A pushed channel ([`Invalidations::new`]): a derived default would allow no time for delivery.
+impl Default for Invalidations {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl Invalidations {
     /// A channel that pushes each announcement (pub/sub, `NOTIFY`), not up yet: caches answer
     /// once the store calls [`Self::resumed`].
     pub fn new() -> Self {
-        Self {
-            reach: PUSHED_DELIVERY,
-            ..Self::default()
-        }
+        Self::reaching_within(PUSHED_DELIVERY)
     }
 
     /// A channel that this instance reads every `interval` (a count of deletes in the store),
     /// not up yet.
     pub fn polled_every(interval: Duration) -> Self {
+        // A poll that started just before the delete committed, then the next one.
+        Self::reaching_within(interval * 2)
+    }
+
+    fn reaching_within(reach: Duration) -> Self {
         Self {
-            // A poll that started just before the delete committed, then the next one.
-            reach: interval * 2,
-            ..Self::default()
+            watchers: Mutex::default(),
+            listening: AtomicBool::default(),
+            resumptions: AtomicU64::default(),
+            reach,
         }
     }
 
