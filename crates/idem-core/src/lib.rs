@@ -66,6 +66,8 @@ mod scope;
 #[cfg(feature = "server")]
 pub mod seal;
 #[cfg(feature = "server")]
+pub mod spans;
+#[cfg(feature = "server")]
 pub mod store;
 pub mod trace_context;
 

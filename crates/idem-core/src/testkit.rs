@@ -1387,7 +1387,7 @@ pub async fn scope_salt_tells_how_long_older_records_live(h: &impl Harness) {
 pub async fn a_record_keeps_its_origin_status_and_recovery(h: &impl Harness) {
     let store = h.open().await;
     let (id, fp, now) = (fresh_id(), fingerprint("a"), UnixMillis::now());
-    let first = Origin::new("POST", "/payments/pay_1", Some(trace_id(1)));
+    let first = Origin::new("POST", "/payments/pay_1", Some(run_trace(1)));
     let token = FencingToken::random();
     let begun = store
         .begin(BeginRequest {
@@ -1403,7 +1403,7 @@ pub async fn a_record_keeps_its_origin_status_and_recovery(h: &impl Harness) {
 
     // The same request again, in another trace: taken over, recovered; the record now names the
     // run that answers.
-    let retry = Origin::new("POST", "/payments/pay_1", Some(trace_id(2)));
+    let retry = Origin::new("POST", "/payments/pay_1", Some(run_trace(2)));
     let token = FencingToken::random();
     let later = now.plus(Duration::from_secs(1));
     let begun = store
@@ -1448,6 +1448,20 @@ pub async fn a_record_keeps_its_origin_status_and_recovery(h: &impl Harness) {
         (ListedState::Completed, &retry, Some(402), true, now)
     );
 
+    // A copy that finds the answer is told which run made it (its span links to that run's).
+    let copy = Origin::new("POST", "/payments/pay_1", Some(run_trace(3)));
+    let found = store
+        .begin(BeginRequest {
+            origin: &copy,
+            ..claim(&id, &fp, later, FencingToken::random())
+        })
+        .await
+        .expect("begin");
+    let Begin::Existing(found) = found else {
+        panic!("a completed record is found, not claimed: {found:?}");
+    };
+    assert_eq!(found.origin.trace, retry.trace, "the trace of the run that answered");
+
     // A record whose request carried no trace keeps none; its run was not recovered.
     let plain = fresh_id();
     let token = acquire(&*store, &plain, &fp, now).await;
@@ -1471,7 +1485,7 @@ pub async fn lists_records_by_state_time_path_and_recovery(h: &impl Harness) {
     let fp = fingerprint("a");
     let base = UnixMillis::now();
     let at = |ms: u64| base.plus(Duration::from_millis(ms));
-    let origin_of = |name: &str| Origin::new("POST", &format!("{route}/{name}"), Some(trace_id(7)));
+    let origin_of = |name: &str| Origin::new("POST", &format!("{route}/{name}"), Some(run_trace(7)));
     let claim_as = |id: &RecordId, name: &str, now: UnixMillis| {
         let (store, id, origin, fp) = (store.clone(), id.clone(), origin_of(name), fp.clone());
         async move {
@@ -1552,8 +1566,8 @@ pub async fn lists_records_by_state_time_path_and_recovery(h: &impl Harness) {
     );
     let first = &everything[0];
     assert_eq!(
-        (first.origin.method.as_str(), first.origin.trace_id),
-        ("POST", Some(trace_id(7)))
+        (first.origin.method.as_str(), first.origin.trace),
+        ("POST", Some(run_trace(7)))
     );
     assert_eq!((first.status, first.recovered), (Some(201), true));
     assert_eq!(everything[4].status, None, "no answer yet");
@@ -1629,9 +1643,12 @@ pub async fn lists_records_by_state_time_path_and_recovery(h: &impl Harness) {
     );
 }
 
-/// A trace id made of `n`.
-fn trace_id(n: u8) -> crate::trace_context::TraceId {
-    crate::trace_context::TraceId::from_bytes([n; 16]).expect("not all zero")
+/// A run trace (trace and span id) made of `n`.
+pub fn run_trace(n: u8) -> crate::trace_context::RunTrace {
+    crate::trace_context::RunTrace {
+        trace_id: crate::trace_context::TraceId::from_bytes([n; 16]).expect("not all zero"),
+        span_id: crate::trace_context::SpanId::from_bytes([n; 8]),
+    }
 }
 
 /// Polls `condition` every 10 ms until it holds; panics with `what` if it does not within `limit`.

@@ -1,6 +1,7 @@
-//! The W3C trace context a request arrives with (`traceparent`), read for the one thing a record
-//! keeps of it: the trace id, so that an operator who finds a key in the store (`idem list`,
-//! `idem inspect`) can find the trace of the run that answered it.
+//! The W3C trace context a request arrives with (`traceparent`), read for what a record keeps of
+//! it: where the run that answered a key sits in its trace ([`RunTrace`]), so that an operator who
+//! finds a key in the store (`idem list`, `idem inspect`) can find the trace of that run, and a
+//! replay's span can link to it.
 //!
 //! Version `00` is read as the Trace Context recommendation (level 1) writes it:
 //! `00-<32 hex trace id>-<16 hex parent id>-<2 hex flags>`, lowercase, an all-zero id invalid; a
@@ -19,8 +20,27 @@ pub const TRACEPARENT: &str = "traceparent";
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct TraceId([u8; 16]);
 
-impl TraceId {
-    /// The trace id of `headers`' `traceparent`, if there is exactly one and it is valid.
+/// A W3C span id: 8 bytes, never all zero, written as 16 lowercase hex digits.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SpanId([u8; 8]);
+
+/// Where a run sits in its trace: the trace id, and the span that a later replay's span links to
+/// — idem's own span of the request when idem exports traces, else the caller's span (the
+/// `traceparent`'s parent id).
+///
+/// Stored as `<trace id>-<span id>`; a record written before records kept the span has the trace
+/// id alone, which [`RunTrace::from_stored`] reads too.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub struct RunTrace {
+    /// The trace.
+    pub trace_id: TraceId,
+    /// The span a replay links to, if known.
+    pub span_id: Option<SpanId>,
+}
+
+impl RunTrace {
+    /// The run trace of `headers`' `traceparent` (its trace id and parent id), if there is exactly
+    /// one and it is valid.
     pub fn from_headers(headers: &HeaderMap) -> Option<Self> {
         let mut values = headers.get_all(TRACEPARENT).iter();
         let value = values.next()?;
@@ -30,9 +50,9 @@ impl TraceId {
         Self::from_traceparent(value.to_str().ok()?)
     }
 
-    /// The trace id of a `traceparent` value. Version `00` must be exactly its four fields; a
-    /// later version (`01` to `fe`) is read as the recommendation asks, by its first four fields,
-    /// whatever follows them after a `-`.
+    /// The trace id and parent id of a `traceparent` value. Version `00` must be exactly its four
+    /// fields; a later version (`01` to `fe`) is read as the recommendation asks, by its first
+    /// four fields, whatever follows them after a `-`.
     pub fn from_traceparent(value: &str) -> Option<Self> {
         let version = value.get(..2)?;
         let value = match version {
@@ -48,22 +68,62 @@ impl TraceId {
         if parts.next().is_some() || parent_id.len() != 16 || flags.len() != 2 {
             return None;
         }
-        if !is_lower_hex(parent_id) || !is_lower_hex(flags) || parent_id.bytes().all(|b| b == b'0') {
+        if !is_lower_hex(flags) {
             return None;
         }
-        Self::from_hex(trace_id)
+        Some(Self {
+            trace_id: TraceId::from_hex(trace_id)?,
+            span_id: Some(SpanId::from_hex(parent_id)?),
+        })
     }
 
+    /// A run trace as a store keeps it: `<trace id>-<span id>`, or the trace id alone.
+    pub fn from_stored(stored: &str) -> Option<Self> {
+        match stored.split_once('-') {
+            None => Some(Self {
+                trace_id: TraceId::from_hex(stored)?,
+                span_id: None,
+            }),
+            Some((trace_id, span_id)) => Some(Self {
+                trace_id: TraceId::from_hex(trace_id)?,
+                span_id: Some(SpanId::from_hex(span_id)?),
+            }),
+        }
+    }
+}
+
+impl fmt::Display for RunTrace {
+    /// The form a store keeps ([`RunTrace::from_stored`] reads it back).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.span_id {
+            Some(span_id) => write!(f, "{}-{span_id}", self.trace_id),
+            None => write!(f, "{}", self.trace_id),
+        }
+    }
+}
+
+impl SpanId {
+    /// A span id from its 16 lowercase hex digits; `None` for the invalid all-zero id.
+    pub fn from_hex(hex: &str) -> Option<Self> {
+        let bytes: [u8; 8] = hex_bytes(hex)?;
+        (bytes != [0; 8]).then_some(Self(bytes))
+    }
+
+    /// A span id from its bytes; `None` for the invalid all-zero id.
+    pub fn from_bytes(bytes: [u8; 8]) -> Option<Self> {
+        (bytes != [0; 8]).then_some(Self(bytes))
+    }
+
+    /// The id's bytes.
+    pub fn as_bytes(&self) -> &[u8; 8] {
+        &self.0
+    }
+}
+
+impl TraceId {
     /// A trace id from its 32 lowercase hex digits (as stored, and as `traceparent` writes it).
     pub fn from_hex(hex: &str) -> Option<Self> {
-        if hex.len() != 32 || !is_lower_hex(hex) {
-            return None;
-        }
-        let mut bytes = [0; 16];
-        for (byte, pair) in bytes.iter_mut().zip(hex.as_bytes().chunks(2)) {
-            *byte = (digit(pair[0]) << 4) | digit(pair[1]);
-        }
-        Self::from_bytes(bytes)
+        Self::from_bytes(hex_bytes(hex)?)
     }
 
     /// A trace id from its bytes; `None` for the invalid all-zero id.
@@ -75,6 +135,18 @@ impl TraceId {
     pub fn as_bytes(&self) -> &[u8; 16] {
         &self.0
     }
+}
+
+/// `N` bytes from exactly `2 * N` lowercase hex digits.
+fn hex_bytes<const N: usize>(hex: &str) -> Option<[u8; N]> {
+    if hex.len() != 2 * N || !is_lower_hex(hex) {
+        return None;
+    }
+    let mut bytes = [0; N];
+    for (byte, pair) in bytes.iter_mut().zip(hex.as_bytes().chunks(2)) {
+        *byte = (digit(pair[0]) << 4) | digit(pair[1]);
+    }
+    Some(bytes)
 }
 
 fn is_lower_hex(s: &str) -> bool {
@@ -94,6 +166,18 @@ impl fmt::Display for TraceId {
     }
 }
 
+impl fmt::Display for SpanId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.iter().try_for_each(|b| write!(f, "{b:02x}"))
+    }
+}
+
+impl fmt::Debug for SpanId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "SpanId({self})")
+    }
+}
+
 impl fmt::Debug for TraceId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "TraceId({self})")
@@ -107,10 +191,29 @@ mod tests {
     const VALID: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 
     #[test]
-    fn reads_the_trace_id_of_a_version_00_header() {
-        let id = TraceId::from_traceparent(VALID).unwrap();
-        assert_eq!(id.to_string(), "4bf92f3577b34da6a3ce929d0e0e4736");
-        assert_eq!(TraceId::from_hex(&id.to_string()), Some(id));
+    fn reads_the_trace_and_parent_ids_of_a_version_00_header() {
+        let run = RunTrace::from_traceparent(VALID).unwrap();
+        assert_eq!(run.trace_id.to_string(), "4bf92f3577b34da6a3ce929d0e0e4736");
+        assert_eq!(run.span_id.unwrap().to_string(), "00f067aa0ba902b7");
+        assert_eq!(TraceId::from_hex(&run.trace_id.to_string()), Some(run.trace_id));
+    }
+
+    #[test]
+    fn a_run_trace_is_read_back_as_stored_and_as_stored_before_spans() {
+        let run = RunTrace::from_traceparent(VALID).unwrap();
+        assert_eq!(run.to_string(), "4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7");
+        assert_eq!(RunTrace::from_stored(&run.to_string()), Some(run));
+        let before = RunTrace::from_stored("4bf92f3577b34da6a3ce929d0e0e4736").unwrap();
+        assert_eq!((before.trace_id, before.span_id), (run.trace_id, None));
+        for bad in [
+            "",
+            "4bf92f3577b34da6a3ce929d0e0e4736-",
+            "4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000",
+            "00000000000000000000000000000000-00f067aa0ba902b7",
+            "4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        ] {
+            assert_eq!(RunTrace::from_stored(bad), None, "{bad:?}");
+        }
     }
 
     #[test]
@@ -128,7 +231,7 @@ mod tests {
             "00-4bf92f3577b34da6a3ce929d0e0e47zz-00f067aa0ba902b7-01",
             "00-+bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
         ] {
-            assert_eq!(TraceId::from_traceparent(bad), None, "{bad:?}");
+            assert_eq!(RunTrace::from_traceparent(bad), None, "{bad:?}");
         }
     }
 
@@ -138,8 +241,8 @@ mod tests {
             "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
             "cc-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-what-the-future-adds",
         ] {
-            let id = TraceId::from_traceparent(later).unwrap_or_else(|| panic!("{later}"));
-            assert_eq!(id.to_string(), "4bf92f3577b34da6a3ce929d0e0e4736");
+            let run = RunTrace::from_traceparent(later).unwrap_or_else(|| panic!("{later}"));
+            assert_eq!(run.trace_id.to_string(), "4bf92f3577b34da6a3ce929d0e0e4736");
         }
     }
 
@@ -147,8 +250,8 @@ mod tests {
     fn two_traceparent_headers_name_no_trace() {
         let mut headers = HeaderMap::new();
         headers.append(TRACEPARENT, VALID.parse().unwrap());
-        assert!(TraceId::from_headers(&headers).is_some());
+        assert!(RunTrace::from_headers(&headers).is_some());
         headers.append(TRACEPARENT, VALID.parse().unwrap());
-        assert_eq!(TraceId::from_headers(&headers), None);
+        assert_eq!(RunTrace::from_headers(&headers), None);
     }
 }

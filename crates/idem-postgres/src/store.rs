@@ -264,7 +264,7 @@ impl Store for PostgresStore {
         let purge_at = claim_purge_at(request.purge_at, request.lease_until).as_i64();
         let expires_at = request.expires_at.as_i64();
         let (method, path) = (request.origin.method.as_str(), request.origin.path.as_str());
-        let trace_id = request.origin.trace_id.map(|trace_id| trace_id.to_string());
+        let trace_id = request.origin.trace.map(|trace| trace.to_string());
         let notice = payload(id);
         let mut client = self.client("begin").await?;
         for _ in 0..BEGIN_ATTEMPTS {

@@ -13,7 +13,7 @@ use bytes::Bytes;
 use common::TestSchema;
 use idem_core::protocol::{Admission, Decision, InTransaction, Protocol};
 use idem_core::testkit::{DAY, LEASE, acquire, claim, completion, fingerprint, fresh_id, unknown_at};
-use idem_core::trace_context::TraceId;
+use idem_core::trace_context::RunTrace;
 use idem_core::{
     Fingerprint, IdempotencyKey, Policy, Scope, Store, UnixMillis,
     store::{Begin, BeginRequest, Completion, FencingToken, ListQuery, Listed, ListedState, Origin, RecordId},
@@ -21,8 +21,8 @@ use idem_core::{
 use idem_postgres::PostgresStore;
 
 /// A trace id made of `n`.
-fn trace_id(n: u8) -> TraceId {
-    TraceId::from_bytes([n; 16]).expect("not all zero")
+fn trace_id(n: u8) -> RunTrace {
+    idem_core::testkit::run_trace(n)
 }
 
 /// Claims `id` with `origin` at `now`; returns what the store decided and the token.
@@ -104,7 +104,7 @@ async fn records_written_before_records_kept_their_origin_read_and_list() {
         (record.origin, record.recovered),
         (
             Origin {
-                trace_id: Some(trace_id(3)),
+                trace: Some(trace_id(3)),
                 ..Origin::default()
             },
             true
@@ -174,7 +174,7 @@ async fn completions_in_a_transaction_keep_the_status() {
     let traced = Origin::new(
         "POST",
         "/payments/pay_9",
-        TraceId::from_hex("0af7651916cd43dd8448eb211c80319c"),
+        RunTrace::from_stored("0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331"),
     );
 
     let mut client = schema.client().await;

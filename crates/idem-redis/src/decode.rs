@@ -124,15 +124,15 @@ const RECORD_FIELDS: [&str; 14] = [
     "replays",
     "digest",
     "recovered",
-    "origin",
     "trace_id",
+    "origin",
     "status",
 ];
 
 /// The fields `begin` reads and returns (`read_claim` in the scripts): the first of
-/// [`RECORD_FIELDS`], without what a record keeps for the operator, which a claim or a replay has
-/// no use for.
-const CLAIM_FIELDS: &[&str] = RECORD_FIELDS.split_at(11).0;
+/// [`RECORD_FIELDS`]: what a claim or a replay needs, and the run's trace (a replay's span links to
+/// it), without the rest of what a record keeps for the operator.
+const CLAIM_FIELDS: &[&str] = RECORD_FIELDS.split_at(12).0;
 
 /// The fields `list` reads of every record it finds (one `HMGET` each): what a [`Listed`] shows,
 /// never the fingerprint, the token or the answer.
@@ -221,8 +221,8 @@ impl StoredHash {
             replays,
             _digest,
             recovered,
-            origin,
             trace_id,
+            origin,
             status,
         ] = fields;
         let number = |value: Option<Vec<u8>>, field: &str| -> Result<Option<i64>, StoreError> {

@@ -19,7 +19,7 @@ pub struct RecordKeys {
     /// operator who reads the store: `origin` (the record's scope and key, which its name only
     /// hashes, and the method and path of the request that made it: each part its length in
     /// decimal, a `:` and its bytes, `5:app:a2:k14:POST9:/payments`), `trace_id` (the latest run's
-    /// W3C trace id in hex, empty for none), `recovered` (`1` if the latest run took the key over,
+    /// trace as `RunTrace` writes it, `<trace id>-<span id>` in hex, empty for none), `recovered` (`1` if the latest run took the key over,
     /// else `0`) and `status` (the answer's, once completed). A record written before records kept
     /// `origin`, `trace_id`, `recovered` and `status` has none of them: it reads without them, and
     /// [`Store::list`](idem_core::Store::list) cannot name it, so leaves it out.

@@ -79,7 +79,7 @@ mod tests {
         let origin = Origin {
             method: "POST".to_owned(),
             path: "/pay/3:é/4:\u{0}".to_owned(),
-            trace_id: None,
+            trace: None,
         };
         let stored = encode(&id, &origin);
         assert_eq!(

@@ -70,14 +70,14 @@ end
 -- (every one if there is no record): one HMGET, its reply returned as it is.
 local function read_record()
   return redis.call('HMGET', rec, 'state', 'fingerprint', 'token', 'lease_until', 'created_at', 'completed_at',
-    'expires_at', 'purge_at', 'replays', 'digest', 'recovered', 'origin', 'trace_id', 'status')
+    'expires_at', 'purge_at', 'replays', 'digest', 'recovered', 'trace_id', 'origin', 'status')
 end
 -- What `begin` reads: the fields of `CLAIM_FIELDS` (decode.rs), the first of `RECORD_FIELDS`,
--- without what the record keeps for the operator (a replay has no use for it, and its bytes
--- would cross the network with every replay).
+-- without what the record keeps for the operator but the run's trace, which a replay's span links
+-- to (the rest would cross the network with every replay for nothing).
 local function read_claim()
   return redis.call('HMGET', rec, 'state', 'fingerprint', 'token', 'lease_until', 'created_at', 'completed_at',
-    'expires_at', 'purge_at', 'replays', 'digest', 'recovered')
+    'expires_at', 'purge_at', 'replays', 'digest', 'recovered', 'trace_id')
 end
 -- Positions in what `read_record` and `read_claim` return.
 local STATE, TOKEN, LEASE_UNTIL, EXPIRES_AT, PURGE_AT, DIGEST, RECOVERED = 1, 3, 4, 7, 8, 10, 11

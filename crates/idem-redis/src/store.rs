@@ -375,7 +375,7 @@ impl Store for RedisStore {
                     .arg(self.inner.publish)
                     .arg(millis_arg(request.expires_at))
                     .arg(origin::encode(request.id, request.origin))
-                    .arg(request.origin.trace_id.map(|id| id.to_string()).unwrap_or_default());
+                    .arg(request.origin.trace.map(|trace| trace.to_string()).unwrap_or_default());
             })
             .await?;
         Ok(match parse_begin(reply, &request)? {

@@ -726,11 +726,7 @@ async fn a_takeover_names_its_own_run() {
     let harness = RedisHarness::standalone();
     let store = idem_core::testkit::Harness::open(&harness).await;
     let (id, fp, now) = (fresh_id(), fingerprint("a"), UnixMillis::now());
-    let traced = Origin::new(
-        "PUT",
-        "/orders/1",
-        idem_core::trace_context::TraceId::from_bytes([9; 16]),
-    );
+    let traced = Origin::new("PUT", "/orders/1", Some(testkit::run_trace(9)));
     let token = FencingToken::random();
     store
         .begin(BeginRequest {
@@ -749,7 +745,7 @@ async fn a_takeover_names_its_own_run() {
     assert!(matches!(taken, Begin::Acquired { recovered: true }), "{taken:?}");
     let record = store.get(&id).await.expect("get").expect("the record");
     let untraced = Origin {
-        trace_id: None,
+        trace: None,
         ..traced.clone()
     };
     assert_eq!((&record.origin, record.recovered), (&untraced, true));
@@ -802,11 +798,7 @@ async fn a_takeover_names_a_record_written_before_origins() {
     );
     assert!(store.list(&ListQuery::all(now, 100)).await.expect("list").is_empty());
 
-    let retry = Origin::new(
-        "POST",
-        "/payments/7",
-        idem_core::trace_context::TraceId::from_bytes([4; 16]),
-    );
+    let retry = Origin::new("POST", "/payments/7", Some(testkit::run_trace(4)));
     let token = FencingToken::random();
     let taken = store
         .begin(BeginRequest {

@@ -163,7 +163,7 @@ impl Store for SqliteStore {
             token: request.token,
             method: request.origin.method.clone(),
             path: request.origin.path.clone(),
-            trace_id: request.origin.trace_id.map(|trace_id| trace_id.to_string()),
+            trace_id: request.origin.trace.map(|trace| trace.to_string()),
         };
         let (begun, changed_hands) = self.conns.write(move |tx| begin_in(tx, id, owned)).await?;
         if changed_hands {

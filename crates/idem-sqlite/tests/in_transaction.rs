@@ -53,7 +53,7 @@ async fn a_completion_in_the_callers_transaction_keeps_the_status() {
         ("POST", "/payments", false)
     );
     assert_eq!(
-        record.origin.trace_id.map(|id| id.to_string()).as_deref(),
+        record.origin.trace.map(|trace| trace.trace_id.to_string()).as_deref(),
         Some("4bf92f3577b34da6a3ce929d0e0e4736")
     );
 }

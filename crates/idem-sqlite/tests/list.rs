@@ -278,6 +278,6 @@ async fn a_record_that_cannot_be_listed_is_skipped() {
             IdempotencyKey::new("also-good").unwrap()
         ]
     );
-    assert_eq!((listed[0].origin.trace_id, listed[0].status), (None, None));
+    assert_eq!((listed[0].origin.trace, listed[0].status), (None, None));
     assert_eq!(listed[1].status, Some(200));
 }

@@ -6,7 +6,6 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use idem_core::testkit::{LEASE, begin, claim, fingerprint};
-use idem_core::trace_context::TraceId;
 use idem_core::{
     IdempotencyKey, Scope, Store, StoreError, UnixMillis,
     store::{
@@ -687,8 +686,8 @@ async fn a_file_of_schema_version_3_is_upgraded_and_its_records_read_without_an_
 
     // Taken over now, the old unknown outcome names the run that holds it; it never had a method
     // or a path, and a takeover keeps those.
-    let trace_id = TraceId::from_bytes([3; 16]);
-    let request = Origin::new("POST", "/payments", trace_id);
+    let trace = Some(idem_core::testkit::run_trace(3));
+    let request = Origin::new("POST", "/payments", trace);
     let token = FencingToken::random();
     let begun = store
         .begin(BeginRequest {
@@ -700,8 +699,8 @@ async fn a_file_of_schema_version_3_is_upgraded_and_its_records_read_without_an_
     assert!(matches!(begun, Begin::Acquired { recovered: true }), "{begun:?}");
     let record = store.get(&id("old-unknown")).await.unwrap().unwrap();
     assert_eq!(
-        (record.origin.path.as_str(), record.origin.trace_id, record.recovered),
-        ("", trace_id, true)
+        (record.origin.path.as_str(), record.origin.trace, record.recovered),
+        ("", trace, true)
     );
 }
 

@@ -10,6 +10,14 @@
 //! transaction ([`IdempotencyLayer::with_in_transaction`], [`InTransaction`]): the answer commits
 //! with the business writes, or neither does.
 //!
+//! Each keyed request runs in a span (`idempotency`, target `idem_spans`: its outcome, route,
+//! scope, key, whether it was replayed or recovered), with a child span around the inner service
+//! (`upstream`) and one per store operation. They cost nothing unless a subscriber enables them.
+//! With the `opentelemetry` feature and a `tracing-opentelemetry` layer, the span continues the
+//! caller's trace context (read with the global text-map propagator), the record keeps the span's
+//! place in its trace (`idem list`, `idem inspect`), and a replay's span links to the run that made
+//! the answer.
+//!
 //! ```no_run
 //! use axum::{Router, routing::post};
 //! use idem_sqlite::SqliteStore;
@@ -33,6 +41,7 @@ mod checkpoints;
 mod layer;
 mod routing;
 mod service;
+mod trace;
 
 pub use body::{Body, BoxError};
 pub use checkpoints::{CheckpointError, Checkpoints, MAX_CHECKPOINT_BYTES, MAX_CHECKPOINT_NAME};

@@ -27,10 +27,12 @@ use metrics::SharedString;
 use tokio::sync::oneshot;
 use tokio_util::task::TaskTracker;
 use tower_service::Service;
+use tracing::Instrument;
 
 use crate::body::{Body, BoxError, Collected, boxed, collect_up_to, full};
 use crate::checkpoints::Checkpoints;
 use crate::routing::{DEFAULT_ROUTE, Routing};
+use crate::trace::{self, Report};
 
 /// The service made by [`IdempotencyLayer`](crate::IdempotencyLayer).
 #[derive(Clone, Debug)]
@@ -81,8 +83,8 @@ where
             Err(ambiguous) => {
                 // Refused before any rule applies: no route to label it with but the default's.
                 let problem = ambiguous.to_problem();
-                let route = SharedString::const_str(DEFAULT_ROUTE);
-                record_outcome(&route, None, Outcome::PathAmbiguous, problem.kind.status());
+                let report = Report::new(SharedString::const_str(DEFAULT_ROUTE));
+                report.outcome(None, Outcome::PathAmbiguous, problem.kind.status());
                 return Box::pin(std::future::ready(Ok(problem.to_response().map(full))));
             }
         };
@@ -92,11 +94,11 @@ where
             let retry_after = self.routing.retry_after();
             return Box::pin(async move { Ok(outside_protocol(call.await?, retry_after)) });
         };
-        let route = pick.route.clone();
+        let report = Report::new(pick.route.clone());
         let handling = Handling {
             inner,
             protocol,
-            route: route.clone(),
+            report: report.clone(),
             response_timeout: self.response_timeout,
             tasks: self.tasks.clone(),
         };
@@ -108,7 +110,7 @@ where
                 .map(move |handled| {
                     handled.unwrap_or_else(|panic| {
                         tracing::error!(panic = panic_message(&*panic), "the idempotency layer panicked");
-                        record_outcome(&route, None, Outcome::Internal, internal_status());
+                        report.outcome(None, Outcome::Internal, internal_status());
                         Ok(internal_error())
                     })
                 }),
@@ -119,8 +121,8 @@ where
 struct Handling<S> {
     inner: S,
     protocol: Protocol,
-    /// The metrics label of the request's route.
-    route: SharedString,
+    /// The request's route label and (once known) trace, for its log line, count and span.
+    report: Report,
     response_timeout: Option<Duration>,
     tasks: TaskTracker,
 }
@@ -138,25 +140,41 @@ where
         ReqBody: HttpBody<Data = Bytes> + Send + 'static,
         ReqBody::Error: Into<BoxError>,
     {
-        let (mut parts, body) = request.into_parts();
-        let keyed = match self.protocol.admit(&parts) {
+        let (parts, body) = request.into_parts();
+        let mut keyed = match self.protocol.admit(&parts) {
             Admission::PassThrough { headers } => {
                 let response = self.inner.call(Request::from_parts(parts, boxed(body))).await?;
                 let retry_after = self.protocol.policy().retry_after;
                 return Ok(with_headers(outside_protocol(response, retry_after), headers));
             }
             Admission::Refuse(problem, outcome) => {
-                record_outcome(&self.route, None, outcome, problem.kind.status());
+                self.report.outcome(None, outcome, problem.kind.status());
                 return Ok(problem.to_response().map(full));
             }
             Admission::Keyed(keyed) => keyed,
         };
+        let span = trace::request_span(&parts.method, &self.report.route);
+        trace::join(&span, &parts.headers, &mut keyed);
+        self.report.trace = keyed.trace();
+        self.keyed(parts, body, keyed).instrument(span).await
+    }
 
+    /// Handles a keyed request, in its span.
+    async fn keyed<ReqBody>(
+        self,
+        mut parts: http::request::Parts,
+        body: ReqBody,
+        keyed: idem_core::protocol::Keyed,
+    ) -> Result<Response<Body>, S::Error>
+    where
+        ReqBody: HttpBody<Data = Bytes> + Send + 'static,
+        ReqBody::Error: Into<BoxError>,
+    {
         let bytes = match read_body(&self.protocol, &parts.headers, body).await {
             Ok(bytes) => bytes,
             Err((problem, outcome)) => {
-                tracing::info!(scope = keyed.scope().map(|s| s.as_str()), key = keyed.key().map(|k| k.as_str()), outcome = %outcome, status = problem.kind.status().as_u16(), route = %self.route, "idempotency");
-                count_outcome(&self.route, outcome);
+                let (scope, key) = (keyed.scope().map(|s| s.as_str()), keyed.key().map(|k| k.as_str()));
+                self.report.refused(scope, key, outcome, problem.kind.status());
                 return Ok(problem.to_response().map(full));
             }
         };
@@ -167,11 +185,17 @@ where
         let (decided, decision) = oneshot::channel();
         let protocol = self.protocol.clone();
         let inner = self.inner;
-        let route = self.route.clone();
-        self.tasks.spawn(async move {
+        let report = self.report.clone();
+        let task = async move {
             let claim = match protocol.begin(keyed, &fingerprint).await {
                 Decision::Run(claim) => claim,
-                Decision::Respond { response, outcome, id } => {
+                Decision::Respond {
+                    response,
+                    outcome,
+                    id,
+                    answered_by,
+                } => {
+                    trace::answered_by(answered_by);
                     let _ = decided.send(Decided::Respond { response, outcome, id });
                     return;
                 }
@@ -179,11 +203,14 @@ where
                     tracing::warn!(scope = %id.scope, key = %id.key, "store unavailable: running the request unprotected (fail-open)");
                     let (answer, answered) = oneshot::channel();
                     if decided.send(Decided::Running(answered)).is_ok() {
-                        let _ = answer.send(pass_through(inner, Request::from_parts(parts, full(bytes))).await);
+                        let request = Request::from_parts(parts, full(bytes));
+                        let upstream = trace::upstream_span();
+                        let _ = answer.send(pass_through(inner, request).instrument(upstream).await);
                     }
                     return;
                 }
             };
+            trace::claimed(claim.recovered());
             let (answer, answered) = oneshot::channel();
             if decided.send(Decided::Running(answered)).is_err() {
                 // The caller hung up while the claim was made: nothing was sent, so the key is
@@ -194,26 +221,39 @@ where
                 return;
             }
             parts.extensions.insert(claim.info());
-            parts.extensions.insert(Checkpoints::new(protocol.clone(), claim.clone()));
+            parts
+                .extensions
+                .insert(Checkpoints::new(protocol.clone(), claim.clone()));
             if protocol.completes_in_transactions() {
-                parts.extensions.insert(InTransaction::new(protocol.clone(), claim.clone()));
+                parts
+                    .extensions
+                    .insert(InTransaction::new(protocol.clone(), claim.clone()));
             }
             // Boxed: the handler's future can be large, and it is needed only when the request
             // runs, so a replay's task is small to spawn.
-            Box::pin(run(protocol, route, claim, inner, Request::from_parts(parts, full(bytes)), answer)).await;
-        });
+            Box::pin(run(
+                protocol,
+                report,
+                claim,
+                inner,
+                Request::from_parts(parts, full(bytes)),
+                answer,
+            ))
+            .await;
+        };
+        self.tasks.spawn(task.in_current_span());
         let answered = match decision.await {
             Ok(Decided::Respond { response, outcome, id }) => {
                 if matches!(outcome, Outcome::Waited | Outcome::InFlight) {
                     metrics::histogram!(metric_names::WAIT_SECONDS).record(started.elapsed().as_secs_f64());
                 }
-                record_outcome(&self.route, Some(&id), outcome, response.status());
+                self.report.outcome(Some(&id), outcome, response.status());
                 return Ok(response.map(full));
             }
             Ok(Decided::Running(answered)) => answered,
             // The task panicked before it decided (logged by the runtime).
             Err(_) => {
-                record_outcome(&self.route, None, Outcome::Internal, internal_status());
+                self.report.outcome(None, Outcome::Internal, internal_status());
                 return Ok(internal_error());
             }
         };
@@ -261,7 +301,7 @@ where
 /// the store refuses is sent all the same, then stored again until the store takes it.
 async fn run<S, ResBody>(
     protocol: Protocol,
-    route: SharedString,
+    report: Report,
     claim: Claim,
     mut inner: S,
     request: Request<Body>,
@@ -274,17 +314,22 @@ async fn run<S, ResBody>(
     ResBody::Error: Into<BoxError>,
 {
     let id = claim.id().clone();
-    let call = std::panic::catch_unwind(AssertUnwindSafe(|| inner.call(request)));
+    let upstream = trace::upstream_span();
+    let call = upstream.in_scope(|| std::panic::catch_unwind(AssertUnwindSafe(|| inner.call(request))));
     let ran = match call {
-        Ok(call) => protocol.drive(&claim, AssertUnwindSafe(call).catch_unwind()).await,
+        Ok(call) => {
+            let call = AssertUnwindSafe(call.instrument(upstream.clone())).catch_unwind();
+            protocol.drive(&claim, call).await
+        }
         Err(panic) => Ok(Err(panic)),
     };
+    trace::upstream_ended(&upstream, &ran);
     let response = match ran {
         Ok(Ok(Ok(response))) => response,
         Ok(Ok(Err(err))) => {
             let settlement = protocol.settle(&claim, RunEnd::HandlerFailed);
             let status = settlement.status.unwrap_or(internal_status());
-            record_outcome(&route, Some(&id), settlement.outcome, status);
+            report.outcome(Some(&id), settlement.outcome, status);
             carry_out_release(&protocol, &claim, settlement.keep).await;
             let _ = answer.send(Err(err));
             return;
@@ -293,11 +338,11 @@ async fn run<S, ResBody>(
             // The handler may have acted before it panicked: the retry runs, marked recovered.
             tracing::error!(scope = %id.scope, key = %id.key, panic = panic_message(&*panic), "the handler panicked");
             let settlement = protocol.settle(&claim, RunEnd::Panicked);
-            let _ = answer.send(Ok(settled(&protocol, &route, &claim, settlement).await));
+            let _ = answer.send(Ok(settled(&protocol, &report, &claim, settlement).await));
             return;
         }
         Err(RunTimedOut) => {
-            let _ = answer.send(Ok(run_timed_out(&protocol, &route, &claim).await));
+            let _ = answer.send(Ok(run_timed_out(&protocol, &report, &claim).await));
             return;
         }
     };
@@ -332,7 +377,7 @@ async fn run<S, ResBody>(
     let (response, pending) = match settlement.keep {
         Keep::Release(_) | Keep::Leave => {
             let status = settlement.status.unwrap_or(head.status);
-            record_outcome(&route, Some(&id), settlement.outcome, status);
+            report.outcome(Some(&id), settlement.outcome, status);
             carry_out_release(&protocol, &claim, settlement.keep).await;
             let response = match settlement.reply {
                 Reply::Handler => Response::from_parts(head, body),
@@ -341,7 +386,7 @@ async fn run<S, ResBody>(
             (response, None)
         }
         Keep::StoreCompact => {
-            record_outcome(&route, Some(&id), settlement.outcome, head.status);
+            report.outcome(Some(&id), settlement.outcome, head.status);
             let pending = kept(protocol.finish(&claim, &head, None).await, &id);
             (Response::from_parts(head, body), pending)
         }
@@ -349,12 +394,12 @@ async fn run<S, ResBody>(
             let limit = protocol.policy().max_stored_body;
             match protocol.drive(&claim, collect_up_to(body, limit)).await {
                 Ok(Collected::Whole(bytes)) => {
-                    record_outcome(&route, Some(&id), settlement.outcome, head.status);
+                    report.outcome(Some(&id), settlement.outcome, head.status);
                     let pending = kept(protocol.finish(&claim, &head, Some(bytes.clone())).await, &id);
                     (Response::from_parts(head, full(bytes)), pending)
                 }
                 Ok(Collected::Overflow(body)) => {
-                    record_outcome(&route, Some(&id), settlement.outcome, head.status);
+                    report.outcome(Some(&id), settlement.outcome, head.status);
                     let pending = kept(protocol.finish(&claim, &head, None).await, &id);
                     (Response::from_parts(head, body), pending)
                 }
@@ -363,9 +408,9 @@ async fn run<S, ResBody>(
                     // is unknown, so the next run is marked recovered.
                     tracing::warn!(scope = %id.scope, key = %id.key, error = %err, "the answer's body failed before it was complete");
                     let settlement = protocol.settle(&claim, RunEnd::AnswerBroke);
-                    (settled(&protocol, &route, &claim, settlement).await, None)
+                    (settled(&protocol, &report, &claim, settlement).await, None)
                 }
-                Err(RunTimedOut) => (run_timed_out(&protocol, &route, &claim).await, None),
+                Err(RunTimedOut) => (run_timed_out(&protocol, &report, &claim).await, None),
             }
         }
     };
@@ -385,18 +430,18 @@ async fn run<S, ResBody>(
 }
 
 /// Gives up a run that passed the run timeout, as the protocol settles it.
-async fn run_timed_out(protocol: &Protocol, route: &SharedString, claim: &Claim) -> Response<Body> {
+async fn run_timed_out(protocol: &Protocol, report: &Report, claim: &Claim) -> Response<Body> {
     let id = claim.id();
     tracing::warn!(scope = %id.scope, key = %id.key, limit = ?protocol.policy().run_timeout, "the request ran past the run timeout and was given up");
     let settlement = protocol.settle(claim, RunEnd::TimedOut);
-    settled(protocol, route, claim, settlement).await
+    settled(protocol, report, claim, settlement).await
 }
 
 /// Carries out a settlement that answers with a problem: logs it, releases the record as it says,
 /// and returns the problem.
-async fn settled(protocol: &Protocol, route: &SharedString, claim: &Claim, settlement: Settlement) -> Response<Body> {
+async fn settled(protocol: &Protocol, report: &Report, claim: &Claim, settlement: Settlement) -> Response<Body> {
     let status = settlement.status.unwrap_or(internal_status());
-    record_outcome(route, Some(claim.id()), settlement.outcome, status);
+    report.outcome(Some(claim.id()), settlement.outcome, status);
     carry_out_release(protocol, claim, settlement.keep).await;
     match settlement.reply {
         Reply::Problem(problem) => problem.map(full),
@@ -483,21 +528,4 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
         .copied()
         .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
         .unwrap_or("a panic without a message")
-}
-
-/// The request's one log line and its count, by outcome and route.
-fn record_outcome(route: &SharedString, id: Option<&RecordId>, outcome: Outcome, status: http::StatusCode) {
-    match id {
-        Some(id) => {
-            tracing::info!(scope = %id.scope, key = %id.key, outcome = %outcome, status = status.as_u16(), route = %route, "idempotency")
-        }
-        None => tracing::info!(outcome = %outcome, status = status.as_u16(), route = %route, "idempotency"),
-    }
-    count_outcome(route, outcome);
-}
-
-/// One request in `idem_requests_total`, by outcome and route.
-fn count_outcome(route: &SharedString, outcome: Outcome) {
-    metrics::counter!(metric_names::REQUESTS_TOTAL, "outcome" => outcome.as_str(), "route" => route.clone())
-        .increment(1);
 }

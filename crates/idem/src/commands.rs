@@ -200,8 +200,11 @@ fn describe(record: &Record, keyring: Option<&Keyring>, now: UnixMillis) -> Stri
     let _ = writeln!(out, "key:      {}", record.id.key);
     let _ = writeln!(out, "request:  {} {}", fp.method(), fp.path());
     let _ = writeln!(out, "created:  {}", record.created_at);
-    if let Some(trace_id) = record.origin.trace_id {
-        let _ = writeln!(out, "trace:    {trace_id} (of the latest run)");
+    if let Some(trace) = record.origin.trace {
+        let _ = match trace.span_id {
+            Some(span_id) => writeln!(out, "trace:    {} (of the latest run; span {span_id})", trace.trace_id),
+            None => writeln!(out, "trace:    {} (of the latest run)", trace.trace_id),
+        };
     }
     if record.recovered {
         let _ = writeln!(
@@ -309,8 +312,11 @@ struct RecordJson<'a> {
     /// is stored as it is, or not kept.
     sealed_by: Option<String>,
     replays: u64,
-    /// The W3C trace id of the latest run (from the request's `traceparent`), if it had one.
+    /// The W3C trace id of the latest run, if known (its request's `traceparent`, or idem's span).
     trace_id: Option<String>,
+    /// The span a replay links to: idem's span of the latest run when idem exported traces,
+    /// else the caller's span.
+    span_id: Option<String>,
     /// Whether the latest run was recovered (`Idempotency-Recovered: true`).
     recovered: bool,
     /// The steps the run recorded (name and size; their values are the handler's).
@@ -353,7 +359,12 @@ impl<'a> RecordJson<'a> {
             body_bytes: None,
             sealed_by: None,
             replays: record.replays,
-            trace_id: record.origin.trace_id.map(|id| id.to_string()),
+            trace_id: record.origin.trace.map(|trace| trace.trace_id.to_string()),
+            span_id: record
+                .origin
+                .trace
+                .and_then(|trace| trace.span_id)
+                .map(|id| id.to_string()),
             recovered: record.recovered,
             checkpoints: Vec::new(),
         };
@@ -483,7 +494,8 @@ mod tests {
                 "created_at": "1970-01-01T00:00:01.000Z", "state": "completed", "lease_until": null,
                 "completed_at": "1970-01-01T00:00:02.000Z", "expires_at": "1970-01-01T00:00:03.000Z",
                 "purge_at": "1970-01-01T00:00:04.000Z", "answer": "whole", "status": 202, "body_bytes": 5,
-                "sealed_by": null, "replays": 3, "trace_id": null, "recovered": false, "checkpoints": []
+                "sealed_by": null, "replays": 3, "trace_id": null, "span_id": null, "recovered": false,
+                "checkpoints": []
             })
         );
 
@@ -511,15 +523,23 @@ mod tests {
         let mut told = record(completed(None));
         told.status = Some(201);
         told.recovered = true;
-        told.origin.trace_id = idem_core::trace_context::TraceId::from_hex("4bf92f3577b34da6a3ce929d0e0e4736");
+        told.origin.trace =
+            idem_core::trace_context::RunTrace::from_stored("4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7");
         let json = serde_json::to_value(RecordJson::of(&told, None, UnixMillis(2_500))).unwrap();
         assert_eq!(
-            (&json["answer"], &json["status"], &json["recovered"], &json["trace_id"]),
+            (
+                &json["answer"],
+                &json["status"],
+                &json["recovered"],
+                &json["trace_id"],
+                &json["span_id"]
+            ),
             (
                 &json!("expired"),
                 &json!(201),
                 &json!(true),
-                &json!("4bf92f3577b34da6a3ce929d0e0e4736")
+                &json!("4bf92f3577b34da6a3ce929d0e0e4736"),
+                &json!("00f067aa0ba902b7")
             )
         );
         let text = describe(&told, None, UnixMillis(2_500));

@@ -73,8 +73,8 @@ fn table(listed: &[Listed]) -> String {
                 request(record),
                 record
                     .origin
-                    .trace_id
-                    .map_or_else(|| "-".to_owned(), |id| id.to_string()),
+                    .trace
+                    .map_or_else(|| "-".to_owned(), |trace| trace.trace_id.to_string()),
                 record.id.scope.to_string(),
                 record.id.key.to_string(),
             ]
@@ -140,7 +140,7 @@ impl<'a> ListedJson<'a> {
             recovered: record.recovered,
             method: kept(&record.origin.method),
             path: kept(&record.origin.path),
-            trace_id: record.origin.trace_id.map(|id| id.to_string()),
+            trace_id: record.origin.trace.map(|trace| trace.trace_id.to_string()),
             scope: record.id.scope.as_str(),
             key: record.id.key.as_str(),
         }
@@ -150,7 +150,7 @@ impl<'a> ListedJson<'a> {
 #[cfg(test)]
 mod tests {
     use idem_core::store::{ListedState, Origin, RecordId};
-    use idem_core::trace_context::TraceId;
+    use idem_core::trace_context::RunTrace;
     use idem_core::{IdempotencyKey, Scope, UnixMillis};
     use serde_json::json;
 
@@ -173,7 +173,7 @@ mod tests {
 
     #[test]
     fn the_table_lines_up_and_marks_what_a_record_lacks() {
-        let trace = TraceId::from_hex("4bf92f3577b34da6a3ce929d0e0e4736");
+        let trace = RunTrace::from_stored("4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7");
         let table = table(&[
             listed(Origin::new("POST", "/payments/pay_1", trace), Some(201)),
             listed(Origin::default(), None),

@@ -10,19 +10,18 @@ mod head_limit;
 mod instrumented;
 mod list;
 mod listener;
+mod log_format;
 mod misconfigured;
 mod proxy;
 mod request;
 mod serve;
 mod settings;
 mod stores;
+mod telemetry;
 mod tls;
 mod units;
 
-use std::io::IsTerminal;
 use std::process::ExitCode;
-
-use tracing_subscriber::EnvFilter;
 
 use crate::cli::Command;
 
@@ -43,16 +42,15 @@ async fn main() -> ExitCode {
         Command::Bench(_) | Command::List(_) | Command::Inspect(_) => "warn",
         _ => "info",
     };
-    let filter = EnvFilter::try_from_env("IDEM_LOG").unwrap_or_else(|_| EnvFilter::new(default_filter));
-    let logs = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    // One JSON object per line for log pipelines; readable text on a terminal.
-    if std::env::var("IDEM_LOG_FORMAT").is_ok_and(|f| f == "json") {
-        logs.json().init();
-    } else {
-        logs.with_ansi(std::io::stderr().is_terminal()).init();
-    }
+    // Only the gateway exports traces: the other commands serve no keyed requests.
+    let traces = matches!(cli.command, Command::Serve(_));
+    let telemetry = match telemetry::init(default_filter, traces) {
+        Ok(telemetry) => telemetry,
+        Err(err) => {
+            eprintln!("idem: {err:#}");
+            return ExitCode::from(if err.is::<misconfigured::Misconfigured>() { 2 } else { 1 });
+        }
+    };
     let result = match cli.command {
         Command::Serve(args) => serve::run(*args).await,
         Command::Inspect(args) => commands::inspect(args).await,
@@ -65,6 +63,7 @@ async fn main() -> ExitCode {
         // Its exit status tells the kind of answer, not just success or failure.
         Command::Request(args) => return request::run(args).await,
     };
+    telemetry.shutdown();
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {

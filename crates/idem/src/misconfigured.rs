@@ -4,7 +4,7 @@
 /// A setting that parses but cannot work: `idem` exits 2 (as for a usage error) naming the flag
 /// (or the environment variable, for a setting that is read from the environment only).
 #[derive(Debug, thiserror::Error)]
-#[error("{}{flag}: {reason}", if flag.starts_with("IDEM_") { "" } else { "--" })]
+#[error("{}{flag}: {reason}", if flag.starts_with("IDEM_") || flag.starts_with("OTEL_") { "" } else { "--" })]
 pub(crate) struct Misconfigured {
     pub(crate) flag: &'static str,
     pub(crate) reason: String,

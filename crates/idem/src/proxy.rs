@@ -186,6 +186,7 @@ impl Proxy {
             "x-forwarded-proto",
             HeaderValue::from_static(if over_tls { "https" } else { "http" }),
         );
+        crate::telemetry::inject(&mut parts.headers);
         parts.uri = self.target(&parts.uri);
         // Not the client's version: the connection to the upstream decides (HTTP/1.1, or HTTP/2 by
         // ALPN or by prior knowledge), and the client refuses an HTTP/2 request on HTTP/1.1.

@@ -14,7 +14,7 @@ use crate::policy::{AnonymousPolicy, MissingKeyPolicy};
 use crate::problem::{Problem, ProblemKind};
 use crate::scope::{Caller, Scope, ScopeSource};
 use crate::store::Origin;
-use crate::trace_context::TraceId;
+use crate::trace_context::RunTrace;
 
 /// How a request enters the protocol.
 #[derive(Debug)]
@@ -48,13 +48,13 @@ pub struct Keyed {
 pub(super) struct RequestLine {
     method: http::Method,
     uri: http::Uri,
-    trace_id: Option<TraceId>,
+    trace: Option<RunTrace>,
 }
 
 impl RequestLine {
     /// The request's [`Origin`], its path read and cut as records keep it.
     pub(super) fn origin(&self) -> Arc<Origin> {
-        Arc::new(Origin::new(self.method.as_str(), self.uri.path(), self.trace_id))
+        Arc::new(Origin::new(self.method.as_str(), self.uri.path(), self.trace))
     }
 }
 
@@ -66,9 +66,17 @@ pub(super) enum KeySource {
 }
 
 impl Keyed {
-    /// The W3C trace id of the request's `traceparent`, if it has a valid one.
-    pub fn trace_id(&self) -> Option<TraceId> {
-        self.request.trace_id
+    /// Where the request's run sits in its trace, as its record will keep it: the
+    /// `traceparent`'s trace and parent ids if it has a valid one, unless
+    /// [`set_trace`](Self::set_trace) named the span of idem's own.
+    pub fn trace(&self) -> Option<RunTrace> {
+        self.request.trace
+    }
+
+    /// Names the span idem exports for this request as the run's ([`trace`](Self::trace)): its
+    /// record keeps it, and a replay of the record links to it.
+    pub fn set_trace(&mut self, trace: RunTrace) {
+        self.request.trace = Some(trace);
     }
 
     /// The caller's scope, if known before [`Protocol::begin`]: a credential's is hashed there,
@@ -141,7 +149,7 @@ impl Protocol {
             request: Box::new(RequestLine {
                 method: parts.method.clone(),
                 uri: parts.uri.clone(),
-                trace_id: TraceId::from_headers(&parts.headers),
+                trace: RunTrace::from_headers(&parts.headers),
             }),
         })
     }

@@ -16,6 +16,8 @@ use crate::metric_names;
 use crate::problem::{Problem, ProblemKind};
 use crate::replay_cache::{Generation, Lookup, ReplayCache};
 use crate::scope::{Caller, Scope, hex};
+use crate::spans::traced;
+use crate::store::StoreOperation;
 use crate::store::{
     Begin, BeginRequest, FencingToken, Origin, Record, RecordId, RecordState, Release, Store, StoreError,
 };
@@ -111,7 +113,14 @@ impl Protocol {
                 self.inner.keyring.as_deref(),
                 &keyed.accept,
             ) {
-                Judgement::Answer(response, outcome) => return Decision::Respond { response, outcome, id },
+                Judgement::Answer(response, outcome) => {
+                    return Decision::Respond {
+                        response,
+                        outcome,
+                        id,
+                        answered_by: record.origin.trace,
+                    };
+                }
                 Judgement::Wait { holder, lease_until } => (holder, lease_until),
             };
             let deadline = *deadline.get_or_insert_with(|| tokio::time::Instant::now() + policy.wait);
@@ -128,11 +137,12 @@ impl Protocol {
             waited = true;
             let limit = policy.store_timeout;
             let _waiting = Gauged::new(metric_names::WAITERS);
-            let waiting = tokio::time::timeout_at(until + limit, self.inner.store.wait(&id, holder, until));
-            if let Err(err) = waiting
-                .await
-                .unwrap_or_else(|_| Err(StoreError::unavailable(StoreTimedOut(limit))))
-            {
+            let waiting = async {
+                tokio::time::timeout_at(until + limit, self.inner.store.wait(&id, holder, until))
+                    .await
+                    .unwrap_or_else(|_| Err(StoreError::unavailable(StoreTimedOut(limit))))
+            };
+            if let Err(err) = traced(StoreOperation::Wait, waiting).await {
                 return self.store_failed(&err, id);
             }
         }
@@ -169,6 +179,7 @@ impl Protocol {
                     response,
                     outcome,
                     id: id.clone(),
+                    answered_by: record.origin.trace,
                 })
             }
             Judgement::Wait { .. } => Err(None),
@@ -223,11 +234,10 @@ impl Protocol {
         credentials
             .loaded
             .get_or_try_init(|| {
-                self.bounded(CredentialScopes::load(
-                    &*self.inner.store,
-                    &credentials.secrets,
-                    self.now(),
-                ))
+                self.bounded(
+                    StoreOperation::ScopeSalt,
+                    CredentialScopes::load(&*self.inner.store, &credentials.secrets, self.now()),
+                )
             })
             .await
     }
@@ -254,9 +264,12 @@ impl Protocol {
                 scope: scope.clone(),
                 key: id.key.clone(),
             };
-            let found = self.bounded(store.get(&older)).await.map_err(give_up)?;
+            let found = self
+                .bounded(StoreOperation::Get, store.get(&older))
+                .await
+                .map_err(give_up)?;
             if found.is_some_and(|record| is_live(&record, now)) {
-                self.bounded(store.release(id, token, Release::Forget))
+                self.bounded(StoreOperation::Release, store.release(id, token, Release::Forget))
                     .await
                     .map_err(give_up)?;
                 tracing::info!(scope = %older.scope, key = %older.key, "the key was first used before a change of how credential scopes are hashed; its record is used");
@@ -306,7 +319,7 @@ impl Protocol {
                 token,
                 origin: &owned_origin,
             };
-            let begun = store.begin(request).await;
+            let begun = traced(StoreOperation::Begin, store.begin(request)).await;
             (begun, owned_id, store)
         });
         let limit = self.inner.policy.store_timeout;
@@ -400,5 +413,6 @@ fn respond(problem: Problem, outcome: Outcome, id: RecordId) -> Decision {
         response: problem.to_response(),
         outcome,
         id,
+        answered_by: None,
     }
 }

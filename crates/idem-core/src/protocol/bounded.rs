@@ -1,12 +1,13 @@
 //! Bounded store calls: every store operation is limited in time, so a store that hangs (a
-//! half-open connection, a held lock) is a store that failed. A leaf: it imports nothing back from
-//! the protocol.
+//! half-open connection, a held lock) is a store that failed, and traced (a span of its own in the
+//! request's, [`crate::spans`]). A leaf: it imports nothing back from the protocol.
 
 use std::future::Future;
 use std::time::Duration;
 
 use super::Protocol;
-use crate::store::StoreError;
+use crate::spans::traced;
+use crate::store::{StoreError, StoreOperation};
 
 /// A store operation did not answer within the policy's `store_timeout`.
 #[derive(Debug, thiserror::Error)]
@@ -24,11 +25,13 @@ pub(crate) async fn within<T>(
 }
 
 impl Protocol {
-    /// Bounds a store operation by the policy's `store_timeout`.
+    /// Bounds the store operation `work` by the policy's `store_timeout`, traced as `operation`
+    /// (a timeout is the operation's failure).
     pub(crate) async fn bounded<T>(
         &self,
-        operation: impl Future<Output = Result<T, StoreError>>,
+        operation: StoreOperation,
+        work: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
-        within(self.policy().store_timeout, operation).await
+        traced(operation, within(self.policy().store_timeout, work)).await
     }
 }

@@ -24,7 +24,7 @@ use http::{Response, StatusCode};
 use super::{Claim, Protocol};
 use crate::problem::{Problem, ProblemKind};
 use crate::scope::hex;
-use crate::store::{ClaimState, Completion, FencingToken, RecordId, StoreError};
+use crate::store::{ClaimState, Completion, FencingToken, RecordId, StoreError, StoreOperation};
 use crate::time::UnixMillis;
 
 /// What a keyed handler on a store that completes in transactions finds in its request's
@@ -185,6 +185,10 @@ impl Protocol {
     /// [`ClaimState::Current`] if it did not (nothing of it stands), [`ClaimState::Ended`] if the
     /// claim was lost.
     pub async fn confirm(&self, claim: &Claim) -> Result<ClaimState, StoreError> {
-        self.bounded(self.store().claim_state(claim.id(), claim.token())).await
+        self.bounded(
+            StoreOperation::ClaimState,
+            self.store().claim_state(claim.id(), claim.token()),
+        )
+        .await
     }
 }

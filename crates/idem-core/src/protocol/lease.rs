@@ -15,7 +15,7 @@ use super::{Claim, Protocol};
 use crate::metric_names;
 use crate::response::StoredResponse;
 use crate::store::{Checkpoint, RecordId};
-use crate::store::{ClaimState, Completion, StoreError};
+use crate::store::{ClaimState, Completion, StoreError, StoreOperation};
 
 /// The most answer bytes held in memory while the store refuses them; beyond it an answer is
 /// given up (its record stays in flight, and a retry after the lease takes it over, marked
@@ -201,12 +201,18 @@ impl Protocol {
         };
         let store = self.store();
         match self
-            .bounded(store.complete(claim.id(), claim.token(), completion))
+            .bounded(
+                StoreOperation::Complete,
+                store.complete(claim.id(), claim.token(), completion),
+            )
             .await
         {
             // Stored under this claim already: by an earlier attempt whose reply was lost, or by
             // the run's own transaction.
-            Err(StoreError::Fenced) => match self.bounded(store.claim_state(claim.id(), claim.token())).await {
+            Err(StoreError::Fenced) => match self
+                .bounded(StoreOperation::ClaimState, store.claim_state(claim.id(), claim.token()))
+                .await
+            {
                 Ok(ClaimState::Completed) => Ok(()),
                 Ok(ClaimState::Current | ClaimState::Ended) => Err(StoreError::Fenced),
                 Err(err) => Err(err),
@@ -273,8 +279,11 @@ impl Protocol {
     /// Extends the claim's lease by another `lease` from now.
     pub async fn renew(&self, claim: &Claim) -> Result<(), StoreError> {
         let lease_until = self.now().plus(self.inner.policy.lease);
-        self.bounded(self.inner.store.renew(&claim.id, claim.token, lease_until))
-            .await
+        self.bounded(
+            StoreOperation::Renew,
+            self.inner.store.renew(&claim.id, claim.token, lease_until),
+        )
+        .await
     }
 
     /// Records a step of the run under `claim`, so that a run taking the record over can resume
@@ -282,8 +291,11 @@ impl Protocol {
     pub async fn checkpoint(&self, claim: &Claim, checkpoint: Checkpoint) -> Result<(), StoreError> {
         // Marked before the store answers: a checkpoint whose reply was lost may stand.
         claim.stepped.store(true, Ordering::Release);
-        self.bounded(self.inner.store.checkpoint(&claim.id, claim.token, checkpoint))
-            .await
+        self.bounded(
+            StoreOperation::Checkpoint,
+            self.inner.store.checkpoint(&claim.id, claim.token, checkpoint),
+        )
+        .await
     }
 
     /// The steps recorded by the runs of this record before `claim`: none for a new claim (no
@@ -292,7 +304,8 @@ impl Protocol {
         if !claim.recovered {
             return Ok(Vec::new());
         }
-        self.bounded(self.inner.store.checkpoints(&claim.id)).await
+        self.bounded(StoreOperation::Checkpoints, self.inner.store.checkpoints(&claim.id))
+            .await
     }
 
     /// How often a running claim renews its lease: a third of it, so two renewals can fail first.

@@ -31,6 +31,7 @@ use crate::seal::Keyring;
 use crate::store::clock::StoreClock;
 use crate::store::{FencingToken, Purged, RecordId, Store, StoreError};
 use crate::time::{Clock, UnixMillis};
+use crate::trace_context::RunTrace;
 
 mod admission;
 mod begin;
@@ -137,6 +138,9 @@ pub enum Decision {
         outcome: Outcome,
         /// The record, for logs.
         id: RecordId,
+        /// The trace of the run that made the record the answer was decided on (none for an
+        /// answer that needed no record): a replay's span links to it.
+        answered_by: Option<RunTrace>,
     },
     /// The store is down and the policy is fail-open: run the handler without protection.
     PassThrough {

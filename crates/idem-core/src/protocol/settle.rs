@@ -30,7 +30,7 @@ use super::in_transaction::claim_lost;
 use super::{Claim, Outcome, Protocol};
 use crate::policy::Policy;
 use crate::problem::{Problem, ProblemKind};
-use crate::store::{ClaimState, Release, StoreError};
+use crate::store::{ClaimState, Release, StoreError, StoreOperation};
 use crate::time::UnixMillis;
 
 /// Put into a response's extensions by an inner service whose response is not the handler's
@@ -189,8 +189,11 @@ impl Protocol {
 
     /// Gives the claim up as `release` says ([`Keep::Release`]).
     pub async fn release(&self, claim: &Claim, release: Release) -> Result<(), StoreError> {
-        self.bounded(self.store().release(claim.id(), claim.token(), release))
-            .await
+        self.bounded(
+            StoreOperation::Release,
+            self.store().release(claim.id(), claim.token(), release),
+        )
+        .await
     }
 
     /// The answer to a client whose request is still running after the layer's response timeout:

@@ -14,7 +14,7 @@ use tokio::time::Instant;
 
 pub use crate::scope::hex;
 pub use crate::store::replay_counts::ReplayCounts;
-use crate::trace_context::TraceId;
+use crate::trace_context::RunTrace;
 use crate::{
     Fingerprint, IdempotencyKey, Scope, StoreError, UnixMillis,
     store::{ClaimState, FencingToken, Listed, ListedState, Origin, Record, RecordId, RecordState, WaitOutcome},
@@ -102,7 +102,8 @@ pub struct StoredRecord {
     pub method: String,
     /// The request's path ([`Origin`]).
     pub path: String,
-    /// The latest run's trace id, 32 lowercase hex digits ([`Origin`]).
+    /// The latest run's trace, as [`RunTrace`] writes it: `<trace id>-<span id>`, or a trace id
+    /// alone in a record written before records kept the span ([`Origin`]).
     pub trace_id: Option<String>,
     /// Whether the latest run was recovered.
     pub recovered: bool,
@@ -245,7 +246,7 @@ impl StoredRecord {
         Origin {
             method: self.method.clone(),
             path: self.path.clone(),
-            trace_id: self.trace_id.as_deref().and_then(TraceId::from_hex),
+            trace: self.trace_id.as_deref().and_then(RunTrace::from_stored),
         }
     }
 

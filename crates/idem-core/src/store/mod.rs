@@ -25,7 +25,7 @@ use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 use crate::scope::{Scope, hex};
 use crate::time::UnixMillis;
-use crate::trace_context::TraceId;
+use crate::trace_context::RunTrace;
 
 /// What a record is identified by: never the key alone.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -167,15 +167,15 @@ pub struct Origin {
     /// segments resolved; no query, which may carry secrets), at most [`MAX_ORIGIN_PATH`] bytes.
     /// The spelling as sent is in the record's fingerprint.
     pub path: String,
-    /// The W3C trace id of the run that holds or answered the record (the client's
-    /// `traceparent`), if the request carried one.
-    pub trace_id: Option<TraceId>,
+    /// Where the run that holds or answered the record sits in its trace ([`RunTrace`]): known
+    /// if its request carried a `traceparent`, or idem exported a span for it.
+    pub trace: Option<RunTrace>,
 }
 
 impl Origin {
     /// The origin of a request with this method, path (as sent: it is read with
-    /// [`path_reading`] and cut to [`MAX_ORIGIN_PATH`] bytes) and trace id.
-    pub fn new(method: &str, path: &str, trace_id: Option<TraceId>) -> Self {
+    /// [`path_reading`] and cut to [`MAX_ORIGIN_PATH`] bytes) and run trace.
+    pub fn new(method: &str, path: &str, trace: Option<RunTrace>) -> Self {
         let path = path_reading(path);
         let path = if path.len() <= MAX_ORIGIN_PATH {
             path
@@ -189,7 +189,7 @@ impl Origin {
         Self {
             method: method.to_owned(),
             path,
-            trace_id,
+            trace,
         }
     }
 }

@@ -90,6 +90,27 @@ impl StoreOperation {
         }
     }
 
+    /// The name of the operation's span in a trace (`store begin`).
+    pub fn span_name(self) -> &'static str {
+        match self {
+            Self::Begin => "store begin",
+            Self::Complete => "store complete",
+            Self::Release => "store release",
+            Self::Renew => "store renew",
+            Self::Get => "store get",
+            Self::Wait => "store wait",
+            Self::Purge => "store purge",
+            Self::Ping => "store ping",
+            Self::Delete => "store delete",
+            Self::Clock => "store clock",
+            Self::Checkpoint => "store checkpoint",
+            Self::Checkpoints => "store checkpoints",
+            Self::ScopeSalt => "store scope_salt",
+            Self::ClaimState => "store claim_state",
+            Self::List => "store list",
+        }
+    }
+
     /// True for the operations an instance makes on its own (or an operator asks), never per
     /// request.
     pub fn per_instance(self) -> bool {

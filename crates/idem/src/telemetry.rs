@@ -1,0 +1,203 @@
+//! Where the command's logs and traces go: log lines to stderr (text, or JSON in the
+//! OpenTelemetry log data model, [`crate::log_format`]), filtered by `IDEM_LOG`; and, for
+//! `idem serve` when the standard `OTEL_*` variables ask for it, idem's spans (target
+//! [`idem_core::spans::TARGET`]) exported over OTLP/HTTP with protobuf.
+//!
+//! With traces off, idem's spans are disabled at their callsites (the filter turns their target
+//! off), so the request path pays one disabled-callsite check per span and nothing else.
+
+use std::io::IsTerminal;
+
+use anyhow::Context as _;
+use idem_core::spans::TARGET;
+use opentelemetry::propagation::Injector;
+use opentelemetry::trace::{TraceContextExt, TracerProvider as _};
+use opentelemetry_sdk::propagation::TraceContextPropagator;
+use opentelemetry_sdk::trace::SdkTracerProvider;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
+use tracing_subscriber::filter::{EnvFilter, Targets};
+use tracing_subscriber::layer::SubscriberExt as _;
+use tracing_subscriber::util::SubscriberInitExt as _;
+use tracing_subscriber::{Layer as _, fmt};
+
+use crate::log_format::OtelJson;
+use crate::misconfigured::Misconfigured;
+
+/// The service name traces carry when neither `OTEL_SERVICE_NAME` nor `OTEL_RESOURCE_ATTRIBUTES`
+/// names one.
+const SERVICE_NAME: &str = "idem";
+
+/// What [`init`] started: the trace exporter, if traces are on, flushed by [`Telemetry::shutdown`].
+#[derive(Debug)]
+pub(crate) struct Telemetry {
+    traces: Option<SdkTracerProvider>,
+}
+
+impl Telemetry {
+    /// Sends the spans still batched, and stops the exporter.
+    pub(crate) fn shutdown(self) {
+        if let Some(provider) = self.traces
+            && let Err(err) = provider.shutdown()
+        {
+            eprintln!("idem: could not send the last traces: {err}");
+        }
+    }
+}
+
+/// Installs the global subscriber: logs at `default_filter` unless `IDEM_LOG` says otherwise,
+/// and, if `traces` is true and the environment asks for them ([`traces_wanted`]), idem's spans
+/// over OTLP.
+pub(crate) fn init(default_filter: &str, traces: bool) -> anyhow::Result<Telemetry> {
+    let filter = EnvFilter::try_from_env("IDEM_LOG")
+        .unwrap_or_else(|_| EnvFilter::new(default_filter))
+        // Spans are for traces: a log line does not carry them.
+        .add_directive(format!("{TARGET}=off").parse().expect("a valid directive"));
+    let json = std::env::var("IDEM_LOG_FORMAT").is_ok_and(|f| f == "json");
+    let provider = if traces && traces_wanted()? {
+        Some(tracer_provider()?)
+    } else {
+        None
+    };
+    let Some(provider) = provider else {
+        // Traces off: the filter is global, so a disabled span is never built.
+        let logs = fmt().with_env_filter(filter).with_writer(std::io::stderr);
+        if json {
+            logs.event_format(OtelJson).init();
+        } else {
+            logs.with_ansi(std::io::stderr().is_terminal()).init();
+        }
+        return Ok(Telemetry { traces: None });
+    };
+    let logs = fmt::layer().with_writer(std::io::stderr);
+    let logs = if json {
+        logs.event_format(OtelJson).with_filter(filter).boxed()
+    } else {
+        logs.with_ansi(std::io::stderr().is_terminal())
+            .with_filter(filter)
+            .boxed()
+    };
+    let spans = tracing_opentelemetry::layer()
+        .with_tracer(provider.tracer("idem"))
+        .with_tracked_inactivity(false)
+        .with_threads(false)
+        .with_location(false)
+        .with_target(false)
+        .with_filter(Targets::new().with_target(TARGET, tracing::Level::INFO));
+    tracing_subscriber::registry().with(logs).with(spans).init();
+    opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
+    tracing::info!(
+        endpoint = %traces_endpoint(),
+        "exporting traces over OTLP/HTTP"
+    );
+    Ok(Telemetry { traces: Some(provider) })
+}
+
+/// True if the standard variables ask for traces: an OTLP endpoint, a service name or
+/// `OTEL_TRACES_EXPORTER=otlp`, unless `OTEL_SDK_DISABLED=true` or `OTEL_TRACES_EXPORTER=none`.
+/// A protocol or exporter idem does not speak is refused rather than silently dropped.
+fn traces_wanted() -> Result<bool, Misconfigured> {
+    let set = |name: &str| std::env::var(name).ok().filter(|value| !value.trim().is_empty());
+    if set("OTEL_SDK_DISABLED").is_some_and(|v| v.trim().eq_ignore_ascii_case("true")) {
+        return Ok(false);
+    }
+    let exporter = set("OTEL_TRACES_EXPORTER");
+    match exporter.as_deref().map(str::trim) {
+        Some("none") => return Ok(false),
+        None | Some("otlp") => {}
+        Some(other) => {
+            return Err(Misconfigured {
+                flag: "OTEL_TRACES_EXPORTER",
+                reason: format!("`{other}`: idem exports traces over OTLP only (`otlp`), or not at all (`none`)"),
+            });
+        }
+    }
+    let wanted = exporter.is_some()
+        || [
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+            "OTEL_SERVICE_NAME",
+        ]
+        .into_iter()
+        .any(|name| set(name).is_some());
+    if !wanted {
+        return Ok(false);
+    }
+    for name in ["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"] {
+        if let Some(protocol) = set(name) {
+            if protocol.trim() != "http/protobuf" {
+                return Err(Misconfigured {
+                    flag: name,
+                    reason: format!(
+                        "`{protocol}`: idem exports traces over OTLP/HTTP with protobuf only (`http/protobuf`)"
+                    ),
+                });
+            }
+            break;
+        }
+    }
+    Ok(true)
+}
+
+/// The exporter (endpoint, headers, timeout and compression from the `OTEL_EXPORTER_OTLP_*`
+/// variables), batched (`OTEL_BSP_*`), sampled as `OTEL_TRACES_SAMPLER` says (by default, as the
+/// caller's trace was, and every new trace).
+fn tracer_provider() -> anyhow::Result<SdkTracerProvider> {
+    use opentelemetry_otlp::WithExportConfig as _;
+    let exporter = opentelemetry_otlp::SpanExporter::builder()
+        .with_http()
+        .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
+        .build()
+        .context("cannot make the OTLP trace exporter")?;
+    let mut resource = opentelemetry_sdk::Resource::builder();
+    let named = std::env::var("OTEL_SERVICE_NAME").is_ok_and(|name| !name.trim().is_empty())
+        || std::env::var("OTEL_RESOURCE_ATTRIBUTES").is_ok_and(|attributes| attributes.contains("service.name="));
+    if !named {
+        resource = resource.with_service_name(SERVICE_NAME);
+    }
+    Ok(SdkTracerProvider::builder()
+        .with_batch_exporter(exporter)
+        .with_resource(resource.build())
+        .build())
+}
+
+/// Where traces go, for the start-up log line (as the exporter resolves it).
+fn traces_endpoint() -> String {
+    let set = |name: &str| std::env::var(name).ok().filter(|value| !value.trim().is_empty());
+    set("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        .or_else(|| set("OTEL_EXPORTER_OTLP_ENDPOINT").map(|base| format!("{}/v1/traces", base.trim_end_matches('/'))))
+        .unwrap_or_else(|| "http://localhost:4318/v1/traces".to_owned())
+}
+
+/// Names the current span (the upstream call's) as the parent of the request sent upstream, so
+/// that the service's own spans join the trace. With traces off there is no such span, and the
+/// caller's `traceparent` and `tracestate` pass unchanged.
+pub(crate) fn inject(headers: &mut http::HeaderMap) {
+    let span = tracing::Span::current();
+    if span.is_disabled() {
+        return;
+    }
+    let context = span.context();
+    if !context.span().span_context().is_valid() {
+        return;
+    }
+    // The caller's `tracestate` belongs to the caller's span: the propagator writes the current
+    // span's (or none).
+    headers.remove("tracestate");
+    opentelemetry::global::get_text_map_propagator(|propagator| {
+        propagator.inject_context(&context, &mut HeaderInjector(headers))
+    });
+}
+
+/// The upstream request's headers, as a propagator writes them.
+struct HeaderInjector<'a>(&'a mut http::HeaderMap);
+
+impl Injector for HeaderInjector<'_> {
+    fn set(&mut self, key: &str, value: String) {
+        if let (Ok(name), Ok(value)) = (
+            http::HeaderName::from_bytes(key.as_bytes()),
+            http::HeaderValue::from_str(&value),
+        ) {
+            self.0.insert(name, value);
+        }
+    }
+}
