@@ -210,12 +210,18 @@ mod otel {
         span.add_link_with_attributes(linked, vec![KeyValue::new("idem.link", "answered-by")]);
     }
 
-    /// A request's headers, as a propagator reads them.
+    /// A request's headers, as a propagator reads them: a header sent twice is not read (two
+    /// `traceparent`s name no parent, as the record's reading has it).
     struct Headers<'a>(&'a HeaderMap);
 
     impl Extractor for Headers<'_> {
         fn get(&self, key: &str) -> Option<&str> {
-            self.0.get(key)?.to_str().ok()
+            let mut values = self.0.get_all(key).iter();
+            let value = values.next()?;
+            if values.next().is_some() {
+                return None;
+            }
+            value.to_str().ok()
         }
 
         fn keys(&self) -> Vec<&str> {

@@ -193,6 +193,10 @@ struct HeaderInjector<'a>(&'a mut http::HeaderMap);
 
 impl Injector for HeaderInjector<'_> {
     fn set(&mut self, key: &str, value: String) {
+        // An empty `tracestate` is not sent (Trace Context: "vendors SHOULD NOT send it empty").
+        if value.is_empty() {
+            return;
+        }
         if let (Ok(name), Ok(value)) = (
             http::HeaderName::from_bytes(key.as_bytes()),
             http::HeaderValue::from_str(&value),
