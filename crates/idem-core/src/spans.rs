@@ -40,6 +40,10 @@ pub(crate) async fn traced<T>(
 
 /// The span of one store operation, a child of the current span; disabled if there is none.
 fn store_span(operation: StoreOperation) -> tracing::Span {
+    // A callsite's cached answer first: with tracing off, the current span is never looked up.
+    if !tracing::enabled!(target: TARGET, tracing::Level::INFO) {
+        return tracing::Span::none();
+    }
     let parent = tracing::Span::current();
     if parent.is_none() {
         return tracing::Span::none();

@@ -156,6 +156,7 @@ where
         let span = trace::request_span(&parts.method, &self.report.route);
         trace::join(&span, &parts.headers, &mut keyed);
         self.report.trace = keyed.trace();
+        self.report.span = span.clone();
         self.keyed(parts, body, keyed).instrument(span).await
     }
 
@@ -195,7 +196,7 @@ where
                     id,
                     answered_by,
                 } => {
-                    trace::answered_by(answered_by);
+                    report.answered_by(answered_by);
                     let _ = decided.send(Decided::Respond { response, outcome, id });
                     return;
                 }
@@ -210,7 +211,7 @@ where
                     return;
                 }
             };
-            trace::claimed(claim.recovered());
+            report.claimed(claim.recovered());
             let (answer, answered) = oneshot::channel();
             if decided.send(Decided::Running(answered)).is_err() {
                 // The caller hung up while the claim was made: nothing was sent, so the key is
@@ -241,7 +242,7 @@ where
             ))
             .await;
         };
-        self.tasks.spawn(task.in_current_span());
+        self.tasks.spawn(task.instrument(self.report.span.clone()));
         let answered = match decision.await {
             Ok(Decided::Respond { response, outcome, id }) => {
                 if matches!(outcome, Outcome::Waited | Outcome::InFlight) {

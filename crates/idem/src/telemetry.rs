@@ -172,6 +172,9 @@ fn traces_endpoint() -> String {
 /// that the service's own spans join the trace. With traces off there is no such span, and the
 /// caller's `traceparent` and `tracestate` pass unchanged.
 pub(crate) fn inject(headers: &mut http::HeaderMap) {
+    if !tracing::enabled!(target: TARGET, tracing::Level::INFO) {
+        return;
+    }
     let span = tracing::Span::current();
     if span.is_disabled() {
         return;
