@@ -9,7 +9,8 @@
 # IDEM_BIN_B (an idem binary) or BENCH_BIN_B (a folder with `tower`), built from another commit,
 # e.g. `git worktree add /tmp/b REV && (cd /tmp/b && cargo build --release -p idem)`.
 # Each round drives A then B with wrk -t2 -c32 for DURATION (5s), new keys or replays of 64 keys,
-# and prints their req/s; then the mean of each and B's change to A. EXTRA adds flags to both
+# and prints their req/s and the server's CPU per request (from /proc: steadier than req/s); then
+# the mean req/s and median CPU of each, and A's change to B. EXTRA adds flags to both
 # gateways (e.g. EXTRA="--replay-cache-entries 0"); the layer reads IDEM_REPLAY_CACHE_ENTRIES.
 set -euo pipefail
 
@@ -27,6 +28,7 @@ die() { printf 'ab.sh: %s\n' "$*" >&2; exit 1; }
 case "$MODE" in new | replay) ;; *) die "MODE must be new or replay, not $MODE" ;; esac
 
 PIDS=()
+declare -A SERVER=()
 trap 'kill "${PIDS[@]}" 2>/dev/null || true' EXIT
 LOGS=$(mktemp -d)
 
@@ -46,6 +48,7 @@ serve)
             --admin-listen "127.0.0.1:$((port + 10))" --store "$REDIS_URL/?prefix=$RUN-$side" $EXTRA \
             >"$LOGS/$side" 2>&1 &
         PIDS+=($!)
+        SERVER[$side]=$!
     done
     ;;
 tower)
@@ -56,6 +59,7 @@ tower)
         port=$((PORT_BASE + $([ $side = a ] && echo 1 || echo 2)))
         BENCH_PREFIX="$RUN-$side" REDIS_URL="$REDIS_URL" "$bin" "$port" >"$LOGS/$side" 2>&1 &
         PIDS+=($!)
+        SERVER[$side]=$!
     done
     ;;
 *) die "WHAT must be serve or tower, not $WHAT" ;;
@@ -75,21 +79,32 @@ for port in $((PORT_BASE + 1)) $((PORT_BASE + 2)); do
     done
 done
 
-declare -a A=() B=()
+# cpu PID: the process's user + system CPU time so far, in clock ticks.
+cpu() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+TICK=$(getconf CLK_TCK)
+declare -a A=() B=() A_CPU=() B_CPU=()
 for round in $(seq 1 "$ROUNDS"); do
     for side in a b; do
         port=$((PORT_BASE + $([ $side = a ] && echo 1 || echo 2)))
         # New keys of their own each round; replays of the 64 keys completed above.
         keys=$([ "$MODE" = new ] && echo "$RUN-$round$side" || echo "$RUN")
+        before=$(cpu "${SERVER[$side]}")
         result=$(wrk -t2 -c32 -d"$DURATION" -s "$HERE/pay.lua" "http://127.0.0.1:$port/pay" -- "$MODE" "$keys" 2>&1)
+        after=$(cpu "${SERVER[$side]}")
         line=$(grep '^RESULT ' <<<"$result") || die "no RESULT from wrk: $result"
         grep -q 'status_errors=0 ' <<<"$line" || die "errors: $line"
         rps=$(sed 's/.*rps=\([0-9.]*\).*/\1/' <<<"$line")
-        echo "round $round $side $rps"
-        if [ $side = a ]; then A+=("$rps"); else B+=("$rps"); fi
+        requests=$(sed 's/.*requests=\([0-9]*\).*/\1/' <<<"$line")
+        # The server's own CPU per request (not Redis', not wrk's): steadier than req/s.
+        us=$(awk -v t=$((after - before)) -v hz="$TICK" -v n="$requests" 'BEGIN {printf "%.1f", t / hz * 1e6 / n}')
+        echo "round $round $side $rps req/s, $us µs CPU per request"
+        if [ $side = a ]; then A+=("$rps"); A_CPU+=("$us"); else B+=("$rps"); B_CPU+=("$us"); fi
     done
 done
 mean() { printf '%s\n' "$@" | awk '{s += $1} END {printf "%.0f", s / NR}'; }
+median() { printf '%s\n' "$@" | sort -g | awk '{v[NR] = $1} END {printf "%.1f", NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2}'; }
 ma=$(mean "${A[@]}")
 mb=$(mean "${B[@]}")
-echo "$WHAT $MODE${EXTRA:+ ($EXTRA)}: A (this build) $ma req/s, B $mb req/s, A vs B $(awk -v a="$ma" -v b="$mb" 'BEGIN {printf "%+.1f %%", (a / b - 1) * 100}')"
+ca=$(median "${A_CPU[@]}")
+cb=$(median "${B_CPU[@]}")
+echo "$WHAT $MODE${EXTRA:+ ($EXTRA)}: A (this build) $ma req/s, $ca µs CPU per request (median); B $mb req/s, $cb µs; A vs B $(awk -v a="$ma" -v b="$mb" 'BEGIN {printf "%+.1f %%", (a / b - 1) * 100}') req/s, $(awk -v a="$ca" -v b="$cb" 'BEGIN {printf "%+.1f %%", (a / b - 1) * 100}') CPU"
