@@ -27,6 +27,9 @@ use crate::misconfigured::Misconfigured;
 /// names one.
 const SERVICE_NAME: &str = "idem";
 
+/// How long `idem` waits, when it stops, for its last spans to be sent.
+const LAST_TRACES: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// What [`init`] started: the trace exporter, if traces are on, flushed by [`Telemetry::shutdown`].
 #[derive(Debug)]
 pub(crate) struct Telemetry {
@@ -34,10 +37,11 @@ pub(crate) struct Telemetry {
 }
 
 impl Telemetry {
-    /// Sends the spans still batched, and stops the exporter.
+    /// Sends the spans still batched, and stops the exporter: for at most [`LAST_TRACES`], so a
+    /// receiver that hangs does not hold the exit.
     pub(crate) fn shutdown(self) {
         if let Some(provider) = self.traces
-            && let Err(err) = provider.shutdown()
+            && let Err(err) = provider.shutdown_with_timeout(LAST_TRACES)
         {
             eprintln!("idem: could not send the last traces: {err}");
         }

@@ -297,3 +297,38 @@ async fn traces_over_another_protocol_are_refused_at_start() {
         assert!(stderr.contains(name) && stderr.contains(value), "{stderr}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receiver_that_hangs_neither_stops_the_payments_nor_holds_the_exit() {
+    // Takes every connection and never answers one.
+    let hole = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("http://{}", hole.local_addr().unwrap());
+    let _held = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((connection, _)) = hole.accept().await {
+            held.push(connection);
+        }
+    });
+    let upstream = common::Upstream::start().await;
+    let env = [
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+        ("OTEL_BSP_SCHEDULE_DELAY", "50"),
+    ];
+    let mut gw = Gateway::start_with_env(&upstream.url(), &[], &env).await;
+    for _ in 0..20 {
+        let key = new_key();
+        let payment = || {
+            gw.post("/pay", PAY_BODY)
+                .header("content-type", "application/json")
+                .header("idempotency-key", key.as_str())
+        };
+        let first = send(payment()).await;
+        assert_eq!((first.status, first.replayed()), (201, false), "{}", first.text());
+        let copy = send(payment()).await;
+        assert_eq!((copy.status, copy.replayed()), (201, true), "{}", copy.text());
+    }
+    assert_eq!(common::count(&upstream.state.pay), 20, "each payment ran once");
+    gw.terminate();
+    let status = gw.wait_exit(Duration::from_secs(20)).await;
+    assert!(status.success(), "{status:?}: {}", gw.stderr());
+}
