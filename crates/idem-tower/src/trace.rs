@@ -188,7 +188,7 @@ mod otel {
             return None;
         }
         if !Span::current().context().span().span_context().is_valid() {
-            let caller = opentelemetry::global::get_text_map_propagator(|p| p.extract(&Headers(headers)));
+            let caller = opentelemetry::global::get_text_map_propagator(|p| p.extract(&Headers::of(headers)));
             let _ = span.set_parent(caller);
         }
         let context = span.context();
@@ -216,12 +216,35 @@ mod otel {
     }
 
     /// A request's headers, as a propagator reads them: a header sent twice is not read (two
-    /// `traceparent`s name no parent, as the record's reading has it).
-    struct Headers<'a>(&'a HeaderMap);
+    /// `traceparent`s name no parent, as the record's reading has it), but `tracestate`, whose
+    /// headers are one list (Trace Context: combined as one, in order).
+    struct Headers<'a> {
+        map: &'a HeaderMap,
+        tracestate: Option<String>,
+    }
+
+    impl<'a> Headers<'a> {
+        fn of(map: &'a HeaderMap) -> Self {
+            let values: Vec<&str> = map
+                .get_all("tracestate")
+                .iter()
+                .filter_map(|value| value.to_str().ok())
+                .collect();
+            Self {
+                map,
+                tracestate: (values.len() > 1).then(|| values.join(",")),
+            }
+        }
+    }
 
     impl Extractor for Headers<'_> {
         fn get(&self, key: &str) -> Option<&str> {
-            let mut values = self.0.get_all(key).iter();
+            if key.eq_ignore_ascii_case("tracestate")
+                && let Some(combined) = &self.tracestate
+            {
+                return Some(combined);
+            }
+            let mut values = self.map.get_all(key).iter();
             let value = values.next()?;
             if values.next().is_some() {
                 return None;
@@ -230,7 +253,7 @@ mod otel {
         }
 
         fn keys(&self) -> Vec<&str> {
-            self.0.keys().map(|name| name.as_str()).collect()
+            self.map.keys().map(|name| name.as_str()).collect()
         }
     }
 }

@@ -34,6 +34,9 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = cli::parse();
+    // One TLS provider for the whole process: the clients that take the process's default (the
+    // OTLP exporter's, `idem request`'s) use ring, as the gateway's own TLS does.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     // The demo's gateways and the bench's layer would log every request: their output is the
     // table (and writing a line per request would be part of what the bench measures).
     let default_filter = match cli.command {
@@ -52,7 +55,7 @@ async fn main() -> ExitCode {
         }
     };
     let result = match cli.command {
-        Command::Serve(args) => serve::run(*args).await,
+        Command::Serve(args) => serve::run(*args, &telemetry).await,
         Command::Inspect(args) => commands::inspect(args).await,
         Command::List(args) => list::list(args).await,
         Command::Delete(args) => commands::delete(args).await,

@@ -21,6 +21,7 @@ use crate::cli::ServeArgs;
 use crate::config::{Limits, ServeConfig};
 use crate::instrumented::Prometheus;
 use crate::proxy::Proxy;
+use crate::telemetry::Telemetry;
 use crate::{admin, listener, stores, tls};
 
 /// The buckets of every latency histogram, in seconds: from a local store's half millisecond to
@@ -33,7 +34,7 @@ const LATENCY_BUCKETS: &[f64] = &[
 const PURGE_EVERY: Duration = Duration::from_secs(60);
 const PURGE_BATCH: usize = 1000;
 
-pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
+pub(crate) async fn run(args: ServeArgs, telemetry: &Telemetry) -> anyhow::Result<()> {
     let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
         // Histograms, never summaries: buckets add up across instances, quantiles do not.
         .set_buckets(LATENCY_BUCKETS)
@@ -153,6 +154,7 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
             let grace = limits.shutdown_grace;
             async move {
                 terminated().await;
+                telemetry.stop_by(std::time::Instant::now() + grace);
                 tracing::info!(?grace, "shutting down: finishing requests in flight");
                 shutdown.cancel();
             }

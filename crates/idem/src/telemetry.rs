@@ -7,8 +7,9 @@
 //! off), so the request path pays one disabled-callsite check per span and nothing else.
 
 use std::io::IsTerminal;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
-use anyhow::Context as _;
 use idem_core::spans::TARGET;
 use opentelemetry::propagation::Injector;
 use opentelemetry::trace::{TraceContextExt, TracerProvider as _};
@@ -27,23 +28,38 @@ use crate::misconfigured::Misconfigured;
 /// names one.
 const SERVICE_NAME: &str = "idem";
 
-/// How long `idem` waits, when it stops, for its last spans to be sent.
-const LAST_TRACES: std::time::Duration = std::time::Duration::from_secs(2);
+/// How long `idem` waits, when it stops, for its last spans to be sent (less if its shutdown
+/// grace ends sooner).
+const LAST_TRACES: Duration = Duration::from_secs(2);
 
 /// What [`init`] started: the trace exporter, if traces are on, flushed by [`Telemetry::shutdown`].
 #[derive(Debug)]
 pub(crate) struct Telemetry {
     traces: Option<SdkTracerProvider>,
+    /// When the process must have exited (its shutdown grace), once it is stopping.
+    stop_by: Mutex<Option<Instant>>,
 }
 
 impl Telemetry {
-    /// Sends the spans still batched, and stops the exporter: for at most [`LAST_TRACES`], so a
-    /// receiver that hangs does not hold the exit.
+    /// The process is stopping and must have exited by `deadline`: the last spans get what is
+    /// left of it.
+    pub(crate) fn stop_by(&self, deadline: Instant) {
+        *self.stop_by.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(deadline);
+    }
+
+    /// Sends the spans still batched, and stops the exporter: for at most [`LAST_TRACES`], and
+    /// within the shutdown grace, so a receiver that hangs does not hold the exit.
     pub(crate) fn shutdown(self) {
-        if let Some(provider) = self.traces
-            && let Err(err) = provider.shutdown_with_timeout(LAST_TRACES)
-        {
-            eprintln!("idem: could not send the last traces: {err}");
+        let Some(provider) = self.traces else { return };
+        let stop_by = self
+            .stop_by
+            .into_inner()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let left = stop_by.map_or(LAST_TRACES, |deadline| {
+            deadline.saturating_duration_since(Instant::now()).min(LAST_TRACES)
+        });
+        if let Err(err) = provider.shutdown_with_timeout(left) {
+            eprintln!("idem: could not send the last traces within {left:?}: {err}");
         }
     }
 }
@@ -52,6 +68,9 @@ impl Telemetry {
 /// and, if `traces` is true and the environment asks for them ([`traces_wanted`]), idem's spans
 /// over OTLP.
 pub(crate) fn init(default_filter: &str, traces: bool) -> anyhow::Result<Telemetry> {
+    // The OpenTelemetry SDK's own events say when an export fails (at `error`); below `warn`
+    // they are chatter.
+    let default_filter = format!("{default_filter},opentelemetry=warn,opentelemetry_sdk=warn,opentelemetry-otlp=warn");
     let filter = EnvFilter::try_from_env("IDEM_LOG")
         .unwrap_or_else(|_| EnvFilter::new(default_filter))
         // Spans are for traces: a log line does not carry them.
@@ -70,7 +89,10 @@ pub(crate) fn init(default_filter: &str, traces: bool) -> anyhow::Result<Telemet
         } else {
             logs.with_ansi(std::io::stderr().is_terminal()).init();
         }
-        return Ok(Telemetry { traces: None });
+        return Ok(Telemetry {
+            traces: None,
+            stop_by: Mutex::default(),
+        });
     };
     let logs = fmt::layer().with_writer(std::io::stderr);
     let logs = if json {
@@ -93,7 +115,10 @@ pub(crate) fn init(default_filter: &str, traces: bool) -> anyhow::Result<Telemet
         endpoint = %traces_endpoint(),
         "exporting traces over OTLP/HTTP"
     );
-    Ok(Telemetry { traces: Some(provider) })
+    Ok(Telemetry {
+        traces: Some(provider),
+        stop_by: Mutex::default(),
+    })
 }
 
 /// True if the standard variables ask for traces: an OTLP endpoint, a service name or
@@ -151,7 +176,17 @@ fn tracer_provider() -> anyhow::Result<SdkTracerProvider> {
         .with_http()
         .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
         .build()
-        .context("cannot make the OTLP trace exporter")?;
+        .map_err(|err| {
+            let flag = if std::env::var_os("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT").is_some() {
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+            } else {
+                "OTEL_EXPORTER_OTLP_ENDPOINT"
+            };
+            Misconfigured {
+                flag,
+                reason: format!("cannot export traces there: {err}"),
+            }
+        })?;
     let mut resource = opentelemetry_sdk::Resource::builder();
     let named = std::env::var("OTEL_SERVICE_NAME").is_ok_and(|name| !name.trim().is_empty())
         || std::env::var("OTEL_RESOURCE_ATTRIBUTES").is_ok_and(|attributes| attributes.contains("service.name="));
