@@ -111,8 +111,9 @@ pub(crate) fn init(default_filter: &str, traces: bool) -> anyhow::Result<Telemet
         .with_filter(Targets::new().with_target(TARGET, tracing::Level::INFO));
     tracing_subscriber::registry().with(logs).with(spans).init();
     opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
+    // A password in the endpoint's URL is never printed.
     tracing::info!(
-        endpoint = %traces_endpoint(),
+        endpoint = %idem_core::redact_url(&traces_endpoint()),
         "exporting traces over OTLP/HTTP"
     );
     Ok(Telemetry {

@@ -302,7 +302,8 @@ async fn traces_over_another_protocol_are_refused_at_start() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_https_endpoint_is_spoken_to_over_tls_and_a_failed_export_is_logged() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let endpoint = format!("https://{}", listener.local_addr().unwrap());
+    // A password in the endpoint is never printed.
+    let endpoint = format!("https://idem:sekret@{}", listener.local_addr().unwrap());
     let upstream = common::Upstream::start().await;
     let env = [
         ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
@@ -336,6 +337,7 @@ async fn an_https_endpoint_is_spoken_to_over_tls_and_a_failed_export_is_logged()
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    assert!(!gw.stderr().contains("sekret"), "{}", gw.stderr());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
