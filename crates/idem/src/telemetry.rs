@@ -126,7 +126,6 @@ pub(crate) fn init(default_filter: &str, traces: bool) -> anyhow::Result<Telemet
 /// `OTEL_TRACES_EXPORTER=otlp`, unless `OTEL_SDK_DISABLED=true` or `OTEL_TRACES_EXPORTER=none`.
 /// A protocol or exporter idem does not speak is refused rather than silently dropped.
 fn traces_wanted() -> Result<bool, Misconfigured> {
-    let set = |name: &str| std::env::var(name).ok().filter(|value| !value.trim().is_empty());
     if set("OTEL_SDK_DISABLED").is_some_and(|v| v.trim().eq_ignore_ascii_case("true")) {
         return Ok(false);
     }
@@ -189,8 +188,8 @@ fn tracer_provider() -> anyhow::Result<SdkTracerProvider> {
             }
         })?;
     let mut resource = opentelemetry_sdk::Resource::builder();
-    let named = std::env::var("OTEL_SERVICE_NAME").is_ok_and(|name| !name.trim().is_empty())
-        || std::env::var("OTEL_RESOURCE_ATTRIBUTES").is_ok_and(|attributes| attributes.contains("service.name="));
+    let named = set("OTEL_SERVICE_NAME").is_some()
+        || set("OTEL_RESOURCE_ATTRIBUTES").is_some_and(|attributes| attributes.contains("service.name="));
     if !named {
         resource = resource.with_service_name(SERVICE_NAME);
     }
@@ -202,10 +201,15 @@ fn tracer_provider() -> anyhow::Result<SdkTracerProvider> {
 
 /// Where traces go, for the start-up log line (as the exporter resolves it).
 fn traces_endpoint() -> String {
-    let set = |name: &str| std::env::var(name).ok().filter(|value| !value.trim().is_empty());
     set("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
         .or_else(|| set("OTEL_EXPORTER_OTLP_ENDPOINT").map(|base| format!("{}/v1/traces", base.trim_end_matches('/'))))
         .unwrap_or_else(|| "http://localhost:4318/v1/traces".to_owned())
+}
+
+/// The value of the environment variable `name`, if it is set to something other than blanks
+/// (as the OpenTelemetry SDK reads its variables).
+fn set(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|value| !value.trim().is_empty())
 }
 
 /// Names the current span (the upstream call's) as the parent of the request sent upstream, so
