@@ -11,6 +11,7 @@ mod instrumented;
 mod list;
 mod listener;
 mod log_format;
+mod log_writer;
 mod misconfigured;
 mod proxy;
 mod request;
@@ -45,9 +46,10 @@ async fn main() -> ExitCode {
         Command::Bench(_) | Command::List(_) | Command::Inspect(_) => "warn",
         _ => "info",
     };
-    // Only the gateway exports traces: the other commands serve no keyed requests.
-    let traces = matches!(cli.command, Command::Serve(_));
-    let telemetry = match telemetry::init(default_filter, traces) {
+    // Only the gateway exports traces and batches its log lines: the other commands serve no
+    // keyed requests.
+    let serving = matches!(cli.command, Command::Serve(_));
+    let telemetry = match telemetry::init(default_filter, serving) {
         Ok(telemetry) => telemetry,
         Err(err) => {
             eprintln!("idem: {err:#}");

@@ -112,7 +112,6 @@ pub(crate) async fn run(args: ServeArgs, telemetry: &Telemetry) -> anyhow::Resul
         .with_context(|| format!("cannot listen on {}", config.admin_listen))?;
     let (addr, admin_addr) = (listener.local_addr()?, admin_listener.local_addr()?);
     let scheme = if tls.is_some() { "https" } else { "http" };
-    println!("idem listening on {scheme}://{addr} admin http://{admin_addr}");
     let routes: Vec<&str> = config.routes.iter().map(|route| route.pattern.as_str()).collect();
     let path_readings = config.routes.readings();
     tracing::info!(
@@ -124,6 +123,9 @@ pub(crate) async fn run(args: ServeArgs, telemetry: &Telemetry) -> anyhow::Resul
         %path_readings,
         "idem serve started"
     );
+    // Whoever waits for this line (a supervisor, a test) finds the start-up's log lines written.
+    telemetry.flush_logs();
+    println!("idem listening on {scheme}://{addr} admin http://{admin_addr}");
 
     let shutdown = CancellationToken::new();
     let purger = gateway

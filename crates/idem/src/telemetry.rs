@@ -22,6 +22,7 @@ use tracing_subscriber::util::SubscriberInitExt as _;
 use tracing_subscriber::{Layer as _, fmt};
 
 use crate::log_format::OtelJson;
+use crate::log_writer::LogWriter;
 use crate::misconfigured::Misconfigured;
 
 /// The service name traces carry when neither `OTEL_SERVICE_NAME` nor `OTEL_RESOURCE_ATTRIBUTES`
@@ -32,10 +33,12 @@ const SERVICE_NAME: &str = "idem";
 /// grace ends sooner).
 const LAST_TRACES: Duration = Duration::from_secs(2);
 
-/// What [`init`] started: the trace exporter, if traces are on, flushed by [`Telemetry::shutdown`].
+/// What [`init`] started: the trace exporter, if traces are on, and the gateway's batched log
+/// writer, both flushed by [`Telemetry::shutdown`].
 #[derive(Debug)]
 pub(crate) struct Telemetry {
     traces: Option<SdkTracerProvider>,
+    logs: Option<LogWriter>,
     /// When the process must have exited (its shutdown grace), once it is stopping.
     stop_by: Mutex<Option<Instant>>,
 }
@@ -47,27 +50,34 @@ impl Telemetry {
         *self.stop_by.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(deadline);
     }
 
+    /// Writes the log lines still buffered.
+    pub(crate) fn flush_logs(&self) {
+        if let Some(logs) = &self.logs {
+            logs.flush();
+        }
+    }
+
     /// Sends the spans still batched, and stops the exporter: for at most [`LAST_TRACES`], and
     /// within the shutdown grace, so a receiver that hangs does not hold the exit.
+    /// Then writes the log lines still buffered.
     pub(crate) fn shutdown(self) {
-        let Some(provider) = self.traces else { return };
-        let stop_by = self
-            .stop_by
-            .into_inner()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let left = stop_by.map_or(LAST_TRACES, |deadline| {
-            deadline.saturating_duration_since(Instant::now()).min(LAST_TRACES)
-        });
-        if let Err(err) = provider.shutdown_with_timeout(left) {
-            eprintln!("idem: could not send the last traces within {left:?}: {err}");
+        if let Some(provider) = &self.traces {
+            let stop_by = *self.stop_by.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            let left = stop_by.map_or(LAST_TRACES, |deadline| {
+                deadline.saturating_duration_since(Instant::now()).min(LAST_TRACES)
+            });
+            if let Err(err) = provider.shutdown_with_timeout(left) {
+                tracing::error!("could not send the last traces within {left:?}: {err}");
+            }
         }
+        self.flush_logs();
     }
 }
 
-/// Installs the global subscriber: logs at `default_filter` unless `IDEM_LOG` says otherwise,
-/// and, if `traces` is true and the environment asks for them ([`traces_wanted`]), idem's spans
-/// over OTLP.
-pub(crate) fn init(default_filter: &str, traces: bool) -> anyhow::Result<Telemetry> {
+/// Installs the global subscriber: logs at `default_filter` unless `IDEM_LOG` says otherwise.
+/// For the gateway (`serving`), its log lines are written in batches ([`LogWriter`]) and, if the
+/// environment asks for them ([`traces_wanted`]), idem's spans are exported over OTLP.
+pub(crate) fn init(default_filter: &str, serving: bool) -> anyhow::Result<Telemetry> {
     // The OpenTelemetry SDK's own events say when an export fails (at `error`); below `warn`
     // they are chatter.
     let default_filter = format!("{default_filter},opentelemetry=warn,opentelemetry_sdk=warn,opentelemetry-otlp=warn");
@@ -76,31 +86,34 @@ pub(crate) fn init(default_filter: &str, traces: bool) -> anyhow::Result<Telemet
         // Spans are for traces: a log line does not carry them.
         .add_directive(format!("{TARGET}=off").parse().expect("a valid directive"));
     let json = std::env::var("IDEM_LOG_FORMAT").is_ok_and(|f| f == "json");
-    let provider = if traces && traces_wanted()? {
+    let provider = if serving && traces_wanted()? {
         Some(tracer_provider()?)
     } else {
         None
     };
+    let writer = if serving { Some(LogWriter::start()?) } else { None };
+    let ansi = std::io::stderr().is_terminal();
     let Some(provider) = provider else {
         // Traces off: the filter is global, so a disabled span is never built.
-        let logs = fmt().with_env_filter(filter).with_writer(std::io::stderr);
-        if json {
-            logs.event_format(OtelJson).init();
-        } else {
-            logs.with_ansi(std::io::stderr().is_terminal()).init();
+        let logs = fmt().with_env_filter(filter).with_ansi(ansi && !json);
+        match (&writer, json) {
+            (Some(writer), true) => logs.with_writer(writer.clone()).event_format(OtelJson).init(),
+            (Some(writer), false) => logs.with_writer(writer.clone()).init(),
+            (None, true) => logs.with_writer(std::io::stderr).event_format(OtelJson).init(),
+            (None, false) => logs.with_writer(std::io::stderr).init(),
         }
         return Ok(Telemetry {
             traces: None,
+            logs: writer,
             stop_by: Mutex::default(),
         });
     };
-    let logs = fmt::layer().with_writer(std::io::stderr);
+    let writer = writer.expect("traces are exported by the gateway only");
+    let logs = fmt::layer().with_writer(writer.clone());
     let logs = if json {
         logs.event_format(OtelJson).with_filter(filter).boxed()
     } else {
-        logs.with_ansi(std::io::stderr().is_terminal())
-            .with_filter(filter)
-            .boxed()
+        logs.with_ansi(ansi).with_filter(filter).boxed()
     };
     let spans = tracing_opentelemetry::layer()
         .with_tracer(provider.tracer("idem"))
@@ -118,6 +131,7 @@ pub(crate) fn init(default_filter: &str, traces: bool) -> anyhow::Result<Telemet
     );
     Ok(Telemetry {
         traces: Some(provider),
+        logs: Some(writer),
         stop_by: Mutex::default(),
     })
 }

@@ -236,3 +236,107 @@ async fn inspect_and_delete_find_a_credentials_record_by_its_authorization() {
     assert!(!again.replayed(), "the request runs again: {again}");
     assert_eq!(count(&upstream.state.pay), 2);
 }
+
+/// The gateway writes its `info` lines in batches: none is lost, none is written twice, they
+/// are all written by the time it exits, and the last line is the last thing it logged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_request_is_logged_once_by_the_time_the_gateway_exits() {
+    let upstream = Upstream::start().await;
+    let mut gw = Gateway::start(&upstream.url(), &[]).await;
+    let keys: Vec<String> = (0..100).map(|_| new_key()).collect();
+    let replies = futures_util::future::join_all(
+        keys.iter()
+            .map(|key| gw.post_json("/pay", Some(key), r#"{"amount":1}"#)),
+    )
+    .await;
+    for reply in &replies {
+        assert_eq!(reply.status, 201, "{reply}");
+    }
+    gw.terminate();
+    let status = gw.wait_exit(Duration::from_secs(20)).await;
+    assert!(status.success(), "{status:?}:\n{}", gw.stderr());
+
+    let stderr = gw.stderr();
+    for key in &keys {
+        let lines = stderr
+            .lines()
+            .filter(|line| line.contains(&format!("key=\"{key}\"")))
+            .count();
+        assert_eq!(lines, 1, "one line for {key}:\n{stderr}");
+    }
+    let last = stderr.lines().last().unwrap_or_default();
+    assert!(
+        last.contains("idem serve stopped"),
+        "the last line is the last logged:\n{stderr}"
+    );
+}
+
+/// A warning is written at once, and after every line logged before it: here each request's
+/// "upstream unreachable" warning comes after the previous request's own (batched) line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_warning_is_written_at_once_after_the_lines_before_it() {
+    // Nothing listens on port 1 of the loopback: every call upstream is refused.
+    let gw = Gateway::start("http://127.0.0.1:1", &[]).await;
+    let keys: Vec<String> = (0..10).map(|_| new_key()).collect();
+    for key in &keys {
+        let reply = gw.post_json("/pay", Some(key), r#"{"amount":1}"#).await;
+        reply.assert_problem(502, "upstream-unavailable");
+        let warned = gw.stderr().matches("upstream unreachable").count();
+        assert!(
+            warned >= 1,
+            "the warning is written before its request is answered:\n{}",
+            gw.stderr()
+        );
+    }
+    let done = |stderr: &str| stderr.contains(&format!("key=\"{}\"", keys[keys.len() - 1]));
+    let stderr = gw.stderr_once("the last request's line", done).await;
+    let order: Vec<String> = stderr
+        .lines()
+        .filter_map(|line| {
+            if line.contains("upstream unreachable") {
+                Some("warning".to_owned())
+            } else {
+                keys.iter()
+                    .find(|key| line.contains(&format!("key=\"{key}\"")))
+                    .cloned()
+            }
+        })
+        .collect();
+    let expected: Vec<String> = keys
+        .iter()
+        .flat_map(|key| ["warning".to_owned(), key.clone()])
+        .collect();
+    assert_eq!(order, expected, "{stderr}");
+}
+
+/// A gateway that cannot start still writes the lines it logged before it gave up, before the
+/// error that says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_that_cannot_listen_writes_its_earlier_lines_first() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a port");
+    let port = taken.local_addr().expect("its address").to_string();
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let store = store_url_in(dir.path());
+    let output = run_idem(
+        &[
+            "serve",
+            "--upstream",
+            "http://127.0.0.1:1",
+            "--store",
+            &store,
+            "--listen",
+            &port,
+        ],
+        COMMAND_LIMIT,
+    )
+    .await;
+    assert!(!output.status.success(), "{}", describe(&output));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let started = stderr
+        .find("the replay cache")
+        .unwrap_or_else(|| panic!("the start-up lines are written:\n{stderr}"));
+    let failed = stderr
+        .find("cannot listen")
+        .unwrap_or_else(|| panic!("the error is written:\n{stderr}"));
+    assert!(started < failed, "{stderr}");
+}

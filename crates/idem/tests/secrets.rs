@@ -60,8 +60,9 @@ async fn no_command_prints_the_store_password(store: &str) {
     let metrics = common::send(gw.client.get(format!("{}/metrics", gw.admin))).await;
     assert_eq!(metrics.status, 200, "{metrics}");
     assert_secret_free("/metrics", &metrics.text(), &secrets);
-    assert_secret_free("idem serve's log", &gw.stderr(), &secrets);
-    assert!(gw.stderr().contains("idem serve started"), "{}", gw.stderr());
+    let log = gw.stderr_once("the request's log line", |log| log.contains(&key)).await;
+    assert_secret_free("idem serve's log", &log, &secrets);
+    assert!(log.contains("idem serve started"), "{log}");
 
     let migrate = run_idem(&["migrate", "--store", store], LIMIT).await;
     assert!(migrate.status.success(), "{}", describe(&migrate));

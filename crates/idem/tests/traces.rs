@@ -255,13 +255,18 @@ async fn a_payment_is_one_trace_and_every_replay_links_to_its_run() {
     );
 
     // The run's log line joins the trace, named as the OpenTelemetry log data model names it.
-    let lines: Vec<serde_json::Value> = a
-        .stderr()
-        .lines()
-        .filter_map(|line| serde_json::from_str(line).ok())
-        .filter(|line: &serde_json::Value| line["Body"] == "idempotency" && line["Attributes"]["outcome"] == "new")
-        .collect();
-    assert_eq!(lines.len(), 1, "{}", a.stderr());
+    let run_lines = |stderr: &str| -> Vec<serde_json::Value> {
+        stderr
+            .lines()
+            .filter_map(|line| serde_json::from_str(line).ok())
+            .filter(|line: &serde_json::Value| line["Body"] == "idempotency" && line["Attributes"]["outcome"] == "new")
+            .collect()
+    };
+    let stderr = a
+        .stderr_once("the run's log line", |stderr| !run_lines(stderr).is_empty())
+        .await;
+    let lines = run_lines(&stderr);
+    assert_eq!(lines.len(), 1, "{stderr}");
     assert_eq!(
         (lines[0]["TraceId"].as_str(), lines[0]["SpanId"].as_str()),
         (Some(TRACE_ID), Some(run.span_id().as_str()))

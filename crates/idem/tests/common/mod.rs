@@ -576,9 +576,28 @@ impl Gateway {
         }
     }
 
-    /// What the gateway wrote to stderr so far.
+    /// What the gateway wrote to stderr so far. Its `info` lines reach stderr in batches, up to
+    /// 20 ms after they were logged: to read a line logged by a request just answered, use
+    /// [`Gateway::stderr_once`].
     pub(crate) fn stderr(&self) -> String {
         std::fs::read_to_string(&self.stderr_path).unwrap_or_default()
+    }
+
+    /// The gateway's stderr once `done` holds for it (a line that a request just answered
+    /// logged has been written); panics, showing it, if that takes more than 5 s.
+    pub(crate) async fn stderr_once(&self, what: &str, done: impl Fn(&str) -> bool) -> String {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            let stderr = self.stderr();
+            if done(&stderr) {
+                return stderr;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "idem serve's stderr did not show {what} within 5 s:\n{stderr}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 
     fn dump_stderr(&self) {
