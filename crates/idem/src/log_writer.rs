@@ -17,8 +17,12 @@
 //! * [`LogWriter::flush`] writes what is left when the process stops, and a panic drains the
 //!   buffer before its message is printed.
 //!
-//! What it gives up: a process killed with `SIGKILL` loses the `info` lines of its last
-//! [`FLUSH_EVERY`] at most (their requests' records are in the store either way).
+//! A batch is written in runs of whole lines of at most `PIPE_BUF` bytes, so that processes
+//! sharing one stderr pipe never tear each other's lines (as one write per line did not).
+//!
+//! What it gives up: a process killed by a signal it does not handle (`SIGKILL`, `SIGHUP`,
+//! `SIGQUIT`) loses the `info` lines of its last [`FLUSH_EVERY`] at most (their requests' records
+//! are in the store either way).
 
 use std::io::{self, Write};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
@@ -136,12 +140,43 @@ impl Shared {
 /// Writes `batch` and then `line` to stderr. A log line that cannot be written is lost, as
 /// `eprintln!`'s would be; logging never fails a request.
 fn write_stderr(batch: &[u8], line: Option<&[u8]>) {
+    // Straight to the file descriptor: `io::stderr()` is unbuffered, and the chunks must reach
+    // the kernel as they are cut.
     let mut stderr = io::stderr().lock();
-    let _ = stderr.write_all(batch);
-    if let Some(line) = line {
-        let _ = stderr.write_all(line);
+    for chunk in whole_lines(batch).chain(line.into_iter().flat_map(whole_lines)) {
+        let _ = stderr.write_all(chunk);
     }
-    let _ = stderr.flush();
+}
+
+/// The most a write to a pipe may hold and still reach it whole, not interleaved with another
+/// process's writes to the same pipe (`PIPE_BUF` on Linux).
+const ATOMIC_WRITE: usize = 4096;
+
+/// `bytes` cut into runs of whole lines of at most [`ATOMIC_WRITE`] bytes each (a longer line is
+/// a run of its own): several processes that share one stderr pipe (a supervisor's, a shell's
+/// `2>&1 |`) then never tear each other's lines, as with one write per line.
+fn whole_lines(bytes: &[u8]) -> impl Iterator<Item = &[u8]> {
+    let mut rest = bytes;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let end = if rest.len() <= ATOMIC_WRITE {
+            rest.len()
+        } else {
+            match rest[..ATOMIC_WRITE].iter().rposition(|&b| b == b'\n') {
+                Some(newline) => newline + 1,
+                // One line longer than a pipe keeps whole: to its end.
+                None => rest
+                    .iter()
+                    .position(|&b| b == b'\n')
+                    .map_or(rest.len(), |newline| newline + 1),
+            }
+        };
+        let (chunk, after) = rest.split_at(end);
+        rest = after;
+        Some(chunk)
+    })
 }
 
 /// A lock that a panic elsewhere does not poison for the logger: the buffer is bytes, and is
@@ -196,5 +231,40 @@ impl<'a> MakeWriter<'a> for LogWriter {
             urgent: *meta.level() <= Level::WARN,
             bytes: Vec::new(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn runs(bytes: &[u8]) -> Vec<&[u8]> {
+        whole_lines(bytes).collect()
+    }
+
+    #[test]
+    fn a_batch_is_cut_into_whole_lines_that_a_pipe_keeps_whole() {
+        let line = |c: u8, len: usize| {
+            let mut line = vec![c; len - 1];
+            line.push(b'\n');
+            line
+        };
+        let batch: Vec<u8> = (0..100u8).flat_map(|i| line(b'a' + i % 26, 150)).collect();
+        let cut = runs(&batch);
+        assert_eq!(cut.concat(), batch, "nothing lost, nothing added, in order");
+        for run in &cut {
+            assert!(run.len() <= ATOMIC_WRITE, "{}", run.len());
+            assert!(run.ends_with(b"\n"));
+        }
+        assert_eq!(cut[0].len(), 27 * 150, "as many whole lines as fit");
+
+        // A line longer than a pipe keeps whole goes on its own, whole.
+        let long = line(b'x', 10_000);
+        let batch = [line(b'a', 100), long.clone(), line(b'b', 100)].concat();
+        assert_eq!(runs(&batch), [&line(b'a', 100)[..], &long[..], &line(b'b', 100)[..]]);
+
+        // A last line without its newline is written all the same.
+        assert_eq!(runs(b"abc"), [&b"abc"[..]]);
+        assert!(runs(b"").is_empty());
     }
 }
