@@ -42,6 +42,11 @@ const MIGRATION_LOCK: i64 = 0x6964_656d_0000_0001;
 ///    the eight-argument one stays, as deployed callers call it, and leaves the status unknown.
 ///    The roles that may execute the old one, and only they, may execute the new one.
 ///    `idem_complete` calls the new one, so that the status it is given is kept.
+/// 8. `idem_claim_insert`: a new key's claim (the insert of `CLAIM`, in `sql.rs`), as a function
+///    the claim statement calls only when its read found no record, so that a replay is a plain
+///    read that never opens the table for writing. It runs with the caller's rights (invoker) and
+///    resolves `idem_records` as the caller's statement does; `EXECUTE` is granted to `PUBLIC`
+///    explicitly, so that default privileges that revoke it cannot stop the store's own role.
 const MIGRATIONS: &[(i32, &str)] = &[
     (
         1,
@@ -365,6 +370,27 @@ DO $pin$ BEGIN
     );
 END $pin$;
 "#,
+    ),
+    (
+        8,
+        "
+CREATE FUNCTION idem_claim_insert(
+    p_scope TEXT, p_key TEXT, p_fingerprint BYTEA, p_digest BYTEA, p_token BYTEA, p_lease_until BIGINT,
+    p_created_at BIGINT, p_purge_at BIGINT, p_expires_at BIGINT, p_method TEXT, p_path TEXT, p_trace_id TEXT
+) RETURNS BOOLEAN LANGUAGE plpgsql VOLATILE AS $fn$
+BEGIN
+    INSERT INTO idem_records
+        (scope, key, state, fingerprint, digest, token, lease_until, created_at, purge_at, expires_at, replays,
+         method, path, trace_id)
+    VALUES (p_scope, p_key, 'in-flight', p_fingerprint, p_digest, p_token, p_lease_until, p_created_at, p_purge_at,
+            p_expires_at, 0, p_method, p_path, p_trace_id)
+    ON CONFLICT (scope, key) DO NOTHING;
+    RETURN FOUND;
+END
+$fn$;
+GRANT EXECUTE ON FUNCTION idem_claim_insert(TEXT, TEXT, BYTEA, BYTEA, BYTEA, BIGINT, BIGINT, BIGINT, BIGINT, TEXT, TEXT, TEXT)
+    TO PUBLIC;
+",
     ),
 ];
 

@@ -3,31 +3,27 @@
 //! `bench/pgbench.sh` reads [`CLAIM`] out of this file, to time the store's own claim.
 
 /// A new key's claim, or else the record as it stands, in one statement: one round trip for a
-/// new key and for a replay. The record is read first, and the insert only runs when the read
-/// found nothing: a replay is a plain index read, without the insert's conflict check (measured
-/// in `bench/README.md`). The read is in the statement's snapshot, which misses a row committed
-/// after it began: then the insert conflicts with that row and does nothing, neither column set
-/// is there, and the claim is tried again. A new claim keeps the request's origin ($10 to $12:
-/// method, path, trace id), not recovered and without a status (the columns' defaults).
+/// new key and for a replay. The record is read first, and only when the read found nothing is
+/// the insert run, by `idem_claim_insert` (schema version 8): a replay is a plain `SELECT` of the
+/// row, which never opens the table for writing (a statement with the insert in it would, even
+/// when the insert does not run: measured in `bench/README.md`). The read is in the statement's
+/// snapshot, which misses a row committed after it began: then the insert conflicts with that
+/// row and does nothing, no record is returned and nothing was inserted, and the claim is tried
+/// again. A new claim keeps the request's origin ($10 to $12: method, path, trace id), not
+/// recovered and without a status (the columns' defaults).
 pub(crate) const CLAIM: &str = "
-WITH found AS (
+SELECT f.state, f.fingerprint, f.digest, f.token, f.lease_until, f.response, f.created_at, f.completed_at,
+    f.expires_at, f.purge_at, f.replays, f.method, f.path, f.trace_id, f.recovered, f.status,
+    CASE WHEN f.state IS NULL
+        THEN COALESCE(idem_claim_insert($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12), false)
+        ELSE false
+    END
+FROM (SELECT 1) AS one
+LEFT JOIN (
     SELECT state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at,
         purge_at, replays, method, path, trace_id, recovered, status
     FROM idem_records WHERE scope = $1 AND key = $2
-), claimed AS (
-    INSERT INTO idem_records
-        (scope, key, state, fingerprint, digest, token, lease_until, created_at, purge_at, expires_at, replays,
-         method, path, trace_id)
-    SELECT $1, $2, 'in-flight', $3, $4, $5, $6, $7, $8, $9, 0, $10, $11, $12
-    WHERE NOT EXISTS (SELECT 1 FROM found)
-    ON CONFLICT (scope, key) DO NOTHING
-    RETURNING 1
-)
-SELECT f.state, f.fingerprint, f.digest, f.token, f.lease_until, f.response, f.created_at, f.completed_at,
-    f.expires_at, f.purge_at, f.replays, f.method, f.path, f.trace_id, f.recovered, f.status,
-    EXISTS (SELECT 1 FROM claimed)
-FROM (SELECT 1) AS one
-LEFT JOIN found f ON true";
+) f ON true";
 
 pub(crate) const SELECT: &str = "
 SELECT state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays, method, path, trace_id, recovered, status

@@ -1,6 +1,6 @@
 //! [`PostgresStore`]: the `Store` primitives as PostgreSQL statements. A claim is one statement
 //! that reads the record and, only if there is none, inserts it (`INSERT ... ON CONFLICT DO
-//! NOTHING`); taking over or replacing a record that exists is decided again in a transaction that
+//! NOTHING`, in the function `idem_claim_insert`, so that a replay is a plain read); taking over or replacing a record that exists is decided again in a transaction that
 //! locks the row (`SELECT ... FOR UPDATE`). Complete, release and renew are single compare-and-set
 //! statements on the fencing token. Changes that end a claim `NOTIFY` in the same statement when
 //! someone waits on the record (a waiter marks it first), so that waiters everywhere are woken on

@@ -14,7 +14,7 @@ use idem_core::{
 use idem_postgres::{PostgresError, PostgresStore};
 
 /// The versions every migration of this crate records, in order.
-const VERSIONS: [i32; 7] = [1, 2, 3, 4, 5, 6, 7];
+const VERSIONS: [i32; 8] = [1, 2, 3, 4, 5, 6, 7, 8];
 
 /// Version 1 of the schema, as the first release created it (`idem_schema_migrations`, then
 /// migration 1), to check that a database made by it is upgraded in place.
@@ -344,8 +344,10 @@ async fn instances_starting_together_upgrade_a_version_2_schema_and_make_one_sal
     assert_eq!(versions(&schema).await, VERSIONS);
 }
 
-/// The functions the migrations install run on the store's schema whatever the caller's
-/// `search_path`: `idem_complete`, replaced by version 7, is pinned again.
+/// The functions the migrations install for other callers (an upstream's own connection) run on
+/// the store's schema whatever the caller's `search_path`: `idem_complete`, replaced by version 7,
+/// is pinned again. `idem_claim_insert` is called only by the store's claim statement, and finds
+/// `idem_records` as that statement does, with the caller's rights (not a security definer).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_functions_are_pinned_to_the_store_schema() {
     let schema = TestSchema::new();
@@ -354,25 +356,30 @@ async fn the_functions_are_pinned_to_the_store_schema() {
         .client()
         .await
         .query(
-            "SELECT p.oid::regprocedure::text, array_to_string(p.proconfig, ',')
+            "SELECT p.oid::regprocedure::text, array_to_string(p.proconfig, ','), p.prosecdef
              FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
              WHERE n.nspname = $1",
             &[&schema.name],
         )
         .await
         .unwrap();
-    let mut functions: Vec<(String, Option<String>)> = rows.iter().map(|row| (row.get(0), row.get(1))).collect();
+    let mut functions: Vec<(String, Option<String>, bool)> =
+        rows.iter().map(|row| (row.get(0), row.get(1), row.get(2))).collect();
     functions.sort();
     let pinned = Some(format!("search_path={}, pg_temp", schema.name));
-    assert_eq!(
-        functions,
-        [
-            "idem_complete(text,integer,jsonb,bytea)",
-            "idem_complete_claim(text,text,bytea,bytea,bigint,bigint,bigint,text)",
-            "idem_complete_claim(text,text,bytea,bytea,bigint,bigint,bigint,text,integer)",
-        ]
-        .map(|function| (function.to_owned(), pinned.clone()))
-    );
+    let mut expected = vec![(
+        "idem_claim_insert(text,text,bytea,bytea,bytea,bigint,bigint,bigint,bigint,text,text,text)".to_owned(),
+        None,
+        false,
+    )];
+    for function in [
+        "idem_complete(text,integer,jsonb,bytea)",
+        "idem_complete_claim(text,text,bytea,bytea,bigint,bigint,bigint,text)",
+        "idem_complete_claim(text,text,bytea,bytea,bigint,bigint,bigint,text,integer)",
+    ] {
+        expected.push((function.to_owned(), pinned.clone(), false));
+    }
+    assert_eq!(functions, expected);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -392,7 +399,7 @@ async fn a_newer_schema_is_refused() {
             err,
             PostgresError::NewerSchema {
                 found: 999,
-                supported: 7,
+                supported: 8,
                 ..
             }
         ),
