@@ -11,7 +11,7 @@
 //! * a `warn` or `error` line drains the buffer and is written at once, after it, by the thread
 //!   that logs it, so a line that says something is wrong is never held back;
 //! * a buffer at [`LIMIT`] (stderr not keeping up) is written by the thread that fills it, which
-//!   waits for it as it waits for every write today: back-pressure, not loss;
+//!   waits for it as a direct write would wait: back-pressure, not loss;
 //! * whoever takes lines out of the buffer takes the output's lock before letting the buffer go,
 //!   so batches reach stderr in the order they were taken;
 //! * [`LogWriter::flush`] writes what is left when the process stops, and a panic drains the
@@ -21,8 +21,9 @@
 //! sharing one stderr pipe never tear each other's lines (as one write per line did not).
 //!
 //! What it gives up: a process killed by a signal it does not handle (`SIGKILL`, `SIGHUP`,
-//! `SIGQUIT`) loses the `info` lines of its last [`FLUSH_EVERY`] at most (their requests' records
-//! are in the store either way).
+//! `SIGQUIT`) loses the `info` lines of its last [`FLUSH_EVERY`], or, if stderr was not keeping
+//! up, the lines it still held, [`LIMIT`] at most (their requests' records are in the store
+//! either way).
 
 use std::io::{self, Write};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
@@ -37,8 +38,9 @@ pub(crate) const FLUSH_EVERY: Duration = Duration::from_millis(20);
 /// A buffer this large is written without waiting for the next tick.
 const HIGH_WATER: usize = 64 * 1024;
 
-/// A buffer this large is written by the thread that fills it (stderr is not keeping up).
-const LIMIT: usize = 4 * 1024 * 1024;
+/// A buffer this large is written by the thread that fills it (stderr is not keeping up). It
+/// bounds what a `SIGKILL` can lose while stderr is behind.
+const LIMIT: usize = 1024 * 1024;
 
 /// A [`MakeWriter`] for the log layer: see the module's documentation.
 #[derive(Clone, Debug)]
