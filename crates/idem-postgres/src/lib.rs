@@ -35,6 +35,8 @@
 //! | `notify=on\|off` | `on` | wake waiters by `LISTEN`/`NOTIFY`; `off` polls only |
 //! | `poll_interval=DUR` | `200ms` | the longest pause between two checks of a waiter (the first comes after a quarter of it) |
 //! | `schema=NAME` | the `search_path` | the PostgreSQL schema of the tables, created if missing |
+//! | `read_first=auto\|always\|never` | `auto` | read a replay's record on connections shared by many reads (pipelined) before claiming on the pool: while replays are most of the recent requests (`auto`), always, or never (and open no such connection: for a pooler that cannot pipeline) |
+//! | `read_connections=N` | 2 | the connections those reads share, besides the pool |
 //!
 //! A handler whose business data is in the same database completes its record inside its own
 //! transaction: [`PostgresStore::complete_in_client`] for tokio-postgres and, with the feature
@@ -47,6 +49,7 @@ mod decode;
 mod error;
 mod in_transaction;
 mod listener;
+mod read_first;
 mod replays;
 mod replication;
 mod schema;

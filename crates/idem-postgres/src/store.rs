@@ -43,6 +43,7 @@ use tokio_postgres::types::Type;
 use crate::decode::{StoredRow, checkpoints_from_row, listed_from_row, scope_salt_from_row};
 use crate::error::Failure;
 use crate::listener::{Listener, deleted_payload, payload};
+use crate::read_first::Reads;
 use crate::url::Settings;
 use crate::{PostgresError, Replication, replays, replication, schema, sql};
 
@@ -79,6 +80,8 @@ struct Inner {
     replays: Arc<ReplayCounts>,
     /// What a failover can lose, as read when the store connected.
     replication: Replication,
+    /// Replays read on connections of their own, while replays are most of the traffic.
+    reads: Reads,
 }
 
 impl fmt::Debug for PostgresStore {
@@ -175,6 +178,7 @@ impl PostgresStore {
             listener,
             replays: Arc::default(),
             replication,
+            reads: Reads::start(settings.read_first, settings.read_connections, &settings.config).await,
         });
         let pool = inner.pool.clone();
         ReplayCounts::flush_forever(
@@ -248,11 +252,10 @@ impl PostgresStore {
             )),
         }
     }
-}
 
-#[async_trait]
-impl Store for PostgresStore {
-    async fn begin(&self, request: BeginRequest<'_>) -> Result<Begin, StoreError> {
+    /// `begin` on the pool: a new key's claim, or the record as it stands, in one statement
+    /// (`CLAIM`); a takeover or a replacement decided again under the row's lock.
+    async fn claim(&self, request: BeginRequest<'_>) -> Result<Begin, StoreError> {
         let db = self.db("begin");
         let id = request.id;
         let (scope, key) = (id.scope.as_str(), id.key.as_str());
@@ -396,6 +399,41 @@ impl Store for PostgresStore {
             format!("the record kept disappearing between claiming and reading it ({BEGIN_ATTEMPTS} attempts)"),
             None,
         )))
+    }
+}
+
+#[async_trait]
+impl Store for PostgresStore {
+    async fn begin(&self, request: BeginRequest<'_>) -> Result<Begin, StoreError> {
+        let reads = &self.inner.reads;
+        if let Some(row) = reads.read(request.id.scope.as_str(), request.id.key.as_str()).await {
+            let id = request.id;
+            let row = StoredRow::from_row(&row, id)?;
+            match row.stored.on_begin(
+                row.digest.as_slice() == &request.fingerprint.digest()[..],
+                request.now.as_i64(),
+            ) {
+                Existing::Replay => {
+                    reads.saw(true);
+                    return Ok(Begin::Existing(
+                        self.inner.replays.replayed(row.into_record(id.clone())?),
+                    ));
+                }
+                Existing::Leave => {
+                    reads.saw(true);
+                    return Ok(Begin::Existing(
+                        self.inner.replays.with_pending(row.into_record(id.clone())?),
+                    ));
+                }
+                // A claim on a record that exists: decided again under the row's lock.
+                Existing::Replace | Existing::TakeOver => {}
+            }
+        }
+        let begun = self.claim(request).await;
+        if let Ok(begun) = &begun {
+            reads.saw(matches!(begun, Begin::Existing(_)));
+        }
+        begun
     }
 
     async fn complete(&self, id: &RecordId, token: FencingToken, completion: Completion) -> Result<(), StoreError> {

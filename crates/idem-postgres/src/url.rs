@@ -9,9 +9,12 @@ use tokio_postgres::config::Host;
 use idem_core::{redact_url, url_userinfo_end};
 
 use crate::PostgresError;
+use crate::read_first::ReadFirst;
 
 /// Connections in the pool unless `pool_size` says otherwise.
 pub(crate) const DEFAULT_POOL_SIZE: usize = 16;
+/// Connections shared by replays' reads unless `read_connections` says otherwise.
+pub(crate) const DEFAULT_READ_CONNECTIONS: usize = 2;
 /// The longest pause between two checks of a waiter unless `poll_interval` says otherwise.
 pub(crate) const DEFAULT_POLL_INTERVAL: Duration = Duration::from_millis(200);
 /// How long connecting may take unless `connect_timeout` says otherwise.
@@ -40,13 +43,19 @@ pub(crate) struct Settings {
     pub(crate) poll_interval: Duration,
     /// `schema=NAME`: the PostgreSQL schema that holds the tables, created if missing.
     pub(crate) schema: Option<String>,
+    /// `read_first=auto|always|never`: whether `begin` reads the record on a shared connection
+    /// before it claims (`read_first.rs`).
+    pub(crate) read_first: ReadFirst,
+    /// `read_connections=N`: the connections those reads share.
+    pub(crate) read_connections: usize,
     /// The URL with this store's options taken out, as other clients of the database connect.
     pub(crate) database_url: String,
 }
 
 /// The database a store URL names, for a service's own connections beside the store (its
 /// business tables, written in the transactions that complete records): the URL without the
-/// store's own options (`pool_size`, `notify`, `poll_interval`, `schema`), which sqlx or
+/// store's own options (`pool_size`, `notify`, `poll_interval`, `schema`, `read_first`,
+/// `read_connections`), which sqlx or
 /// tokio-postgres connect with, and the store's schema. Parsed as the store parses its URL, so a
 /// password holding `?` or `#` is never taken for options.
 #[derive(Clone)]
@@ -122,6 +131,8 @@ impl Settings {
         let mut notify = true;
         let mut poll_interval = DEFAULT_POLL_INTERVAL;
         let mut schema = None;
+        let mut read_first = ReadFirst::Auto;
+        let mut read_connections = DEFAULT_READ_CONNECTIONS;
         let mut passed_on = Vec::new();
         for pair in query.split('&').filter(|pair| !pair.is_empty()) {
             let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
@@ -153,6 +164,21 @@ impl Settings {
                 "schema" => {
                     check_schema_name(value).map_err(|why| invalid(format!("schema={value} {why}")))?;
                     schema = Some(value.to_owned());
+                }
+                "read_first" => {
+                    read_first = match value {
+                        "auto" => ReadFirst::Auto,
+                        "always" => ReadFirst::Always,
+                        "never" => ReadFirst::Never,
+                        _ => return Err(invalid(format!("read_first={value} is not auto, always or never"))),
+                    };
+                }
+                "read_connections" => {
+                    read_connections = value.parse().ok().filter(|&n| n > 0).ok_or_else(|| {
+                        invalid(format!(
+                            "read_connections={value} is not a positive number (read_first=never turns the reads off)"
+                        ))
+                    })?;
                 }
                 _ => passed_on.push(pair),
             }
@@ -201,6 +227,8 @@ impl Settings {
             notify,
             poll_interval,
             schema,
+            read_first,
+            read_connections,
             database_url: rest,
         })
     }
@@ -273,12 +301,37 @@ mod tests {
     }
 
     #[test]
+    fn reads_first_as_told_and_refuses_what_is_not_a_setting() {
+        let settings =
+            Settings::parse("postgres://p@h/d?read_first=never&read_connections=3&application_name=x").unwrap();
+        assert_eq!((settings.read_first, settings.read_connections), (ReadFirst::Never, 3));
+        assert_eq!(settings.database_url, "postgres://p@h/d?application_name=x");
+        let always = Settings::parse("postgres://p@h/d?read_first=always").unwrap();
+        assert_eq!(always.read_first, ReadFirst::Always);
+        for (bad, says) in [
+            (
+                "read_first=sometimes",
+                "read_first=sometimes is not auto, always or never",
+            ),
+            ("read_connections=0", "read_connections=0 is not a positive number"),
+            ("read_connections=two", "read_connections=two is not a positive number"),
+        ] {
+            let err = Settings::parse(&format!("postgres://p@h/d?{bad}"))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(says), "{bad}: {err}");
+        }
+    }
+
+    #[test]
     fn defaults() {
         let settings = Settings::parse("postgresql://postgres@127.0.0.1/test").unwrap();
         assert_eq!(settings.pool_size, DEFAULT_POOL_SIZE);
         assert!(settings.notify);
         assert_eq!(settings.poll_interval, DEFAULT_POLL_INTERVAL);
         assert_eq!(settings.schema, None);
+        assert_eq!(settings.read_first, ReadFirst::Auto);
+        assert_eq!(settings.read_connections, DEFAULT_READ_CONNECTIONS);
         assert_eq!(settings.config.get_options(), None);
         assert_eq!(settings.config.get_application_name(), Some("idem"));
         assert_eq!(settings.config.get_connect_timeout(), Some(&DEFAULT_CONNECT_TIMEOUT));

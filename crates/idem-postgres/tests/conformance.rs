@@ -14,12 +14,14 @@ use idem_core::testkit::Harness;
 
 struct PgHarness {
     schema: TestSchema,
+    options: &'static str,
 }
 
 impl PgHarness {
-    fn new() -> Self {
+    fn new(options: &'static str) -> Self {
         Self {
             schema: TestSchema::new(),
+            options,
         }
     }
 }
@@ -27,9 +29,17 @@ impl PgHarness {
 #[async_trait]
 impl Harness for PgHarness {
     async fn open(&self) -> Arc<dyn Store> {
-        // Small pools: the cases run in parallel on one server shared with other tests.
-        Arc::new(self.schema.connect("pool_size=8").await)
+        Arc::new(self.schema.connect(self.options).await)
     }
 }
 
-idem_core::conformance_tests!(PgHarness::new());
+// Small pools: the cases run in parallel on one server shared with other tests. `begin` claims
+// first until replays are most of the recent ones (`read_first=auto`).
+idem_core::conformance_tests!(PgHarness::new("pool_size=8"));
+
+/// The same suite with every `begin` reading the record on the shared connections first.
+mod read_first {
+    use super::*;
+
+    idem_core::conformance_tests!(PgHarness::new("pool_size=8&read_first=always&read_connections=1"));
+}

@@ -1,0 +1,236 @@
+//! Replays read on a connection of their own, many at once.
+//!
+//! A claim is one statement on a pooled connection (`CLAIM`), which a new key needs: its insert
+//! commits, and commits from many connections share the server's WAL flushes. A replay needs
+//! only a read, and a read does not commit: many reads can share one connection, sent without
+//! waiting for each other's answers (tokio-postgres pipelines the queries of concurrent callers
+//! of one client), so that a burst of replays costs the client and the server a write and a wake-up
+//! for many reads rather than for each. Measured in `bench/README.md`.
+//!
+//! Which to try first is decided by what came lately ([`ReadFirst::Auto`]): while replays are
+//! most of the recent `begin`s (a client's retry storm after an outage, say) a `begin` reads the
+//! record here first and claims on the pool only when it finds none; otherwise it claims first,
+//! so that new keys, most of the traffic at other times, pay no extra round trip. Both paths
+//! read the record and decide on it with the same rule (`StoredRow::on_begin`); this one never
+//! writes, and anything it cannot decide (no record, a takeover, a replacement) is left to the
+//! claim. A read here that fails (the connection lost, the server restarting) is not an error:
+//! the `begin` claims on the pool as if this path were not there, and the connection is made
+//! again in the background.
+
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock, Weak};
+use std::time::Duration;
+
+use tokio::task::JoinHandle;
+use tokio_postgres::{Client, NoTls, Row, Statement};
+
+use crate::sql;
+
+/// Whether `begin` reads the record on the shared connections before it claims: the URL's
+/// `read_first=auto|always|never`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ReadFirst {
+    /// While replays are most of the recent `begin`s.
+    Auto,
+    /// Always (a service whose traffic is mostly retries).
+    Always,
+    /// Never, and no connection of its own (a pooler that cannot pipeline).
+    Never,
+}
+
+impl ReadFirst {
+    /// Whether to read first, `replays` being where the recent mix stands (0 to [`MEMORY`]).
+    fn wanted(self, replays: u32) -> bool {
+        match self {
+            Self::Never => false,
+            Self::Always => true,
+            Self::Auto => replays > MEMORY / 2,
+        }
+    }
+}
+
+/// How many of the recent `begin`s [`ReadFirst::Auto`] weighs.
+const MEMORY: u32 = 16;
+
+/// The longest pause between two attempts to connect.
+const RECONNECT_AT_MOST: Duration = Duration::from_secs(5);
+
+/// The shared connections and the recent mix of replays and new keys.
+#[derive(Debug)]
+pub(crate) struct Reads {
+    mode: ReadFirst,
+    slots: Arc<[Slot]>,
+    next: AtomicUsize,
+    /// From 0 (the recent `begin`s were new keys) to [`MEMORY`] (replays).
+    replays: AtomicU32,
+}
+
+/// One shared connection, when it is up.
+#[derive(Debug, Default)]
+struct Slot {
+    reader: RwLock<Option<Arc<Reader>>>,
+}
+
+#[derive(Debug)]
+struct Reader {
+    client: Client,
+    select: Statement,
+}
+
+impl Reads {
+    /// `connections` shared connections to the server of `config` (none with
+    /// [`ReadFirst::Never`]), made now and remade in the background for as long as the returned
+    /// value lives. One that cannot be made now is not an error: the store claims on the pool
+    /// until it is.
+    pub(crate) async fn start(mode: ReadFirst, connections: usize, config: &tokio_postgres::Config) -> Self {
+        let count = if mode == ReadFirst::Never { 0 } else { connections };
+        let slots: Arc<[Slot]> = (0..count).map(|_| Slot::default()).collect();
+        // Told apart from the pool's in `pg_stat_activity`.
+        let mut config = config.clone();
+        let name = format!("{} reads", config.get_application_name().unwrap_or("idem"));
+        config.application_name(name);
+        for (at, slot) in slots.iter().enumerate() {
+            let running = open(&config).await.map(|(reader, connection)| {
+                slot.set(Some(reader));
+                connection
+            });
+            tokio::spawn(keep_connected(Arc::downgrade(&slots), at, config.clone(), running));
+        }
+        Self {
+            mode,
+            slots,
+            next: AtomicUsize::new(0),
+            replays: AtomicU32::new(0),
+        }
+    }
+
+    /// The record at `(scope, key)`, read on a shared connection, if `begin` should read first
+    /// now; `None` if it should claim (no record, or this path is off or down).
+    pub(crate) async fn read(&self, scope: &str, key: &str) -> Option<Row> {
+        if !self.mode.wanted(self.replays.load(Ordering::Relaxed)) || self.slots.is_empty() {
+            return None;
+        }
+        let slot = &self.slots[self.next.fetch_add(1, Ordering::Relaxed) % self.slots.len()];
+        let reader = slot
+            .reader
+            .read()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone()?;
+        match reader.client.query_opt(&reader.select, &[&scope, &key]).await {
+            Ok(row) => row,
+            Err(err) => {
+                tracing::debug!(error = %err, "a replay's read on the shared connection failed; claiming instead");
+                None
+            }
+        }
+    }
+
+    /// A `begin` ended: as a replay (or another answer from a record that exists), or as a new
+    /// claim.
+    pub(crate) fn saw(&self, replay: bool) {
+        let _ = self.replays.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+            Some(if replay {
+                (n + 1).min(MEMORY)
+            } else {
+                n.saturating_sub(1)
+            })
+        });
+    }
+}
+
+impl Slot {
+    fn set(&self, reader: Option<Reader>) {
+        *self.reader.write().unwrap_or_else(|poisoned| poisoned.into_inner()) = reader.map(Arc::new);
+    }
+}
+
+/// A connection's task: it ends when the server closes the connection, or once its client is
+/// dropped (the store's, and every read in flight).
+type Running = JoinHandle<Result<(), tokio_postgres::Error>>;
+
+/// A shared connection with the read prepared, or `None` (said at `debug`: the pool serves).
+async fn open(config: &tokio_postgres::Config) -> Option<(Reader, Running)> {
+    let (client, connection) = match config.connect(NoTls).await {
+        Ok(connected) => connected,
+        Err(err) => {
+            tracing::debug!(error = %err, "could not open a shared read connection");
+            return None;
+        }
+    };
+    let connection = tokio::spawn(connection);
+    match client.prepare(sql::SELECT).await {
+        Ok(select) => Some((Reader { client, select }, connection)),
+        Err(err) => {
+            tracing::debug!(error = %err, "could not prepare the shared read");
+            drop(client);
+            let _ = connection.await;
+            None
+        }
+    }
+}
+
+/// Keeps slot `at` connected while the slots live: waits for its connection to end, clears the
+/// slot, and connects again, backing off while that fails.
+async fn keep_connected(slots: Weak<[Slot]>, at: usize, config: tokio_postgres::Config, mut running: Option<Running>) {
+    let mut pause = Duration::from_millis(100);
+    loop {
+        if let Some(connection) = running.take() {
+            let _ = connection.await;
+            let Some(live) = slots.upgrade() else { return };
+            live[at].set(None);
+            pause = Duration::from_millis(100);
+        } else {
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(RECONNECT_AT_MOST);
+        }
+        if slots.strong_count() == 0 {
+            return;
+        }
+        if let Some((reader, connection)) = open(&config).await {
+            let Some(live) = slots.upgrade() else { return };
+            live[at].set(Some(reader));
+            running = Some(connection);
+        }
+    }
+}
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `auto` reads first once replays are most of the recent `begin`s, and stops once new keys
+    /// are: each ending moves the mix one step, within [0, MEMORY].
+    #[test]
+    fn auto_follows_the_recent_mix() {
+        let reads = Reads {
+            mode: ReadFirst::Auto,
+            slots: Arc::new([]),
+            next: AtomicUsize::new(0),
+            replays: AtomicU32::new(0),
+        };
+        let wanted = || reads.mode.wanted(reads.replays.load(Ordering::Relaxed));
+        assert!(!wanted(), "new keys first: they pay no extra round trip");
+        for _ in 0..MEMORY / 2 {
+            reads.saw(true);
+        }
+        assert!(!wanted(), "half replays is not most");
+        reads.saw(true);
+        assert!(wanted());
+        for _ in 0..100 {
+            reads.saw(true);
+        }
+        assert_eq!(
+            reads.replays.load(Ordering::Relaxed),
+            MEMORY,
+            "a long run of replays is remembered as MEMORY"
+        );
+        for _ in 0..MEMORY / 2 {
+            reads.saw(false);
+        }
+        assert!(!wanted(), "back to claiming first after MEMORY / 2 new keys");
+        for _ in 0..100 {
+            reads.saw(false);
+        }
+        assert_eq!(reads.replays.load(Ordering::Relaxed), 0);
+        assert!(ReadFirst::Always.wanted(0) && !ReadFirst::Never.wanted(MEMORY));
+    }
+}
