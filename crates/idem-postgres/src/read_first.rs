@@ -17,7 +17,7 @@
 //! the `begin` claims on the pool as if this path were not there, and the connection is made
 //! again in the background.
 
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock, Weak};
 use std::time::Duration;
 
@@ -60,6 +60,10 @@ const RECONNECT_AT_MOST: Duration = Duration::from_secs(5);
 pub(crate) struct Reads {
     mode: ReadFirst,
     slots: Arc<[Slot]>,
+    /// The connections' settings (the store's, named `<application_name> reads`).
+    config: tokio_postgres::Config,
+    /// Whether the slots are kept connected yet.
+    connecting: AtomicBool,
     next: AtomicUsize,
     /// From 0 (the recent `begin`s were new keys) to [`MEMORY`] (replays).
     replays: AtomicU32,
@@ -79,28 +83,50 @@ struct Reader {
 
 impl Reads {
     /// `connections` shared connections to the server of `config` (none with
-    /// [`ReadFirst::Never`]), made now and remade in the background for as long as the returned
-    /// value lives. One that cannot be made now is not an error: the store claims on the pool
-    /// until it is.
+    /// [`ReadFirst::Never`]), remade in the background for as long as the returned value lives.
+    /// With [`ReadFirst::Always`] they are made now; with [`ReadFirst::Auto`] when replays first
+    /// become most of the traffic, so that a store that never sees a burst of them opens none.
+    /// One that cannot be made is not an error: the store claims on the pool until it is.
     pub(crate) async fn start(mode: ReadFirst, connections: usize, config: &tokio_postgres::Config) -> Self {
         let count = if mode == ReadFirst::Never { 0 } else { connections };
-        let slots: Arc<[Slot]> = (0..count).map(|_| Slot::default()).collect();
         // Told apart from the pool's in `pg_stat_activity`.
         let mut config = config.clone();
         let name = format!("{} reads", config.get_application_name().unwrap_or("idem"));
         config.application_name(name);
-        for (at, slot) in slots.iter().enumerate() {
-            let running = open(&config).await.map(|(reader, connection)| {
-                slot.set(Some(reader));
-                connection
-            });
-            tokio::spawn(keep_connected(Arc::downgrade(&slots), at, config.clone(), running));
-        }
-        Self {
+        let reads = Self {
             mode,
-            slots,
+            slots: (0..count).map(|_| Slot::default()).collect(),
+            config,
+            connecting: AtomicBool::new(false),
             next: AtomicUsize::new(0),
             replays: AtomicU32::new(0),
+        };
+        if mode == ReadFirst::Always {
+            reads.connect(true).await;
+        }
+        reads
+    }
+
+    /// Starts keeping the slots connected (once), having made the first connections now if
+    /// `now`.
+    async fn connect(&self, now: bool) {
+        if self.connecting.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        for (at, slot) in self.slots.iter().enumerate() {
+            let mut running = None;
+            if now {
+                if let Some((reader, connection)) = open(&self.config).await {
+                    slot.set(Some(reader));
+                    running = Some(connection);
+                }
+            }
+            tokio::spawn(keep_connected(
+                Arc::downgrade(&self.slots),
+                at,
+                self.config.clone(),
+                running,
+            ));
         }
     }
 
@@ -110,6 +136,7 @@ impl Reads {
         if !self.mode.wanted(self.replays.load(Ordering::Relaxed)) || self.slots.is_empty() {
             return None;
         }
+        self.connect(false).await;
         let slot = &self.slots[self.next.fetch_add(1, Ordering::Relaxed) % self.slots.len()];
         let reader = slot
             .reader
@@ -169,8 +196,8 @@ async fn open(config: &tokio_postgres::Config) -> Option<(Reader, Running)> {
     }
 }
 
-/// Keeps slot `at` connected while the slots live: waits for its connection to end, clears the
-/// slot, and connects again, backing off while that fails.
+/// Keeps slot `at` connected while the slots live: connects, waits for the connection to end,
+/// clears the slot, and connects again, backing off while that fails.
 async fn keep_connected(slots: Weak<[Slot]>, at: usize, config: tokio_postgres::Config, mut running: Option<Running>) {
     let mut pause = Duration::from_millis(100);
     loop {
@@ -179,20 +206,24 @@ async fn keep_connected(slots: Weak<[Slot]>, at: usize, config: tokio_postgres::
             let Some(live) = slots.upgrade() else { return };
             live[at].set(None);
             pause = Duration::from_millis(100);
-        } else {
-            tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(RECONNECT_AT_MOST);
         }
         if slots.strong_count() == 0 {
             return;
         }
-        if let Some((reader, connection)) = open(&config).await {
-            let Some(live) = slots.upgrade() else { return };
-            live[at].set(Some(reader));
-            running = Some(connection);
+        match open(&config).await {
+            Some((reader, connection)) => {
+                let Some(live) = slots.upgrade() else { return };
+                live[at].set(Some(reader));
+                running = Some(connection);
+            }
+            None => {
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(RECONNECT_AT_MOST);
+            }
         }
     }
 }
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -204,6 +235,8 @@ mod tests {
         let reads = Reads {
             mode: ReadFirst::Auto,
             slots: Arc::new([]),
+            config: tokio_postgres::Config::new(),
+            connecting: AtomicBool::new(false),
             next: AtomicUsize::new(0),
             replays: AtomicU32::new(0),
         };

@@ -15,7 +15,7 @@ use idem_core::{Store, UnixMillis, store::Begin};
 async fn reads_backend(client: &tokio_postgres::Client, name: &str) -> Option<(i32, std::time::SystemTime)> {
     client
         .query_opt(
-            "SELECT pid, state_change FROM pg_stat_activity WHERE application_name = $1",
+            "SELECT pid, state_change FROM pg_stat_activity WHERE application_name = $1 AND state_change IS NOT NULL",
             &[&format!("{name} reads")],
         )
         .await
@@ -103,4 +103,74 @@ async fn replays_are_read_on_the_shared_connection_and_outlive_losing_it() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// With `read_first=auto` (the default) a store opens its read connections only once replays are
+/// most of its recent `begin`s, and claims first again once new keys are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_connections_open_when_replays_are_most_of_the_traffic() {
+    let schema = TestSchema::new();
+    let name = format!("rfa{}", std::process::id());
+    let store = schema
+        .connect(&format!("application_name={name}&read_connections=1"))
+        .await;
+    let client = schema.client().await;
+    let (fp, now) = (fingerprint("{}"), UnixMillis::now());
+    let mut ids = Vec::new();
+    for _ in 0..20 {
+        let id = fresh_id();
+        let token = acquire(&store, &id, &fp, now).await;
+        store
+            .complete(&id, token, completion(b"paid", now, DAY, 2 * DAY))
+            .await
+            .expect("complete");
+        ids.push(id);
+    }
+    assert_eq!(
+        reads_backend(&client, &name).await,
+        None,
+        "new keys open no read connection"
+    );
+
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let mut rounds = 0;
+    let (pid, mut seen) = loop {
+        for id in &ids {
+            assert!(matches!(begin(&store, id, &fp, now).await.0, Begin::Existing(_)));
+        }
+        rounds += 1;
+        if let Some(found) = reads_backend(&client, &name).await {
+            break found;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no read connection after {rounds} rounds of replays"
+        );
+    };
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    for id in &ids {
+        assert!(matches!(begin(&store, id, &fp, now).await.0, Begin::Existing(_)));
+    }
+    let (same, after) = reads_backend(&client, &name).await.expect("still open");
+    assert_eq!(same, pid);
+    assert!(after > seen, "the replays were read on it");
+    seen = after;
+
+    // New keys again: once they are most of the recent begins, they are claimed first, and the
+    // read connection sits idle.
+    for _ in 0..20 {
+        acquire(&store, &fresh_id(), &fp, now).await;
+    }
+    let (_, settled) = reads_backend(&client, &name).await.expect("still open");
+    assert!(
+        settled > seen,
+        "the first new keys after the replays were still read first"
+    );
+    seen = settled;
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    for _ in 0..5 {
+        acquire(&store, &fresh_id(), &fp, now).await;
+    }
+    let (_, idle) = reads_backend(&client, &name).await.expect("still open");
+    assert_eq!(idle, seen, "new keys are not read first");
 }

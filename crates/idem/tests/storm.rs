@@ -53,7 +53,12 @@ async fn storm_on_postgres() {
     let schema = servers::unique_name("idem_test");
     let _cleanup = DropSchema(base.clone(), schema.clone());
     let relay = Relay::start(servers::socket_addr(&base)).await;
-    let store = servers::with_options(&servers::with_addr(&base, relay.addr()), &format!("schema={schema}"));
+    // Every `begin` reads first on the shared read connections, which the faults strike too; a
+    // new key then claims on the pool, so both paths are in the storm.
+    let store = servers::with_options(
+        &servers::with_addr(&base, relay.addr()),
+        &format!("schema={schema}&read_first=always"),
+    );
     // Borrowed by the storm: the relay outlives it (dropped, it would stop relaying).
     let relay = &relay;
     scenario("postgres", &store, RELAY_STORM, MIN_FAULTS, |mut rng| async move {
