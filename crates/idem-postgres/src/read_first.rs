@@ -115,11 +115,9 @@ impl Reads {
         }
         for (at, slot) in self.slots.iter().enumerate() {
             let mut running = None;
-            if now {
-                if let Some((reader, connection)) = open(&self.config).await {
-                    slot.set(Some(reader));
-                    running = Some(connection);
-                }
+            if now && let Some((reader, connection)) = open(&self.config).await {
+                slot.set(Some(reader));
+                running = Some(connection);
             }
             tokio::spawn(keep_connected(
                 Arc::downgrade(&self.slots),
