@@ -13,14 +13,15 @@
 //! so that new keys, most of the traffic at other times, pay no extra round trip. Both paths
 //! read the record and decide on it with the same rule (`StoredRow::on_begin`); this one never
 //! writes, and anything it cannot decide (no record, a takeover, a replacement) is left to the
-//! claim. A read here that fails (the connection lost, the server restarting) is not an error:
-//! the `begin` claims on the pool as if this path were not there, and the connection is made
-//! again in the background.
+//! claim. A read here that fails (the connection lost, the server restarting) or does not answer
+//! within [`READ_TIMEOUT`] (a hung connection) is not an error: the `begin` claims on the pool as
+//! if this path were not there, and the connection is made again in the background.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock, Weak};
 use std::time::Duration;
 
+use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio_postgres::{Client, NoTls, Row, Statement};
 
@@ -52,6 +53,12 @@ impl ReadFirst {
 /// How many of the recent `begin`s [`ReadFirst::Auto`] weighs.
 const MEMORY: u32 = 16;
 
+/// How long a read on a shared connection may take before the connection is taken for hung
+/// (a frozen backend, a flow a firewall dropped without a word): the request claims on the pool
+/// instead, well within the store's operation timeout, and the connection is made again. A
+/// plain read of one row by its key takes well under a millisecond on a healthy server.
+const READ_TIMEOUT: Duration = Duration::from_secs(1);
+
 /// The longest pause between two attempts to connect.
 const RECONNECT_AT_MOST: Duration = Duration::from_secs(5);
 
@@ -73,6 +80,8 @@ pub(crate) struct Reads {
 #[derive(Debug, Default)]
 struct Slot {
     reader: RwLock<Option<Arc<Reader>>>,
+    /// Tells the slot's task to drop its connection: it stopped answering.
+    abandon: Arc<Notify>,
 }
 
 #[derive(Debug)]
@@ -122,6 +131,7 @@ impl Reads {
             tokio::spawn(keep_connected(
                 Arc::downgrade(&self.slots),
                 at,
+                Arc::clone(&slot.abandon),
                 self.config.clone(),
                 running,
             ));
@@ -141,10 +151,18 @@ impl Reads {
             .read()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .clone()?;
-        match reader.client.query_opt(&reader.select, &[&scope, &key]).await {
-            Ok(row) => row,
-            Err(err) => {
+        match tokio::time::timeout(READ_TIMEOUT, reader.client.query_opt(&reader.select, &[&scope, &key])).await {
+            Ok(Ok(row)) => row,
+            Ok(Err(err)) => {
                 tracing::debug!(error = %err, "a replay's read on the shared connection failed; claiming instead");
+                None
+            }
+            Err(_) => {
+                tracing::warn!(
+                    limit = ?READ_TIMEOUT,
+                    "a shared read connection did not answer in time: closed and made again; claiming on the pool meanwhile"
+                );
+                slot.abandon(&reader);
                 None
             }
         }
@@ -166,6 +184,16 @@ impl Reads {
 impl Slot {
     fn set(&self, reader: Option<Reader>) {
         *self.reader.write().unwrap_or_else(|poisoned| poisoned.into_inner()) = reader.map(Arc::new);
+    }
+
+    /// Takes `reader`'s connection out of use, if it is still the slot's, and has the slot's
+    /// task close it (which ends the reads still waiting on it) and make another.
+    fn abandon(&self, reader: &Arc<Reader>) {
+        let mut current = self.reader.write().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if current.as_ref().is_some_and(|current| Arc::ptr_eq(current, reader)) {
+            *current = None;
+            self.abandon.notify_one();
+        }
     }
 }
 
@@ -194,13 +222,23 @@ async fn open(config: &tokio_postgres::Config) -> Option<(Reader, Running)> {
     }
 }
 
-/// Keeps slot `at` connected while the slots live: connects, waits for the connection to end,
-/// clears the slot, and connects again, backing off while that fails.
-async fn keep_connected(slots: Weak<[Slot]>, at: usize, config: tokio_postgres::Config, mut running: Option<Running>) {
+/// Keeps slot `at` connected while the slots live: connects, waits for the connection to end (or
+/// to be `abandon`ed, then closes it), clears the slot, and connects again, backing off while
+/// that fails.
+async fn keep_connected(
+    slots: Weak<[Slot]>,
+    at: usize,
+    abandon: Arc<Notify>,
+    config: tokio_postgres::Config,
+    mut running: Option<Running>,
+) {
     let mut pause = Duration::from_millis(100);
     loop {
-        if let Some(connection) = running.take() {
-            let _ = connection.await;
+        if let Some(mut connection) = running.take() {
+            tokio::select! {
+                _ = &mut connection => {}
+                () = abandon.notified() => connection.abort(),
+            }
             let Some(live) = slots.upgrade() else { return };
             live[at].set(None);
             pause = Duration::from_millis(100);

@@ -6,16 +6,19 @@ mod common;
 
 use std::time::Duration;
 
-use common::TestSchema;
+use common::{TestSchema, through};
 use idem_core::testkit::{DAY, acquire, begin, completion, fingerprint, fresh_id};
 use idem_core::{Store, UnixMillis, store::Begin};
+use idem_postgres::PostgresStore;
+use idem_test_support::relay::Relay;
 
-/// The backend of the store's shared read connection (`<application_name> reads`), and when it
-/// last changed state (ran a statement).
+/// The backend of the store's shared read connection (`<application_name> reads`; the newest, if
+/// an old one lingers), and when it last changed state (ran a statement).
 async fn reads_backend(client: &tokio_postgres::Client, name: &str) -> Option<(i32, std::time::SystemTime)> {
     client
         .query_opt(
-            "SELECT pid, state_change FROM pg_stat_activity WHERE application_name = $1 AND state_change IS NOT NULL",
+            "SELECT pid, state_change FROM pg_stat_activity WHERE application_name = $1 AND state_change IS NOT NULL
+             ORDER BY backend_start DESC LIMIT 1",
             &[&format!("{name} reads")],
         )
         .await
@@ -173,4 +176,75 @@ async fn read_connections_open_when_replays_are_most_of_the_traffic() {
     }
     let (_, idle) = reads_backend(&client, &name).await.expect("still open");
     assert_eq!(idle, seen, "new keys are not read first");
+}
+
+/// A shared read connection that stops answering (a frozen backend, a flow dropped without a
+/// word) holds a replay up for at most the read's timeout: it is then claimed on the pool, the
+/// connection is closed and made again, and the requests after it are not held up at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_read_connection_holds_a_replay_up_for_a_second_at_most() {
+    let schema = TestSchema::new();
+    let name = format!("rfh{}", std::process::id());
+    let options = &format!("read_first=always&read_connections=1&application_name={name}");
+    let client = schema.client().await;
+    let (upstream, _) = through(0, &schema, options);
+    let relay = Relay::start(upstream).await;
+    let (_, url) = through(relay.addr().port(), &schema, options);
+    let store = PostgresStore::connect(&url).await.expect("connect through the relay");
+    let (fp, now) = (fingerprint("{}"), UnixMillis::now());
+    let (hung, other) = (fresh_id(), fresh_id());
+    for id in [&hung, &other] {
+        let token = acquire(&store, id, &fp, now).await;
+        store
+            .complete(id, token, completion(b"paid", now, DAY, 2 * DAY))
+            .await
+            .expect("complete");
+    }
+
+    let (first, _) = reads_backend(&client, &name).await.expect("the read connection");
+
+    // The read of `hung` goes out on the shared connection (the pool's claim of the same key,
+    // a second later, is outside the window): its replies are held for a minute.
+    relay.hold_replies_after(
+        hung.key.as_str().as_bytes(),
+        Duration::from_secs(60),
+        Duration::from_millis(500),
+    );
+    let started = tokio::time::Instant::now();
+    let replay = begin(&store, &hung, &fp, now).await.0;
+    assert!(matches!(replay, Begin::Existing(_)), "{replay:?}");
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(900) && took < Duration::from_secs(3),
+        "held up for the read's timeout, then claimed on the pool: {took:?}"
+    );
+
+    // The hung connection is out of use: the next replay and a new key do not wait for it.
+    let started = tokio::time::Instant::now();
+    assert!(matches!(begin(&store, &other, &fp, now).await.0, Begin::Existing(_)));
+    assert!(matches!(
+        begin(&store, &fresh_id(), &fp, now).await.0,
+        Begin::Acquired { .. }
+    ));
+    assert!(
+        started.elapsed() < Duration::from_millis(900),
+        "{:?}",
+        started.elapsed()
+    );
+
+    // And another read connection is made: it answers replays again.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let (again, before) = loop {
+        match reads_backend(&client, &name).await {
+            Some((pid, at)) if pid != first => break (pid, at),
+            _ => {}
+        }
+        assert!(tokio::time::Instant::now() < deadline, "no new read connection");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert!(matches!(begin(&store, &other, &fp, now).await.0, Begin::Existing(_)));
+    let (pid, after) = reads_backend(&client, &name).await.expect("the new read connection");
+    assert_eq!(pid, again);
+    assert!(after > before, "the replay was read on the new connection");
 }
