@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use common::{TestSchema, through};
 use idem_core::testkit::{DAY, acquire, begin, completion, fingerprint, fresh_id};
-use idem_core::{Store, UnixMillis, store::Begin};
+use idem_core::{Fingerprint, Store, UnixMillis, store::Begin, store::RecordId};
 use idem_postgres::PostgresStore;
 use idem_test_support::relay::Relay;
 
@@ -26,6 +26,15 @@ async fn reads_backend(client: &tokio_postgres::Client, name: &str) -> Option<(i
         .map(|row| (row.get(0), row.get(1)))
 }
 
+/// A new record, completed with an answer.
+async fn completed(store: &dyn Store, id: &RecordId, fp: &Fingerprint, now: UnixMillis) {
+    let token = acquire(store, id, fp, now).await;
+    store
+        .complete(id, token, completion(b"paid", now, DAY, 2 * DAY))
+        .await
+        .expect("complete");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replays_are_read_on_the_shared_connection_and_outlive_losing_it() {
     let schema = TestSchema::new();
@@ -35,11 +44,7 @@ async fn replays_are_read_on_the_shared_connection_and_outlive_losing_it() {
         .await;
     let client = schema.client().await;
     let (id, fp, now) = (fresh_id(), fingerprint("{}"), UnixMillis::now());
-    let token = acquire(&store, &id, &fp, now).await;
-    store
-        .complete(&id, token, completion(b"paid", now, DAY, 2 * DAY))
-        .await
-        .expect("complete");
+    completed(&store, &id, &fp, now).await;
     let replay = || async {
         match begin(&store, &id, &fp, now).await.0 {
             Begin::Existing(record) => record,
@@ -122,11 +127,7 @@ async fn read_connections_open_when_replays_are_most_of_the_traffic() {
     let mut ids = Vec::new();
     for _ in 0..20 {
         let id = fresh_id();
-        let token = acquire(&store, &id, &fp, now).await;
-        store
-            .complete(&id, token, completion(b"paid", now, DAY, 2 * DAY))
-            .await
-            .expect("complete");
+        completed(&store, &id, &fp, now).await;
         ids.push(id);
     }
     assert_eq!(
@@ -194,11 +195,7 @@ async fn a_hung_read_connection_holds_a_replay_up_for_a_second_at_most() {
     let (fp, now) = (fingerprint("{}"), UnixMillis::now());
     let (hung, other) = (fresh_id(), fresh_id());
     for id in [&hung, &other] {
-        let token = acquire(&store, id, &fp, now).await;
-        store
-            .complete(id, token, completion(b"paid", now, DAY, 2 * DAY))
-            .await
-            .expect("complete");
+        completed(&store, id, &fp, now).await;
     }
 
     let (first, _) = reads_backend(&client, &name).await.expect("the read connection");
