@@ -18,7 +18,7 @@
 //!   buffer before its message is printed.
 //!
 //! A batch is written in runs of whole lines of at most `PIPE_BUF` bytes, so that processes
-//! sharing one stderr pipe never tear each other's lines (as one write per line did not).
+//! sharing one stderr pipe never tear each other's lines (one write per line never did either).
 //!
 //! What it gives up: a process killed by a signal it does not handle (`SIGKILL`, `SIGHUP`,
 //! `SIGQUIT`) loses the `info` lines of its last [`FLUSH_EVERY`], or, if stderr was not keeping
