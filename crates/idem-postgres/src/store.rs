@@ -1,7 +1,9 @@
 //! [`PostgresStore`]: the `Store` primitives as PostgreSQL statements. A claim is one statement
 //! that reads the record and, only if there is none, inserts it (`INSERT ... ON CONFLICT DO
-//! NOTHING`, in the function `idem_claim_insert`, so that a replay is a plain read); taking over or replacing a record that exists is decided again in a transaction that
-//! locks the row (`SELECT ... FOR UPDATE`). Complete, release and renew are single compare-and-set
+//! NOTHING`, in the function `idem_claim_insert`, so that a replay is a plain read); taking over
+//! or replacing a record that exists is decided again in a transaction that locks the row
+//! (`SELECT ... FOR UPDATE`). In a burst of replays, `begin` reads first on connections many
+//! reads share (`read_first.rs`). Complete, release and renew are single compare-and-set
 //! statements on the fencing token. Changes that end a claim `NOTIFY` in the same statement when
 //! someone waits on the record (a waiter marks it first), so that waiters everywhere are woken on
 //! commit, and commits nobody waits for do not queue on the lock every `NOTIFY` takes. A replay is
@@ -253,6 +255,16 @@ impl PostgresStore {
         }
     }
 
+    /// A `begin` answered with the record as read: counted as a replay (`Replay`), or as it
+    /// stands with the replays not yet written (`Leave`: in flight, another request's, expired).
+    fn existing(&self, record: Record, action: Existing) -> Begin {
+        Begin::Existing(if action == Existing::Replay {
+            self.inner.replays.replayed(record)
+        } else {
+            self.inner.replays.with_pending(record)
+        })
+    }
+
     /// `begin` on the pool: a new key's claim, or the record as it stands, in one statement
     /// (`CLAIM`); a takeover or a replacement decided again under the row's lock.
     async fn claim(&self, request: BeginRequest<'_>) -> Result<Begin, StoreError> {
@@ -302,19 +314,9 @@ impl PostgresStore {
                 continue;
             }
             let row = StoredRow::from_row(&row, id)?;
-            match row.stored.on_begin(row.digest.as_slice() == digest, now) {
-                Existing::Replay => {
-                    return Ok(Begin::Existing(
-                        self.inner.replays.replayed(row.into_record(id.clone())?),
-                    ));
-                }
-                // In flight, another request's, or expired: returned as read.
-                Existing::Leave => {
-                    return Ok(Begin::Existing(
-                        self.inner.replays.with_pending(row.into_record(id.clone())?),
-                    ));
-                }
-                Existing::Replace | Existing::TakeOver => {}
+            let action = row.stored.on_begin(row.digest.as_slice() == digest, now);
+            if matches!(action, Existing::Replay | Existing::Leave) {
+                return Ok(self.existing(row.into_record(id.clone())?, action));
             }
             // A claim on a record that exists: decided again under the row's lock. Read
             // committed is enough, as every statement sees what was committed before it, and
@@ -382,12 +384,7 @@ impl PostgresStore {
                     Begin::Acquired { recovered }
                 } else {
                     // A corrupt row fails here, before anything is changed.
-                    let record = row.into_record(id.clone())?;
-                    Begin::Existing(if action == Existing::Replay {
-                        self.inner.replays.replayed(record)
-                    } else {
-                        self.inner.replays.with_pending(record)
-                    })
+                    self.existing(row.into_record(id.clone())?, action)
                 }
             };
             tx.commit().await.map_err(db)?;
@@ -407,26 +404,15 @@ impl Store for PostgresStore {
     async fn begin(&self, request: BeginRequest<'_>) -> Result<Begin, StoreError> {
         let reads = &self.inner.reads;
         if let Some(row) = reads.read(request.id.scope.as_str(), request.id.key.as_str()).await {
-            let id = request.id;
-            let row = StoredRow::from_row(&row, id)?;
-            match row.stored.on_begin(
+            let row = StoredRow::from_row(&row, request.id)?;
+            let action = row.stored.on_begin(
                 row.digest.as_slice() == &request.fingerprint.digest()[..],
                 request.now.as_i64(),
-            ) {
-                Existing::Replay => {
-                    reads.saw(true);
-                    return Ok(Begin::Existing(
-                        self.inner.replays.replayed(row.into_record(id.clone())?),
-                    ));
-                }
-                Existing::Leave => {
-                    reads.saw(true);
-                    return Ok(Begin::Existing(
-                        self.inner.replays.with_pending(row.into_record(id.clone())?),
-                    ));
-                }
-                // A claim on a record that exists: decided again under the row's lock.
-                Existing::Replace | Existing::TakeOver => {}
+            );
+            // A takeover or a replacement is left to the claim, decided again under the row's lock.
+            if matches!(action, Existing::Replay | Existing::Leave) {
+                reads.saw(true);
+                return Ok(self.existing(row.into_record(request.id.clone())?, action));
             }
         }
         let begun = self.claim(request).await;
