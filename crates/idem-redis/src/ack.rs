@@ -135,17 +135,21 @@ impl Acknowledgement {
     }
 
     async fn pool(&self) -> RedisResult<&Vec<Arc<Commands>>> {
-        self.pool
-            .get_or_try_init(|| async {
-                // A command on these connections may wait `timeout` for the replicas first.
-                let response_timeout = RESPONSE_TIMEOUT + self.timeout;
-                let mut pool = Vec::with_capacity(POOL_SIZE);
-                for _ in 0..POOL_SIZE {
-                    pool.push(Commands::connect(&self.config, response_timeout).await?);
-                }
-                Ok(pool)
-            })
-            .await
+        if let Some(pool) = self.pool.get() {
+            return Ok(pool);
+        }
+        // Boxed: connecting is a future of several kilobytes, made once per process, and every
+        // acknowledged write's future would otherwise carry (and move) room for it.
+        Box::pin(self.pool.get_or_try_init(|| async {
+            // A command on these connections may wait `timeout` for the replicas first.
+            let response_timeout = RESPONSE_TIMEOUT + self.timeout;
+            let mut pool = Vec::with_capacity(POOL_SIZE);
+            for _ in 0..POOL_SIZE {
+                pool.push(Commands::connect(&self.config, response_timeout).await?);
+            }
+            Ok(pool)
+        }))
+        .await
     }
 
     /// Reads the topology once: under `replicas=auto`, a replica for every primary makes every

@@ -185,8 +185,8 @@ async fn run_acknowledged(
         for command in pipeline.cmd_iter() {
             asking.add_command(command.clone());
         }
-        let mut there = conn
-            .pipeline_on(&target, &asking)
+        // Boxed: a rare path whose future would otherwise make every acknowledged write's larger.
+        let mut there = Box::pin(conn.pipeline_on(&target, &asking))
             .await
             .map_err(StoreError::unavailable)?;
         // The reply to ASKING comes first.
