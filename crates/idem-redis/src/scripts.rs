@@ -407,7 +407,90 @@ return answer(redis.call('HGETALL', rec))
 "#;
 
 fn script(body: &str) -> Script {
-    Script::new(&format!("{PRELUDE}{body}"))
+    Script::new(&with_helpers(body))
+}
+
+/// `body` after the prelude's helpers that it uses, directly or through another helper, in the
+/// prelude's order. Every `local function` is a closure made on every call of the script, so a
+/// script carries only the helpers it calls.
+///
+/// Each top-level `local` statement of [`PRELUDE`] is a helper, with the comment lines just
+/// above it; it is kept if one of the names it declares occurs, as a whole word, in the body or
+/// in a helper kept after it (a Lua local is visible only below its declaration, so a helper
+/// uses only helpers above it). Comments do not count (no string in the scripts holds `--`). The
+/// first one (`rec`, `body`, `steps`, `nonce`) and `now` are kept always.
+fn with_helpers(body: &str) -> String {
+    let helpers = helpers();
+    let mut needed = code(body);
+    let mut kept = vec![false; helpers.len()];
+    for (i, helper) in helpers.iter().enumerate().rev() {
+        if i < 2 || helper.names.iter().any(|name| mentions(&needed, name)) {
+            kept[i] = true;
+            needed.push_str(&code(&helper.text));
+        }
+    }
+    let mut script = String::new();
+    for (helper, _) in helpers.iter().zip(&kept).filter(|(_, kept)| **kept) {
+        script.push_str(&helper.text);
+    }
+    script.push_str(body);
+    script
+}
+
+/// `lua` without its comments.
+fn code(lua: &str) -> String {
+    let mut code = String::with_capacity(lua.len());
+    for line in lua.lines() {
+        code.push_str(line.split("--").next().unwrap_or_default());
+        code.push('\n');
+    }
+    code
+}
+
+/// A top-level statement of [`PRELUDE`], with the comments above it, and the names it declares.
+struct Helper {
+    text: String,
+    names: Vec<String>,
+}
+
+fn helpers() -> Vec<Helper> {
+    let mut helpers = Vec::new();
+    let mut text = String::new();
+    let mut names = Vec::new();
+    for line in PRELUDE.lines() {
+        if line.starts_with("--") && !names.is_empty() {
+            // The comment of the next helper: this one is whole.
+            helpers.push(Helper {
+                text: std::mem::take(&mut text),
+                names: std::mem::take(&mut names),
+            });
+        }
+        if let Some(declared) = line.strip_prefix("local ") {
+            if !names.is_empty() {
+                helpers.push(Helper {
+                    text: std::mem::take(&mut text),
+                    names: std::mem::take(&mut names),
+                });
+            }
+            let declared = declared.strip_prefix("function ").unwrap_or(declared);
+            let declared = declared.split(['=', '(']).next().unwrap_or_default();
+            names = declared.split(',').map(|name| name.trim().to_owned()).collect();
+        }
+        text.push_str(line);
+        text.push('\n');
+    }
+    helpers.push(Helper { text, names });
+    helpers
+}
+
+/// Whether `name` occurs in `text` as a whole Lua identifier.
+fn mentions(text: &str, name: &str) -> bool {
+    let is_ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    text.match_indices(name).any(|(at, _)| {
+        let before = text[..at].chars().next_back();
+        let after = text[at + name.len()..].chars().next();
+        !before.is_some_and(is_ident) && !after.is_some_and(is_ident)
+    })
 }
 
 pub(crate) static BEGIN_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(BEGIN));
@@ -421,3 +504,96 @@ pub(crate) static CHECKPOINT_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(
 pub(crate) static CHECKPOINTS_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(CHECKPOINTS));
 pub(crate) static COUNT_REPLAYS_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(COUNT_REPLAYS));
 pub(crate) static SCOPE_SALT_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(SCOPE_SALT));
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ALL: [(&str, &str); 11] = [
+        ("begin", BEGIN),
+        ("complete", COMPLETE),
+        ("release", RELEASE),
+        ("renew", RENEW),
+        ("get", GET),
+        ("delete", DELETE),
+        ("claim_state", CLAIM_STATE),
+        ("checkpoint", CHECKPOINT),
+        ("checkpoints", CHECKPOINTS),
+        ("count_replays", COUNT_REPLAYS),
+        ("scope_salt", SCOPE_SALT),
+    ];
+
+    #[test]
+    fn the_prelude_splits_into_its_declarations() {
+        let names: Vec<String> = helpers().into_iter().flat_map(|helper| helper.names).collect();
+        assert_eq!(
+            names,
+            [
+                "rec",
+                "body",
+                "steps",
+                "nonce",
+                "now",
+                "answer",
+                "corrupt",
+                "num",
+                "set_ttl",
+                "server_now",
+                "read_record",
+                "read_claim",
+                "STATE",
+                "TOKEN",
+                "LEASE_UNTIL",
+                "EXPIRES_AT",
+                "PURGE_AT",
+                "DIGEST",
+                "RECOVERED",
+                "expire_at",
+                "shift_expiry",
+                "expire_steps_with_record",
+            ]
+        );
+        let whole: String = helpers().into_iter().map(|helper| helper.text).collect();
+        assert_eq!(whole.trim_end(), PRELUDE.trim_end(), "nothing of the prelude is lost");
+    }
+
+    #[test]
+    fn every_script_has_every_helper_it_names_and_no_other() {
+        for (what, body) in ALL {
+            let script = with_helpers(body);
+            for helper in helpers().iter().skip(2) {
+                let defined = script.contains(helper.text.as_str());
+                let named = helper
+                    .names
+                    .iter()
+                    .any(|name| mentions(&code(&script.replacen(helper.text.as_str(), "", 1)), name));
+                assert_eq!(defined, named, "{what}: helper {:?}", helper.names);
+            }
+        }
+    }
+
+    #[test]
+    fn a_new_key_runs_only_the_helpers_it_calls() {
+        let complete = code(&with_helpers(COMPLETE));
+        for unused in [
+            "read_record",
+            "read_claim",
+            "server_now",
+            "shift_expiry",
+            "expire_steps_with_record",
+        ] {
+            assert!(!mentions(&complete, unused), "complete carries {unused}");
+        }
+        let begin = code(&with_helpers(BEGIN));
+        assert!(!mentions(&begin, "read_record") && !mentions(&begin, "server_now"));
+        assert!(mentions(&begin, "read_claim") && mentions(&begin, "expire_steps_with_record"));
+    }
+
+    #[test]
+    fn mentions_matches_whole_words_only() {
+        assert!(mentions("x = num(a)", "num"));
+        assert!(!mentions("x = number(a)", "num"));
+        assert!(!mentions("x = a_num", "num"));
+        assert!(mentions("num", "num"));
+    }
+}
