@@ -31,9 +31,15 @@ use crate::listener::ClientBodyFailed;
 use crate::misconfigured::Misconfigured;
 use crate::tls::{self, OverTls};
 
-/// Forwards requests to one upstream over a pooled connection.
+/// Forwards requests to one upstream over a pooled connection. Cloned for every request, so a
+/// clone is one reference count.
 #[derive(Clone, Debug)]
 pub(crate) struct Proxy {
+    inner: Arc<Upstream>,
+}
+
+#[derive(Debug)]
+struct Upstream {
     client: Client<HttpsConnector<HttpConnector>, Body>,
     upstream: Uri,
     /// The upstream as logs show it: any password in it masked.
@@ -123,25 +129,27 @@ impl Proxy {
             .http2_only(options.http2)
             .build(connector);
         Ok(Self {
-            client,
-            shown: idem_core::redact_url(&upstream.to_string()).into(),
-            upstream,
-            timeout,
-            completion_tokens: options.completion_tokens,
+            inner: Arc::new(Upstream {
+                client,
+                shown: idem_core::redact_url(&upstream.to_string()).into(),
+                upstream,
+                timeout,
+                completion_tokens: options.completion_tokens,
+            }),
         })
     }
 
     /// How long a client waits for the upstream's answer (`--upstream-timeout`).
     pub(crate) fn timeout(&self) -> Duration {
-        self.timeout
+        self.inner.timeout
     }
 
     fn target(&self, uri: &Uri) -> Uri {
-        let prefix = self.upstream.path().trim_end_matches('/');
+        let prefix = self.inner.upstream.path().trim_end_matches('/');
         let path_and_query = uri.path_and_query().map_or("/", PathAndQuery::as_str);
-        let mut parts = self.upstream.clone().into_parts();
+        let mut parts = self.inner.upstream.clone().into_parts();
         parts.path_and_query = format!("{prefix}{path_and_query}").parse().ok();
-        Uri::from_parts(parts).unwrap_or_else(|_| self.upstream.clone())
+        Uri::from_parts(parts).unwrap_or_else(|_| self.inner.upstream.clone())
     }
 
     async fn forward(self, request: Request<Body>) -> Response<Body> {
@@ -164,7 +172,7 @@ impl Proxy {
         }
         // Only the gateway says which run may complete which record: a client's is never passed on.
         parts.headers.remove(IDEMPOTENCY_TOKEN);
-        if self.completion_tokens
+        if self.inner.completion_tokens
             && let Some(run) = parts.extensions.get::<InTransaction>()
             && let Ok(token) = HeaderValue::from_str(&run.completion_token())
         {
@@ -191,13 +199,13 @@ impl Proxy {
         // Not the client's version: the connection to the upstream decides (HTTP/1.1, or HTTP/2 by
         // ALPN or by prior knowledge), and the client refuses an HTTP/2 request on HTTP/1.1.
         parts.version = http::Version::HTTP_11;
-        let sent = self.client.request(Request::from_parts(parts, body));
+        let sent = self.inner.client.request(Request::from_parts(parts, body));
 
         let started = std::time::Instant::now();
         let result = if keyed.is_some() {
             Ok(sent.await)
         } else {
-            tokio::time::timeout(self.timeout, sent).await
+            tokio::time::timeout(self.inner.timeout, sent).await
         };
         let result_label = match &result {
             Ok(Ok(_)) => "answered",
@@ -218,7 +226,7 @@ impl Proxy {
             }
             Ok(Err(err)) if err.is_connect() => {
                 // The causes say why (refused, a certificate not trusted, …): for the operator.
-                tracing::warn!(upstream = %self.shown, error = %causes(&err), "upstream unreachable");
+                tracing::warn!(upstream = %self.inner.shown, error = %causes(&err), "upstream unreachable");
                 let cause = match tls_failure(&err) {
                     Some(tls @ rustls::Error::InvalidCertificate(_)) => format!(
                         "its TLS certificate was rejected: {tls}; put the upstream's certificate or --upstream-ca right"
@@ -232,17 +240,19 @@ impl Proxy {
                 Some(failed) => {
                     // Only a request passed through gets here (a keyed body is read whole before
                     // anything is sent).
-                    tracing::info!(upstream = %self.shown, error = %failed, "a request body broke off; the forwarded request was cut off");
+                    tracing::info!(upstream = %self.inner.shown, error = %failed, "a request body broke off; the forwarded request was cut off");
                     no_answer(NoAnswer::ClientBodyBroke {
                         cause: failed.to_string(),
                     })
                 }
                 None => {
-                    tracing::warn!(upstream = %self.shown, error = %causes(&err), "connection to the upstream lost after sending");
+                    tracing::warn!(upstream = %self.inner.shown, error = %causes(&err), "connection to the upstream lost after sending");
                     no_answer(NoAnswer::OutcomeUnknown { cause: err.to_string() })
                 }
             },
-            Err(_) => no_answer(NoAnswer::TimedOut { after: self.timeout }),
+            Err(_) => no_answer(NoAnswer::TimedOut {
+                after: self.inner.timeout,
+            }),
         }
     }
 }

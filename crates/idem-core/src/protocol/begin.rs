@@ -87,7 +87,8 @@ impl Protocol {
                 // change of hashing: decided on that record if there is one.
                 Ok(Begin::Acquired { recovered }) if !earlier.is_empty() => {
                     let token = token.for_run(recovered);
-                    match self.adopt_earlier(&id, token, &std::mem::take(&mut earlier), now).await {
+                    // Boxed: rare (a scope of before a change of hashing), and large.
+                    match Box::pin(self.adopt_earlier(&id, token, &std::mem::take(&mut earlier), now)).await {
                         Ok(None) => return Decision::Run(self.claimed(id, token, recovered, provisional)),
                         Ok(Some(adopted)) => {
                             id = adopted;
@@ -231,15 +232,18 @@ impl Protocol {
     /// ever) at the first call, and kept; a failed read is tried again at the next.
     pub async fn credential_scopes(&self) -> Result<&CredentialScopes, StoreError> {
         let credentials = &self.inner.credentials;
-        credentials
-            .loaded
-            .get_or_try_init(|| {
-                self.bounded(
-                    StoreOperation::ScopeSalt,
-                    CredentialScopes::load(&*self.inner.store, &credentials.secrets, self.now()),
-                )
-            })
-            .await
+        if let Some(loaded) = credentials.loaded.get() {
+            return Ok(loaded);
+        }
+        // Boxed: loading is a large future, run once per process; inline, every request's
+        // `begin` would carry (and move) room for it.
+        Box::pin(credentials.loaded.get_or_try_init(|| {
+            self.bounded(
+                StoreOperation::ScopeSalt,
+                CredentialScopes::load(&*self.inner.store, &credentials.secrets, self.now()),
+            )
+        }))
+        .await
     }
 
     /// Gives up the new claim `token` on `id` if the key has a live record under one of the
