@@ -14,8 +14,13 @@
 # and beside each, `idem bench --store postgres://...?schema=...` at the same concurrency (the
 # idem-tower layer driven in process over the PostgreSQL store: new keys, then the same replayed).
 #
+# pgbench holds one connection per client; idem's store is given as many (`pool_size` = clients),
+# so that both sides use the same number of PostgreSQL backends.
+#
 # Settings (environment): PG_URL (postgres://postgres@127.0.0.1:5432/test), CLIENTS ("8 32"),
 # DURATION (pgbench seconds per run, 10), REQUESTS (idem bench requests per phase, 10000),
+# POOL_SIZE (idem's pool_size for every run instead of the number of clients; `default` for the
+# store's own default, 16),
 # SKIP_INSTALL=1, SKIP_BUILD=1 (use target/release/idem as built), STRICT=1 (exit 1 when a goal
 # is missed), KEEP=1 (keep the scratch schemas and the scripts).
 set -euo pipefail
@@ -170,9 +175,14 @@ for c in $CLIENTS; do
     # The UPDATE of new.sql must have completed every claim: no record left in flight.
     left=$(psql "$PG_URL" -qAtc "SELECT count(*) FROM $PGB_SCHEMA.idem_records WHERE state <> 'completed'")
     [ "$left" = 0 ] || die "$left records of new.sql were left in flight: the script is wrong"
-    say "$c clients: idem bench --store $IDEM_URL --requests $REQUESTS --concurrency $c"
+    store="$IDEM_URL"
+    case ${POOL_SIZE:-$c} in
+        default) ;;
+        *) store="$store&pool_size=${POOL_SIZE:-$c}" ;;
+    esac
+    say "$c clients: idem bench --store $store --requests $REQUESTS --concurrency $c"
     out="$TMP/idem-bench-$c.txt"
-    "$IDEM_BIN" bench --store "$IDEM_URL" --requests "$REQUESTS" --concurrency "$c" >"$out" 2>"$out.err" \
+    "$IDEM_BIN" bench --store "$store" --requests "$REQUESTS" --concurrency "$c" >"$out" 2>"$out.err" \
         || { cat "$out" "$out.err" >&2; die "idem bench at concurrency $c failed"; }
     cat "$out" >&2
     R[idem_new/$c]=$(awk '$1 == "new" { print $3 }' "$out")
@@ -209,8 +219,11 @@ pct() {
             "${R[pgb_claim/$c]}" "$(pct "${R[pgb_claim/$c]}" "${R[pgb_replay/$c]}" "")"
     done
     echo
-    echo "idem bench's PostgreSQL pool is the store's default (pool_size=16) unless PG_URL sets it;"
-    echo "pgbench holds one connection per client."
+    case ${POOL_SIZE:-clients} in
+        clients) echo "pgbench holds one connection per client, and idem's pool as many (pool_size = clients)." ;;
+        default) echo "pgbench holds one connection per client; idem's pool is the store's default (16)." ;;
+        *) echo "pgbench holds one connection per client; idem's pool has $POOL_SIZE (POOL_SIZE)." ;;
+    esac
     echo "$missed goal(s) missed."
 }
 
