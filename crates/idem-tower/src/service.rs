@@ -321,7 +321,9 @@ async fn run<S, ResBody>(
     let call = upstream.in_scope(|| std::panic::catch_unwind(AssertUnwindSafe(|| inner.call(request))));
     let ran = match call {
         Ok(call) => {
-            let call = AssertUnwindSafe(call.instrument(upstream.clone())).catch_unwind();
+            // Boxed once here: the handler's future would otherwise be moved whole through each
+            // layer that drives it (the run timeout, the lease renewal beside it).
+            let call = Box::pin(AssertUnwindSafe(call.instrument(upstream.clone())).catch_unwind());
             protocol.drive(&claim, call).await
         }
         Err(panic) => Ok(Err(panic)),
