@@ -9,9 +9,10 @@ client:
   empty       `return 1`: the price of calling any script
   idempotent  the replay path of the crate `idempotent` 2.0.0's claim script (`HMGET` of four
               fields of one hash, returned as they are)
-  idem        the `begin` script of the idem Redis store (the prelude and BEGIN of
-              crates/idem-redis/src/scripts.rs, read from the source) on a record and answer of
-              the store's sizes, as a replay runs it
+  idem        the `begin` script of the idem Redis store (BEGIN of
+              crates/idem-redis/src/scripts.rs after the prelude's helpers it uses, read from the
+              source as the store puts it together) on a record and answer of the store's sizes,
+              as a replay runs it
 
   before      with BEFORE=path/to/an/older/scripts.rs: that build's `begin`, in the same rounds
 
@@ -54,6 +55,35 @@ def script(source, name):
     return found.group(1)
 
 
+def with_helpers(source, name):
+    """The script `name` as the store sends it: the prelude's helpers it uses, then its body (the
+    selection of `with_helpers` in scripts.rs; an older scripts.rs without it gets the whole
+    prelude, as that build sent it)."""
+    prelude, body = script(source, "PRELUDE"), script(source, name)
+    if "fn with_helpers" not in source:
+        return prelude + body
+    helpers = []  # [text, names]
+    for line in prelude.split("\n")[:-1]:
+        if helpers and helpers[-1][1] and (line.startswith("--") or line.startswith("local ")):
+            helpers.append(["", []])
+        if not helpers:
+            helpers.append(["", []])
+        if line.startswith("local "):
+            declared = line[len("local "):]
+            declared = declared[len("function "):] if declared.startswith("function ") else declared
+            declared = re.split(r"[=(]", declared)[0]
+            helpers[-1][1] = [n.strip() for n in declared.split(",")]
+        helpers[-1][0] += line + "\n"
+    code = lambda lua: "\n".join(l.split("--")[0] for l in lua.split("\n"))
+    needed, kept = code(body), []
+    for i in range(len(helpers) - 1, -1, -1):
+        text, names = helpers[i]
+        if i < 2 or any(re.search(r"(?<![A-Za-z0-9_])%s(?![A-Za-z0-9_])" % re.escape(n), needed) for n in names):
+            kept.append(text)
+            needed += code(text)
+    return "".join(reversed(kept)) + body
+
+
 def main():
     url = sys.argv[1] if len(sys.argv) > 1 else "redis://127.0.0.1:6379"
     r = redis.Redis.from_url(url)
@@ -77,11 +107,11 @@ def main():
     cases = {
         "empty": ("return 1", [rec], []),
         "idempotent": (IDEMPOTENT_REPLAY, [other], []),
-        "idem": (script(source, "PRELUDE") + script(source, "BEGIN"), [rec, body, steps], idem_args),
+        "idem": (with_helpers(source, "BEGIN"), [rec, body, steps], idem_args),
     }
     if os.environ.get("BEFORE"):
         older = Path(os.environ["BEFORE"]).read_text()
-        cases["before"] = (script(older, "PRELUDE") + script(older, "BEGIN"), [rec, body, steps], idem_args)
+        cases["before"] = (with_helpers(older, "BEGIN"), [rec, body, steps], idem_args)
     try:
         for name in ("idem", "before"):
             if name in cases:
