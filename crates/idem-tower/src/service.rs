@@ -188,9 +188,7 @@ where
         let inner = self.inner;
         let report = self.report.clone();
         let task = async move {
-            // Boxed: the task is moved several times on its way into the runtime, and `begin`
-            // is most of its size.
-            let claim = match Box::pin(protocol.begin(keyed, &fingerprint)).await {
+            let claim = match protocol.begin(keyed, &fingerprint).await {
                 Decision::Run(claim) => claim,
                 Decision::Respond {
                     response,
