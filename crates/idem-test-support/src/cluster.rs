@@ -89,18 +89,28 @@ impl Drop for RelayedCluster {
     }
 }
 
-/// A free port whose bus port (port + 10 000) is free too.
+/// A free port whose bus port (port + 10 000) is free too, never handed out before in this
+/// process: tests that start clusters at once each pick their ports before any node binds them,
+/// so a port free when checked could otherwise go to two nodes of two clusters.
 pub(crate) fn node_port() -> u16 {
+    use std::collections::HashSet;
     use std::hash::{BuildHasher, RandomState};
+    use std::sync::{Mutex, PoisonError};
+    static HANDED_OUT: Mutex<Option<HashSet<u16>>> = Mutex::new(None);
     // Below the kernel's ephemeral range (32768 and up on Linux), bus ports included: a port that
     // is free when checked cannot then be taken by some connection's local end before the node
     // binds it.
     const PORTS: std::ops::Range<u16> = 20_000..22_700;
+    let mut handed_out = HANDED_OUT.lock().unwrap_or_else(PoisonError::into_inner);
+    let handed_out = handed_out.get_or_insert_with(HashSet::new);
     for attempt in 0..1000_u64 {
         let random = RandomState::new().hash_one(attempt);
         let port = PORTS.start + u16::try_from(random % u64::from(PORTS.end - PORTS.start)).expect("in range");
-        if TcpListener::bind(("127.0.0.1", port)).is_ok() && TcpListener::bind(("127.0.0.1", port + BUS_OFFSET)).is_ok()
+        if !handed_out.contains(&port)
+            && TcpListener::bind(("127.0.0.1", port)).is_ok()
+            && TcpListener::bind(("127.0.0.1", port + BUS_OFFSET)).is_ok()
         {
+            handed_out.insert(port);
             return port;
         }
     }
@@ -128,7 +138,10 @@ pub(crate) fn start_node(port: u16, announce: u16, dir: &std::path::Path, extra:
         .spawn()
         .unwrap_or_else(|err| panic!("cannot run redis-server ({err}); {HOW_TO_START}"));
     let deadline = Instant::now() + FORMATION;
-    while connect(port).is_err() {
+    let mut conn = loop {
+        if let Ok(conn) = connect(port) {
+            break conn;
+        }
         if let Ok(Some(status)) = child.try_wait() {
             panic!(
                 "redis-server on port {port} exited as it started ({status}): was the port, or port + 10000, taken?"
@@ -136,6 +149,23 @@ pub(crate) fn start_node(port: u16, announce: u16, dir: &std::path::Path, extra:
         }
         assert!(Instant::now() < deadline, "redis-server on port {port} did not start");
         std::thread::sleep(Duration::from_millis(20));
+    };
+    // The server that answers must be the one just started, not another that holds the port.
+    let info: String = redis::cmd("INFO")
+        .arg("server")
+        .query(&mut conn)
+        .expect("INFO server of a new cluster node");
+    let pid = info
+        .lines()
+        .find_map(|line| line.strip_prefix("process_id:"))
+        .and_then(|pid| pid.trim().parse::<u32>().ok());
+    if pid != Some(child.id()) {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!(
+            "port {port} is held by another redis-server (process {pid:?}), not the node just started (process {})",
+            child.id()
+        );
     }
     child
 }
