@@ -55,8 +55,8 @@ pub(crate) struct Settings {
 /// The database a store URL names, for a service's own connections beside the store (its
 /// business tables, written in the transactions that complete records): the URL without the
 /// store's own options (`pool_size`, `notify`, `poll_interval`, `schema`, `read_first`,
-/// `read_connections`), which sqlx or tokio-postgres connect with, and the store's schema. Parsed as the store parses its URL, so a
-/// password holding `?` or `#` is never taken for options.
+/// `read_connections`), which sqlx or tokio-postgres connect with, and the store's schema. Parsed
+/// as the store parses its URL, so a password holding `?` or `#` is never taken for options.
 #[derive(Clone)]
 pub struct StoreDatabase {
     url: String,

@@ -458,20 +458,14 @@ fn helpers() -> Vec<Helper> {
     let mut text = String::new();
     let mut names = Vec::new();
     for line in PRELUDE.lines() {
-        if line.starts_with("--") && !names.is_empty() {
-            // The comment of the next helper: this one is whole.
+        // A top-level comment or `local` after a declaration starts the next helper.
+        if (line.starts_with("--") || line.starts_with("local ")) && !names.is_empty() {
             helpers.push(Helper {
                 text: std::mem::take(&mut text),
                 names: std::mem::take(&mut names),
             });
         }
         if let Some(declared) = line.strip_prefix("local ") {
-            if !names.is_empty() {
-                helpers.push(Helper {
-                    text: std::mem::take(&mut text),
-                    names: std::mem::take(&mut names),
-                });
-            }
             let declared = declared.strip_prefix("function ").unwrap_or(declared);
             let declared = declared.split(['=', '(']).next().unwrap_or_default();
             names = declared.split(',').map(|name| name.trim().to_owned()).collect();

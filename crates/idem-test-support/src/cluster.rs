@@ -93,16 +93,15 @@ impl Drop for RelayedCluster {
 /// process: tests that start clusters at once each pick their ports before any node binds them,
 /// so a port free when checked could otherwise go to two nodes of two clusters.
 pub(crate) fn node_port() -> u16 {
-    use std::collections::HashSet;
+    use std::collections::BTreeSet;
     use std::hash::{BuildHasher, RandomState};
     use std::sync::{Mutex, PoisonError};
-    static HANDED_OUT: Mutex<Option<HashSet<u16>>> = Mutex::new(None);
+    static HANDED_OUT: Mutex<BTreeSet<u16>> = Mutex::new(BTreeSet::new());
     // Below the kernel's ephemeral range (32768 and up on Linux), bus ports included: a port that
     // is free when checked cannot then be taken by some connection's local end before the node
     // binds it.
     const PORTS: std::ops::Range<u16> = 20_000..22_700;
     let mut handed_out = HANDED_OUT.lock().unwrap_or_else(PoisonError::into_inner);
-    let handed_out = handed_out.get_or_insert_with(HashSet::new);
     for attempt in 0..1000_u64 {
         let random = RandomState::new().hash_one(attempt);
         let port = PORTS.start + u16::try_from(random % u64::from(PORTS.end - PORTS.start)).expect("in range");
