@@ -9,11 +9,11 @@ use std::time::Duration;
 
 use idem_core::store::backend::hex;
 use idem_core::{StoreError, store::FencingToken};
-use redis::aio::ConnectionLike;
-use redis::{Cmd, ErrorKind, Pipeline, RedisResult, Script, ServerErrorKind, Value};
+use redis::{Cmd, ErrorKind, RedisResult, ServerErrorKind, Value};
 
 use crate::ack::Acknowledgement;
-use crate::conn::{Commands, Conn, Node};
+use crate::conn::{Commands, Node};
+use crate::script_load::StoreScript;
 use crate::scripts::CORRUPT;
 
 /// A reply that answers another call than the one it reached: the connection's replies are
@@ -137,13 +137,13 @@ pub(crate) async fn run_script(
     commands: &Arc<Commands>,
     durability: Durability<'_>,
     what: &'static str,
-    script: &Script,
+    script: &StoreScript,
     keys: &[&str],
     args: impl FnOnce(&mut Cmd),
 ) -> Result<std::vec::IntoIter<Value>, StoreError> {
     let call = Call::new(what, keys[0]);
     let mut evalsha = redis::cmd("EVALSHA");
-    evalsha.arg(script.get_hash()).arg(keys.len());
+    evalsha.arg(script.hash()).arg(keys.len());
     for key in keys {
         evalsha.arg(*key);
     }
@@ -153,7 +153,11 @@ pub(crate) async fn run_script(
         Durability::Replicas(ack) if ack.wanted() > 0 => run_acknowledged(ack, &call, script, &evalsha).await,
         _ => {
             let (mut conn, generation) = commands.get();
-            call.take(eval(&mut conn, script, &evalsha).await, commands, generation)
+            call.take(
+                script.send(&commands.loads, &mut conn, &evalsha).await,
+                commands,
+                generation,
+            )
         }
     }
 }
@@ -163,7 +167,7 @@ pub(crate) async fn run_script(
 async fn run_acknowledged(
     ack: &Acknowledgement,
     call: &Call<'_>,
-    script: &Script,
+    script: &StoreScript,
     evalsha: &Cmd,
 ) -> Result<std::vec::IntoIter<Value>, StoreError> {
     let wanted = ack.wanted();
@@ -174,7 +178,8 @@ async fn run_acknowledged(
         .cmd("WAIT")
         .arg(wanted)
         .arg(u64::try_from(ack.timeout().as_millis()).unwrap_or(u64::MAX));
-    let mut replies = eval_and_wait(&mut conn, script, &pipeline)
+    let mut replies = script
+        .send(&commands.loads, &mut conn, &pipeline)
         .await
         .map_err(StoreError::unavailable)?;
     if let Some(target) = asked_elsewhere(replies.first()) {
@@ -244,28 +249,6 @@ fn asked_elsewhere(reply: Option<&Value>) -> Option<Node> {
         host: host.to_owned(),
         port: port.parse().ok()?,
     })
-}
-
-/// Sends `evalsha`; if the server does not know the script yet, loads it (on every primary of a
-/// cluster) and sends it again.
-async fn eval(conn: &mut Conn, script: &Script, evalsha: &Cmd) -> RedisResult<Value> {
-    match evalsha.query_async(conn).await {
-        Err(err) if err.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-            script.load_async(conn).await?;
-            evalsha.query_async(conn).await
-        }
-        reply => reply,
-    }
-}
-
-/// Sends the pipeline of a script and its `WAIT`, as [`eval`] sends a script alone.
-async fn eval_and_wait(conn: &mut Conn, script: &Script, pipeline: &Pipeline) -> RedisResult<Vec<Value>> {
-    let replies = conn.req_packed_commands(pipeline, 0, pipeline.len()).await?;
-    if !matches!(replies.first(), Some(Value::ServerError(err)) if err.code() == "NOSCRIPT") {
-        return Ok(replies);
-    }
-    script.load_async(conn).await?;
-    conn.req_packed_commands(pipeline, 0, pipeline.len()).await
 }
 
 impl Call<'_> {

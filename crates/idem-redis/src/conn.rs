@@ -17,6 +17,7 @@ use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo, SingleNodeRou
 use redis::{Cmd, ConnectionAddr, ConnectionInfo, ErrorKind, Pipeline, RedisFuture, RedisResult, Value};
 
 use crate::decode::{text, unexpected};
+use crate::script_load::ScriptLoads;
 use crate::sentinel::{self, named_primaries};
 use crate::timeouts::{CLUSTER_OVERALL_TIMEOUT, CONNECTION_TIMEOUT};
 use crate::url::{Config, SentinelTarget, Target};
@@ -209,6 +210,8 @@ impl ConnectionLike for Conn {
 
 /// The command connection of a store, replaced when it is found out of step.
 pub(crate) struct Commands {
+    /// Whose turn it is to load a script the server is missing (see [`StoreScript::send`](crate::script_load::StoreScript::send)).
+    pub(crate) loads: ScriptLoads,
     target: Target,
     response_timeout: Duration,
     current: RwLock<Current>,
@@ -228,6 +231,7 @@ impl Commands {
     pub(crate) async fn connect(config: &Config, response_timeout: Duration) -> redis::RedisResult<Arc<Self>> {
         let (conn, address) = Conn::connect(&config.target, response_timeout).await?;
         Ok(Arc::new(Self {
+            loads: ScriptLoads::default(),
             target: config.target.clone(),
             response_timeout,
             current: RwLock::new(Current {

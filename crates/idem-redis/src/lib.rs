@@ -41,6 +41,7 @@ mod error;
 mod keys;
 mod notify;
 mod origin;
+mod script_load;
 mod scripts;
 mod sentinel;
 mod store;

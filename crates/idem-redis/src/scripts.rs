@@ -32,7 +32,7 @@
 
 use std::sync::LazyLock;
 
-use redis::Script;
+use crate::script_load::StoreScript;
 
 /// The error code of the scripts' own errors about stored data they cannot read.
 pub(crate) const CORRUPT: &str = "IDEMCORRUPT";
@@ -406,8 +406,8 @@ end
 return answer(redis.call('HGETALL', rec))
 "#;
 
-fn script(body: &str) -> Script {
-    Script::new(&with_helpers(body))
+fn script(index: usize, body: &str) -> StoreScript {
+    StoreScript::new(index, &with_helpers(body))
 }
 
 /// `body` after the prelude's helpers that it uses, directly or through another helper, in the
@@ -487,21 +487,22 @@ fn mentions(text: &str, name: &str) -> bool {
     })
 }
 
-pub(crate) static BEGIN_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(BEGIN));
-pub(crate) static COMPLETE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(COMPLETE));
-pub(crate) static RELEASE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(RELEASE));
-pub(crate) static RENEW_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(RENEW));
-pub(crate) static GET_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(GET));
-pub(crate) static DELETE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(DELETE));
-pub(crate) static CLAIM_STATE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(CLAIM_STATE));
-pub(crate) static CHECKPOINT_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(CHECKPOINT));
-pub(crate) static CHECKPOINTS_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(CHECKPOINTS));
-pub(crate) static COUNT_REPLAYS_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(COUNT_REPLAYS));
-pub(crate) static SCOPE_SALT_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(SCOPE_SALT));
+pub(crate) static BEGIN_SCRIPT: LazyLock<StoreScript> = LazyLock::new(|| script(0, BEGIN));
+pub(crate) static COMPLETE_SCRIPT: LazyLock<StoreScript> = LazyLock::new(|| script(1, COMPLETE));
+pub(crate) static RELEASE_SCRIPT: LazyLock<StoreScript> = LazyLock::new(|| script(2, RELEASE));
+pub(crate) static RENEW_SCRIPT: LazyLock<StoreScript> = LazyLock::new(|| script(3, RENEW));
+pub(crate) static GET_SCRIPT: LazyLock<StoreScript> = LazyLock::new(|| script(4, GET));
+pub(crate) static DELETE_SCRIPT: LazyLock<StoreScript> = LazyLock::new(|| script(5, DELETE));
+pub(crate) static CLAIM_STATE_SCRIPT: LazyLock<StoreScript> = LazyLock::new(|| script(6, CLAIM_STATE));
+pub(crate) static CHECKPOINT_SCRIPT: LazyLock<StoreScript> = LazyLock::new(|| script(7, CHECKPOINT));
+pub(crate) static CHECKPOINTS_SCRIPT: LazyLock<StoreScript> = LazyLock::new(|| script(8, CHECKPOINTS));
+pub(crate) static COUNT_REPLAYS_SCRIPT: LazyLock<StoreScript> = LazyLock::new(|| script(9, COUNT_REPLAYS));
+pub(crate) static SCOPE_SALT_SCRIPT: LazyLock<StoreScript> = LazyLock::new(|| script(10, SCOPE_SALT));
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::script_load::SCRIPTS;
 
     const ALL: [(&str, &str); 11] = [
         ("begin", BEGIN),
@@ -589,5 +590,25 @@ mod tests {
         assert!(!mentions("x = number(a)", "num"));
         assert!(!mentions("x = a_num", "num"));
         assert!(mentions("num", "num"));
+    }
+
+    #[test]
+    fn every_script_has_a_place_of_its_own_in_the_loads() {
+        let scripts = [
+            &BEGIN_SCRIPT,
+            &COMPLETE_SCRIPT,
+            &RELEASE_SCRIPT,
+            &RENEW_SCRIPT,
+            &GET_SCRIPT,
+            &DELETE_SCRIPT,
+            &CLAIM_STATE_SCRIPT,
+            &CHECKPOINT_SCRIPT,
+            &CHECKPOINTS_SCRIPT,
+            &COUNT_REPLAYS_SCRIPT,
+            &SCOPE_SALT_SCRIPT,
+        ];
+        let mut places: Vec<usize> = scripts.iter().map(|script| script.index()).collect();
+        places.sort_unstable();
+        assert_eq!(places, (0..SCRIPTS).collect::<Vec<_>>());
     }
 }

@@ -18,7 +18,7 @@ use idem_core::{
         Record, RecordId, Release, ScopeSalt, WaitOutcome,
     },
 };
-use redis::{Cmd, Pipeline, Script, Value};
+use redis::{Cmd, Pipeline, Value};
 use tokio::sync::Notify;
 
 use crate::ack::Acknowledgement;
@@ -30,6 +30,7 @@ use crate::decode::{
 };
 use crate::keys::{RecordKeys, deletions_channel, record_pattern, scope_salt_key};
 use crate::notify::{Deletions, Subscriptions, Watch};
+use crate::script_load::StoreScript;
 use crate::scripts::{
     BEGIN_SCRIPT, CHECKPOINT_SCRIPT, CHECKPOINTS_SCRIPT, CLAIM_STATE_SCRIPT, COMPLETE_SCRIPT, COUNT_REPLAYS_SCRIPT,
     DELETE_SCRIPT, GET_SCRIPT, RELEASE_SCRIPT, RENEW_SCRIPT, SCOPE_SALT_SCRIPT,
@@ -195,7 +196,7 @@ impl RedisStore {
         &self,
         durability: Durability<'_>,
         what: &'static str,
-        script: &Script,
+        script: &StoreScript,
         keys: &RecordKeys,
         args: impl FnOnce(&mut Cmd),
     ) -> Result<std::vec::IntoIter<Value>, StoreError> {
@@ -213,7 +214,7 @@ impl RedisStore {
         &self,
         durability: Durability<'_>,
         what: &'static str,
-        script: &Script,
+        script: &StoreScript,
         keys: &RecordKeys,
         args: impl FnOnce(&mut Cmd),
     ) -> Result<i64, StoreError> {
@@ -345,7 +346,7 @@ impl RedisStore {
     async fn compare_and_set(
         &self,
         what: &'static str,
-        script: &Script,
+        script: &StoreScript,
         keys: &RecordKeys,
         args: impl FnOnce(&mut Cmd),
     ) -> Result<(), StoreError> {

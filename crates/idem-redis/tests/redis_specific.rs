@@ -1142,21 +1142,101 @@ async fn a_new_key_without_checkpoints_deletes_nothing() {
         .expect("INFO");
     // Calls that ran: a script's first `EVALSHA` on a fresh server fails (`NOSCRIPT`) and is sent
     // again with the script.
-    let calls = |command: &str| -> u64 {
-        let Some(line) = stats
-            .lines()
-            .find(|line| line.starts_with(&format!("cmdstat_{command}:")))
-        else {
-            return 0;
-        };
-        let field = |name: &str| -> u64 {
-            line.split([':', ','])
-                .find_map(|part| part.strip_prefix(&format!("{name}=")))
-                .map_or(0, |n| n.parse().expect("a count"))
-        };
-        field("calls") - field("failed_calls")
-    };
+    let calls = |command: &str| calls_that_ran(&stats, command);
     assert_eq!(calls("evalsha") + calls("eval"), 20, "two scripts per key:\n{stats}");
     assert_eq!(calls("del") + calls("unlink"), 0, "no DEL:\n{stats}");
     assert_eq!(calls("hset"), 20, "one HSET in each script:\n{stats}");
+}
+
+/// How many calls of `command` ran (not failed) in `stats`, `INFO commandstats`' text.
+fn calls_that_ran(stats: &str, command: &str) -> u64 {
+    let Some(line) = stats
+        .lines()
+        .find(|line| line.starts_with(&format!("cmdstat_{command}:")))
+    else {
+        return 0;
+    };
+    let field = |name: &str| -> u64 {
+        line.split([':', ','])
+            .find_map(|part| part.strip_prefix(&format!("{name}=")))
+            .map_or(0, |n| n.parse().expect("a count"))
+    };
+    field("calls") - field("failed_calls")
+}
+
+/// A server that does not know the scripts (new, restarted, a promoted replica, or after
+/// `SCRIPT FLUSH`) answers every call in flight `NOSCRIPT` at once: they load each script once
+/// between them, not once each (which would make the server compile it thousands of times at
+/// the moment it is busiest), and every call still gets its answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_that_find_a_script_missing_load_it_once_between_them() {
+    const CALLS: usize = 64;
+    let redis = PrivateRedis::start();
+    let url = redis.url();
+    let store = RedisStore::connect(&url).await.expect("connect");
+    let client = redis::Client::open(url.as_str()).expect("the private server's URL");
+    let admin = client.get_multiplexed_async_connection().await.expect("connect");
+    // `SCRIPT LOAD`s since the last call.
+    let loads_since_reset = async || -> u64 {
+        let mut admin = admin.clone();
+        let stats: String = redis::cmd("INFO")
+            .arg("commandstats")
+            .query_async(&mut admin)
+            .await
+            .expect("INFO");
+        let _: () = redis::cmd("CONFIG")
+            .arg("RESETSTAT")
+            .query_async(&mut admin)
+            .await
+            .expect("CONFIG RESETSTAT");
+        calls_that_ran(&stats, "script|load")
+    };
+    loads_since_reset().await;
+
+    // New keys, all at once, on a server that has never seen the scripts.
+    let now = UnixMillis::now();
+    let ids: Vec<RecordId> = (0..CALLS).map(|_| fresh_id()).collect();
+    let tokens = futures_util::future::join_all(ids.iter().map(|id| claim(&store, id, now))).await;
+    futures_util::future::join_all(ids.iter().zip(tokens).map(|(id, token)| {
+        let store = &store;
+        async move {
+            store
+                .complete(id, token, completion(now, DAY, 7 * DAY))
+                .await
+                .expect("complete")
+        }
+    }))
+    .await;
+    let loads = loads_since_reset().await;
+    assert_eq!(
+        loads, 2,
+        "{CALLS} claims and {CALLS} completions loaded their two scripts {loads} times"
+    );
+
+    // The server forgets its scripts; the same keys are replayed, all at once.
+    let _: () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query_async(&mut admin.clone())
+        .await
+        .expect("SCRIPT FLUSH");
+    let digest = fingerprint("a");
+    let replays = futures_util::future::join_all(
+        ids.iter()
+            .map(|id| store.begin(testkit::claim(id, &digest, now, FencingToken::random()))),
+    )
+    .await;
+    for replay in replays {
+        match replay.expect("begin") {
+            Begin::Existing(record) => assert!(
+                matches!(&record.state, RecordState::Completed { response: Some(answer), .. } if answer[..] == b"answer"[..]),
+                "{record:?}"
+            ),
+            other => panic!("expected the stored answer, got {other:?}"),
+        }
+    }
+    let loads = loads_since_reset().await;
+    assert!(
+        (1..=2).contains(&loads),
+        "{CALLS} replays loaded `begin` (and the replay counts their script) {loads} times"
+    );
 }
