@@ -43,8 +43,9 @@ pub enum ProblemKind {
     UpstreamFailed,
     /// The upstream did not answer in time; it is still being waited for.
     UpstreamTimeout,
-    /// The key's stored answer cannot be read (sealed under a key not configured, or damaged);
-    /// the request is not run again.
+    /// The key's stored answer cannot be read (sealed under a key not configured, or damaged), or
+    /// the store holds data about the key that it cannot read (a corrupt record); the request is
+    /// not run again.
     AnswerUnreadable,
     /// The request's head (request line and headers) is over the gateway's limit; nothing was
     /// claimed or sent.

@@ -51,7 +51,8 @@ async fn open_record(args: &RecordArgs) -> anyhow::Result<(Arc<dyn Store>, Arc<S
 
 /// The record of `key` in the scope of callers presenting `credential`, hashed as the gateway
 /// hashes it (the store's salt, `IDEM_SCOPE_SECRET`): under the current form, or an earlier one
-/// if the record was stored before a change of hashing.
+/// if the record was stored before a change of hashing. A record the store cannot read counts as
+/// found.
 async fn credential_record(
     store: &dyn Store,
     credential: &str,
@@ -68,8 +69,12 @@ async fn credential_record(
             scope: scope.clone(),
             key: key.clone(),
         };
-        if store.get(&id).await.context("cannot read the record")?.is_some() {
-            return Ok(id);
+        match store.get(&id).await {
+            Ok(Some(_)) => return Ok(id),
+            Ok(None) => {}
+            // A record is there, whatever it holds: `inspect` reports it, `delete` removes it.
+            Err(StoreError::Corrupt(_)) => return Ok(id),
+            Err(err) => return Err(anyhow::Error::new(err).context("cannot read the record")),
         }
     }
     Ok(RecordId {

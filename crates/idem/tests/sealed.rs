@@ -1,7 +1,9 @@
 //! Stored answers sealed at rest (`IDEM_ENCRYPTION_KEYS`), through real `idem serve` processes:
 //! the bytes of every store hold neither an answer nor a credential in clear; keys rotate without
 //! losing records; an answer no configured key opens is `500 answer-unreadable`, never run again;
-//! a sealed answer copied onto another record does not open; a malformed key stops the start.
+//! a sealed answer copied onto another record does not open; a malformed key stops the start. A
+//! record the store holds but cannot read (damaged) is `500 answer-unreadable` too, never run, not
+//! even under `--fail-open`, and `idem delete --authorization` removes it.
 
 mod common;
 mod servers;
@@ -191,4 +193,91 @@ async fn a_malformed_key_stops_the_start_without_showing_it() {
         assert!(stderr.contains("IDEM_ENCRYPTION_KEYS"), "{keys}: {stderr}");
         assert!(!stderr.contains("AAECAw"), "{keys}: the key is not shown: {stderr}");
     }
+}
+
+/// `store`'s record of `key` is damaged by `damage` after its request ran: every copy of the
+/// request is told `500 answer-unreadable`, with no `Retry-After` (retrying cannot help), by a
+/// gateway that fails open too (the store answered: this is no outage), and nothing runs again;
+/// `idem inspect --authorization` says the record cannot be read, `idem delete --authorization`
+/// removes it, and the key then runs as a new one.
+async fn a_damaged_record_is_refused_until_deleted(store: &str, damage: impl Fn(&str)) {
+    let upstream = Upstream::start().await;
+    let closed = Gateway::start_on_store(&upstream.url(), store, &[]).await;
+    let open = Gateway::start_on_store(&upstream.url(), store, &["--fail-open"]).await;
+    let key = new_key();
+    let first = pay(&closed, &key, "damaged", "CARD-1").await;
+    assert_eq!(first.status, 201, "{first}");
+    damage(&key);
+    for gw in [&closed, &open, &closed] {
+        let refused = pay(gw, &key, "damaged", "CARD-1").await;
+        refused.assert_problem(500, "answer-unreadable");
+        assert_eq!(refused.header("retry-after"), None, "{refused}");
+        assert!(refused.detail().contains("retrying does not help"), "{refused}");
+    }
+    assert_eq!(count(&upstream.state.pay), 1, "a damaged record is never run again");
+
+    let limit = std::time::Duration::from_secs(30);
+    let record = ["--store", store, "--authorization", "Bearer damaged", &key];
+    let inspect = run_idem(&[&["inspect"][..], &record].concat(), limit).await;
+    assert!(!inspect.status.success(), "{}", common::describe(&inspect));
+    assert!(
+        String::from_utf8_lossy(&inspect.stderr).contains("corrupt record"),
+        "{}",
+        common::describe(&inspect)
+    );
+    let delete = run_idem(&[&["delete"][..], &record].concat(), limit).await;
+    assert!(delete.status.success(), "{}", common::describe(&delete));
+    assert!(
+        String::from_utf8_lossy(&delete.stdout).contains("could not read"),
+        "{}",
+        common::describe(&delete)
+    );
+    let again = pay(&closed, &key, "damaged", "CARD-1").await;
+    assert_eq!(again.status, 201, "{again}");
+    assert!(!again.replayed(), "{again}");
+    assert_eq!(
+        count(&upstream.state.pay),
+        2,
+        "deleted by the operator: the key runs again"
+    );
+    assert!(pay(&open, &key, "damaged", "CARD-1").await.replayed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_damaged_record_is_refused_until_deleted() {
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let store = common::store_url_in(dir.path());
+    let file = store.strip_prefix("sqlite://").expect("a sqlite:// URL").to_owned();
+    a_damaged_record_is_refused_until_deleted(&store, |key| {
+        let db = rusqlite::Connection::open(&file).expect("open the SQLite file");
+        let damaged = db
+            .execute("UPDATE idem_records SET fingerprint = x'00' WHERE key = ?1", [key])
+            .expect("damage the record");
+        assert_eq!(damaged, 1);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_a_damaged_record_is_refused_until_deleted() {
+    let store = servers::redis_url();
+    let (server, prefix) = store.split_once("/?prefix=").expect("a URL with a prefix");
+    let redis_cli = |args: &[&str]| -> String {
+        let output = std::process::Command::new("redis-cli")
+            .args(["-u", server])
+            .args(args)
+            .output()
+            .expect("redis-cli on PATH (apt-get install redis-tools)");
+        assert!(output.status.success(), "redis-cli {args:?}: {output:?}");
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    };
+    a_damaged_record_is_refused_until_deleted(&store, |_key| {
+        // The test's prefix holds this one record.
+        let pattern = format!("{prefix}:*:rec");
+        let scanned = redis_cli(&["--scan", "--pattern", &pattern]);
+        let records: Vec<&str> = scanned.lines().collect();
+        assert_eq!(records.len(), 1, "{scanned}");
+        redis_cli(&["HSET", records[0], "expires_at", "soon"]);
+    })
+    .await;
 }

@@ -283,8 +283,23 @@ impl Protocol {
         Ok(None)
     }
 
+    /// The answer to a request the store failed: `503 store-unavailable` with `Retry-After` (or
+    /// the request passed through, under `fail-open`) if it could not be reached or answer in
+    /// time; `500 answer-unreadable`, never passed through, if it holds data it cannot read.
     fn store_failed(&self, err: &StoreError, id: RecordId) -> Decision {
         tracing::error!(scope = %id.scope, key = %id.key, error = %err, "idempotency store failed");
+        if let StoreError::Corrupt(_) = err {
+            // The store answered, and what it holds cannot be read: retrying cannot help, and the
+            // record may stand for a run that happened, so this never fails open.
+            let detail = "the idempotency store holds data about this key that cannot be read, so the request was \
+                not processed; it will not be while that data stands, so retrying does not help (the service's \
+                operator has the details in its log)";
+            return respond(
+                Problem::new(ProblemKind::AnswerUnreadable, detail),
+                Outcome::Unreadable,
+                id,
+            );
+        }
         if self.inner.policy.fail_open {
             return Decision::PassThrough { id };
         }

@@ -89,7 +89,8 @@ pub enum Outcome {
     Internal,
     /// The run passed the run timeout and was given up.
     RunTimedOut,
-    /// The stored answer could not be read (sealed under a key not configured, or damaged).
+    /// The stored answer could not be read (sealed under a key not configured, or damaged), or the
+    /// store holds data about the key that it cannot read (a corrupt record).
     Unreadable,
 }
 
