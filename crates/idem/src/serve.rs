@@ -10,7 +10,9 @@ use anyhow::Context as _;
 use std::sync::Arc;
 
 use idem_core::replay_cache::ReplayCacheConfig;
-use idem_core::{Keyring, Policy, Routes, ScopeSecrets, Store, protocol::Protocol, redact_url, store::StoreClock};
+use idem_core::{
+    Keyring, Policy, RouteRule, Routes, ScopeSecrets, Store, protocol::Protocol, redact_url, store::StoreClock,
+};
 use idem_tower::IdempotencyLayer;
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
@@ -42,6 +44,7 @@ pub(crate) async fn run(args: ServeArgs, telemetry: &Telemetry) -> anyhow::Resul
         .install_recorder()
         .context("cannot install the metrics recorder")?;
     let config = ServeConfig::load(args)?;
+    warn_of_no_expired_window(&config.policy, &config.routes);
     let proxy = Proxy::with_options(
         config.upstream.clone(),
         config.upstream_timeout,
@@ -170,6 +173,27 @@ pub(crate) async fn run(args: ServeArgs, telemetry: &Telemetry) -> anyhow::Resul
     drop(store);
     tracing::info!("idem serve stopped");
     Ok(())
+}
+
+/// Warns, for the gateway's policy and each protecting route's, when `tombstone-ttl` is not
+/// longer than `ttl`: a record is then forgotten as soon as its answer expires, and a retry after
+/// that runs again as a new request instead of answering `422 key-expired` (the store keeps a
+/// record until the later of the two). Allowed, as a choice, but never what one gets by mistake.
+fn warn_of_no_expired_window(policy: &Policy, routes: &Routes) {
+    let protected = routes.iter().filter_map(|route| match &route.rule {
+        RouteRule::Protect(policy) => Some((Some(route.pattern.as_str()), policy)),
+        RouteRule::PassThrough => None,
+    });
+    for (route, policy) in std::iter::once((None, policy)).chain(protected) {
+        if policy.tombstone_ttl <= policy.ttl {
+            tracing::warn!(
+                route = route.unwrap_or("(every route without its own)"),
+                ttl = %humantime::format_duration(policy.ttl),
+                tombstone_ttl = %humantime::format_duration(policy.tombstone_ttl),
+                "tombstone-ttl is not longer than ttl: a key is forgotten as soon as its answer expires, and a retry after that runs again as a new request instead of answering 422 key-expired"
+            );
+        }
+    }
 }
 
 /// How the gateway applies the protocol: its policy, its routes, and the keys that seal answers.

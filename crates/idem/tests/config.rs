@@ -232,3 +232,44 @@ async fn the_readme_config_file_works() {
     let replay = send(gw.post("/exports/9", "{}").header("idempotency-key", key.as_str())).await;
     assert!(replay.replayed(), "exports are protected: {replay}");
 }
+
+/// A `tombstone-ttl` no longer than `ttl` (the gateway's, or a route's) leaves no time in which an
+/// expired key answers `422 key-expired`: allowed, but the start says so, naming the route; the
+/// defaults (24 h and 7 d) say nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tombstone_ttl_no_longer_than_the_ttl_is_warned_of_at_the_start() {
+    const WARNING: &str = "tombstone-ttl is not longer than ttl";
+    let upstream = Upstream::start().await;
+    let defaults = Gateway::start(&upstream.url(), &[]).await;
+    let started = defaults
+        .stderr_once("the start", |log| log.contains("idem serve started"))
+        .await;
+    assert!(!started.contains(WARNING), "{started}");
+
+    let (_dir, path) = config_file(
+        r#"
+[[route]]
+path = "/pay"
+ttl = "30d"
+"#,
+    );
+    let gw = Gateway::start(&upstream.url(), &["--config", path.to_str().unwrap()]).await;
+    let started = gw
+        .stderr_once("the warning", |log| log.contains("idem serve started"))
+        .await;
+    let warnings: Vec<&str> = started.lines().filter(|line| line.contains(WARNING)).collect();
+    assert_eq!(warnings.len(), 1, "{started}");
+    assert!(
+        warnings[0].contains("/pay") && warnings[0].contains("30days"),
+        "{started}"
+    );
+
+    let gw = Gateway::start(&upstream.url(), &["--ttl", "2h", "--tombstone-ttl", "1h"]).await;
+    let started = gw
+        .stderr_once("the warning", |log| log.contains("idem serve started"))
+        .await;
+    assert!(
+        started.contains(WARNING) && started.contains("every route without its own"),
+        "{started}"
+    );
+}
