@@ -96,6 +96,8 @@ impl<'a> Call<'a> {
                     .strip_prefix(self.record)
                     .is_some_and(|rest| rest.starts_with(' '))
             });
+        // An error raised in a script ends with where: `script: <sha>, on @user_script:<line>.`
+        let about = about.map(|about| about.split_once(" script: ").map_or(about, |(about, _)| about));
         match about {
             Some(about) => Ok(StoreError::Corrupt(about.to_owned())),
             None => Err(self.misrouted(&err)),

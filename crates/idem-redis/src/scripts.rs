@@ -54,6 +54,32 @@ local function num(value, field)
   end
   return n
 end
+-- HMGET of the record's fields named; a record key of another type than a hash is a corrupt
+-- record, not an outage.
+local function hmget(...)
+  local cur = redis.pcall('HMGET', rec, ...)
+  if cur.err then
+    corrupt('is not a hash')
+  end
+  return cur
+end
+-- The stored answer, false if none; a body key of another type than a string is a corrupt record.
+local function stored_body()
+  local response = redis.pcall('GET', body)
+  if type(response) == 'table' then
+    corrupt('has an answer that is not a string')
+  end
+  return response
+end
+-- Raises if `cur` (an HMGET of the record) has fields but no state: no script writes a record
+-- without one, so it is a damaged record, not an absent one.
+local function stateless(cur)
+  for i = 2, #cur do
+    if cur[i] then
+      corrupt('has no state')
+    end
+  end
+end
 local function set_ttl(key, ttl)
   if ttl > 0 then
     redis.call('PEXPIRE', key, string.format('%d', ttl))
@@ -69,14 +95,14 @@ end
 -- The record's fields in the order of `RECORD_FIELDS` (decode.rs), false where the hash has none
 -- (every one if there is no record): one HMGET, its reply returned as it is.
 local function read_record()
-  return redis.call('HMGET', rec, 'state', 'fingerprint', 'token', 'lease_until', 'created_at', 'completed_at',
+  return hmget('state', 'fingerprint', 'token', 'lease_until', 'created_at', 'completed_at',
     'expires_at', 'purge_at', 'replays', 'digest', 'recovered', 'trace_id', 'origin', 'status')
 end
 -- What `begin` reads: the fields of `CLAIM_FIELDS` (decode.rs), the first of `RECORD_FIELDS`,
 -- without what the record keeps for the operator but the run's trace, which a replay's span links
 -- to (the rest would cross the network with every replay for nothing).
 local function read_claim()
-  return redis.call('HMGET', rec, 'state', 'fingerprint', 'token', 'lease_until', 'created_at', 'completed_at',
+  return hmget('state', 'fingerprint', 'token', 'lease_until', 'created_at', 'completed_at',
     'expires_at', 'purge_at', 'replays', 'digest', 'recovered', 'trace_id')
 end
 -- Positions in what `read_record` and `read_claim` return.
@@ -133,6 +159,9 @@ local claim_purge_at, channel, publish, claim_expires_at = ARGV[7], ARGV[8], ARG
 local origin, trace_id = ARGV[11], ARGV[12]
 local cur = read_claim()
 local state = cur[STATE]
+if not state then
+  stateless(cur)
+end
 if state == 'in-flight' and cur[TOKEN] == token then
   -- This very claim was already made: a retry after the reply was lost.
   return answer('acquired', tonumber(cur[RECOVERED]) or 0)
@@ -171,7 +200,7 @@ end
 -- An answer past expires_at is not returned, even in the moment before its key expires.
 local response = false
 if state == 'completed' and now < num(cur[EXPIRES_AT], 'expires_at') then
-  response = redis.call('GET', body)
+  response = stored_body()
 end
 return answer('existing', cur, response)
 "#;
@@ -198,7 +227,7 @@ return answer(1)
 /// it is).
 const COMPLETE: &str = r#"
 local token, response, channel, publish = ARGV[2], ARGV[3], ARGV[7], ARGV[8]
-local cur = redis.call('HMGET', rec, 'state', 'token', 'completed_by', 'stepped')
+local cur = hmget('state', 'token', 'completed_by', 'stepped')
 if ARGV[9] == 'again' and cur[1] == 'completed' and cur[3] == token then
   -- This claim's own answer, stored by a call whose outcome the caller never saw: written once
   -- more (the same value), so that this call writes and its acknowledgement covers the answer.
@@ -233,7 +262,7 @@ return answer(1)
 /// `{rec, nonce, 0}` if fenced.
 const RELEASE: &str = r#"
 local token, mode, channel, publish = ARGV[2], ARGV[3], ARGV[5], ARGV[6]
-local cur = redis.call('HMGET', rec, 'state', 'token', 'purge_at')
+local cur = hmget('state', 'token', 'purge_at')
 if cur[1] ~= 'in-flight' or cur[2] ~= token then
   return answer(0)
 end
@@ -257,7 +286,7 @@ return answer(1)
 /// `{rec, nonce, 0}` if fenced.
 const RENEW: &str = r#"
 local token = ARGV[2]
-local cur = redis.call('HMGET', rec, 'state', 'token', 'purge_at', 'expires_at')
+local cur = hmget('state', 'token', 'purge_at', 'expires_at')
 if cur[1] ~= 'in-flight' or cur[2] ~= token then
   return answer(0)
 end
@@ -281,12 +310,15 @@ return answer(1)
 const GET: &str = r#"
 now = server_now()
 local cur = read_record()
+if not cur[STATE] then
+  stateless(cur)
+end
 if not cur[STATE] or num(cur[PURGE_AT], 'purge_at') <= now then
   return answer(false, false)
 end
 local response = false
 if cur[STATE] == 'completed' and now < num(cur[EXPIRES_AT], 'expires_at') then
-  response = redis.call('GET', body)
+  response = stored_body()
 end
 return answer(cur, response)
 "#;
@@ -298,7 +330,8 @@ return answer(cur, response)
 /// checkpoints, or, for a claim in flight, fences it (no token) and leaves it unknown with the
 /// claim's expires_at (its purge_at for a claim written without one) and its expiry, its
 /// checkpoints deleted. A record whose fields cannot be read is deleted all the same and returned
-/// as it is, for the caller to report. Wakes whoever waits on the record, and announces the delete
+/// as it is, for the caller to report; one whose keys hold another type than the store writes is
+/// deleted all the same, and the script raises [`CORRUPT`]. Wakes whoever waits on the record, and announces the delete
 /// to every instance's replay cache with a plain `PUBLISH` of the digest on the deletions
 /// channel (a cluster passes it to every node, whatever the record's slot).
 const DELETE: &str = r#"
@@ -307,14 +340,23 @@ local channel, publish = ARGV[2], ARGV[3]
 redis.call('PUBLISH', ARGV[4], ARGV[5])
 local fields, response = false, false
 if redis.call('EXISTS', rec) == 1 then
-  local cur = read_record()
-  local purge_at, expires_at = tonumber(cur[PURGE_AT]), tonumber(cur[EXPIRES_AT])
-  local live = not cur[STATE] or purge_at == nil or now < purge_at
-  if live then
-    fields = cur
-    if cur[STATE] == 'completed' and (expires_at == nil or now < expires_at) then
-      response = redis.call('GET', body)
+  local readable, cur = pcall(read_record)
+  local purge_at, expires_at, live
+  if readable then
+    purge_at, expires_at = tonumber(cur[PURGE_AT]), tonumber(cur[EXPIRES_AT])
+    live = not cur[STATE] or purge_at == nil or now < purge_at
+    if live then
+      fields = cur
+      if cur[STATE] == 'completed' and (expires_at == nil or now < expires_at) then
+        readable, response = pcall(stored_body)
+      end
     end
+  end
+  if not readable then
+    -- A key of the record holds another type than the store writes: deleted all the same.
+    redis.call(publish, channel, 'deleted')
+    redis.call('DEL', rec, body, steps)
+    corrupt('held a key of another type than the store writes, and is deleted')
   end
   redis.call(publish, channel, 'deleted')
   if live and cur[STATE] == 'in-flight' and cur[TOKEN] and purge_at ~= nil then
@@ -332,7 +374,7 @@ return answer(fields, response)
 /// record is in flight under the token, `{rec, nonce, 1}` if it was completed under it
 /// (`completed_by`), `{rec, nonce, 0}` otherwise.
 const CLAIM_STATE: &str = r#"
-local cur = redis.call('HMGET', rec, 'state', 'token', 'completed_by')
+local cur = hmget('state', 'token', 'completed_by')
 if cur[1] == 'in-flight' and cur[2] == ARGV[2] then
   return answer(2)
 end
@@ -348,7 +390,7 @@ return answer(0)
 /// `{rec, nonce, 0}` if fenced (no record, another claim, or no claim in flight).
 const CHECKPOINT: &str = r#"
 local token, name, value = ARGV[2], ARGV[3], ARGV[4]
-local cur = redis.call('HMGET', rec, 'state', 'token')
+local cur = hmget('state', 'token')
 if cur[1] ~= 'in-flight' or cur[2] ~= token then
   return answer(0)
 end
@@ -367,7 +409,7 @@ return answer(1)
 /// none unless the record is in flight or unknown and not past its purge_at.
 const CHECKPOINTS: &str = r#"
 now = server_now()
-local cur = redis.call('HMGET', rec, 'state', 'purge_at')
+local cur = hmget('state', 'purge_at')
 if (cur[1] ~= 'in-flight' and cur[1] ~= 'unknown') or num(cur[2], 'purge_at') <= now then
   return answer({})
 end
@@ -532,6 +574,9 @@ mod tests {
                 "answer",
                 "corrupt",
                 "num",
+                "hmget",
+                "stored_body",
+                "stateless",
                 "set_ttl",
                 "server_now",
                 "read_record",

@@ -636,6 +636,69 @@ async fn corrupt_records_are_reported_as_corrupt() {
     assert!(store.get(&id).await.expect("get").is_none());
 }
 
+/// A record damaged in ways a hash allows and the store never writes is corrupt too, never absent
+/// and never the store being unavailable (which `fail-open` would run through): a hash without
+/// `state` (whatever else it holds), a record key of another type than a hash, an answer's key of
+/// another type than a string. `delete` clears each, and says the record was unreadable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_of_the_wrong_shape_are_corrupt_not_absent_or_unavailable() {
+    let server = Server::Standalone;
+    let prefix = fresh_prefix();
+    let _cleanup = Cleanup(server, prefix.clone());
+    let store = connect(server, &prefix, "").await;
+    let now = UnixMillis::now();
+    // The commands that damage a record, given its keys.
+    type Damage = fn(&RecordKeys) -> Vec<redis::Cmd>;
+    let damages: [(&str, Damage); 3] = [
+        ("no state", |keys| {
+            vec![redis::cmd("HDEL").arg(&keys.record).arg("state").clone()]
+        }),
+        ("a string record", |keys| {
+            vec![
+                redis::cmd("DEL").arg(&keys.record).clone(),
+                redis::cmd("SET").arg(&keys.record).arg("junk").clone(),
+            ]
+        }),
+        ("a hash answer", |keys| {
+            vec![
+                redis::cmd("DEL").arg(&keys.body).clone(),
+                redis::cmd("HSET").arg(&keys.body).arg("a").arg("b").clone(),
+            ]
+        }),
+    ];
+    for (damage, commands) in damages {
+        let id = fresh_id();
+        completed(&store, &id, DAY).await;
+        let keys = store.record_keys(&id);
+        for command in commands(&keys) {
+            let _: redis::Value = query(server, &command);
+        }
+        let begun = store
+            .begin(testkit::claim(&id, &fingerprint("a"), now, FencingToken::random()))
+            .await;
+        assert!(
+            matches!(begun, Err(StoreError::Corrupt(_))),
+            "{damage}: begin gave {begun:?}"
+        );
+        let read = store.get(&id).await;
+        assert!(
+            matches!(read, Err(StoreError::Corrupt(_))),
+            "{damage}: get gave {read:?}"
+        );
+        if let Err(StoreError::Corrupt(why)) = &read {
+            assert!(!why.contains("user_script"), "{damage}: no Lua internals: {why}");
+        }
+        let deleted = store.delete(&id).await;
+        assert!(
+            matches!(deleted, Err(StoreError::Corrupt(_))),
+            "{damage}: delete gave {deleted:?}"
+        );
+        let left: i64 = query(server, redis::cmd("EXISTS").arg(&keys.record).arg(&keys.body));
+        assert_eq!(left, 0, "{damage}: an operator can clear it");
+        assert!(store.get(&id).await.expect("get").is_none(), "{damage}");
+    }
+}
+
 /// Whether the node at `node_url` (one server, or one node of a cluster) holds `key` itself.
 fn held_by(node_url: &str, key: &str) -> bool {
     let client = redis::Client::open(node_url).expect("client");
