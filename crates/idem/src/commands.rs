@@ -150,7 +150,9 @@ pub(crate) async fn delete(args: RecordArgs) -> anyhow::Result<()> {
                 return Err(anyhow::Error::new(err).context("cannot delete the record"));
             }
             println!(
-                "deleted the record of key {:?} in scope {:?}, which the store could not read ({err})",
+                "deleted the record of key {:?} in scope {:?}, which the store could not read ({err}); \
+                 the key is free: its next request runs as a new one, not marked recovered, since what \
+                 the record said about an earlier run could not be read",
                 id.key.as_str(),
                 id.scope.as_str()
             );

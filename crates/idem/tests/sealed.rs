@@ -228,7 +228,8 @@ async fn a_damaged_record_is_refused_until_deleted(store: &str, damage: impl Fn(
     let delete = run_idem(&[&["delete"][..], &record].concat(), limit).await;
     assert!(delete.status.success(), "{}", common::describe(&delete));
     assert!(
-        String::from_utf8_lossy(&delete.stdout).contains("could not read"),
+        String::from_utf8_lossy(&delete.stdout).contains("could not read")
+            && String::from_utf8_lossy(&delete.stdout).contains("not marked recovered"),
         "{}",
         common::describe(&delete)
     );
