@@ -32,7 +32,7 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from script_cost import SCRIPTS, with_helpers  # noqa: E402
+from script_cost import SCRIPTS, connect, with_helpers  # noqa: E402
 
 try:
     import redis
@@ -111,12 +111,7 @@ def idempotent_round(r, claim, complete):
 
 
 def main():
-    url = sys.argv[1] if len(sys.argv) > 1 else "redis://127.0.0.1:6379"
-    r = redis.Redis.from_url(url)
-    try:
-        r.ping()
-    except redis.RedisError as err:
-        sys.exit(f"new_key_cost.py: Redis does not answer at {url}: {err}")
+    r = connect("new_key_cost.py")
     source = SCRIPTS.read_text()
     begin, complete = with_helpers(source, "BEGIN"), with_helpers(source, "COMPLETE")
     crates = glob.glob(os.path.expanduser("~/.cargo/registry/src/*/idempotent-2.0.0/valkey"))

@@ -84,13 +84,20 @@ def with_helpers(source, name):
     return "".join(reversed(kept)) + body
 
 
-def main():
+def connect(tool):
+    """A client of the Redis at the URL given as first argument (default the local one); exits,
+    naming `tool`, if it does not answer."""
     url = sys.argv[1] if len(sys.argv) > 1 else "redis://127.0.0.1:6379"
     r = redis.Redis.from_url(url)
     try:
         r.ping()
     except redis.RedisError as err:
-        sys.exit(f"script_cost.py: Redis does not answer at {url}: {err}")
+        sys.exit(f"{tool}: Redis does not answer at {url}: {err}")
+    return r
+
+
+def main():
+    r = connect("script_cost.py")
     source = SCRIPTS.read_text()
     tag = "{bench-script-cost-%s}" % uuid.uuid4().hex[:12]
     rec, body, steps, other = tag + "r", tag + "b", tag + "s", tag + "i"
