@@ -54,20 +54,27 @@ local function num(value, field)
   end
   return n
 end
--- HMGET of the record's fields named; a record key of another type than a hash is a corrupt
--- record, not an outage.
+-- Raises the error `failed` of a call: as a corrupt record if it was about a key of another type
+-- than the store writes (not an outage, which the caller may retry or fail open on), else as it is.
+local function raise(failed, what)
+  if string.sub(failed.err, 1, 9) == 'WRONGTYPE' then
+    corrupt(what)
+  end
+  error(failed)
+end
+-- HMGET of the record's fields named.
 local function hmget(...)
   local cur = redis.pcall('HMGET', rec, ...)
   if cur.err then
-    corrupt('is not a hash')
+    raise(cur, 'is not a hash')
   end
   return cur
 end
--- The stored answer, false if none; a body key of another type than a string is a corrupt record.
+-- The stored answer, false if none.
 local function stored_body()
   local response = redis.pcall('GET', body)
   if type(response) == 'table' then
-    corrupt('has an answer that is not a string')
+    raise(response, 'has an answer that is not a string')
   end
   return response
 end
@@ -574,6 +581,7 @@ mod tests {
                 "answer",
                 "corrupt",
                 "num",
+                "raise",
                 "hmget",
                 "stored_body",
                 "stateless",
