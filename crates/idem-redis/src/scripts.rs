@@ -338,14 +338,24 @@ return answer(cur, response)
 /// claim's expires_at (its purge_at for a claim written without one) and its expiry, its
 /// checkpoints deleted. A record whose fields cannot be read is deleted all the same and returned
 /// as it is, for the caller to report; one whose keys hold another type than the store writes is
-/// deleted all the same, and the script raises [`CORRUPT`]. Wakes whoever waits on the record, and announces the delete
-/// to every instance's replay cache with a plain `PUBLISH` of the digest on the deletions
-/// channel (a cluster passes it to every node, whatever the record's slot).
+/// deleted all the same, and the script raises [`CORRUPT`]. Wakes whoever waits on the record,
+/// and announces the delete to every instance's replay cache with a plain `PUBLISH` of the digest
+/// on the deletions channel (a cluster passes it to every node, whatever the record's slot).
 const DELETE: &str = r#"
 now = server_now()
 local channel, publish = ARGV[2], ARGV[3]
 redis.call('PUBLISH', ARGV[4], ARGV[5])
 local fields, response = false, false
+-- Whether `err`, what `pcall` gave of a read that failed (the error's text), is the reads' own
+-- error about a key of the record of another type than the store writes; any other error is
+-- raised again as it was.
+local function wrong_type(err)
+  local text = type(err) == 'table' and err.err or tostring(err)
+  if string.find(text, 'IDEMCORRUPT ' .. nonce .. ' ', 1, true) == 1 then
+    return true
+  end
+  error(redis.error_reply(text))
+end
 if redis.call('EXISTS', rec) == 1 then
   local readable, cur = pcall(read_record)
   local purge_at, expires_at, live
@@ -356,8 +366,13 @@ if redis.call('EXISTS', rec) == 1 then
       fields = cur
       if cur[STATE] == 'completed' and (expires_at == nil or now < expires_at) then
         readable, response = pcall(stored_body)
+        if not readable then
+          wrong_type(response)
+        end
       end
     end
+  else
+    wrong_type(cur)
   end
   if not readable then
     -- A key of the record holds another type than the store writes: deleted all the same.
