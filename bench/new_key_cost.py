@@ -5,8 +5,8 @@ A new key is two scripts: idem's `begin` (on a key that does not exist) and `com
 `idempotent` 2.0.0's claim and complete scripts. This runs each, pipelined, on CALLS fresh keys
 and prints Redis's own accounting of them (`usec_per_call` of EVALSHA from `INFO commandstats`,
 reset before each phase; median of ROUNDS rounds), which leaves out the network and the client,
-and what one completed record then takes (`OBJECT ENCODING`, `MEMORY USAGE` of its hash; idem's
-answer is a key of its own beside it):
+and what one completed record then takes (`OBJECT ENCODING`, and `MEMORY USAGE ... SAMPLES 0` of
+its hash, every field counted; idem's answer is a key of its own beside it):
 
   idem          BEGIN and COMPLETE of crates/idem-redis/src/scripts.rs, with the prelude's
                 helpers each uses (as the store sends them; the same selection as
@@ -45,68 +45,59 @@ NOW = 1767225600000
 DAY = 86400000
 
 
-def evalsha_usec(r):
-    return r.info("commandstats")["cmdstat_evalsha"]["usec_per_call"]
+def timed(r, sha, calls):
+    """Runs the script `sha` once for each argument list of `calls` (its number of keys, its keys,
+    its arguments), pipelined, after resetting the server's statistics; returns the replies and
+    Redis's µs per call."""
+    r.config_resetstat()
+    pipe = r.pipeline(transaction=False)
+    for args in calls:
+        pipe.evalsha(sha, *args)
+    replies = pipe.execute()
+    return replies, r.info("commandstats")["cmdstat_evalsha"]["usec_per_call"]
+
+
+def delete(r, names):
+    pipe = r.pipeline(transaction=False)
+    for name in names:
+        pipe.delete(name)
+    pipe.execute()
 
 
 def idem_round(r, begin, complete, fingerprint, origin):
     tag = uuid.uuid4().hex[:10]
     keys = [tuple("{%s-%d}%s" % (tag, i, part) for part in "rbs") for i in range(CALLS)]
-    begin_sha, complete_sha = r.script_load(begin), r.script_load(complete)
-    r.config_resetstat()
-    pipe = r.pipeline(transaction=False)
-    for i, k in enumerate(keys):
-        pipe.evalsha(begin_sha, 3, *k, "b%d" % i, NOW, NOW + 60000, b"\x01" * 16, b"\xcd" * 32, fingerprint,
-                     NOW + 7 * DAY, "{%s-%d}w" % (tag, i), "PUBLISH", NOW + DAY, origin, "")
-    replies = pipe.execute()
+    channel = lambda i: "{%s-%d}w" % (tag, i)
+    replies, begin_usec = timed(r, r.script_load(begin), (
+        (3, *k, "b%d" % i, NOW, NOW + 60000, b"\x01" * 16, b"\xcd" * 32, fingerprint, NOW + 7 * DAY, channel(i),
+         "PUBLISH", NOW + DAY, origin, "") for i, k in enumerate(keys)))
     if replies[0][2] != b"acquired":
         sys.exit(f"new_key_cost.py: idem's begin did not claim a new key: {replies[0]!r}")
-    begin_usec = evalsha_usec(r)
-    r.config_resetstat()
-    pipe = r.pipeline(transaction=False)
-    for i, k in enumerate(keys):
-        pipe.evalsha(complete_sha, 3, *k, "c%d" % i, b"\x01" * 16, b"\xef" * 200, NOW + 5, NOW + DAY,
-                     NOW + 7 * DAY, "{%s-%d}w" % (tag, i), "PUBLISH", "", 201)
-    replies = pipe.execute()
+    replies, complete_usec = timed(r, r.script_load(complete), (
+        (3, *k, "c%d" % i, b"\x01" * 16, b"\xef" * 200, NOW + 5, NOW + DAY, NOW + 7 * DAY, channel(i), "PUBLISH", "",
+         201) for i, k in enumerate(keys)))
     if replies[0][2] != 1:
         sys.exit(f"new_key_cost.py: idem's complete did not store the answer: {replies[0]!r}")
-    complete_usec = evalsha_usec(r)
-    record = (r.object("encoding", keys[0][0]).decode(), r.memory_usage(keys[0][0]), r.memory_usage(keys[0][1]))
-    pipe = r.pipeline(transaction=False)
-    for k in keys:
-        pipe.delete(*k)
-    pipe.execute()
+    record = (r.object("encoding", keys[0][0]).decode(), r.memory_usage(keys[0][0], samples=0),
+              r.memory_usage(keys[0][1], samples=0))
+    delete(r, (name for k in keys for name in k))
     return begin_usec, complete_usec, record
 
 
 def idempotent_round(r, claim, complete):
     tag = "bench-new-key-cost-" + uuid.uuid4().hex[:10]
     counter = tag + "-ft"
-    claim_sha, complete_sha = r.script_load(claim), r.script_load(complete)
-    r.config_resetstat()
-    pipe = r.pipeline(transaction=False)
-    for i in range(CALLS):
-        pipe.evalsha(claim_sha, 2, "%s-%d" % (tag, i), counter, b"\x02" * 150, DAY, b"\xab" * 32)
-    claims = pipe.execute()
+    names = ["%s-%d" % (tag, i) for i in range(CALLS)]
+    claims, claim_usec = timed(r, r.script_load(claim), (
+        (2, name, counter, b"\x02" * 150, DAY, b"\xab" * 32) for name in names))
     if claims[0][0] != b"created":
         sys.exit(f"new_key_cost.py: idempotent's claim did not claim a new key: {claims[0]!r}")
-    claim_usec = evalsha_usec(r)
-    r.config_resetstat()
-    pipe = r.pipeline(transaction=False)
-    for i in range(CALLS):
-        pipe.evalsha(complete_sha, 1, "%s-%d" % (tag, i), b"\x03" * 400, claims[i][1], claims[i][2], DAY,
-                     b"\xab" * 32)
-    completed = pipe.execute()
+    completed, complete_usec = timed(r, r.script_load(complete), (
+        (1, name, b"\x03" * 400, claim[1], claim[2], DAY, b"\xab" * 32) for name, claim in zip(names, claims)))
     if completed[0] != 0:
         sys.exit(f"new_key_cost.py: idempotent's complete did not store the answer: {completed[0]!r}")
-    complete_usec = evalsha_usec(r)
-    first = "%s-0" % tag
-    record = (r.object("encoding", first).decode(), r.memory_usage(first), 0)
-    pipe = r.pipeline(transaction=False)
-    for i in range(CALLS):
-        pipe.delete("%s-%d" % (tag, i))
-    pipe.delete(counter)
-    pipe.execute()
+    record = (r.object("encoding", names[0]).decode(), r.memory_usage(names[0], samples=0), 0)
+    delete(r, names + [counter])
     return claim_usec, complete_usec, record
 
 
