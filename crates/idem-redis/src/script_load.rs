@@ -18,8 +18,6 @@ use redis::aio::ConnectionLike;
 use redis::{Cmd, ErrorKind, Pipeline, RedisResult, Script, ServerErrorKind, Value};
 use tokio::sync::Mutex;
 
-use crate::conn::Conn;
-
 /// How many scripts the store has: each has its own place (`index`) in a [`ScriptLoads`].
 pub(crate) const SCRIPTS: usize = 11;
 
@@ -72,7 +70,7 @@ impl StoreScript {
     pub(crate) async fn send<C: ScriptCall>(
         &self,
         loads: &ScriptLoads,
-        conn: &mut Conn,
+        conn: &mut (impl ConnectionLike + Send),
         call: &C,
     ) -> RedisResult<C::Reply> {
         let turns = &loads.scripts[self.index];
@@ -97,7 +95,7 @@ impl StoreScript {
         call.send(conn).await
     }
 
-    async fn load(&self, conn: &mut Conn) -> RedisResult<()> {
+    async fn load(&self, conn: &mut (impl ConnectionLike + Send)) -> RedisResult<()> {
         self.script.load_async(conn).await.map(drop)
     }
 }
@@ -108,7 +106,10 @@ pub(crate) trait ScriptCall {
     type Reply;
 
     /// Sends it.
-    fn send<'a>(&'a self, conn: &'a mut Conn) -> impl Future<Output = RedisResult<Self::Reply>> + Send + 'a;
+    fn send<'a>(
+        &'a self,
+        conn: &'a mut (impl ConnectionLike + Send),
+    ) -> impl Future<Output = RedisResult<Self::Reply>> + Send + 'a;
 
     /// True if `reply` says the server does not know the script.
     fn missing(reply: &RedisResult<Self::Reply>) -> bool;
@@ -117,7 +118,10 @@ pub(crate) trait ScriptCall {
 impl ScriptCall for Cmd {
     type Reply = Value;
 
-    fn send<'a>(&'a self, conn: &'a mut Conn) -> impl Future<Output = RedisResult<Value>> + Send + 'a {
+    fn send<'a>(
+        &'a self,
+        conn: &'a mut (impl ConnectionLike + Send),
+    ) -> impl Future<Output = RedisResult<Value>> + Send + 'a {
         self.query_async(conn)
     }
 
@@ -131,7 +135,10 @@ impl ScriptCall for Cmd {
 impl ScriptCall for Pipeline {
     type Reply = Vec<Value>;
 
-    fn send<'a>(&'a self, conn: &'a mut Conn) -> impl Future<Output = RedisResult<Vec<Value>>> + Send + 'a {
+    fn send<'a>(
+        &'a self,
+        conn: &'a mut (impl ConnectionLike + Send),
+    ) -> impl Future<Output = RedisResult<Vec<Value>>> + Send + 'a {
         conn.req_packed_commands(self, 0, self.len())
     }
 
