@@ -11,6 +11,8 @@ const MAX_DEPTH: usize = 127;
 /// needs more, and it keeps every exponent computation far from `i64` overflow.
 const MAX_EXPONENT: i64 = 1_000_000_000_000_000;
 
+use std::borrow::Cow;
+
 /// The canonical bytes of `body`, or `None` if it must be hashed as raw bytes.
 ///
 /// Two bodies get the same canonical bytes exactly when they are the same JSON value. Where RFC 8785's
@@ -30,15 +32,18 @@ pub(crate) fn canonicalise(body: &[u8]) -> Option<Vec<u8>> {
     Some(out)
 }
 
-enum Value {
+/// A parsed value. Its strings and numbers borrow the body's text where it is already their
+/// canonical form (a string without escapes, a number written as RFC 8785 writes it), which is the
+/// common case: a request's fingerprint then allocates once per array or object, not per token.
+enum Value<'a> {
     Null,
     Bool(bool),
     /// Already in its canonical rendering.
-    Number(Vec<u8>),
-    String(String),
-    Array(Vec<Value>),
+    Number(Cow<'a, [u8]>),
+    String(Cow<'a, str>),
+    Array(Vec<Value<'a>>),
     /// Sorted by the UTF-16 code units of the names, which are unique.
-    Object(Vec<(String, Value)>),
+    Object(Vec<(Cow<'a, str>, Value<'a>)>),
 }
 
 struct Parser<'a> {
@@ -47,7 +52,7 @@ struct Parser<'a> {
     pos: usize,
 }
 
-impl Parser<'_> {
+impl<'a> Parser<'a> {
     fn peek(&self) -> Option<u8> {
         self.text.as_bytes().get(self.pos).copied()
     }
@@ -65,7 +70,7 @@ impl Parser<'_> {
     }
 
     /// A value starting at `pos`, inside `depth` arrays and objects.
-    fn value(&mut self, depth: usize) -> Option<Value> {
+    fn value(&mut self, depth: usize) -> Option<Value<'a>> {
         match self.peek()? {
             b'{' => self.object(depth + 1),
             b'[' => self.array(depth + 1),
@@ -78,7 +83,7 @@ impl Parser<'_> {
         }
     }
 
-    fn literal(&mut self, word: &str, value: Value) -> Option<Value> {
+    fn literal(&mut self, word: &str, value: Value<'a>) -> Option<Value<'a>> {
         let found = self.text.as_bytes()[self.pos..].starts_with(word.as_bytes());
         found.then(|| {
             self.pos += word.len();
@@ -86,7 +91,7 @@ impl Parser<'_> {
         })
     }
 
-    fn array(&mut self, depth: usize) -> Option<Value> {
+    fn array(&mut self, depth: usize) -> Option<Value<'a>> {
         // Checked before descending, so hostile nesting never grows the stack past the limit.
         if depth > MAX_DEPTH {
             return None;
@@ -110,7 +115,7 @@ impl Parser<'_> {
         }
     }
 
-    fn object(&mut self, depth: usize) -> Option<Value> {
+    fn object(&mut self, depth: usize) -> Option<Value<'a>> {
         if depth > MAX_DEPTH {
             return None;
         }
@@ -148,26 +153,36 @@ impl Parser<'_> {
         Some(Value::Object(members))
     }
 
-    /// The text of the string whose opening quote is at `pos`, escapes resolved.
-    fn string(&mut self) -> Option<String> {
+    /// The text of the string whose opening quote is at `pos`, escapes resolved: borrowed from the
+    /// body unless it has escapes.
+    fn string(&mut self) -> Option<Cow<'a, str>> {
         self.pos += 1;
-        let bytes = self.text.as_bytes();
-        let mut text = String::new();
+        let text: &'a str = self.text;
+        let bytes = text.as_bytes();
+        let mut resolved: Option<String> = None;
         loop {
-            // Copy whole runs: a long string costs one pass, not one push per character.
+            // Whole runs at a time: a long string costs one pass, not one push per character.
             let run = bytes[self.pos..]
                 .iter()
                 .position(|&byte| byte == b'"' || byte == b'\\' || byte < 0x20)?;
-            text.push_str(&self.text[self.pos..self.pos + run]);
+            let chunk = &text[self.pos..self.pos + run];
             self.pos += run;
             match bytes[self.pos] {
                 b'"' => {
                     self.pos += 1;
-                    return Some(text);
+                    return Some(match resolved {
+                        None => Cow::Borrowed(chunk),
+                        Some(mut owned) => {
+                            owned.push_str(chunk);
+                            Cow::Owned(owned)
+                        }
+                    });
                 }
                 b'\\' => {
                     self.pos += 1;
-                    text.push(self.escape()?);
+                    let owned = resolved.get_or_insert_with(String::new);
+                    owned.push_str(chunk);
+                    owned.push(self.escape()?);
                 }
                 // A raw control character: JSON requires it to be escaped.
                 _ => return None,
@@ -221,7 +236,7 @@ impl Parser<'_> {
     }
 
     /// The canonical rendering of the number at `pos`.
-    fn number(&mut self) -> Option<Vec<u8>> {
+    fn number(&mut self) -> Option<Cow<'a, [u8]>> {
         let start = self.pos;
         // Every character a number may contain; the strict grammar is checked by `Decimal::parse`.
         // Valid JSON never has one of them right after a number, so the token's extent is right.
@@ -230,7 +245,8 @@ impl Parser<'_> {
             .position(|byte| !matches!(byte, b'0'..=b'9' | b'-' | b'+' | b'.' | b'e' | b'E'))
             .unwrap_or(self.text.len() - start);
         self.pos += len;
-        render_number(&self.text[start..self.pos])
+        let text: &'a str = self.text;
+        render_number(&text[start..self.pos])
     }
 }
 
@@ -338,21 +354,25 @@ fn leading_digits(bytes: &[u8]) -> usize {
 /// nearest `f64`) where it denotes exactly the literal's value, otherwise the exact rendering. Either
 /// way the text denotes the value exactly, so different values never share a rendering, and which one
 /// is chosen depends only on the value.
-fn render_number(literal: &str) -> Option<Vec<u8>> {
+fn render_number(literal: &str) -> Option<Cow<'_, [u8]>> {
     let value = Decimal::parse(literal.as_bytes())?;
     // The standard library's parse is correctly rounded, as serde_json's was for the old digests.
     let nearest: f64 = literal.parse().ok()?;
     if nearest.is_finite() {
         let mut buffer = ryu_js::Buffer::new();
         let shortest = buffer.format_finite(nearest);
+        if shortest == literal {
+            // Already written as RFC 8785 writes it (`100`, `0.5`), so it denotes the value.
+            return Some(Cow::Borrowed(literal.as_bytes()));
+        }
         if Decimal::parse(shortest.as_bytes()).is_some_and(|shortest| shortest == value) {
-            return Some(shortest.as_bytes().to_vec());
+            return Some(Cow::Owned(shortest.as_bytes().to_vec()));
         }
     }
-    Some(value.exact_rendering())
+    Some(Cow::Owned(value.exact_rendering()))
 }
 
-impl Value {
+impl Value<'_> {
     fn write(&self, out: &mut Vec<u8>) {
         match self {
             Self::Null => out.extend_from_slice(b"null"),
@@ -594,6 +614,12 @@ mod tests {
         assert_eq!(canonical(r#""\u0041""#), canonical(r#""A""#));
         assert_eq!(canonical(r#""\/""#).unwrap(), r#""/""#);
         assert_eq!(canonical(r#""\u00e9\u00E9""#).unwrap(), "\"éé\"");
+        // Text before, between and after escapes, and names and numbers already canonical (kept as
+        // they are written) beside ones that are not.
+        assert_eq!(
+            canonical(r#"{"ab\u0063d":"x\ty\u0020z","plain":[100,0.5,-7,1E2,1.50]}"#).unwrap(),
+            r#"{"abcd":"x\ty z","plain":[100,0.5,-7,100,1.5]}"#
+        );
         assert_eq!(
             canonical(r#""\u0000\u0008\u0009\u000a\u000C\u000d\u001F\u007f\u0022\u005c\u2028""#).unwrap(),
             "\"\\u0000\\b\\t\\n\\f\\r\\u001f\u{7f}\\\"\\\\\u{2028}\""

@@ -200,12 +200,12 @@ impl FromStr for ScopeSource {
 /// Lower-case hex, two digits a byte (on every request's path: no formatting machinery).
 pub fn hex(bytes: &[u8]) -> String {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut s = String::with_capacity(bytes.len() * 2);
+    // Bytes, then one check: pushing `char`s would encode each digit as UTF-8 again.
+    let mut digits = Vec::with_capacity(bytes.len() * 2);
     for b in bytes {
-        s.push(char::from(DIGITS[usize::from(b >> 4)]));
-        s.push(char::from(DIGITS[usize::from(b & 0xf)]));
+        digits.extend_from_slice(&[DIGITS[usize::from(b >> 4)], DIGITS[usize::from(b & 0xf)]]);
     }
-    s
+    String::from_utf8(digits).expect("hex digits are ASCII")
 }
 
 #[cfg(test)]
