@@ -71,12 +71,12 @@ def idem_round(r, begin, complete, fingerprint, origin):
     replies, begin_usec = timed(r, r.script_load(begin), (
         (3, *k, "b%d" % i, NOW, NOW + 60000, b"\x01" * 16, b"\xcd" * 32, fingerprint, NOW + 7 * DAY, channel(i),
          "PUBLISH", NOW + DAY, origin, "") for i, k in enumerate(keys)))
-    if replies[0][2] != b"acquired":
+    if replies[0][1] != b"acquired":
         sys.exit(f"new_key_cost.py: idem's begin did not claim a new key: {replies[0]!r}")
     replies, complete_usec = timed(r, r.script_load(complete), (
         (3, *k, "c%d" % i, b"\x01" * 16, b"\xef" * 200, NOW + 5, NOW + DAY, NOW + 7 * DAY, channel(i), "PUBLISH", "",
          201) for i, k in enumerate(keys)))
-    if replies[0][2] != 1:
+    if replies[0][1] != 1:
         sys.exit(f"new_key_cost.py: idem's complete did not store the answer: {replies[0]!r}")
     record = (r.object("encoding", keys[0][0]).decode(), r.memory_usage(keys[0][0], samples=0),
               r.memory_usage(keys[0][1], samples=0))

@@ -5,10 +5,12 @@
 //! call. The wake-up channel (same tag, so `SPUBLISH` reaches the shard that runs the script) and
 //! the publish command (`PUBLISH` standalone, `SPUBLISH` on a cluster) come in ARGV too.
 //!
-//! Every reply starts with the record's key and the call's nonce (`{rec, nonce, ...}`), and so
-//! does every error the scripts raise about a record: a reply that reaches another call than the
-//! one it answers (a connection whose replies are shifted by one) names another record or nonce,
-//! and is refused instead of being acted on.
+//! Every reply starts with the call's nonce (`{nonce, ...}`), and every error the scripts raise
+//! about a record with the nonce and the record's key: a reply that reaches another call than the
+//! one it answers (a connection whose replies are shifted by one) names another nonce, and is
+//! refused instead of being acted on. The nonce is 128 random bits, fresh for every call, so it
+//! alone tells the calls apart; a reply does not repeat the record's key, which would only be
+//! sent back and parsed on every call (about 95 bytes each way).
 //!
 //! Times are the caller's Unix milliseconds, compared with the stored ones; native expiry is set
 //! *relative* to the caller's `now` (never `PEXPIREAT`), so callers with a fake clock still get
@@ -28,7 +30,7 @@
 //! A corrupt record raises an error reply `IDEMCORRUPT <nonce> <record> ...` (see [`CORRUPT`]).
 //!
 //! One script is about no record: `scope_salt` gets the store's salt hash as its only key, in
-//! `KEYS[1]` (so `rec` in its replies), and replies with the same `{key, nonce, ...}` check.
+//! `KEYS[1]` (so `rec` in its errors), and replies with the same `{nonce, ...}` check.
 
 use std::sync::LazyLock;
 
@@ -42,7 +44,7 @@ const PRELUDE: &str = r#"
 local rec, body, steps, nonce = KEYS[1], KEYS[2], KEYS[3], ARGV[1]
 local now
 local function answer(...)
-  return {rec, nonce, ...}
+  return {nonce, ...}
 end
 local function corrupt(what)
   error(redis.error_reply('IDEMCORRUPT ' .. nonce .. ' ' .. rec .. ' ' .. what))
@@ -157,8 +159,8 @@ end
 /// [`COUNT_REPLAYS`]). Every `redis.call` costs the script several microseconds of the server's
 /// one thread, so the common paths make as few as they can.
 ///
-/// Returns `{rec, nonce, 'acquired', recovered}` or
-/// `{rec, nonce, 'existing', the record's fields (see `read_claim`), body or nil}`.
+/// Returns `{nonce, 'acquired', recovered}` or
+/// `{nonce, 'existing', the record's fields (see `read_claim`), body or nil}`.
 const BEGIN: &str = r#"
 now = num(ARGV[2], 'now')
 local lease_until, token, digest, fingerprint = ARGV[3], ARGV[4], ARGV[5], ARGV[6]
@@ -213,8 +215,8 @@ return answer('existing', cur, response)
 "#;
 
 /// Adds replays counted by a store to the record, if it still exists (a count never makes a key
-/// of its own, which would have no expiry). ARGV: nonce, how many. Returns `{rec, nonce, 1}`, or
-/// `{rec, nonce, 0}` if there is no record.
+/// of its own, which would have no expiry). ARGV: nonce, how many. Returns `{nonce, 1}`, or
+/// `{nonce, 0}` if there is no record.
 const COUNT_REPLAYS: &str = r#"
 if redis.call('HEXISTS', rec, 'state') == 0 then
   return answer(0)
@@ -229,7 +231,7 @@ return answer(1)
 /// have stored the answer unseen (else empty), and the answer's status. Deletes the run's
 /// checkpoints (if it recorded any: the record's `stepped`, set by `checkpoint`), keeps the token
 /// as `completed_by` and the status as `status`; `recovered` stays, saying whether the run that
-/// answered was recovered. Returns `{rec, nonce, 1}`, or `{rec, nonce, 0}` if the token is not
+/// answered was recovered. Returns `{nonce, 1}`, or `{nonce, 0}` if the token is not
 /// the current claim (with `again`: nor the claim whose answer is stored, which is then left as
 /// it is).
 const COMPLETE: &str = r#"
@@ -265,8 +267,8 @@ return answer(1)
 /// `release`. ARGV: nonce, token, `forget` or `unknown`, purge_at (for `unknown`), channel,
 /// publish command, expires_at (for `unknown`). `forget` deletes the checkpoints with the record;
 /// `unknown` keeps them for the next run, with the record's new expiry, and keeps what the record
-/// says about its run (`origin`, `trace_id`, `recovered`). Returns `{rec, nonce, 1}`, or
-/// `{rec, nonce, 0}` if fenced.
+/// says about its run (`origin`, `trace_id`, `recovered`). Returns `{nonce, 1}`, or
+/// `{nonce, 0}` if fenced.
 const RELEASE: &str = r#"
 local token, mode, channel, publish = ARGV[2], ARGV[3], ARGV[5], ARGV[6]
 local cur = hmget('state', 'token', 'purge_at')
@@ -289,8 +291,8 @@ return answer(1)
 
 /// `renew`. ARGV: nonce, token, lease_until, purge_at for a claim written without an expires_at
 /// (the old rule). A claim with one keeps its purge_at, moved to the new lease's end if that is
-/// later. Moves the checkpoints' expiry with the record's. Returns `{rec, nonce, 1}`, or
-/// `{rec, nonce, 0}` if fenced.
+/// later. Moves the checkpoints' expiry with the record's. Returns `{nonce, 1}`, or
+/// `{nonce, 0}` if fenced.
 const RENEW: &str = r#"
 local token = ARGV[2]
 local cur = hmget('state', 'token', 'purge_at', 'expires_at')
@@ -311,7 +313,7 @@ expire_steps_with_record()
 return answer(1)
 "#;
 
-/// `get`. ARGV: nonce. Returns `{rec, nonce, the record's fields (see `read_record`) or nil, body
+/// `get`. ARGV: nonce. Returns `{nonce, the record's fields (see `read_record`) or nil, body
 /// or nil}`, read at one instant and judged at the server's clock: a record past purge_at is absent,
 /// an answer past expires_at is dropped, even in the moment before their keys expire.
 const GET: &str = r#"
@@ -331,7 +333,7 @@ return answer(cur, response)
 "#;
 
 /// `delete`. ARGV: nonce, channel, publish command, the store's deletions channel, the record's
-/// digest. Returns `{rec, nonce, the record's fields or
+/// digest. Returns `{nonce, the record's fields or
 /// nil, body or nil}` as they were, judged at that clock as `get` judges them (a record past
 /// purge_at was already absent), and, as `Store::delete` says, deletes the record, its body and its
 /// checkpoints, or, for a claim in flight, fences it (no token) and leaves it unknown with the
@@ -392,9 +394,9 @@ redis.call('DEL', rec, body, steps)
 return answer(fields, response)
 "#;
 
-/// `claim_state`, and the polls of `wait`. ARGV: nonce, token. Returns `{rec, nonce, 2}` if the
-/// record is in flight under the token, `{rec, nonce, 1}` if it was completed under it
-/// (`completed_by`), `{rec, nonce, 0}` otherwise.
+/// `claim_state`, and the polls of `wait`. ARGV: nonce, token. Returns `{nonce, 2}` if the
+/// record is in flight under the token, `{nonce, 1}` if it was completed under it
+/// (`completed_by`), `{nonce, 0}` otherwise.
 const CLAIM_STATE: &str = r#"
 local cur = hmget('state', 'token', 'completed_by')
 if cur[1] == 'in-flight' and cur[2] == ARGV[2] then
@@ -408,8 +410,8 @@ return answer(0)
 
 /// `checkpoint`. ARGV: nonce, token, name, value. Records the checkpoint if the record is in flight
 /// under this token: a new name goes after the others, a known one keeps its place and takes the
-/// new value; the hash then expires with the record. Returns `{rec, nonce, 1}`, or
-/// `{rec, nonce, 0}` if fenced (no record, another claim, or no claim in flight).
+/// new value; the hash then expires with the record. Returns `{nonce, 1}`, or
+/// `{nonce, 0}` if fenced (no record, another claim, or no claim in flight).
 const CHECKPOINT: &str = r#"
 local token, name, value = ARGV[2], ARGV[3], ARGV[4]
 local cur = hmget('state', 'token')
@@ -426,7 +428,7 @@ expire_steps_with_record()
 return answer(1)
 "#;
 
-/// `checkpoints`. ARGV: nonce. Returns `{rec, nonce, {name1, value1, name2, value2, ...}}` in the
+/// `checkpoints`. ARGV: nonce. Returns `{nonce, {name1, value1, name2, value2, ...}}` in the
 /// order the names were first written, judged at the server's clock as `get` judges the record:
 /// none unless the record is in flight or unknown and not past its purge_at.
 const CHECKPOINTS: &str = r#"
@@ -456,7 +458,7 @@ return answer(flat)
 /// the key is given no expiry. A salt that exists counts one more `reads`, so that the call always
 /// writes: its acknowledgement by a replica then proves the replica has the salt, even when
 /// another instance made it a moment ago (a salt lost in a failover would rename every scope).
-/// Returns `{key, nonce, HGETALL of the key}` as it is afterwards (an empty hash if there is
+/// Returns `{nonce, HGETALL of the key}` as it is afterwards (an empty hash if there is
 /// still none).
 const SCOPE_SALT: &str = r#"
 if ARGV[2] and redis.call('EXISTS', rec) == 0 then

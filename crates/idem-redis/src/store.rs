@@ -49,8 +49,8 @@ use crate::{RedisError, origin, url};
 ///
 /// The store holds two multiplexed connections (on a cluster, two per node): one runs commands,
 /// the other holds the wake-up subscriptions. Both reconnect by themselves after an outage;
-/// operations fail with [`StoreError::Unavailable`] meanwhile. Every reply names the record and
-/// the call it answers: one that does not is an error, never acted on, and the connection it came
+/// operations fail with [`StoreError::Unavailable`] meanwhile. Every reply names the call it
+/// answers (its nonce): one that does not is an error, never acted on, and the connection it came
 /// on is replaced. Cloning is cheap and shares both connections.
 #[derive(Clone)]
 pub struct RedisStore {

@@ -312,7 +312,7 @@ async fn a_reset_with_the_resubscription_held_past_the_timeout_never_misroutes_a
 
 /// A reply the store never asked for (one reply too many on its command connection, as a
 /// resubscription answered N times for one request leaves) shifts every later reply by one: each
-/// script's reply names its record and nonce, so the shift is an error, never an answer.
+/// script's reply names its call's nonce, so the shift is an error, never an answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reply_too_many_is_detected_and_never_acted_on() {
     let fixture = fixture().await;
