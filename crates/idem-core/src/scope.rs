@@ -200,10 +200,11 @@ impl FromStr for ScopeSource {
 /// Lower-case hex, two digits a byte (on every request's path: no formatting machinery).
 pub fn hex(bytes: &[u8]) -> String {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    // Bytes, then one check: pushing `char`s would encode each digit as UTF-8 again.
-    let mut digits = Vec::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        digits.extend_from_slice(&[DIGITS[usize::from(b >> 4)], DIGITS[usize::from(b & 0xf)]]);
+    // Into bytes, then one check: pushing `char`s would encode each digit as UTF-8 again.
+    let mut digits = vec![0; bytes.len() * 2];
+    for (pair, b) in digits.chunks_exact_mut(2).zip(bytes) {
+        pair[0] = DIGITS[usize::from(b >> 4)];
+        pair[1] = DIGITS[usize::from(b & 0xf)];
     }
     String::from_utf8(digits).expect("hex digits are ASCII")
 }
@@ -218,6 +219,12 @@ mod tests {
             builder = builder.header(*name, http::HeaderValue::from_bytes(value).unwrap());
         }
         builder.body(()).unwrap().into_parts().0
+    }
+
+    #[test]
+    fn hex_is_two_lower_case_digits_a_byte() {
+        assert_eq!(hex(&[]), "");
+        assert_eq!(hex(&[0x00, 0x0f, 0x10, 0xab, 0xff]), "000f10abff");
     }
 
     #[test]

@@ -242,7 +242,9 @@ where
             ))
             .await;
         };
-        self.tasks.spawn(task.instrument(self.report.span.clone()));
+        // Boxed: the task's future holds the request until it runs, and spawning moves a future
+        // whole several times (into the runtime's task cell); a box is moved as a pointer.
+        self.tasks.spawn(Box::pin(task).instrument(self.report.span.clone()));
         let answered = match decision.await {
             Ok(Decided::Respond { response, outcome, id }) => {
                 if matches!(outcome, Outcome::Waited | Outcome::InFlight) {
