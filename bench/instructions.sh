@@ -30,18 +30,13 @@ die() { printf 'instructions.sh: %s\n' "$*" >&2; exit 1; }
 for tool in valgrind callgrind_control callgrind_annotate redis-server wrk curl; do
     command -v "$tool" >/dev/null || die "no $tool on PATH (apt-get install valgrind redis-server wrk curl)"
 done
-for bin in tower idempotent; do
-    [ -x "$HERE/target/release/$bin" ] || die "no $HERE/target/release/$bin: cd bench && cargo build --release --ignore-rust-version"
-done
+# shellcheck source=bench/private_redis.sh
+source "$HERE/private_redis.sh"
+need_servers tower idempotent
 
 PIDS=()
 trap 'kill "${PIDS[@]}" 2>/dev/null; wait 2>/dev/null || true; rm -rf "$TMP"' EXIT
-rcli() { redis-cli -p "$PORT" "$@"; }
-rcli ping >/dev/null 2>&1 && die "something already answers on port $PORT: PORT=<another> bench/instructions.sh"
-redis-server --port "$PORT" --bind 127.0.0.1 --save '' --appendonly no >/dev/null 2>&1 &
-PIDS+=($!)
-for _ in $(seq 1 50); do rcli ping >/dev/null 2>&1 && break; sleep 0.1; done
-rcli ping >/dev/null || die "the private redis-server on port $PORT did not start"
+start_private_redis instructions.sh
 
 # count NAME BINARY PORT: prints "NAME | Ir/key | without SHA-256 | keys".
 count() {

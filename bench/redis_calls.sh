@@ -26,19 +26,14 @@ RUN="calls-$(date +%s)-$$"
 die() { printf 'redis_calls.sh: %s\n' "$*" >&2; exit 1; }
 command -v redis-server >/dev/null || die "no redis-server on PATH (apt-get install redis-server)"
 command -v wrk >/dev/null || die "no wrk on PATH (apt-get install wrk)"
-for bin in tower idempotent; do
-    [ -x "$HERE/target/release/$bin" ] || die "no $HERE/target/release/$bin: cd bench && cargo build --release --ignore-rust-version"
-done
+# shellcheck source=bench/private_redis.sh
+source "$HERE/private_redis.sh"
+need_servers tower idempotent
 
 PIDS=()
 # Waits for them too, so that a run right after this one finds the port free.
 trap 'kill "${PIDS[@]}" 2>/dev/null; wait 2>/dev/null || true' EXIT
-rcli() { redis-cli -p "$PORT" "$@"; }
-rcli ping >/dev/null 2>&1 && die "something already answers on port $PORT: PORT=<another> bench/redis_calls.sh"
-redis-server --port "$PORT" --bind 127.0.0.1 --save '' --appendonly no >/dev/null 2>&1 &
-PIDS+=($!)
-for _ in $(seq 1 50); do rcli ping >/dev/null 2>&1 && break; sleep 0.1; done
-rcli ping >/dev/null || die "the private redis-server on port $PORT did not start"
+start_private_redis redis_calls.sh
 
 # stat SECTION NAME: a number from INFO SECTION.
 stat() { rcli info "$1" | tr -d '\r' | awk -F: -v name="$2" '$1 == name {print $2}'; }
