@@ -5,38 +5,53 @@ use std::sync::Arc;
 
 use anyhow::Context as _;
 use idem_core::{Store, redact_url};
-use idem_postgres::{PostgresStore, StoreDatabase};
-use idem_redis::RedisStore;
-use idem_sqlite::SqliteStore;
+use idem_postgres::{PostgresError, PostgresStore, StoreDatabase};
+use idem_redis::{RedisError, RedisStore};
+use idem_sqlite::{SqliteError, SqliteStore};
+
+use crate::misconfigured::Misconfigured;
 
 /// The store of every command that is given none: a SQLite file in the working directory.
 pub(crate) const DEFAULT_STORE: &str = "sqlite://idem.db";
 
 /// Opens (and migrates) the store at `url`: `sqlite://`, `postgres://`, `redis://`, `redis+sentinel://` or `redis+cluster://`.
+///
+/// A URL that does not parse (an unknown scheme, a bad option) is a setting that cannot work: it
+/// fails as [`Misconfigured`], so the command exits 2 as for a bad flag. A store that cannot be
+/// reached or opened fails as itself (exit 1): the same command may work once it is up.
 pub(crate) async fn open(url: &str) -> anyhow::Result<Arc<dyn Store>> {
     let scheme = url.split_once(':').map_or(url, |(scheme, _)| scheme);
     match scheme {
-        "sqlite" => {
-            let store = SqliteStore::from_url(url)
-                .await
-                .with_context(|| format!("cannot open the store {}", redact_url(url)))?;
-            Ok(Arc::new(store))
-        }
-        "postgres" | "postgresql" => {
-            let store = PostgresStore::connect(url)
-                .await
-                .context("cannot open the PostgreSQL store")?;
-            Ok(Arc::new(store))
-        }
-        "redis" | "redis+sentinel" | "redis+cluster" => {
-            let store = RedisStore::connect(url).await.context("cannot open the Redis store")?;
-            Ok(Arc::new(store))
-        }
-        _ => anyhow::bail!(
+        "sqlite" => match SqliteStore::from_url(url).await {
+            Ok(store) => Ok(Arc::new(store)),
+            Err(err @ SqliteError::InvalidUrl { .. }) => Err(misconfigured(err)),
+            Err(err) => Err(anyhow::Error::new(err).context(format!("cannot open the store {}", redact_url(url)))),
+        },
+        "postgres" | "postgresql" => match PostgresStore::connect(url).await {
+            Ok(store) => Ok(Arc::new(store)),
+            Err(err @ PostgresError::InvalidUrl { .. }) => Err(misconfigured(err)),
+            Err(err) => Err(anyhow::Error::new(err).context("cannot open the PostgreSQL store")),
+        },
+        "redis" | "redis+sentinel" | "redis+cluster" => match RedisStore::connect(url).await {
+            Ok(store) => Ok(Arc::new(store)),
+            Err(err @ RedisError::InvalidUrl { .. }) => Err(misconfigured(err)),
+            Err(err) => Err(anyhow::Error::new(err).context("cannot open the Redis store")),
+        },
+        _ => Err(misconfigured(format!(
             "unknown store URL {:?}: use sqlite://PATH, postgres://…, redis://HOST:PORT, redis+sentinel://S1:P1,S2:P2,…/PRIMARY or redis+cluster://H1:P1,H2:P2,…",
             redact_url(url)
-        ),
+        ))),
     }
+}
+
+/// A store URL that cannot work, named as the `--store` setting (its message redacts the URL's
+/// password, as every store's does).
+fn misconfigured(reason: impl std::fmt::Display) -> anyhow::Error {
+    Misconfigured {
+        flag: "store",
+        reason: reason.to_string(),
+    }
+    .into()
 }
 
 /// A small pool of plain connections to the database of a `postgres://` store (`database`), for

@@ -127,6 +127,43 @@ async fn a_store_that_cannot_be_opened_stops_serve_with_a_message_naming_it() {
     );
 }
 
+/// A store URL that cannot work is a usage error (exit 2, as a bad flag's value), named as
+/// `--store` and with its password hidden; a store that is only unreachable is not (exit 1: the
+/// same command works once it is up).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_url_that_cannot_work_exits_2_and_an_unreachable_store_exits_1() {
+    for (url, says) in [
+        ("redis://:hunter2@127.0.0.1:9/?replicas=abc", "replicas"),
+        ("redis://127.0.0.1:9/?bogus=1", "unknown option \"bogus\""),
+        ("postgres://u:hunter2@127.0.0.1:9/test?pool_size=-1", "pool_size"),
+        ("sqlite:///tmp/idem-never.db?mode=zz", "query parameters"),
+        ("mysql://u:hunter2@127.0.0.1:9/db", "unknown store URL"),
+    ] {
+        for command in [&["list", "--store", url][..], &["purge", "--store", url][..]] {
+            let output = run_idem(command, COMMAND_LIMIT).await;
+            let stderr = String::from_utf8_lossy(&output.stderr);
+            assert_eq!(output.status.code(), Some(2), "{command:?}:\n{}", describe(&output));
+            assert!(
+                stderr.contains("--store: ") && stderr.contains(says),
+                "{command:?} names the setting and what is wrong:\n{}",
+                describe(&output)
+            );
+            assert!(
+                !stderr.contains("hunter2"),
+                "{command:?} shows the password:\n{}",
+                describe(&output)
+            );
+        }
+    }
+    let unreachable = run_idem(&["list", "--store", "redis://127.0.0.1:9"], COMMAND_LIMIT).await;
+    assert_eq!(unreachable.status.code(), Some(1), "{}", describe(&unreachable));
+    assert!(
+        String::from_utf8_lossy(&unreachable.stderr).contains("cannot open the Redis store"),
+        "{}",
+        describe(&unreachable)
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_and_purge_succeed_on_a_fresh_store() {
     let dir = tempfile::tempdir().unwrap();
