@@ -2,6 +2,8 @@
 //! its exact decimal value. It owns a strict I-JSON parser; a body it refuses (not I-JSON, nested too
 //! deeply, an absurd exponent) is hashed by the caller as raw bytes instead.
 
+use std::borrow::Cow;
+
 /// How deeply arrays and objects may nest. serde_json, behind the canonicaliser that produced the
 /// digests already stored, accepted 127 levels and refused 128; refusing the same bodies keeps those
 /// digests valid. The limit also bounds the recursion of the parser and of the writer.
@@ -10,8 +12,6 @@ const MAX_DEPTH: usize = 127;
 /// The largest magnitude of a number's decimal exponent (of its first significant digit). No request
 /// needs more, and it keeps every exponent computation far from `i64` overflow.
 const MAX_EXPONENT: i64 = 1_000_000_000_000_000;
-
-use std::borrow::Cow;
 
 /// The canonical bytes of `body`, or `None` if it must be hashed as raw bytes.
 ///

@@ -139,7 +139,7 @@ const COMMAND_ARGS: usize = 24;
 const COMMAND_BYTES: usize = 768;
 
 /// Runs `script` (the operation `what`) on `keys` with a fresh nonce and `args`; returns the reply
-/// after the key and nonce it names. A reply that names another key or call, or is not a script's
+/// after the nonce it names. A reply that names another call, or is not a script's
 /// reply at all, is an error, and the connection it came on is replaced. A call that
 /// [`Durability::Replicas`] waits for the replicas its rule wants.
 pub(crate) async fn run_script(

@@ -156,7 +156,7 @@ end
 ///
 /// The record is read once (one `HMGET` of every field it may have), and a replay is that read and
 /// the `GET` of its body: no write (the store counts replays itself and adds them later, see
-/// [`COUNT_REPLAYS`]). Every `redis.call` costs the script several microseconds of the server's
+/// [`COUNT_REPLAYS`]). Every `redis.call` costs the script about a microsecond of the server's
 /// one thread, so the common paths make as few as they can.
 ///
 /// Returns `{nonce, 'acquired', recovered}` or
