@@ -32,7 +32,7 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from script_cost import SCRIPTS, connect, with_helpers  # noqa: E402
+from script_cost import DAY, NOW, SCRIPTS, connect, delete, timed, with_helpers  # noqa: E402
 
 try:
     import redis
@@ -41,29 +41,6 @@ except ImportError:
 
 ROUNDS = int(os.environ.get("ROUNDS", "5"))
 CALLS = int(os.environ.get("CALLS", "15000"))
-NOW = 1767225600000
-DAY = 86400000
-
-
-def timed(r, sha, calls):
-    """Runs the script `sha` once for each argument list of `calls` (its number of keys, its keys,
-    its arguments), pipelined, after resetting the server's statistics; returns the replies and
-    Redis's µs per call."""
-    r.config_resetstat()
-    pipe = r.pipeline(transaction=False)
-    for args in calls:
-        pipe.evalsha(sha, *args)
-    replies = pipe.execute()
-    return replies, r.info("commandstats")["cmdstat_evalsha"]["usec_per_call"]
-
-
-def delete(r, names):
-    pipe = r.pipeline(transaction=False)
-    for name in names:
-        pipe.delete(name)
-    pipe.execute()
-
-
 def idem_round(r, begin, complete, fingerprint, origin):
     tag = uuid.uuid4().hex[:10]
     keys = [tuple("{%s-%d}%s" % (tag, i, part) for part in "rbs") for i in range(CALLS)]

@@ -38,6 +38,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "crates/idem-redis/src/scripts.rs"
 ROUNDS = int(os.environ.get("ROUNDS", "5"))
 CALLS = int(os.environ.get("CALLS", "20000"))
+# The bench scripts' clock (2026-01-01) and a day, in Unix milliseconds.
+NOW = 1767225600000
+DAY = 86400000
 
 IDEMPOTENT_REPLAY = """
 local values = redis.call('HMGET', KEYS[1], 'status', 'run_id', 'ft', 'data')
@@ -96,12 +99,32 @@ def connect(tool):
     return r
 
 
+def timed(r, sha, calls):
+    """Runs the script `sha` once for each argument list of `calls` (its number of keys, its keys,
+    its arguments), pipelined, after resetting the server's statistics; returns the replies and
+    Redis's µs per call."""
+    r.config_resetstat()
+    pipe = r.pipeline(transaction=False)
+    for args in calls:
+        pipe.evalsha(sha, *args)
+    replies = pipe.execute()
+    return replies, r.info("commandstats")["cmdstat_evalsha"]["usec_per_call"]
+
+
+def delete(r, names):
+    """Deletes the keys `names`, pipelined."""
+    pipe = r.pipeline(transaction=False)
+    for name in names:
+        pipe.delete(name)
+    pipe.execute()
+
+
 def main():
     r = connect("script_cost.py")
     source = SCRIPTS.read_text()
     tag = "{bench-script-cost-%s}" % uuid.uuid4().hex[:12]
     rec, body, steps, other = tag + "r", tag + "b", tag + "s", tag + "i"
-    now = 1767225600000
+    now = NOW
     fingerprint, digest = b"\xab" * 113, b"\xcd" * 32
     r.hset(rec, mapping={"state": "completed", "fingerprint": fingerprint, "digest": digest,
                          "created_at": now, "completed_at": now + 1, "expires_at": now + 86400000,
@@ -128,13 +151,8 @@ def main():
         costs = {name: [] for name in cases}
         for _ in range(ROUNDS):
             for name, (code, keys, args) in cases.items():
-                sha = r.script_load(code)
-                r.config_resetstat()
-                pipe = r.pipeline(transaction=False)
-                for _ in range(CALLS):
-                    pipe.evalsha(sha, len(keys), *keys, *args)
-                pipe.execute()
-                costs[name].append(r.info("commandstats")["cmdstat_evalsha"]["usec_per_call"])
+                calls = ((len(keys), *keys, *args) for _ in range(CALLS))
+                costs[name].append(timed(r, r.script_load(code), calls)[1])
     finally:
         r.delete(rec, body, steps, other)
     print(f"EVALSHA, µs per call by Redis's own accounting ({ROUNDS} rounds of {CALLS} pipelined calls)")

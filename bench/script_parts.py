@@ -27,12 +27,10 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from script_cost import SCRIPTS, connect, with_helpers  # noqa: E402
+from script_cost import DAY, NOW, SCRIPTS, connect, delete, timed, with_helpers  # noqa: E402
 
 ROUNDS = int(os.environ.get("ROUNDS", "5"))
 CALLS = int(os.environ.get("CALLS", "15000"))
-NOW = 1767225600000
-DAY = 86400000
 PUBLISH = "redis.call(publish, channel, 'completed')\n"
 HDEL = "redis.call('HDEL', rec, 'token', 'lease_until', 'stepped')\n"
 EMPTY = "return {ARGV[1], 1}"
@@ -56,32 +54,18 @@ def one_key_args(tag, i):
     return (1, names(tag, i)[0], "c%d" % i)
 
 
-def timed(r, sha, args, tag):
-    """Runs `sha` on CALLS keys of `tag`, pipelined, after resetting the statistics; returns the
-    replies and Redis's µs per call."""
-    r.config_resetstat()
-    pipe = r.pipeline(transaction=False)
-    for i in range(CALLS):
-        pipe.evalsha(sha, *args(tag, i))
-    replies = pipe.execute()
-    return replies, r.info("commandstats")["cmdstat_evalsha"]["usec_per_call"]
-
-
 def run(r, script, args, claimed):
     """µs per call of `script`; with `claimed`, on keys that `begin` claimed first (not timed)."""
     tag = uuid.uuid4().hex[:10]
     if claimed:
         begin = r.script_load(with_helpers(SCRIPTS.read_text(), "BEGIN"))
-        replies, _ = timed(r, begin, begin_args, tag)
+        replies, _ = timed(r, begin, (begin_args(tag, i) for i in range(CALLS)))
         if replies[0][1] != b"acquired":
             sys.exit(f"script_parts.py: begin did not claim a new key: {replies[0]!r}")
-    replies, usec = timed(r, r.script_load(script), args, tag)
+    replies, usec = timed(r, r.script_load(script), (args(tag, i) for i in range(CALLS)))
     if replies[0][1] != 1:
         sys.exit(f"script_parts.py: a script did not succeed: {replies[0]!r}")
-    pipe = r.pipeline(transaction=False)
-    for i in range(CALLS):
-        pipe.delete(*names(tag, i))
-    pipe.execute()
+    delete(r, (name for i in range(CALLS) for name in names(tag, i)))
     return usec
 
 
