@@ -146,7 +146,7 @@ def main():
         for name in ("idem", "before"):
             if name in cases:
                 reply = r.eval(cases[name][0], 3, rec, body, steps, *idem_args)
-                if reply[2] != b"existing" or reply[4] != b"\xef" * 128:
+                if reply[1] != b"existing" or reply[3] != b"\xef" * 128:
                     sys.exit(f"script_cost.py: {name}'s begin did not replay the record: {reply!r}")
         costs = {name: [] for name in cases}
         for _ in range(ROUNDS):
