@@ -297,7 +297,9 @@ impl Relay {
 
     /// For the next `window`, every connection whose client sends `trigger` gets its replies held
     /// for `duration` from that moment (the server's bytes wait in the relay, then flow again, in
-    /// order): a stall of the connections made during the window, once they are in use.
+    /// order): a stall of the connections made during the window, once they are in use. A
+    /// connection whose hold has ended is held again by its next `trigger` within the window, so
+    /// a window longer than `duration` makes every such request slow.
     pub fn hold_replies_after(&self, trigger: &[u8], duration: Duration, window: Duration) {
         self.shared.faults().hold = Some(Hold {
             armed: Armed {
@@ -408,7 +410,7 @@ async fn requests(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, shared: Arc<S
             let mut faults = shared.faults();
             let mut this = conn.state();
             if let Some(hold) = &faults.hold
-                && this.hold_until.is_none()
+                && this.hold_until.is_none_or(|until| until <= Instant::now())
                 && Instant::now() < hold.until
                 && contains(&window, &hold.armed.trigger)
             {

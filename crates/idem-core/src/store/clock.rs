@@ -9,28 +9,39 @@ use std::time::{Duration, Instant};
 use crate::store::{Store, StoreError};
 use crate::time::{Clock, UnixMillis};
 
-/// How often the offset to the store's clock is measured again.
+/// How often the store's clock is measured again.
 pub const RESYNC_EVERY: Duration = Duration::from_secs(10);
 
-/// A measurement whose round trip took longer than this is too imprecise to use.
+/// Once a measurement is held, a new one whose round trip took longer than this is too imprecise
+/// to replace it (the first is taken however slow: half its round trip is still a bound on its
+/// error, where this machine's clock has none).
 const MAX_ROUND_TRIP: Duration = Duration::from_secs(1);
 
 /// An offset this large is worth telling the operator about.
 const NOTABLE_OFFSET_MS: i64 = 1_000;
 
-/// The store's clock, as seen from this process: this machine's clock corrected by its offset to
-/// [`Store::clock`], measured at the first use and every [`RESYNC_EVERY`] after (half the round
-/// trip is taken as the one-way delay).
+/// No measurement yet (in `store_minus_elapsed_ms`).
+const UNMEASURED: i64 = i64::MIN;
+
+/// The store's clock, as seen from this process: the store's time at the last measurement (half
+/// the round trip is taken as the one-way delay), carried forward by this process's monotonic
+/// clock, measured at the first use and every [`RESYNC_EVERY`] after.
 ///
 /// Leases, expiry and tombstones are judged on it, so an instance whose clock is skewed (a
-/// stopped NTP daemon, a VM resumed from a pause, a container with a fake time) neither takes
-/// over a healthy run nor expires a key early: it reads the time every other instance reads.
-/// Until the first measurement arrives (a round trip after the first use) it reads this
-/// machine's clock; `idem serve` measures once before it listens.
+/// stopped NTP daemon, a container with a fake time) neither takes over a healthy run nor expires
+/// a key early: it reads the time every other instance reads. This machine's wall clock plays no
+/// part once the store has been measured, so a step of it (an NTP correction, `date -s`, a
+/// resumed VM setting its time) moves nothing: between two measurements the time advances as the
+/// monotonic clock does, which is never stepped. Until the first measurement arrives (a round
+/// trip after the first use) it reads this machine's wall clock; `idem serve` measures once before
+/// it listens.
 pub struct StoreClock {
     store: Arc<dyn Store>,
-    /// The store's clock minus this machine's, in milliseconds.
-    offset_ms: AtomicI64,
+    /// When this clock was made: the origin of the monotonic readings below.
+    started: Instant,
+    /// The store's time in Unix milliseconds minus the milliseconds elapsed since `started`, at
+    /// the last measurement; [`UNMEASURED`] before the first.
+    store_minus_elapsed_ms: AtomicI64,
     following: AtomicBool,
     me: Weak<Self>,
 }
@@ -45,25 +56,34 @@ impl StoreClock {
     pub fn new(store: Arc<dyn Store>) -> Arc<Self> {
         Arc::new_cyclic(|me| Self {
             store,
-            offset_ms: AtomicI64::new(0),
+            started: Instant::now(),
+            store_minus_elapsed_ms: AtomicI64::new(UNMEASURED),
             following: AtomicBool::new(false),
             me: me.clone(),
         })
     }
 
-    /// Measures the offset to the store's clock now and uses it; returns it (store minus this
-    /// machine, in milliseconds).
+    /// Measures the store's clock now and uses it; returns its offset to this machine's wall
+    /// clock (store minus this machine, in milliseconds), for the operator.
     pub async fn sync(&self) -> Result<i64, StoreError> {
-        let local = UnixMillis::now();
-        let started = Instant::now();
+        let asked = self.elapsed_ms();
         let store = self.store.clock().await?;
-        let round_trip = started.elapsed();
-        if round_trip > MAX_ROUND_TRIP {
+        let answered = self.elapsed_ms();
+        let round_trip = Duration::from_millis(u64::try_from(answered - asked).unwrap_or(0));
+        let held = self.store_minus_elapsed_ms.load(Ordering::Acquire);
+        if round_trip > MAX_ROUND_TRIP && held != UNMEASURED {
             return Err(StoreError::unavailable(SlowMeasurement(round_trip)));
         }
-        let midway = as_i64(local.0).saturating_add(as_i64(round_trip.as_millis() as u64) / 2);
-        let offset = as_i64(store.0).saturating_sub(midway);
-        let before = self.offset_ms.swap(offset, Ordering::AcqRel);
+        // The store read its clock about halfway through the round trip.
+        let measured = as_i64(store.0).saturating_sub(asked.saturating_add(answered) / 2);
+        self.store_minus_elapsed_ms.store(measured, Ordering::Release);
+        let offset = self.offset_ms();
+        let before = if held == UNMEASURED {
+            0
+        } else {
+            held.saturating_add(answered)
+                .saturating_sub(as_i64(UnixMillis::now().0))
+        };
         if offset.abs() >= NOTABLE_OFFSET_MS && (offset - before).abs() >= NOTABLE_OFFSET_MS {
             tracing::warn!(
                 offset_ms = offset,
@@ -73,9 +93,22 @@ impl StoreClock {
         Ok(offset)
     }
 
-    /// The offset in use: the store's clock minus this machine's, in milliseconds.
+    /// The store's clock minus this machine's wall clock, in milliseconds (0 before the first
+    /// measurement): what the operator is told, not what the time is computed from.
     pub fn offset_ms(&self) -> i64 {
-        self.offset_ms.load(Ordering::Acquire)
+        self.read()
+            .map_or(0, |now| now.saturating_sub(as_i64(UnixMillis::now().0)))
+    }
+
+    /// Milliseconds elapsed on the monotonic clock since this clock was made.
+    fn elapsed_ms(&self) -> i64 {
+        i64::try_from(self.started.elapsed().as_millis()).unwrap_or(i64::MAX)
+    }
+
+    /// The store's time now, in Unix milliseconds, if it has been measured.
+    fn read(&self) -> Option<i64> {
+        let measured = self.store_minus_elapsed_ms.load(Ordering::Acquire);
+        (measured != UNMEASURED).then(|| measured.saturating_add(self.elapsed_ms()))
     }
 
     /// Starts measuring in the background (once, and only within a runtime); the task ends when
@@ -95,7 +128,7 @@ impl StoreClock {
             loop {
                 let Some(clock) = me.upgrade() else { return };
                 if let Err(err) = clock.sync().await {
-                    tracing::warn!(error = %err, "could not read the store's clock; keeping the last offset");
+                    tracing::warn!(error = %err, "could not read the store's clock; keeping the last measurement");
                 }
                 drop(clock);
                 tokio::time::sleep(RESYNC_EVERY).await;
@@ -111,8 +144,8 @@ fn as_i64(value: u64) -> i64 {
 impl Clock for StoreClock {
     fn now(&self) -> UnixMillis {
         self.follow();
-        let local = as_i64(UnixMillis::now().0);
-        UnixMillis(u64::try_from(local.saturating_add(self.offset_ms())).unwrap_or(0))
+        let now = self.read().unwrap_or_else(|| as_i64(UnixMillis::now().0));
+        UnixMillis(u64::try_from(now).unwrap_or(0))
     }
 }
 
@@ -121,6 +154,7 @@ impl fmt::Debug for StoreClock {
         f.debug_struct("StoreClock")
             .field("store", &self.store)
             .field("offset_ms", &self.offset_ms())
+            .field("measured", &self.read().is_some())
             .finish()
     }
 }

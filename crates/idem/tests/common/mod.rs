@@ -459,6 +459,13 @@ impl Gateway {
         Self::spawn_command(command, upstream, store.to_owned(), dir, args).await
     }
 
+    /// Starts `idem serve` by `command` (the binary under test, with its environment set) on an
+    /// existing store URL.
+    pub(crate) async fn start_command_on_store(command: Command, upstream: &str, store: &str, args: &[&str]) -> Self {
+        let dir = tempfile::tempdir().expect("a temp dir");
+        Self::spawn_command(command, upstream, store.to_owned(), dir, args).await
+    }
+
     async fn spawn(upstream: &str, store: String, dir: tempfile::TempDir, args: &[&str]) -> Self {
         Self::spawn_command(Command::new(IDEM), upstream, store, dir, args).await
     }

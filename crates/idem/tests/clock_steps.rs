@@ -1,0 +1,135 @@
+//! A gateway's wall clock that steps while it serves (an NTP correction, `date -s`, a resumed VM
+//! setting its time) moves nothing: once the store's clock is measured, the gateway carries it
+//! forward on its monotonic clock, so a step of days either way neither re-runs a completed key
+//! nor writes a record whose purge time another instance reads as past. Real `idem serve`
+//! processes on PostgreSQL and Redis; the stepped one reads its wall clock through libfaketime from
+//! a file the test rewrites (its monotonic clock is left alone, as a real step leaves it).
+
+mod common;
+mod servers;
+
+use std::path::Path;
+
+use common::{Gateway, Reply, Upstream, count, new_key, send, skewed_clock};
+use tokio::process::Command;
+
+const BODY: &str = r#"{"amount":700,"currency":"EUR"}"#;
+
+async fn pay(gw: &Gateway, key: &str) -> Reply {
+    send(
+        gw.post("/pay", BODY)
+            .header("content-type", "application/json")
+            .header("authorization", "Bearer clock-steps")
+            .header("idempotency-key", key),
+    )
+    .await
+}
+
+/// Sets the stepped gateway's wall clock to `offset` from now (`+8d`, `-8d`, `+0`).
+fn step(file: &Path, offset: &str) {
+    std::fs::write(file, format!("{offset}\n")).expect("write the fake time file");
+}
+
+async fn a_step_of_the_wall_clock_moves_nothing(store: &str) {
+    let upstream = Upstream::start().await;
+    let steady = Gateway::start_on_store(&upstream.url(), store, &[]).await;
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let time_file = dir.path().join("faketime");
+    step(&time_file, "+0");
+    let mut command = Command::new(common::IDEM);
+    let [preload, _, monotonic] = skewed_clock("+0");
+    command
+        .env(preload.0, preload.1)
+        .env(monotonic.0, monotonic.1)
+        .env("FAKETIME_TIMESTAMP_FILE", &time_file)
+        .env("FAKETIME_NO_CACHE", "1");
+    let stepped = Gateway::start_command_on_store(command, &upstream.url(), store, &[]).await;
+
+    // A key answered before the step: the stepped gateway replays it after a step of eight days
+    // ahead (past its tombstone's seven), and after one eight days back.
+    let answered = new_key();
+    let first = pay(&steady, &answered).await;
+    assert_eq!(first.status, 201, "{first}");
+    for offset in ["+8d", "-8d"] {
+        step(&time_file, offset);
+        let again = pay(&stepped, &answered).await;
+        assert!(
+            again.status == 201 && again.replayed() && again.body == first.body,
+            "after a step of {offset}: {again}"
+        );
+    }
+    assert_eq!(count(&upstream.state.pay), 1, "the answered key ran once");
+
+    // A key first run on the stepped gateway while its clock is eight days back: the record it
+    // writes is judged by the steady gateway as live, not as purged a day ago.
+    step(&time_file, "-8d");
+    let fresh = new_key();
+    let ran = pay(&stepped, &fresh).await;
+    assert_eq!((ran.status, ran.replayed()), (201, false), "{ran}");
+    let replayed = pay(&steady, &fresh).await;
+    assert!(
+        replayed.replayed() && replayed.body == ran.body,
+        "the steady gateway replays the stepped one's answer: {replayed}"
+    );
+    step(&time_file, "+8d");
+    let ahead = new_key();
+    let ran = pay(&stepped, &ahead).await;
+    assert_eq!((ran.status, ran.replayed()), (201, false), "{ran}");
+    assert!(pay(&steady, &ahead).await.replayed(), "and the same eight days ahead");
+    assert_eq!(count(&upstream.state.pay), 3, "each key ran once");
+    let recovered = upstream
+        .state
+        .seen("pay")
+        .iter()
+        .filter(|seen| seen.recovered.is_some())
+        .count();
+    assert_eq!(recovered, 0, "no run was a recovery either");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_of_the_wall_clock_moves_nothing_on_postgres() {
+    a_step_of_the_wall_clock_moves_nothing(&servers::postgres_url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_of_the_wall_clock_moves_nothing_on_redis() {
+    a_step_of_the_wall_clock_moves_nothing(&servers::redis_url()).await;
+}
+
+/// A gateway whose wall clock is eight days ahead, started while its store is slow to tell the
+/// time (a reply held 1.5 s, over the precision wanted of later measurements), still judges on
+/// the store's clock from its first request: the first measurement is taken however slow, since
+/// half its round trip bounds its error where the machine's own clock has no bound at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_started_while_its_store_is_slow_to_tell_the_time_judges_on_the_store_clock() {
+    let upstream = Upstream::start().await;
+    let direct = servers::redis_url();
+    let steady = Gateway::start_on_store(&upstream.url(), &direct, &[]).await;
+    let answered = new_key();
+    let first = pay(&steady, &answered).await;
+    assert_eq!(first.status, 201, "{first}");
+
+    let server: std::net::SocketAddr = idem_test_support::servers::redis_url()
+        .trim_start_matches("redis://")
+        .trim_end_matches('/')
+        .parse()
+        .expect("the test Redis is host:port");
+    let relay = idem_test_support::relay::Relay::start(server).await;
+    let prefix = direct.split_once("?prefix=").expect("a prefix").1;
+    let through_relay = format!("redis://{}/?prefix={prefix}", relay.addr());
+    // Every `TIME` for the next 20 s answers 1.5 s late: the measurement before the gateway
+    // listens, and the one its clock makes at its first use.
+    relay.hold_replies_after(
+        b"TIME",
+        std::time::Duration::from_millis(1_500),
+        std::time::Duration::from_secs(20),
+    );
+    let ahead = Gateway::start_skewed(&upstream.url(), &through_relay, "+8d", &[]).await;
+    assert!(relay.holds() > 0, "the store's clock was slow to answer at the start");
+    let again = pay(&ahead, &answered).await;
+    assert!(
+        again.status == 201 && again.replayed() && again.body == first.body,
+        "judged on the store's clock, the answer is eight days from its purge, not past it: {again}"
+    );
+    assert_eq!(count(&upstream.state.pay), 1, "the answered key ran once");
+}
