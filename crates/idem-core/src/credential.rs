@@ -12,6 +12,7 @@
 //!   live (the salt says until when; a store that held no records never looks);
 //! * the hash under the previous secret, while the operator keeps it configured.
 
+use std::borrow::Cow;
 use std::fmt;
 use std::time::Duration;
 
@@ -150,9 +151,10 @@ impl CredentialScopes {
         }
     }
 
-    /// The scope of callers presenting this `Authorization` header value.
+    /// The scope of callers presenting this `Authorization` header value, in any spelling of it
+    /// that names the same credential ([`canonical`]).
     pub fn scope(&self, authorization: &[u8]) -> Scope {
-        keyed(&self.current, authorization)
+        keyed(&self.current, &canonical(authorization))
     }
 
     /// The scopes the same caller's records may be stored under from before a change of hashing,
@@ -161,10 +163,23 @@ impl CredentialScopes {
     /// at the upgrade completes later, and instances not yet upgraded write more), and the
     /// previous secret's while it is configured. Empty on a store that never held unsalted
     /// records and without a previous secret: then nothing more is read.
+    ///
+    /// A credential sent in another spelling than its [`canonical`] one (`bearer`, two spaces) was
+    /// hashed as sent before spellings were made one: its records of then are under that
+    /// spelling's hash, current and previous, and its unsalted form is always the spelling's. Only
+    /// such spellings pay for the look-up; the usual one is its own canonical form.
     pub fn earlier(&self, authorization: &[u8], now: UnixMillis, retention: Duration) -> Vec<Scope> {
+        let canonical = canonical(authorization);
+        let respelt = *canonical != *authorization;
         let mut earlier = Vec::new();
+        if respelt {
+            earlier.push(keyed(&self.current, authorization));
+        }
         if let Some(previous) = &self.previous {
-            earlier.push(keyed(previous, authorization));
+            earlier.push(keyed(previous, &canonical));
+            if respelt {
+                earlier.push(keyed(previous, authorization));
+            }
         }
         if self.unsalted_until.is_some_and(|until| now < until.plus(retention)) {
             earlier.push(unsalted(authorization));
@@ -176,10 +191,63 @@ impl CredentialScopes {
     /// (for an operator looking a record up).
     pub fn every_form(&self, authorization: &[u8]) -> Vec<Scope> {
         let mut forms = vec![self.scope(authorization)];
-        forms.extend(self.previous.as_ref().map(|previous| keyed(previous, authorization)));
-        forms.push(unsalted(authorization));
+        forms.extend(self.earlier(authorization, UnixMillis::from_i64(0), Duration::ZERO));
+        if self.unsalted_until.is_none() {
+            forms.push(unsalted(authorization));
+        }
+        forms.dedup();
         forms
     }
+}
+
+/// The authentication schemes of IANA's registry, in their registered spelling: the spelling a
+/// scheme sent in another case is hashed in.
+const REGISTERED_SCHEMES: [&str; 14] = [
+    "Basic",
+    "Bearer",
+    "Concealed",
+    "Digest",
+    "DPoP",
+    "GNAP",
+    "HOBA",
+    "Mutual",
+    "Negotiate",
+    "OAuth",
+    "PrivateToken",
+    "SCRAM-SHA-1",
+    "SCRAM-SHA-256",
+    "vapid",
+];
+
+/// The spelling of an `Authorization` value its scope is hashed from, so that the spellings of
+/// one credential are one caller (RFC 9110 §11.4: `credentials = auth-scheme [ 1*SP ( token68 /
+/// #auth-param ) ]`, the scheme case-insensitive): a registered scheme in its registered case
+/// (`bearer` and `BEARER` are `Bearer`), and one space after the scheme however many were sent.
+/// The credentials themselves are case-sensitive and kept as sent, and so is a scheme the registry
+/// does not name (no one spelling of it can be picked without moving the scope of the callers who
+/// send another). The usual spelling is its own canonical form, borrowed.
+pub(crate) fn canonical(authorization: &[u8]) -> Cow<'_, [u8]> {
+    let Some(space) = authorization.iter().position(|&b| b == b' ') else {
+        return Cow::Borrowed(authorization);
+    };
+    let (scheme, after) = authorization.split_at(space);
+    let credentials = after.trim_ascii_start();
+    if credentials.is_empty() {
+        return Cow::Borrowed(authorization);
+    }
+    let registered = REGISTERED_SCHEMES
+        .iter()
+        .map(|name| name.as_bytes())
+        .find(|name| name.eq_ignore_ascii_case(scheme))
+        .unwrap_or(scheme);
+    if registered == scheme && after.len() == credentials.len() + 1 && after[0] == b' ' {
+        return Cow::Borrowed(authorization);
+    }
+    let mut respelt = Vec::with_capacity(registered.len() + 1 + credentials.len());
+    respelt.extend_from_slice(registered);
+    respelt.push(b' ');
+    respelt.extend_from_slice(credentials);
+    Cow::Owned(respelt)
 }
 
 /// The HMAC keyed by the salt, then the secret: the salt has a fixed length, so the two never run
@@ -280,5 +348,72 @@ mod tests {
     fn short_secrets_are_refused_and_never_printed() {
         assert_eq!(ScopeSecret::new("short").unwrap_err(), ScopeSecretError(5));
         assert_eq!(format!("{:?}", secret("0123456789abcdef")), "ScopeSecret(..)");
+    }
+
+    #[test]
+    fn the_spellings_of_one_credential_are_one_scope() {
+        let scopes = CredentialScopes::new(&salt(1, None), &ScopeSecrets::default());
+        let usual = scopes.scope(b"Bearer alice");
+        assert_eq!(
+            usual,
+            keyed(&scopes.current, b"Bearer alice"),
+            "the usual spelling hashes as before"
+        );
+        for spelling in [
+            &b"bearer alice"[..],
+            b"BEARER alice",
+            b"Bearer  alice",
+            b"bEaReR   alice",
+        ] {
+            assert_eq!(scopes.scope(spelling), usual, "{}", String::from_utf8_lossy(spelling));
+        }
+        for other in [&b"Bearer Alice"[..], b"Bearer alice2", b"Basic alice", b"Bearer"] {
+            assert_ne!(scopes.scope(other), usual, "{}", String::from_utf8_lossy(other));
+        }
+        assert_eq!(scopes.scope(b"basic dXNlcjpw"), scopes.scope(b"Basic dXNlcjpw"));
+        assert_eq!(
+            scopes.scope(b"aws4-hmac-sha256 Credential=x"),
+            keyed(&scopes.current, b"aws4-hmac-sha256 Credential=x"),
+            "an unregistered scheme keeps its case"
+        );
+        assert_eq!(
+            canonical(b"Token  x"),
+            Cow::<[u8]>::Owned(b"Token x".to_vec()),
+            "one space after it"
+        );
+    }
+
+    #[test]
+    fn a_credential_spelt_otherwise_looks_up_its_records_of_before() {
+        let now = UnixMillis::from_i64(1_000);
+        let old = secret("an-old-secret-0123456789");
+        let secrets = ScopeSecrets {
+            current: Some(secret("0123456789abcdef")),
+            previous: Some(Some(old)),
+        };
+        let scopes = CredentialScopes::new(&salt(1, Some(now)), &secrets);
+        // The usual spelling looks up what it always did: the previous secret's and the unsalted.
+        assert_eq!(
+            scopes.earlier(b"Bearer a", now, DAY),
+            vec![
+                keyed(scopes.previous.as_ref().unwrap(), b"Bearer a"),
+                unsalted(b"Bearer a")
+            ]
+        );
+        // Another spelling also looks up the hashes of that spelling, which earlier versions wrote.
+        let respelt = scopes.earlier(b"bearer a", now, DAY);
+        assert_eq!(
+            respelt,
+            vec![
+                keyed(&scopes.current, b"bearer a"),
+                keyed(scopes.previous.as_ref().unwrap(), b"Bearer a"),
+                keyed(scopes.previous.as_ref().unwrap(), b"bearer a"),
+                unsalted(b"bearer a"),
+            ]
+        );
+        assert!(!respelt.contains(&scopes.scope(b"bearer a")));
+        let forms = scopes.every_form(b"bearer a");
+        assert_eq!(forms[0], scopes.scope(b"Bearer a"));
+        assert_eq!(forms[1..], respelt[..]);
     }
 }

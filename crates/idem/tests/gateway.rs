@@ -289,6 +289,38 @@ async fn two_credentials_with_the_same_key_never_share_an_answer() {
     assert_eq!(count(&upstream.state.pay), 2);
 }
 
+/// An authentication scheme is case-insensitive and may be followed by more than one space (RFC
+/// 9110 §11): a retry that spells the same credential otherwise is the same caller, and replays;
+/// the credential itself is case-sensitive, and another is another caller.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_spellings_of_one_credential_are_one_caller() {
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&upstream.url(), &[]).await;
+    let key = new_key();
+    let pay_as = |authorization: &'static str| {
+        let request = gw
+            .post("/pay", PAY_BODY)
+            .header("content-type", "application/json")
+            .header("authorization", authorization)
+            .header("idempotency-key", key.as_str());
+        send(request)
+    };
+    let first = pay_as("Bearer tok_A1").await;
+    assert_eq!((first.status, first.replayed()), (201, false), "{first}");
+    for spelling in ["bearer tok_A1", "BEARER tok_A1", "Bearer   tok_A1"] {
+        let again = pay_as(spelling).await;
+        assert!(again.replayed() && again.body == first.body, "{spelling}: {again}");
+    }
+    assert_eq!(count(&upstream.state.pay), 1, "one caller, one run");
+    let other = pay_as("Bearer tok_a1").await;
+    assert_eq!(
+        (other.status, other.replayed()),
+        (201, false),
+        "another credential: {other}"
+    );
+    assert_eq!(count(&upstream.state.pay), 2);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_header_scope_keeps_users_apart() {
     let upstream = Upstream::start().await;
