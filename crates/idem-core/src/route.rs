@@ -267,6 +267,30 @@ fn normal_reading(path: &str, readings: PathReadings) -> Option<Vec<Vec<u8>>> {
     Some(segments)
 }
 
+/// Whether some reading of `path` climbs above its root: a `..` segment, as sent, percent-encoded
+/// (`%2e%2e`), behind a decoded slash or backslash (`a%2F..%2F..`) or with `;params` after it
+/// (`..;x`, as Tomcat reads it), with more `..` than segments before it. An upstream reached
+/// under a path prefix (`http://host/api`) that normalises such a path would serve a path
+/// outside the prefix.
+pub fn climbs_above_root(path: &str) -> bool {
+    let Some(rest) = path.strip_prefix('/') else {
+        return false;
+    };
+    let readings = PathReadings {
+        case_insensitive: false,
+        strip_params: true,
+    };
+    let mut depth = 0_usize;
+    for piece in rest.split('/').flat_map(|segment| normal_pieces(segment, readings)) {
+        match piece {
+            Piece::Up if depth == 0 => return true,
+            Piece::Up => depth -= 1,
+            Piece::Segment(_) => depth += 1,
+        }
+    }
+    false
+}
+
 /// `text` with every valid `%XX` decoded (to bytes: the result need not be UTF-8); a `%` not
 /// followed by two hex digits stays as it is.
 pub(crate) fn percent_decoded(text: &str) -> Vec<u8> {
@@ -1056,6 +1080,36 @@ mod tests {
         assert!(both.case_insensitive && both.strip_params);
         for bad in ["", "lowercase", "case-insensitive,"] {
             assert!(bad.parse::<PathReadings>().is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_path_climbs_above_its_root_in_every_spelling_of_dot_dot() {
+        for path in [
+            "/..",
+            "/../pay",
+            "/%2e%2e/admin",
+            "/%2E./admin",
+            "/a/..%2F..%2Fadmin",
+            "/a/..%5C..%5Cadmin",
+            "/..;x/admin",
+            "/a/../../admin",
+            "/./../admin",
+        ] {
+            assert!(climbs_above_root(path), "{path} climbs above the root");
+        }
+        for path in [
+            "/",
+            "/pay",
+            "/a/../pay",
+            "/a/b/../../pay",
+            "/./pay",
+            "/..a/b",
+            "/a..",
+            "/%2e%2e%2e/x",
+            "*",
+        ] {
+            assert!(!climbs_above_root(path), "{path} stays below the root");
         }
     }
 }

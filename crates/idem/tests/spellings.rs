@@ -183,6 +183,40 @@ async fn an_asterisk_target_gets_the_catch_all_route() {
     assert_eq!(upstream.count(), 0, "{:?}", upstream.seen());
 }
 
+/// Under an upstream's path prefix (`--upstream http://host/api`), a path that climbs above its
+/// root in any spelling of `..` would reach the upstream as `/api/../admin`, which a normalising
+/// server reads as `/admin`, outside the prefix: it is refused before anything is claimed or sent,
+/// keyed or not. A `..` that stays inside the prefix is passed on as sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_path_that_climbs_out_of_the_upstream_prefix_never_reaches_it() {
+    let upstream = Counting::start().await;
+    let gw = Gateway::start(&format!("{}/api", upstream.url()), &[]).await;
+
+    for target in [
+        "/../admin",
+        "/%2e%2e/admin",
+        "/a/..%2F..%2Fadmin",
+        "/a/..%5c..%5cadmin",
+        "/..;x/admin",
+    ] {
+        for key in [Some(new_key()), None] {
+            let refused = raw(&gw, "POST", target, key.as_deref(), "{}").await;
+            refused.assert_problem(400, "path-ambiguous");
+            assert!(
+                refused.text().contains("/api"),
+                "the detail names the prefix: {refused:?}"
+            );
+        }
+    }
+    assert_eq!(upstream.count(), 0, "nothing climbed out: {:?}", upstream.seen());
+
+    let key = new_key();
+    let inside = raw(&gw, "POST", "/a/../pay", Some(&key), "{}").await;
+    assert_eq!(inside.status, 201, "{inside:?}");
+    assert!(raw(&gw, "POST", "/a/../pay", Some(&key), "{}").await.replayed());
+    assert_eq!(upstream.seen(), [("POST".to_owned(), "/api/a/../pay".to_owned())]);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_method_in_another_case_is_that_method() {
     let upstream = Counting::start().await;
