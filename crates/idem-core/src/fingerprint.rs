@@ -176,8 +176,12 @@ impl Differences {
     }
 }
 
+/// Whether the body is JSON by its one `Content-Type`. A repeated `Content-Type` names no type:
+/// which copy a server believes is its own choice (the first, the last, or a refusal), so the body
+/// is compared byte for byte, as any body that is not JSON is.
 fn is_json(headers: &HeaderMap) -> bool {
-    let Some(value) = headers.get(CONTENT_TYPE).and_then(|v| v.to_str().ok()) else {
+    let mut types = headers.get_all(CONTENT_TYPE).iter();
+    let (Some(value), None) = (types.next().and_then(|v| v.to_str().ok()), types.next()) else {
         return false;
     };
     let essence = value.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
@@ -223,6 +227,31 @@ mod tests {
             r#"{"currency":"EUR","amount":10}"#,
         );
         assert_eq!(a.digest(), c.digest());
+    }
+
+    #[test]
+    fn a_repeated_content_type_compares_the_body_byte_for_byte() {
+        let twice = |first: &str, second: &str, body: &str| {
+            let mut headers = HeaderMap::new();
+            headers.append(CONTENT_TYPE, first.parse().unwrap());
+            headers.append(CONTENT_TYPE, second.parse().unwrap());
+            Fingerprint::of(&http::Method::POST, &"/pay".parse().unwrap(), &headers, body.as_bytes())
+        };
+        // A server that believes the last copy reads these as two different texts.
+        let a = twice("application/json", "text/plain", r#"{"a":1}"#);
+        let b = twice("application/json", "text/plain", r#"{"a": 1}"#);
+        assert_ne!(a.digest(), b.digest());
+        assert_eq!(a.differences(&b).describe(), "body");
+        assert_eq!(
+            a,
+            twice("application/json", "text/plain", r#"{"a":1}"#),
+            "the same bytes are the same request"
+        );
+        assert_eq!(
+            twice("text/plain", "application/json", r#"{"a":1}"#).digest(),
+            a.digest(),
+            "in either order"
+        );
     }
 
     #[test]
