@@ -373,6 +373,10 @@ impl Store for SqliteStore {
         Ok(UnixMillis::now())
     }
 
+    fn clock_is_local(&self) -> bool {
+        true
+    }
+
     fn invalidations(&self) -> Option<Arc<Invalidations>> {
         Some(Arc::clone(self.deletions.invalidations()))
     }

@@ -34,7 +34,8 @@ const UNMEASURED: i64 = i64::MIN;
 /// resumed VM setting its time) moves nothing: between two measurements the time advances as the
 /// monotonic clock does, which is never stepped. Until the first measurement arrives (a round
 /// trip after the first use) it reads this machine's wall clock; `idem serve` measures once before
-/// it listens.
+/// it listens. A store whose clock is this machine's ([`Store::clock_is_local`], SQLite) is read
+/// at every use instead: every process sharing its file then sees a step at the same moment.
 pub struct StoreClock {
     store: Arc<dyn Store>,
     /// When this clock was made: the origin of the monotonic readings below.
@@ -143,6 +144,9 @@ fn as_i64(value: u64) -> i64 {
 
 impl Clock for StoreClock {
     fn now(&self) -> UnixMillis {
+        if self.store.clock_is_local() {
+            return UnixMillis::now();
+        }
         self.follow();
         let now = self.read().unwrap_or_else(|| as_i64(UnixMillis::now().0));
         UnixMillis(u64::try_from(now).unwrap_or(0))

@@ -509,6 +509,13 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// clock for PostgreSQL and Redis; the machine's for SQLite, whose file is local.
     async fn clock(&self) -> Result<UnixMillis, StoreError>;
 
+    /// Whether [`Store::clock`] is this machine's own clock (SQLite, whose file is local). Then
+    /// [`StoreClock`] reads that clock at every use rather than carry a measurement of it forward,
+    /// so that every process sharing the store sees a step of it at the same moment.
+    fn clock_is_local(&self) -> bool {
+        false
+    }
+
     /// How this store tells this instance's [replay caches](crate::replay_cache) that a record
     /// was deleted, by any instance or by an operator: every [`Store::delete`] announces it on
     /// the store's notification channel, and the store reports the channel's losses. `None` for a
@@ -577,6 +584,9 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     }
     async fn clock(&self) -> Result<UnixMillis, StoreError> {
         (**self).clock().await
+    }
+    fn clock_is_local(&self) -> bool {
+        (**self).clock_is_local()
     }
     fn invalidations(&self) -> Option<Arc<Invalidations>> {
         (**self).invalidations()

@@ -243,6 +243,9 @@ impl<S: Store, O: Observer> Store for Observed<S, O> {
     async fn clock(&self) -> Result<UnixMillis, StoreError> {
         self.measure(StoreOperation::Clock, self.inner.clock()).await
     }
+    fn clock_is_local(&self) -> bool {
+        self.inner.clock_is_local()
+    }
     fn invalidations(&self) -> Option<std::sync::Arc<Invalidations>> {
         self.inner.invalidations()
     }
