@@ -1,9 +1,9 @@
 //! A gateway's wall clock that steps while it serves (an NTP correction, `date -s`, a resumed VM
 //! setting its time) moves nothing: once the store's clock is measured, the gateway carries it
-//! forward on its monotonic clock, so a step of days either way neither re-runs a completed key
-//! nor writes a record whose purge time another instance reads as past. Real `idem serve`
+//! forward on a clock that is never stepped, so a step of days either way neither re-runs a
+//! completed key nor writes a record whose purge time another instance reads as past. Real `idem serve`
 //! processes on PostgreSQL and Redis; the stepped one reads its wall clock through libfaketime from
-//! a file the test rewrites (its monotonic clock is left alone, as a real step leaves it).
+//! a file the test rewrites (its steady clocks are left alone, as a real step leaves them).
 
 mod common;
 mod servers;

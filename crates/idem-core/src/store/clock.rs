@@ -4,7 +4,7 @@
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Weak};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::store::{Store, StoreError};
 use crate::time::{Clock, UnixMillis};
@@ -24,22 +24,22 @@ const NOTABLE_OFFSET_MS: i64 = 1_000;
 const UNMEASURED: i64 = i64::MIN;
 
 /// The store's clock, as seen from this process: the store's time at the last measurement (half
-/// the round trip is taken as the one-way delay), carried forward by this process's monotonic
-/// clock, measured at the first use and every [`RESYNC_EVERY`] after.
+/// the round trip is taken as the one-way delay), carried forward by a steady clock ([`steady_ms`]:
+/// never stepped, and counting time suspended), measured at the first use and every [`RESYNC_EVERY`] after.
 ///
 /// Leases, expiry and tombstones are judged on it, so an instance whose clock is skewed (a
 /// stopped NTP daemon, a container with a fake time) neither takes over a healthy run nor expires
 /// a key early: it reads the time every other instance reads. This machine's wall clock plays no
 /// part once the store has been measured, so a step of it (an NTP correction, `date -s`, a
 /// resumed VM setting its time) moves nothing: between two measurements the time advances as the
-/// monotonic clock does, which is never stepped. Until the first measurement arrives (a round
+/// steady clock does. Until the first measurement arrives (a round
 /// trip after the first use) it reads this machine's wall clock; `idem serve` measures once before
 /// it listens. A store whose clock is this machine's ([`Store::clock_is_local`], SQLite) is read
 /// at every use instead: every process sharing its file then sees a step at the same moment.
 pub struct StoreClock {
     store: Arc<dyn Store>,
-    /// When this clock was made: the origin of the monotonic readings below.
-    started: Instant,
+    /// When this clock was made, on the steady clock ([`steady_ms`]).
+    started_ms: i64,
     /// The store's time in Unix milliseconds minus the milliseconds elapsed since `started`, at
     /// the last measurement; [`UNMEASURED`] before the first.
     store_minus_elapsed_ms: AtomicI64,
@@ -57,7 +57,7 @@ impl StoreClock {
     pub fn new(store: Arc<dyn Store>) -> Arc<Self> {
         Arc::new_cyclic(|me| Self {
             store,
-            started: Instant::now(),
+            started_ms: steady_ms(),
             store_minus_elapsed_ms: AtomicI64::new(UNMEASURED),
             following: AtomicBool::new(false),
             me: me.clone(),
@@ -101,9 +101,9 @@ impl StoreClock {
             .map_or(0, |now| now.saturating_sub(as_i64(UnixMillis::now().0)))
     }
 
-    /// Milliseconds elapsed on the monotonic clock since this clock was made.
+    /// Milliseconds elapsed on the steady clock since this clock was made.
     fn elapsed_ms(&self) -> i64 {
-        i64::try_from(self.started.elapsed().as_millis()).unwrap_or(i64::MAX)
+        steady_ms().saturating_sub(self.started_ms)
     }
 
     /// The store's time now, in Unix milliseconds, if it has been measured.
@@ -136,6 +136,22 @@ impl StoreClock {
             }
         });
     }
+}
+
+/// Milliseconds on a clock that is never stepped: Linux's `CLOCK_BOOTTIME`, which also counts the
+/// time the machine was suspended (a clock that stopped then would lag the store's by as long
+/// until the next measurement); elsewhere the monotonic clock of [`std::time::Instant`], from the
+/// first read.
+#[cfg(target_os = "linux")]
+fn steady_ms() -> i64 {
+    let now = rustix::time::clock_gettime(rustix::time::ClockId::Boottime);
+    now.tv_sec.saturating_mul(1_000).saturating_add(now.tv_nsec / 1_000_000)
+}
+
+#[cfg(not(target_os = "linux"))]
+fn steady_ms() -> i64 {
+    static ORIGIN: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    i64::try_from(ORIGIN.get_or_init(std::time::Instant::now).elapsed().as_millis()).unwrap_or(i64::MAX)
 }
 
 fn as_i64(value: u64) -> i64 {
