@@ -24,24 +24,25 @@ const NOTABLE_OFFSET_MS: i64 = 1_000;
 const UNMEASURED: i64 = i64::MIN;
 
 /// The store's clock, as seen from this process: the store's time at the last measurement (half
-/// the round trip is taken as the one-way delay), carried forward by a steady clock ([`steady_ms`]:
-/// never stepped, and counting time suspended), measured at the first use and every [`RESYNC_EVERY`] after.
+/// the round trip is taken as the one-way delay), carried forward by a steady clock
+/// ([`steady_ms`]: never stepped, and counting time suspended); measured at the first use and
+/// every [`RESYNC_EVERY`] after.
 ///
 /// Leases, expiry and tombstones are judged on it, so an instance whose clock is skewed (a
 /// stopped NTP daemon, a container with a fake time) neither takes over a healthy run nor expires
 /// a key early: it reads the time every other instance reads. This machine's wall clock plays no
 /// part once the store has been measured, so a step of it (an NTP correction, `date -s`, a
 /// resumed VM setting its time) moves nothing: between two measurements the time advances as the
-/// steady clock does. Until the first measurement arrives (a round
-/// trip after the first use) it reads this machine's wall clock; `idem serve` measures once before
-/// it listens. A store whose clock is this machine's ([`Store::clock_is_local`], SQLite) is read
-/// at every use instead: every process sharing its file then sees a step at the same moment.
+/// steady clock does. Until the first measurement arrives (a round trip after the first use) it
+/// reads this machine's wall clock; `idem serve` measures once before it listens. A store whose
+/// clock is this machine's ([`Store::clock_is_local`], SQLite) is read at every use instead:
+/// every process sharing its file then sees a step at the same moment.
 pub struct StoreClock {
     store: Arc<dyn Store>,
     /// When this clock was made, on the steady clock ([`steady_ms`]).
     started_ms: i64,
-    /// The store's time in Unix milliseconds minus the milliseconds elapsed since `started`, at
-    /// the last measurement; [`UNMEASURED`] before the first.
+    /// The store's time in Unix milliseconds minus the milliseconds elapsed since `started_ms`,
+    /// at the last measurement; [`UNMEASURED`] before the first.
     store_minus_elapsed_ms: AtomicI64,
     following: AtomicBool,
     me: Weak<Self>,
