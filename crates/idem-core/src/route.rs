@@ -268,27 +268,30 @@ fn normal_reading(path: &str, readings: PathReadings) -> Option<Vec<Vec<u8>>> {
 }
 
 /// Whether some reading of `path` climbs above its root: a `..` segment, as sent, percent-encoded
-/// (`%2e%2e`), behind a decoded slash or backslash (`a%2F..%2F..`) or with `;params` after it
-/// (`..;x`, as Tomcat reads it), with more `..` than segments before it. An upstream reached
-/// under a path prefix (`http://host/api`) that normalises such a path would serve a path
-/// outside the prefix.
+/// (`%2e%2e`), behind a decoded slash or backslash (`a%2F..%2F..`), with `;params` after it
+/// (`..;x`, as Tomcat reads it) or with `;params` kept (`a;%2F..%2F..`, as a server that decodes
+/// before it splits reads it), with more `..` than segments before it. An upstream reached under
+/// a path prefix (`http://host/api`) that normalises such a path would serve a path outside the
+/// prefix.
 pub fn climbs_above_root(path: &str) -> bool {
     let Some(rest) = path.strip_prefix('/') else {
         return false;
     };
-    let readings = PathReadings {
-        case_insensitive: false,
-        strip_params: true,
-    };
-    let mut depth = 0_usize;
-    for piece in rest.split('/').flat_map(|segment| normal_pieces(segment, readings)) {
-        match piece {
-            Piece::Up if depth == 0 => return true,
-            Piece::Up => depth -= 1,
-            Piece::Segment(_) => depth += 1,
+    [false, true].into_iter().any(|strip_params| {
+        let readings = PathReadings {
+            case_insensitive: false,
+            strip_params,
+        };
+        let mut depth = 0_usize;
+        for piece in rest.split('/').flat_map(|segment| normal_pieces(segment, readings)) {
+            match piece {
+                Piece::Up if depth == 0 => return true,
+                Piece::Up => depth -= 1,
+                Piece::Segment(_) => depth += 1,
+            }
         }
-    }
-    false
+        false
+    })
 }
 
 /// `text` with every valid `%XX` decoded (to bytes: the result need not be UTF-8); a `%` not
@@ -1095,6 +1098,9 @@ mod tests {
             "/..;x/admin",
             "/a/../../admin",
             "/./../admin",
+            "/a;%2f..%2f..%2fadmin",
+            "/a;%5c..%5c..%5cadmin",
+            "/a;\\..\\..\\admin",
         ] {
             assert!(climbs_above_root(path), "{path} climbs above the root");
         }
