@@ -133,3 +133,42 @@ async fn a_gateway_started_while_its_store_is_slow_to_tell_the_time_judges_on_th
     );
     assert_eq!(count(&upstream.state.pay), 1, "the answered key ran once");
 }
+
+/// A store that stays slow to tell the time is followed by its most precise reading: a
+/// measurement over the usual second replaces the one held when it is no slower, instead of being
+/// thrown away while the first, slower one stays in use for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_that_stays_slow_to_tell_the_time_is_followed_by_its_best_reading() {
+    let upstream = Upstream::start().await;
+    let server: std::net::SocketAddr = idem_test_support::servers::redis_url()
+        .trim_start_matches("redis://")
+        .trim_end_matches('/')
+        .parse()
+        .expect("the test Redis is host:port");
+    let relay = idem_test_support::relay::Relay::start(server).await;
+    let direct = servers::redis_url();
+    let prefix = direct.split_once("?prefix=").expect("a prefix").1;
+    let through_relay = format!("redis://{}/?prefix={prefix}", relay.addr());
+    let hold = |millis, secs| {
+        relay.hold_replies_after(
+            b"TIME",
+            std::time::Duration::from_millis(millis),
+            std::time::Duration::from_secs(secs),
+        );
+    };
+    // The first readings answer 1.9 s late; from then on every one 1.2 s late.
+    hold(1_900, 3);
+    let gw = Gateway::start_on_store(&upstream.url(), &through_relay, &[]).await;
+    hold(1_200, 60);
+    let key = new_key();
+    assert_eq!(pay(&gw, &key).await.status, 201);
+    // The clock measures again 10 s after its first use: that reading (1.2 s) is kept.
+    tokio::time::sleep(std::time::Duration::from_secs(13)).await;
+    assert!(relay.holds() >= 2, "the store's clock was read again, slowly");
+    let stderr = gw.stderr();
+    assert!(
+        !stderr.contains("could not read the store's clock"),
+        "a reading no slower than the one held is used, not refused:\n{stderr}"
+    );
+    assert!(pay(&gw, &key).await.replayed());
+}

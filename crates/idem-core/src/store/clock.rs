@@ -12,9 +12,10 @@ use crate::time::{Clock, UnixMillis};
 /// How often the store's clock is measured again.
 pub const RESYNC_EVERY: Duration = Duration::from_secs(10);
 
-/// Once a measurement is held, a new one whose round trip took longer than this is too imprecise
-/// to replace it (the first is taken however slow: half its round trip is still a bound on its
-/// error, where this machine's clock has none).
+/// A measurement whose round trip took at most this long replaces the one held. A slower one
+/// replaces it only if it is no slower than the one held: the first is taken however slow (half
+/// its round trip still bounds its error, where this machine's clock has none), and a store that
+/// stays slow is followed by its most precise reading.
 const MAX_ROUND_TRIP: Duration = Duration::from_secs(1);
 
 /// An offset this large is worth telling the operator about.
@@ -44,6 +45,11 @@ pub struct StoreClock {
     /// The store's time in Unix milliseconds minus the milliseconds elapsed since `started_ms`,
     /// at the last measurement; [`UNMEASURED`] before the first.
     store_minus_elapsed_ms: AtomicI64,
+    /// The round trip of the measurement held, in milliseconds ([`i64::MAX`] before the first).
+    round_trip_ms: AtomicI64,
+    /// The offset to this machine's wall clock last told (store minus this machine, in
+    /// milliseconds): a step of the wall clock shows as a change of it.
+    told_offset_ms: AtomicI64,
     following: AtomicBool,
     me: Weak<Self>,
 }
@@ -60,6 +66,8 @@ impl StoreClock {
             store,
             started_ms: steady_ms(),
             store_minus_elapsed_ms: AtomicI64::new(UNMEASURED),
+            round_trip_ms: AtomicI64::new(i64::MAX),
+            told_offset_ms: AtomicI64::new(0),
             following: AtomicBool::new(false),
             me: me.clone(),
         })
@@ -71,21 +79,17 @@ impl StoreClock {
         let asked = self.elapsed_ms();
         let store = self.store.clock().await?;
         let answered = self.elapsed_ms();
-        let round_trip = Duration::from_millis(u64::try_from(answered - asked).unwrap_or(0));
-        let held = self.store_minus_elapsed_ms.load(Ordering::Acquire);
-        if round_trip > MAX_ROUND_TRIP && held != UNMEASURED {
+        let round_trip_ms = answered.saturating_sub(asked).max(0);
+        let round_trip = Duration::from_millis(u64::try_from(round_trip_ms).unwrap_or(0));
+        if round_trip > MAX_ROUND_TRIP && round_trip_ms > self.round_trip_ms.load(Ordering::Acquire) {
             return Err(StoreError::unavailable(SlowMeasurement(round_trip)));
         }
         // The store read its clock about halfway through the round trip.
         let measured = as_i64(store.0).saturating_sub(asked.saturating_add(answered) / 2);
         self.store_minus_elapsed_ms.store(measured, Ordering::Release);
+        self.round_trip_ms.store(round_trip_ms, Ordering::Release);
         let offset = self.offset_ms();
-        let before = if held == UNMEASURED {
-            0
-        } else {
-            held.saturating_add(answered)
-                .saturating_sub(as_i64(UnixMillis::now().0))
-        };
+        let before = self.told_offset_ms.swap(offset, Ordering::AcqRel);
         if offset.abs() >= NOTABLE_OFFSET_MS && (offset - before).abs() >= NOTABLE_OFFSET_MS {
             tracing::warn!(
                 offset_ms = offset,
