@@ -169,18 +169,7 @@ impl CredentialScopes {
     /// spelling's hash, current and previous, and its unsalted form is always the spelling's. Only
     /// such spellings pay for the look-up; the usual one is its own canonical form.
     pub fn earlier(&self, authorization: &[u8], now: UnixMillis, retention: Duration) -> Vec<Scope> {
-        let canonical = canonical(authorization);
-        let respelt = *canonical != *authorization;
-        let mut earlier = Vec::new();
-        if respelt {
-            earlier.push(keyed(&self.current, authorization));
-        }
-        if let Some(previous) = &self.previous {
-            earlier.push(keyed(previous, &canonical));
-            if respelt {
-                earlier.push(keyed(previous, authorization));
-            }
-        }
+        let mut earlier = self.earlier_keyed(authorization);
         if self.unsalted_until.is_some_and(|until| now < until.plus(retention)) {
             earlier.push(unsalted(authorization));
         }
@@ -191,11 +180,27 @@ impl CredentialScopes {
     /// (for an operator looking a record up).
     pub fn every_form(&self, authorization: &[u8]) -> Vec<Scope> {
         let mut forms = vec![self.scope(authorization)];
-        forms.extend(self.earlier(authorization, UnixMillis::from_i64(0), Duration::ZERO));
-        if self.unsalted_until.is_none() {
-            forms.push(unsalted(authorization));
+        forms.extend(self.earlier_keyed(authorization));
+        forms.push(unsalted(authorization));
+        forms
+    }
+
+    /// The keyed hashes, other than [`CredentialScopes::scope`], that the caller's records may be
+    /// stored under: the spelling as sent under the current secret (if it is not the canonical
+    /// one), and the canonical spelling and the one as sent under the previous secret.
+    fn earlier_keyed(&self, authorization: &[u8]) -> Vec<Scope> {
+        let canonical = canonical(authorization);
+        let respelt = *canonical != *authorization;
+        let mut forms = Vec::new();
+        if respelt {
+            forms.push(keyed(&self.current, authorization));
         }
-        forms.dedup();
+        if let Some(previous) = &self.previous {
+            forms.push(keyed(previous, &canonical));
+            if respelt {
+                forms.push(keyed(previous, authorization));
+            }
+        }
         forms
     }
 }
