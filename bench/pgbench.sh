@@ -92,6 +92,9 @@ say "creating $PGB_SCHEMA with idem migrate, and 10000 completed records"
     || die "idem migrate could not create the scratch schema $PGB_SCHEMA"
 psql "$PG_URL" -v ON_ERROR_STOP=1 -q >/dev/null <<EOF || die "filling the scratch schema failed"
 SET search_path TO $PGB_SCHEMA;
+-- The store's salt and identity, which every claim checks.
+INSERT INTO idem_scope_salt (id, salt, created_at, identity)
+VALUES (1, decode(repeat('11', 32), 'hex'), 1767225600000, decode(repeat('22', 16), 'hex'));
 -- The records the replay scripts read: completed, with an answer.
 INSERT INTO idem_records
     (scope, key, state, fingerprint, digest, token, lease_until, response, created_at, completed_at,
@@ -139,18 +142,19 @@ FROM idem_records WHERE scope = $SCOPE AND key = 'r-' || :i::text;
 EOF
 
 # The store's own CLAIM, read from crates/idem-postgres/src/sql.rs (so it never drifts from the
-# store), with the values of the store's sizes written in for $1..$12. On a completed record it
-# reads the record and inserts nothing.
+# store), with the values of the store's sizes written in for $1..$13 ($13: the store's identity,
+# which the claim checks). On a completed record it reads the record and inserts nothing.
 CLAIM_SQL=$(sed -n '/^pub(crate) const CLAIM: &str = "$/,/";$/p' "$ROOT/crates/idem-postgres/src/sql.rs" | sed '1d;$s/";$//')
-case $CLAIM_SQL in *'$12'*) ;; *) die "cannot read CLAIM (with its parameters \$1..\$12) in crates/idem-postgres/src/sql.rs" ;; esac
+case $CLAIM_SQL in *'$13'*) ;; *) die "cannot read CLAIM (with its parameters \$1..\$13) in crates/idem-postgres/src/sql.rs" ;; esac
 CLAIM_VALUES=("$SCOPE" "'r-' || :i::text" "decode(repeat('ab', 113), 'hex')" "decode(repeat('cd', 32), 'hex')"
     "'\\x00112233445566778899aabbccddeeff'::bytea" 1767225660000 1767225600000 1767830400000 1767312000000
-    "'POST'" "'/payments'" "'0af7651916cd43dd8448eb211c80319c'")
-# From the highest: replacing $1 first would eat the start of $10..$12.
-for n in 12 11 10 9 8 7 6 5 4 3 2 1; do
+    "'POST'" "'/payments'" "'0af7651916cd43dd8448eb211c80319c'"
+    "decode(repeat('22', 16), 'hex')")
+# From the highest: replacing $1 first would eat the start of $10..$13.
+for n in 13 12 11 10 9 8 7 6 5 4 3 2 1; do
     CLAIM_SQL=${CLAIM_SQL//"\$$n"/${CLAIM_VALUES[$((n - 1))]}}
 done
-case $CLAIM_SQL in *'$'[0-9]*) die "CLAIM in crates/idem-postgres/src/sql.rs has parameters past \$12" ;; esac
+case $CLAIM_SQL in *'$'[0-9]*) die "CLAIM in crates/idem-postgres/src/sql.rs has parameters past \$13" ;; esac
 printf '\\set i random(0, 9999)\n%s;\n' "$CLAIM_SQL" >"$TMP/claim.sql"
 
 # pgb SCRIPT CLIENTS: transactions (one script run) per second, or dies.

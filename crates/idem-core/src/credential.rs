@@ -14,13 +14,14 @@
 
 use std::borrow::Cow;
 use std::fmt;
+use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
 use hmac::{Hmac, KeyInit, Mac};
 use sha2::{Digest, Sha256};
 
 use crate::scope::{Scope, hex};
-use crate::store::{ScopeSalt, Store, StoreError};
+use crate::store::{ScopeSalt, Store, StoreError, StoreIdentity};
 use crate::time::UnixMillis;
 
 /// The prefix of a credential scope hashed with the store's salt.
@@ -100,26 +101,60 @@ impl ScopeSecrets {
 
 /// How a store's credential scopes are hashed: the operator's secrets, and the store's salt once
 /// read. The protocols of one store share one (`Protocol::with_scope_hashing`), so that the salt is
-/// read once however many are made.
+/// read once however many are made, and read again by one of them for all when a claim finds that
+/// the store is not the one it was ([`StoreError::IdentityChanged`]).
 #[derive(Debug, Default)]
 pub struct ScopeHashing {
     pub(crate) secrets: ScopeSecrets,
-    pub(crate) loaded: tokio::sync::OnceCell<CredentialScopes>,
+    /// The hashing under the salt last read; `None` before the first read.
+    loaded: RwLock<Option<Arc<CredentialScopes>>>,
+    /// Held while the salt is read, so that requests finding the store changed at once read it once.
+    loading: tokio::sync::Mutex<()>,
 }
 
 impl ScopeHashing {
-    /// Hashing with `secrets`; the salt is read at the first credential.
+    /// Hashing with `secrets`; the salt is read at the first keyed request.
     pub fn new(secrets: ScopeSecrets) -> Self {
         Self {
             secrets,
-            loaded: tokio::sync::OnceCell::new(),
+            ..Self::default()
         }
+    }
+
+    /// The hashing under the salt last read, if read.
+    pub(crate) fn current(&self) -> Option<Arc<CredentialScopes>> {
+        self.loaded.read().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    /// The hashing under the store's salt as it is now, read by `load` unless another caller read
+    /// it since `stale` was current (`None`: never read). The second of two callers that found the
+    /// store changed at once gets what the first read.
+    pub(crate) async fn reload<F>(
+        &self,
+        stale: Option<&Arc<CredentialScopes>>,
+        load: F,
+    ) -> Result<Arc<CredentialScopes>, StoreError>
+    where
+        F: Future<Output = Result<CredentialScopes, StoreError>>,
+    {
+        let _loading = self.loading.lock().await;
+        if let Some(current) = self.current()
+            && stale.is_none_or(|stale| !Arc::ptr_eq(stale, &current))
+        {
+            return Ok(current);
+        }
+        let loaded = Arc::new(load.await?);
+        *self.loaded.write().unwrap_or_else(PoisonError::into_inner) = Some(Arc::clone(&loaded));
+        Ok(loaded)
     }
 }
 
 /// The hashing of credential scopes in a store: its salt and the operator's secrets.
 #[derive(Clone)]
 pub struct CredentialScopes {
+    /// The identity of the store whose salt this is: every claim made with a scope hashed here
+    /// carries it, so that a store that lost its salt refuses the claim.
+    identity: StoreIdentity,
     current: Hmac<Sha256>,
     previous: Option<Hmac<Sha256>>,
     /// Until when records with unsalted scopes may live (`None`: the store never held any).
@@ -129,6 +164,7 @@ pub struct CredentialScopes {
 impl fmt::Debug for CredentialScopes {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CredentialScopes")
+            .field("identity", &self.identity)
             .field("previous", &self.previous.is_some())
             .field("unsalted_until", &self.unsalted_until)
             .finish_non_exhaustive()
@@ -145,10 +181,16 @@ impl CredentialScopes {
     /// The hashing under `salt` and `secrets`.
     pub fn new(salt: &ScopeSalt, secrets: &ScopeSecrets) -> Self {
         Self {
+            identity: salt.identity,
             current: mac(salt, secrets.current.as_ref()),
             previous: secrets.previous.as_ref().map(|previous| mac(salt, previous.as_ref())),
             unsalted_until: salt.older_records_until,
         }
+    }
+
+    /// The identity of the store whose salt keys this hashing.
+    pub fn identity(&self) -> StoreIdentity {
+        self.identity
     }
 
     /// The scope of callers presenting this `Authorization` header value, in any spelling of it
@@ -282,6 +324,7 @@ mod tests {
     fn salt(byte: u8, older: Option<UnixMillis>) -> ScopeSalt {
         ScopeSalt {
             salt: [byte; 32],
+            identity: StoreIdentity::from_bytes([byte; 16]),
             created_at: UnixMillis::from_i64(1),
             older_records_until: older,
         }

@@ -15,7 +15,13 @@
 //!   node's resubscription) cannot leave an entry answering for long: each entry is read from the
 //!   store again once it is [`ReplayCacheConfig::max_age`] old;
 //! * a process that was stalled (stopped, paused, starved) for longer than [`STALL`] forgets
-//!   everything before it answers again, since announcements may wait unread in its sockets.
+//!   everything before it answers again, since announcements may wait unread in its sockets;
+//! * a store that lost its data (flushed, restarted empty, failed over to an empty node, migrated
+//!   anew) announces nothing: a cache made for a store ([`ReplayCache::for_store`]) reads the
+//!   store's [identity](crate::store::StoreIdentity) every [`IDENTITY_CHECK`], forgets
+//!   everything when it changed, and answers only while the last read is recent
+//!   ([`IDENTITY_TRUSTED`]), so no answer the store no longer holds is replayed from memory for
+//!   longer than that.
 //!
 //! A read that raced a delete is not kept: every invalidation moves the cache's generation on,
 //! and an entry is kept only if the generation is the one seen before the store was asked.
@@ -27,7 +33,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use crate::store::invalidations::Invalidated;
-use crate::store::{Invalidations, Record, RecordDigest, RecordId, RecordState, Store};
+use crate::store::{Invalidations, Record, RecordDigest, RecordId, RecordState, Store, StoreIdentity};
 use crate::time::UnixMillis;
 
 /// How large a [`ReplayCache`] may grow, and how long an entry is trusted.
@@ -80,6 +86,9 @@ pub struct ReplayCache {
     entries: Mutex<Entries>,
     /// When this instance last showed it was running: see [`STALL`].
     heartbeat: Heartbeat,
+    /// The store's identity, read every [`IDENTITY_CHECK`] (`None`: a cache made without its
+    /// store, which only the store's channel invalidates).
+    identity: Option<IdentityWatch>,
 }
 
 /// A pause of this process longer than this (a `SIGSTOP`, a VM paused, a runtime starved) empties
@@ -90,6 +99,23 @@ pub const STALL: Duration = Duration::from_secs(1);
 
 /// How often the heartbeat beats.
 const BEAT: Duration = Duration::from_millis(100);
+
+/// How often a cache made for a store reads the store's identity: after a store lost its data,
+/// its answers are replayed from memory for at most this long (plus one read of the store).
+pub const IDENTITY_CHECK: Duration = Duration::from_secs(1);
+
+/// How long a cache answers after the last read of its store's identity that succeeded: a store
+/// that does not answer that read (an outage, a slow store) is not trusted to be the same one.
+pub const IDENTITY_TRUSTED: Duration = Duration::from_secs(3);
+
+/// What a cache made for a store knows of the store's identity.
+struct IdentityWatch {
+    store: Arc<dyn Store>,
+    /// What the last successful read found (`Some(None)`: the store had no salt), `None` before it.
+    known: Mutex<Option<Option<StoreIdentity>>>,
+    /// When that read was made, in milliseconds since the heartbeat's origin; `u64::MAX` before it.
+    confirmed_ms: AtomicU64,
+}
 
 /// The last beat, in milliseconds since the cache was made (no heartbeat without a runtime: then
 /// never stale).
@@ -163,6 +189,14 @@ impl ReplayCache {
     /// A cache of `config`'s size whose entries are invalidated by `invalidations` (the store's);
     /// `None` if `config` keeps nothing.
     pub fn new(config: ReplayCacheConfig, invalidations: Arc<Invalidations>) -> Option<Arc<Self>> {
+        Self::watching(config, invalidations, None)
+    }
+
+    fn watching(
+        config: ReplayCacheConfig,
+        invalidations: Arc<Invalidations>,
+        identity: Option<IdentityWatch>,
+    ) -> Option<Arc<Self>> {
         if config.is_off() {
             return None;
         }
@@ -171,6 +205,7 @@ impl ReplayCache {
             invalidations: Arc::clone(&invalidations),
             entries: Mutex::default(),
             heartbeat: Heartbeat::new(),
+            identity,
         });
         let watcher: Arc<dyn Invalidated> = cache.clone();
         invalidations.watch(Arc::downgrade(&watcher));
@@ -200,12 +235,64 @@ impl ReplayCache {
                 cache.heartbeat.beat();
             }
         });
+        if let Some(watch) = &self.identity {
+            let (cache, store) = (Arc::downgrade(self), Arc::clone(&watch.store));
+            runtime.spawn(async move {
+                loop {
+                    let read = tokio::time::timeout(IDENTITY_CHECK, store.identity()).await;
+                    let Some(cache) = cache.upgrade() else { return };
+                    if let Ok(Ok(found)) = read {
+                        cache.identity_read(found);
+                    }
+                    drop(cache);
+                    tokio::time::sleep(IDENTITY_CHECK).await;
+                }
+            });
+        }
     }
 
-    /// A cache of `config`'s size in front of `store`, invalidated by its notification channel;
-    /// `None` if `config` keeps nothing or the store cannot announce deletes.
-    pub fn for_store(store: &dyn Store, config: ReplayCacheConfig) -> Option<Arc<Self>> {
-        Self::new(config, store.invalidations()?)
+    /// The store's identity was read: if it is not the one read before, the store lost its data
+    /// (or was replaced) and everything kept is forgotten.
+    fn identity_read(&self, found: Option<StoreIdentity>) {
+        let Some(watch) = &self.identity else { return };
+        let mut known = watch.known.lock().unwrap_or_else(PoisonError::into_inner);
+        if known.is_some_and(|known| known != found) {
+            self.clear();
+            tracing::warn!(
+                "the store is not the one this instance knew (its data was lost, flushed or replaced): the replay cache was emptied"
+            );
+        }
+        *known = Some(found);
+        watch.confirmed_ms.store(self.heartbeat.elapsed_ms(), Ordering::Release);
+    }
+
+    /// Whether the cache answers as far as its store's identity goes (for the conformance suite,
+    /// which waits for it after the cache's first look-up started the reads).
+    #[cfg(feature = "testkit")]
+    pub(crate) fn knows_its_stores_identity(&self) -> bool {
+        self.identity_trusted()
+    }
+
+    /// Whether the store's identity was read recently enough for the cache to answer (always, for
+    /// a cache made without its store).
+    fn identity_trusted(&self) -> bool {
+        self.identity.as_ref().is_none_or(|watch| {
+            let confirmed = watch.confirmed_ms.load(Ordering::Acquire);
+            confirmed != u64::MAX
+                && self.heartbeat.elapsed_ms().saturating_sub(confirmed) <= IDENTITY_TRUSTED.as_millis() as u64
+        })
+    }
+
+    /// A cache of `config`'s size in front of `store`, invalidated by its notification channel
+    /// and by a change of its identity; `None` if `config` keeps nothing or the store cannot
+    /// announce deletes.
+    pub fn for_store(store: &Arc<dyn Store>, config: ReplayCacheConfig) -> Option<Arc<Self>> {
+        let watch = IdentityWatch {
+            store: Arc::clone(store),
+            known: Mutex::default(),
+            confirmed_ms: AtomicU64::new(u64::MAX),
+        };
+        Self::watching(config, store.invalidations()?, Some(watch))
     }
 
     /// The cache's configuration.
@@ -230,7 +317,7 @@ impl ReplayCache {
         }
         let mut entries = self.lock();
         let generation = Generation(entries.generation);
-        if !self.invalidations.is_listening() {
+        if !self.invalidations.is_listening() || !self.identity_trusted() {
             return Lookup::Miss(generation);
         }
         let Some(entry) = entries.map.get(id) else {

@@ -18,7 +18,7 @@ use crate::{
     Fingerprint, IdempotencyKey, Scope, Store, StoreError, UnixMillis,
     store::{
         Begin, BeginRequest, Checkpoint, ClaimState, Completion, FencingToken, ListQuery, Listed, ListedState, Origin,
-        Record, RecordId, RecordState, Release, ScopeSalt, WaitOutcome,
+        Record, RecordId, RecordState, Release, ScopeSalt, StoreIdentity, WaitOutcome,
     },
 };
 
@@ -29,6 +29,11 @@ pub trait Harness: Send + Sync + 'static {
     /// instance of a service would. Panics with a message saying how to start the server when it
     /// cannot connect.
     async fn open(&self) -> Arc<dyn Store>;
+
+    /// Makes the store lose every record and its salt under the handles already open, as a store
+    /// restarted without persistence, flushed, failed over to an empty node or whose schema was
+    /// dropped and migrated anew does.
+    async fn lose_data(&self);
 }
 
 /// The lease of every claim the helpers below make.
@@ -74,6 +79,7 @@ pub fn claim<'a>(id: &'a RecordId, fp: &'a Fingerprint, now: UnixMillis, token: 
         purge_at: now.plus(7 * DAY),
         token,
         origin: origin(),
+        identity: None,
     }
 }
 
@@ -1351,6 +1357,60 @@ pub async fn scope_salt_is_one_per_store(h: &impl Harness) {
     );
 }
 
+/// A claim carries the identity of the store whose salt hashed its scope, and the store checks it
+/// in the same atomic step: under another identity, or after the store lost its data (and so its
+/// salt), nothing is claimed and nothing written. The salt read again is the one every instance
+/// reads, made by the first to ask after the loss, with an identity of its own. Many keys, so
+/// that on a cluster every node's slots are claimed in.
+pub async fn claims_check_the_stores_identity(h: &impl Harness) {
+    let (a, now) = (h.open().await, UnixMillis::now());
+    let before = a.scope_salt(ScopeSalt::random(now)).await.expect("scope_salt");
+    assert_eq!(a.identity().await.expect("identity"), Some(before.identity));
+    claims_under(&a, before.identity, true, "the store's identity").await;
+    claims_under(&a, StoreIdentity::random(), false, "another identity").await;
+
+    h.lose_data().await;
+    assert_eq!(a.identity().await.expect("identity"), None, "the store lost its salt");
+    claims_under(&a, before.identity, false, "a store that lost its data").await;
+    let c = h.open().await;
+    let after = c.scope_salt(ScopeSalt::random(now)).await.expect("scope_salt");
+    assert_ne!(
+        after.identity, before.identity,
+        "a store that lost its salt makes a new one"
+    );
+    assert_eq!(a.scope_salt(ScopeSalt::random(now)).await.expect("scope_salt"), after);
+    claims_under(&a, after.identity, true, "the new identity, by the instance of before").await;
+    claims_under(&c, after.identity, true, "the new identity, by a new instance").await;
+    claims_under(&c, before.identity, false, "the identity of before the loss").await;
+}
+
+/// Claims 24 new keys (spread over a cluster's slots) under `identity`: each is acquired if
+/// `acquired`, else refused with nothing written.
+async fn claims_under(store: &Arc<dyn Store>, identity: StoreIdentity, acquired: bool, what: &str) {
+    let (now, fp) = (UnixMillis::now(), fingerprint("{}"));
+    for _ in 0..24 {
+        let id = fresh_id();
+        let begun = store
+            .begin(BeginRequest {
+                identity: Some(identity),
+                ..claim(&id, &fp, now, FencingToken::random())
+            })
+            .await;
+        if acquired {
+            assert!(
+                matches!(begun, Ok(Begin::Acquired { recovered: false })),
+                "{what}: {begun:?}"
+            );
+        } else {
+            assert!(matches!(begun, Err(StoreError::IdentityChanged)), "{what}: {begun:?}");
+            assert!(
+                store.get(&id).await.expect("get").is_none(),
+                "{what}: nothing was written"
+            );
+        }
+    }
+}
+
 /// A salt made by a store that already holds records tells until when those records may live, so
 /// that scopes hashed before there was a salt are still looked up until then.
 pub async fn scope_salt_tells_how_long_older_records_live(h: &impl Harness) {
@@ -1668,7 +1728,7 @@ pub const DELETE_REACHES_CACHES_WITHIN: Duration = Duration::from_secs(3);
 
 /// A replay cache on `here` whose entries never age out during a test, once `here`'s channel is
 /// up; and the store's invalidations.
-async fn listening_cache(here: &dyn Store) -> (Arc<ReplayCache>, Arc<Invalidations>) {
+async fn listening_cache(here: &Arc<dyn Store>) -> (Arc<ReplayCache>, Arc<Invalidations>) {
     let config = ReplayCacheConfig {
         max_age: Duration::from_secs(3600),
         ..ReplayCacheConfig::DEFAULT
@@ -1677,6 +1737,12 @@ async fn listening_cache(here: &dyn Store) -> (Arc<ReplayCache>, Arc<Invalidatio
     let invalidations = here.invalidations().expect("the store's invalidations");
     eventually(Duration::from_secs(10), "the store's channel is up", || {
         invalidations.is_listening()
+    })
+    .await;
+    // A first look-up starts the reads of the store's identity; the cache answers once one came.
+    let _ = cache.lookup(&fresh_id(), UnixMillis::now());
+    eventually(Duration::from_secs(10), "the store's identity is read", || {
+        cache.knows_its_stores_identity()
     })
     .await;
     (cache, invalidations)
@@ -1714,7 +1780,7 @@ async fn cache_an_answer(
 /// delete to every instance.
 pub async fn replay_cache_forgets_what_any_instance_deletes(h: &impl Harness) {
     let (here, there, operator) = (h.open().await, h.open().await, h.open().await);
-    let (cache, _) = listening_cache(&*here).await;
+    let (cache, _) = listening_cache(&here).await;
     let (id, fp, now) = (fresh_id(), fingerprint("a"), UnixMillis::now());
     cache_an_answer(&cache, (&*here, &*there), &id, (now, DAY), b"answer").await;
 
@@ -1770,7 +1836,7 @@ pub async fn a_delete_while_the_channel_is_down_is_not_missed<F>(here: Arc<dyn S
 where
     F: std::future::Future<Output = ()>,
 {
-    let (cache, invalidations) = listening_cache(&*here).await;
+    let (cache, invalidations) = listening_cache(&here).await;
     let (id, now) = (fresh_id(), UnixMillis::now());
     cache_an_answer(&cache, (&*here, &*there), &id, (now, DAY), b"answer").await;
 
@@ -1825,7 +1891,8 @@ macro_rules! conformance_tests {
             scopes_are_isolated, large_bodies, records_survive_reopen, tells_its_time,
             checkpoints_belong_to_the_current_claim, checkpoints_survive_a_takeover_and_end_with_the_run,
             a_new_claim_never_sees_old_checkpoints, scope_salt_is_one_per_store,
-            scope_salt_tells_how_long_older_records_live, claim_state_follows_the_claim,
+            scope_salt_tells_how_long_older_records_live, claims_check_the_stores_identity,
+            claim_state_follows_the_claim,
             an_in_transaction_claim_that_died_is_taken_over_unflagged,
             replay_cache_forgets_what_any_instance_deletes, a_record_keeps_its_origin_status_and_recovery,
             lists_records_by_state_time_path_and_recovery }

@@ -8,7 +8,7 @@ use http::{HeaderName, HeaderValue};
 use idem_core::{
     Scope, ScopeError, ScopeSecrets, ScopeSource, UnixMillis,
     protocol::{Caller, CredentialScopes},
-    store::ScopeSalt,
+    store::{ScopeSalt, StoreIdentity},
 };
 use proptest::prelude::*;
 
@@ -41,6 +41,7 @@ fn user_id() -> ScopeSource {
 fn scope_of(source: &ScopeSource, parts: &Parts) -> Result<Scope, ScopeError> {
     let salt = ScopeSalt {
         salt: [7; 32],
+        identity: StoreIdentity::from_bytes([7; 16]),
         created_at: UnixMillis::from_i64(1),
         older_records_until: None,
     };

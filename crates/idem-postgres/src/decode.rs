@@ -6,7 +6,7 @@
 use idem_core::store::backend::StoredRecord;
 use idem_core::{
     StoreError, UnixMillis,
-    store::{Checkpoint, Listed, Record, RecordId, ScopeSalt},
+    store::{Checkpoint, Listed, Record, RecordId, ScopeSalt, StoreIdentity},
 };
 use tokio_postgres::Row;
 
@@ -90,18 +90,38 @@ pub(crate) fn checkpoints_from_row(row: &Row, id: &RecordId) -> Result<Vec<Check
 
 /// Reads the columns of [`SCOPE_SALT_SELECT`](crate::sql::SCOPE_SALT_SELECT); values of the wrong type and a salt of the wrong
 /// length are a corrupt store.
-pub(crate) fn scope_salt_from_row(row: &Row) -> Result<ScopeSalt, StoreError> {
+/// `None` for a salt without an identity (made by an instance of a version before identities,
+/// after the migration that gave the salt of then one).
+pub(crate) fn scope_salt_from_row(row: &Row) -> Result<Option<ScopeSalt>, StoreError> {
     let corrupt = |detail: String| StoreError::Corrupt(format!("the scope salt: {detail}"));
     let salt: Vec<u8> = row.try_get(0).map_err(|err| corrupt(describe(&err)))?;
     let created_at: i64 = row.try_get(1).map_err(|err| corrupt(describe(&err)))?;
     let older_records_until: Option<i64> = row.try_get(2).map_err(|err| corrupt(describe(&err)))?;
     let salt = <[u8; 32]>::try_from(salt.as_slice())
         .map_err(|_| corrupt(format!("{} bytes where 32 were expected", salt.len())))?;
-    Ok(ScopeSalt {
+    let Some(identity) = identity_from_row(row, 3)? else {
+        return Ok(None);
+    };
+    Ok(Some(ScopeSalt {
         salt,
+        identity,
         created_at: UnixMillis::from_i64(created_at),
         older_records_until: older_records_until.map(UnixMillis::from_i64),
-    })
+    }))
+}
+
+/// The store's identity in column `index` (`None`: `NULL`); one of the wrong length or type is a
+/// corrupt store.
+pub(crate) fn identity_from_row(row: &Row, index: usize) -> Result<Option<StoreIdentity>, StoreError> {
+    let corrupt = |detail: String| StoreError::Corrupt(format!("the store's identity: {detail}"));
+    let identity: Option<Vec<u8>> = row.try_get(index).map_err(|err| corrupt(describe(&err)))?;
+    identity
+        .map(|bytes| {
+            <[u8; 16]>::try_from(bytes.as_slice())
+                .map(StoreIdentity::from_bytes)
+                .map_err(|_| corrupt(format!("{} bytes where 16 were expected", bytes.len())))
+        })
+        .transpose()
 }
 
 /// Pairs each name with the value at its position.

@@ -47,6 +47,10 @@ const MIGRATION_LOCK: i64 = 0x6964_656d_0000_0001;
 ///    read that never opens the table for writing. It runs with the caller's rights (invoker) and
 ///    resolves `idem_records` as the caller's statement does; `EXECUTE` is granted to `PUBLIC`
 ///    explicitly, so that default privileges that revoke it cannot stop the store's own role.
+/// 9. The store's `identity` beside its salt: 16 random bytes that every claim checks in its own
+///    statement (`CLAIM`), so that an instance that read the salt of a store that has since lost
+///    its data (or a schema made anew) finds out before it claims anything. A salt that exists
+///    gets one here; a new one is made with one (`SCOPE_SALT_INSERT`).
 const MIGRATIONS: &[(i32, &str)] = &[
     (
         1,
@@ -390,6 +394,13 @@ END
 $fn$;
 GRANT EXECUTE ON FUNCTION idem_claim_insert(TEXT, TEXT, BYTEA, BYTEA, BYTEA, BIGINT, BIGINT, BIGINT, BIGINT, TEXT, TEXT, TEXT)
     TO PUBLIC;
+",
+    ),
+    (
+        9,
+        "
+ALTER TABLE idem_scope_salt ADD COLUMN identity BYTEA;
+UPDATE idem_scope_salt SET identity = decode(md5(random()::text || clock_timestamp()::text), 'hex');
 ",
     ),
 ];

@@ -11,14 +11,21 @@
 /// row and does nothing, no record is returned and nothing was inserted, and the claim is tried
 /// again. A new claim keeps the request's origin ($10 to $12: method, path, trace id), not
 /// recovered and without a status (the columns' defaults).
+///
+/// The store's identity is checked in the same statement: unless $13 (the identity the caller
+/// knows) is `NULL`, nothing is inserted and the last column is false when the salt's row holds
+/// another identity or there is none (the store lost its data, or its schema was made anew).
 pub(crate) const CLAIM: &str = "
 SELECT f.state, f.fingerprint, f.digest, f.token, f.lease_until, f.response, f.created_at, f.completed_at,
     f.expires_at, f.purge_at, f.replays, f.method, f.path, f.trace_id, f.recovered, f.status,
-    CASE WHEN f.state IS NULL
+    CASE WHEN f.state IS NULL AND same.store
         THEN COALESCE(idem_claim_insert($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12), false)
         ELSE false
-    END
-FROM (SELECT 1) AS one
+    END,
+    same.store
+FROM (
+    SELECT $13::bytea IS NULL OR EXISTS (SELECT 1 FROM idem_scope_salt WHERE id = 1 AND identity = $13::bytea) AS store
+) AS same
 LEFT JOIN (
     SELECT state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at,
         purge_at, replays, method, path, trace_id, recovered, status
@@ -160,15 +167,23 @@ FROM idem_records WHERE scope = $1 AND key = $2 AND state IN ('in-flight', 'unkn
 /// record committed while it runs is not counted, like one written later by an instance not yet
 /// upgraded, and the protocol looks back one retention past this time for both.
 pub(crate) const SCOPE_SALT_INSERT: &str = "
-INSERT INTO idem_scope_salt (id, salt, created_at, older_records_until)
-SELECT 1, $1::bytea, $2::bigint, (SELECT max(purge_at) FROM idem_records)
+INSERT INTO idem_scope_salt (id, salt, created_at, older_records_until, identity)
+SELECT 1, $1::bytea, $2::bigint, (SELECT max(purge_at) FROM idem_records), $3::bytea
 ON CONFLICT (id) DO NOTHING
-RETURNING salt, created_at, older_records_until";
+RETURNING salt, created_at, older_records_until, identity";
 
 /// A statement of its own after [`SCOPE_SALT_INSERT`] found the row taken: under read committed it
 /// sees the row that a concurrent caller committed, which the insert's snapshot may not.
 pub(crate) const SCOPE_SALT_SELECT: &str =
-    "SELECT salt, created_at, older_records_until FROM idem_scope_salt WHERE id = 1";
+    "SELECT salt, created_at, older_records_until, identity FROM idem_scope_salt WHERE id = 1";
+
+/// A salt made by an instance of a version before identities (after the migration that gave the
+/// salt of then one) gets the candidate's.
+pub(crate) const SCOPE_SALT_IDENTIFY: &str =
+    "UPDATE idem_scope_salt SET identity = $1 WHERE id = 1 AND identity IS NULL";
+
+/// The store's identity, for replay caches (no row: no salt).
+pub(crate) const IDENTITY: &str = "SELECT identity FROM idem_scope_salt WHERE id = 1";
 
 /// A waiter's mark on the claim it waits on, so that the change that ends the claim notifies
 /// (changes of records nobody waits on do not: a `NOTIFY` takes a lock that serialises every

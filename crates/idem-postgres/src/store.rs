@@ -36,13 +36,13 @@ use idem_core::{
     Store, StoreError, UnixMillis,
     store::{
         Begin, BeginRequest, Checkpoint, ClaimState, Completion, FencingToken, ListQuery, Listed, ListedState, Purged,
-        Record, RecordId, Release, ScopeSalt, WaitOutcome,
+        Record, RecordId, Release, ScopeSalt, StoreIdentity, WaitOutcome,
     },
 };
 use tokio_postgres::NoTls;
 use tokio_postgres::types::Type;
 
-use crate::decode::{StoredRow, checkpoints_from_row, listed_from_row, scope_salt_from_row};
+use crate::decode::{StoredRow, checkpoints_from_row, identity_from_row, listed_from_row, scope_salt_from_row};
 use crate::error::Failure;
 use crate::listener::{Listener, deleted_payload, payload};
 use crate::read_first::Reads;
@@ -280,6 +280,7 @@ impl PostgresStore {
         let expires_at = request.expires_at.as_i64();
         let (method, path) = (request.origin.method.as_str(), request.origin.path.as_str());
         let trace_id = request.origin.trace.map(|trace| trace.to_string());
+        let identity = request.identity.map(|identity| identity.as_bytes().to_vec());
         let notice = payload(id);
         let mut client = self.client("begin").await?;
         for _ in 0..BEGIN_ATTEMPTS {
@@ -302,10 +303,14 @@ impl PostgresStore {
                         &method,
                         &path,
                         &trace_id,
+                        &identity,
                     ],
                 )
                 .await
                 .map_err(db)?;
+            if !row.try_get::<_, bool>(17).map_err(db)? {
+                return Err(StoreError::IdentityChanged);
+            }
             if row.try_get::<_, bool>(16).map_err(db)? {
                 return Ok(Begin::Acquired { recovered: false });
             }
@@ -536,23 +541,47 @@ impl Store for PostgresStore {
         let db = self.db("scope_salt");
         let client = self.client("scope_salt").await?;
         let insert = client.prepare_cached(sql::SCOPE_SALT_INSERT).await.map_err(db)?;
+        let identity = &candidate.identity.as_bytes()[..];
         let made = client
-            .query_opt(&insert, &[&&candidate.salt[..], &candidate.created_at.as_i64()])
+            .query_opt(
+                &insert,
+                &[&&candidate.salt[..], &candidate.created_at.as_i64(), &identity],
+            )
             .await
             .map_err(db)?;
-        if let Some(row) = made {
-            return scope_salt_from_row(&row);
+        if let Some(salt) = made.as_ref().map(scope_salt_from_row).transpose()?.flatten() {
+            return Ok(salt);
         }
         let select = client.prepare_cached(sql::SCOPE_SALT_SELECT).await.map_err(db)?;
-        match client.query_opt(&select, &[]).await.map_err(db)? {
-            Some(row) => scope_salt_from_row(&row),
-            // Nothing deletes the row: only someone emptying the table by hand in between.
-            None => Err(StoreError::unavailable(Failure::new(
-                "scope_salt",
-                &self.inner.target,
-                "the scope salt was deleted while it was being read (idem_scope_salt must never be emptied)".to_owned(),
-                None,
-            ))),
+        for _ in 0..2 {
+            match client.query_opt(&select, &[]).await.map_err(db)? {
+                Some(row) => match scope_salt_from_row(&row)? {
+                    Some(salt) => return Ok(salt),
+                    // Made by an instance of a version before identities: given the candidate's.
+                    None => {
+                        let identify = client.prepare_cached(sql::SCOPE_SALT_IDENTIFY).await.map_err(db)?;
+                        client.execute(&identify, &[&identity]).await.map_err(db)?;
+                    }
+                },
+                // Nothing deletes the row: only someone emptying the table by hand in between.
+                None => break,
+            }
+        }
+        Err(StoreError::unavailable(Failure::new(
+            "scope_salt",
+            &self.inner.target,
+            "the scope salt was deleted while it was being read (idem_scope_salt must never be emptied)".to_owned(),
+            None,
+        )))
+    }
+
+    async fn identity(&self) -> Result<Option<StoreIdentity>, StoreError> {
+        let db = self.db("identity");
+        let client = self.client("identity").await?;
+        let stmt = client.prepare_cached(sql::IDENTITY).await.map_err(db)?;
+        match client.query_opt(&stmt, &[]).await.map_err(db)? {
+            Some(row) => identity_from_row(&row, 0),
+            None => Ok(None),
         }
     }
 
@@ -805,7 +834,11 @@ mod tests {
         );
         let salting = plan(
             SCOPE_SALT_INSERT,
-            vec![Box::new(vec![0_u8; 32]), Box::new(UnixMillis::now().as_i64())],
+            vec![
+                Box::new(vec![0_u8; 32]),
+                Box::new(UnixMillis::now().as_i64()),
+                Box::new(vec![0_u8; 16]),
+            ],
         )
         .await;
         assert!(salting.contains("idem_records_purge_at"), "{salting}");

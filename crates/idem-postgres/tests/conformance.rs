@@ -11,6 +11,7 @@ use async_trait::async_trait;
 use common::TestSchema;
 use idem_core::Store;
 use idem_core::testkit::Harness;
+use idem_test_support::servers;
 
 struct PgHarness {
     schema: TestSchema,
@@ -30,6 +31,15 @@ impl PgHarness {
 impl Harness for PgHarness {
     async fn open(&self) -> Arc<dyn Store> {
         Arc::new(self.schema.connect(self.options).await)
+    }
+
+    /// The schema dropped and migrated anew (by a store that connects and asks for no salt).
+    async fn lose_data(&self) {
+        let (url, name) = (servers::Server::Postgres.configured_url(), self.schema.name.clone());
+        tokio::task::spawn_blocking(move || servers::drop_postgres_schema(&url, &name))
+            .await
+            .expect("dropping the schema");
+        drop(self.schema.connect(self.options).await);
     }
 }
 

@@ -38,8 +38,12 @@ async fn a_salt_committed_while_waiting_for_it_is_the_one_returned() {
     let mut other = schema.client().await;
     let tx = other.transaction().await.unwrap();
     tx.execute(
-        "INSERT INTO idem_scope_salt (id, salt, created_at) VALUES (1, $1, $2)",
-        &[&&theirs.salt[..], &theirs.created_at.as_i64()],
+        "INSERT INTO idem_scope_salt (id, salt, created_at, identity) VALUES (1, $1, $2, $3)",
+        &[
+            &&theirs.salt[..],
+            &theirs.created_at.as_i64(),
+            &&theirs.identity.as_bytes()[..],
+        ],
     )
     .await
     .unwrap();

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use idem_core::store::backend::{Existing, StoredRecord};
 use idem_core::{
     IdempotencyKey, Scope, StoreError, UnixMillis,
-    store::{Begin, BeginRequest, Checkpoint, Listed, Record, RecordId, ScopeSalt},
+    store::{Begin, BeginRequest, Checkpoint, Listed, Record, RecordId, ScopeSalt, StoreIdentity},
 };
 use redis::Value;
 
@@ -78,11 +78,26 @@ pub(crate) fn parse_scope_salt(
     };
     let created_at = time("created_at")?.ok_or_else(|| corrupt("no created_at".to_owned()))?;
     let older_records_until = time("older_records_until")?;
+    let identity = fields.remove(b"identity".as_slice()).unwrap_or_default();
+    let identity = parse_identity(&identity).ok_or_else(|| corrupt("no valid identity".to_owned()))?;
     Ok(Some(ScopeSalt {
         salt,
+        identity,
         created_at,
         older_records_until,
     }))
+}
+
+/// A store's identity as the scripts keep it: 32 hex digits.
+pub(crate) fn parse_identity(hex: &[u8]) -> Option<StoreIdentity> {
+    if hex.len() != 32 {
+        return None;
+    }
+    let mut bytes = [0; 16];
+    for (byte, pair) in bytes.iter_mut().zip(hex.chunks(2)) {
+        *byte = u8::from_str_radix(std::str::from_utf8(pair).ok()?, 16).ok()?;
+    }
+    Some(StoreIdentity::from_bytes(bytes))
 }
 
 /// The value of a Lua `false` or a missing key.
@@ -315,6 +330,11 @@ type HashFields = HashMap<Vec<u8>, Vec<u8>>;
 
 /// The fields of a hash as `HGETALL` returned them; `None` for a missing key (an empty hash).
 fn parse_hash(fields: Value) -> Result<Option<HashFields>, StoreError> {
+    // A script's reply is an array; `HGETALL` itself answers a map on a RESP3 connection.
+    let fields = match fields {
+        Value::Map(pairs) => Value::Array(pairs.into_iter().flat_map(|(name, value)| [name, value]).collect()),
+        other => other,
+    };
     let flat = array(fields, "the hash's fields")?;
     if flat.is_empty() {
         return Ok(None);
@@ -383,6 +403,7 @@ pub(crate) fn parse_begin(
             let replay = stored.on_begin(same_request, request.now.as_i64()) == Existing::Replay;
             Ok((Begin::Existing(stored.into_record(request.id.clone())?), replay))
         }
+        b"other-store" => Err(StoreError::IdentityChanged),
         other => Err(StoreError::Corrupt(format!(
             "unexpected outcome of begin {:?}",
             String::from_utf8_lossy(other)

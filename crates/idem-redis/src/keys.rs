@@ -1,8 +1,12 @@
 //! Where a record lives: its three keys and its wake-up channel, all with the same cluster hash tag;
 //! and where the store's scope salt lives.
 
+use std::collections::HashMap;
+use std::sync::LazyLock;
+
 use idem_core::store::RecordId;
 use idem_core::store::backend::hex;
+use redis::cluster_routing::Slot;
 use sha2::{Digest, Sha256};
 
 /// The Redis names of one record: `PREFIX:{TAG}:rec`, `PREFIX:{TAG}:body`,
@@ -67,6 +71,49 @@ pub(crate) fn scope_salt_key(prefix: &str) -> String {
     format!("{prefix}:scope-salt")
 }
 
+/// The pattern of the copies of the salt a cluster keeps, one per slot that held a claim
+/// (`PREFIX:identity:{TAG}`, see [`identity_copy_key`]), with the prefix's glob characters escaped.
+pub(crate) fn identity_copy_pattern(prefix: &str) -> String {
+    format!("{}:identity:*", escape_glob(prefix))
+}
+
+/// The copy of the salt (and of the store's identity) that a cluster keeps in the slot of the
+/// record named `record`: `PREFIX:identity:{TAG}`, where `TAG` is the shortest decimal number that
+/// hashes to that slot. A claim's script reads it in its own slot, as a script on a cluster can
+/// read no other; it is written from the salt hash (`PREFIX:scope-salt`, which decides) by the
+/// first claim in the slot, and again by one that finds it missing (its node lost its data) or
+/// other than the salt hash.
+pub(crate) fn identity_copy_key(prefix: &str, record: &str) -> String {
+    let tag = &SLOT_TAGS[&Slot::for_key(record)];
+    format!("{prefix}:identity:{{{tag}}}")
+}
+
+/// For every slot of a cluster, the shortest decimal number that hashes to it: found by trying
+/// numbers in turn (about 160 000, a few milliseconds, once per process).
+static SLOT_TAGS: LazyLock<HashMap<Slot, String>> = LazyLock::new(|| {
+    const SLOTS: usize = 16_384;
+    let mut tags = HashMap::with_capacity(SLOTS);
+    let mut n: u64 = 0;
+    while tags.len() < SLOTS {
+        let tag = n.to_string();
+        tags.entry(Slot::for_key(&tag)).or_insert(tag);
+        n += 1;
+    }
+    tags
+});
+
+/// `prefix` with the glob characters of `SCAN MATCH` escaped.
+fn escape_glob(prefix: &str) -> String {
+    let mut escaped = String::with_capacity(prefix.len() + 4);
+    for c in prefix.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            escaped.push('\\');
+        }
+        escaped.push(c);
+    }
+    escaped
+}
+
 /// The channel on which every delete of a record is announced, with the record's digest, to the
 /// replay caches of every instance: `PREFIX:deletions`. A plain (not sharded) channel, so that on
 /// a cluster the announcement reaches every node, whatever the slot of the record deleted.
@@ -87,15 +134,7 @@ pub(crate) fn replicated_key(prefix: &str) -> String {
 /// `{` right after it keeps out the records of a longer prefix that starts with this one
 /// (`idem:x:{TAG}:rec` is not a record of `idem`).
 pub(crate) fn record_pattern(prefix: &str) -> String {
-    let mut pattern = String::with_capacity(prefix.len() + 8);
-    for c in prefix.chars() {
-        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
-            pattern.push('\\');
-        }
-        pattern.push(c);
-    }
-    pattern.push_str(":{*}:rec");
-    pattern
+    format!("{}:{{*}}:rec", escape_glob(prefix))
 }
 
 #[cfg(test)]
@@ -132,6 +171,17 @@ mod tests {
         assert_eq!(record_pattern("idem"), "idem:{*}:rec");
         assert_eq!(record_pattern(r"a*b?c[d]e\f"), r"a\*b\?c\[d\]e\\f:{*}:rec");
         assert_eq!(scope_salt_key("idem"), "idem:scope-salt");
+    }
+
+    #[test]
+    fn an_identity_copy_shares_its_records_slot() {
+        for key in ["k1", "k2", "k3", "k4"] {
+            let keys = RecordKeys::new("idem", &id("app:alice", key));
+            let copy = identity_copy_key("idem", &keys.record);
+            assert!(copy.starts_with("idem:identity:{"), "{copy}");
+            assert_eq!(Slot::for_key(&copy), Slot::for_key(&keys.record), "{copy}");
+        }
+        assert_eq!(identity_copy_pattern("a*b"), r"a\*b:identity:*");
     }
 
     #[test]

@@ -159,9 +159,19 @@ end
 /// [`COUNT_REPLAYS`]). Every `redis.call` costs the script about a microsecond of the server's
 /// one thread, so the common paths make as few as they can.
 ///
-/// Returns `{nonce, 'acquired', recovered}` or
-/// `{nonce, 'existing', the record's fields (see `read_claim`), body or nil}`.
+/// The store's identity is checked first, in the same script: `KEYS[4]` is the hash that holds
+/// it for the record's slot (the salt hash on one server; a copy of the salt in the record's slot
+/// on a cluster, `keys::identity_copy_key`) and `ARGV[13]` the identity the caller knows, in hex
+/// (empty: no check).
+///
+/// Returns `{nonce, 'acquired', recovered}`,
+/// `{nonce, 'existing', the record's fields (see `read_claim`), body or nil}`, or
+/// `{nonce, 'other-store'}` when `KEYS[4]` holds another identity or none.
 const BEGIN: &str = r#"
+if ARGV[13] ~= '' and redis.call('HGET', KEYS[4], 'identity') ~= ARGV[13] then
+  -- Not the store the caller knew (its data was lost): nothing is claimed.
+  return answer('other-store')
+end
 now = num(ARGV[2], 'now')
 local lease_until, token, digest, fingerprint = ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local claim_purge_at, channel, publish, claim_expires_at = ARGV[7], ARGV[8], ARGV[9], ARGV[10]
@@ -452,24 +462,44 @@ end
 return answer(flat)
 "#;
 
-/// `scope_salt`. KEYS[1] = the salt hash (no other key). ARGV: nonce; to make the salt if there
-/// is none, also salt, created_at and older_records_until (empty for none). Makes it only if the
-/// key does not exist, in the same step as it looks, so of racing callers exactly one makes it;
-/// the key is given no expiry. A salt that exists counts one more `reads`, so that the call always
-/// writes: its acknowledgement by a replica then proves the replica has the salt, even when
-/// another instance made it a moment ago (a salt lost in a failover would rename every scope).
-/// Returns `{nonce, HGETALL of the key}` as it is afterwards (an empty hash if there is
-/// still none).
+/// `scope_salt`. KEYS[1] = the salt hash (no other key). ARGV: nonce, the candidate identity (hex);
+/// to make the salt if there is none, also salt, created_at and older_records_until (empty for
+/// none). Makes it only if the key does not exist, in the same step as it looks, so of racing
+/// callers exactly one makes it; the key is given no expiry. A salt that exists counts one more
+/// `reads`, so that the call always writes: its acknowledgement by a replica then proves the
+/// replica has the salt, even when another instance made it a moment ago (a salt lost in a
+/// failover would rename every scope); a salt made before salts had an identity is given the
+/// candidate's. Returns `{nonce, HGETALL of the key}` as it is afterwards (an empty hash if there
+/// is still none).
 const SCOPE_SALT: &str = r#"
-if ARGV[2] and redis.call('EXISTS', rec) == 0 then
-  redis.call('HSET', rec, 'salt', ARGV[2], 'created_at', ARGV[3])
-  if ARGV[4] ~= '' then
-    redis.call('HSET', rec, 'older_records_until', ARGV[4])
+if ARGV[3] and redis.call('EXISTS', rec) == 0 then
+  redis.call('HSET', rec, 'salt', ARGV[3], 'created_at', ARGV[4], 'identity', ARGV[2])
+  if ARGV[5] ~= '' then
+    redis.call('HSET', rec, 'older_records_until', ARGV[5])
   end
 elseif redis.call('EXISTS', rec) == 1 then
   redis.call('HINCRBY', rec, 'reads', 1)
+  redis.call('HSETNX', rec, 'identity', ARGV[2])
 end
 return answer(redis.call('HGETALL', rec))
+"#;
+
+/// `copy_identity` (a cluster's): KEYS[1] = the copy of the salt in one slot
+/// (`keys::identity_copy_key`). ARGV: nonce, identity, salt, created_at, older_records_until (empty
+/// for none), as the salt hash holds them. Replaces the copy (no expiry), so that claims in that
+/// slot check the identity in their own script. Returns `{nonce, 1}`.
+const COPY_IDENTITY: &str = r#"
+redis.call('DEL', rec)
+redis.call('HSET', rec, 'identity', ARGV[2], 'salt', ARGV[3], 'created_at', ARGV[4])
+if ARGV[5] ~= '' then
+  redis.call('HSET', rec, 'older_records_until', ARGV[5])
+end
+return answer(1)
+"#;
+
+/// `identity`. KEYS[1] = the salt hash. ARGV: nonce. Returns `{nonce, its identity or false}`.
+const IDENTITY: &str = r#"
+return answer(redis.call('HGET', rec, 'identity'))
 "#;
 
 fn script(index: usize, body: &str) -> StoreScript {
@@ -564,13 +594,15 @@ pub(crate) static CHECKPOINT_SCRIPT: LazyLock<StoreScript> = LazyLock::new(|| sc
 pub(crate) static CHECKPOINTS_SCRIPT: LazyLock<StoreScript> = LazyLock::new(|| script(8, CHECKPOINTS));
 pub(crate) static COUNT_REPLAYS_SCRIPT: LazyLock<StoreScript> = LazyLock::new(|| script(9, COUNT_REPLAYS));
 pub(crate) static SCOPE_SALT_SCRIPT: LazyLock<StoreScript> = LazyLock::new(|| script(10, SCOPE_SALT));
+pub(crate) static COPY_IDENTITY_SCRIPT: LazyLock<StoreScript> = LazyLock::new(|| script(11, COPY_IDENTITY));
+pub(crate) static IDENTITY_SCRIPT: LazyLock<StoreScript> = LazyLock::new(|| script(12, IDENTITY));
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::script_load::SCRIPTS;
 
-    const ALL: [(&str, &str); 11] = [
+    const ALL: [(&str, &str); 13] = [
         ("begin", BEGIN),
         ("complete", COMPLETE),
         ("release", RELEASE),
@@ -582,6 +614,8 @@ mod tests {
         ("checkpoints", CHECKPOINTS),
         ("count_replays", COUNT_REPLAYS),
         ("scope_salt", SCOPE_SALT),
+        ("copy_identity", COPY_IDENTITY),
+        ("identity", IDENTITY),
     ];
 
     #[test]
@@ -676,6 +710,8 @@ mod tests {
             &CHECKPOINTS_SCRIPT,
             &COUNT_REPLAYS_SCRIPT,
             &SCOPE_SALT_SCRIPT,
+            &COPY_IDENTITY_SCRIPT,
+            &IDENTITY_SCRIPT,
         ];
         let mut places: Vec<usize> = scripts.iter().map(|script| script.index()).collect();
         places.sort_unstable();

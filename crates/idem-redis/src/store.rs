@@ -15,7 +15,7 @@ use idem_core::{
     Store, StoreError, UnixMillis,
     store::{
         Begin, BeginRequest, Checkpoint, ClaimState, Completion, FencingToken, ListQuery, Listed, Newest, Purged,
-        Record, RecordId, Release, ScopeSalt, WaitOutcome,
+        Record, RecordId, Release, ScopeSalt, StoreIdentity, WaitOutcome,
     },
 };
 use redis::{Cmd, Pipeline, Value};
@@ -25,15 +25,17 @@ use crate::ack::Acknowledgement;
 use crate::call::{Call, Durability, run_script};
 use crate::conn::{Commands, Conn, Node, follow_sentinels};
 use crate::decode::{
-    Found, LISTED_FIELDS, StoredHash, parse_begin, parse_checkpoints, parse_listed, parse_millis, parse_scan,
-    parse_scope_salt,
+    Found, LISTED_FIELDS, StoredHash, parse_begin, parse_checkpoints, parse_identity, parse_listed, parse_millis,
+    parse_scan, parse_scope_salt,
 };
-use crate::keys::{RecordKeys, deletions_channel, record_pattern, scope_salt_key};
+use crate::keys::{
+    RecordKeys, deletions_channel, identity_copy_key, identity_copy_pattern, record_pattern, scope_salt_key,
+};
 use crate::notify::{Deletions, Subscriptions, Watch};
 use crate::script_load::StoreScript;
 use crate::scripts::{
-    BEGIN_SCRIPT, CHECKPOINT_SCRIPT, CHECKPOINTS_SCRIPT, CLAIM_STATE_SCRIPT, COMPLETE_SCRIPT, COUNT_REPLAYS_SCRIPT,
-    DELETE_SCRIPT, GET_SCRIPT, RELEASE_SCRIPT, RENEW_SCRIPT, SCOPE_SALT_SCRIPT,
+    BEGIN_SCRIPT, CHECKPOINT_SCRIPT, CHECKPOINTS_SCRIPT, CLAIM_STATE_SCRIPT, COMPLETE_SCRIPT, COPY_IDENTITY_SCRIPT,
+    COUNT_REPLAYS_SCRIPT, DELETE_SCRIPT, GET_SCRIPT, IDENTITY_SCRIPT, RELEASE_SCRIPT, RENEW_SCRIPT, SCOPE_SALT_SCRIPT,
 };
 use crate::timeouts::RESPONSE_TIMEOUT;
 use crate::url::Target;
@@ -277,11 +279,23 @@ impl RedisStore {
         what: &'static str,
         about: &str,
         read: impl Fn(&mut Pipeline, &[u8]),
+        found: impl FnMut(&[u8], Value),
+    ) -> Result<(), StoreError> {
+        let pattern = record_pattern(&self.inner.prefix);
+        self.for_each_key(what, about, &pattern, read, found).await
+    }
+
+    /// [`Self::for_each_record`] for the keys that match `pattern`.
+    async fn for_each_key(
+        &self,
+        what: &'static str,
+        about: &str,
+        pattern: &str,
+        read: impl Fn(&mut Pipeline, &[u8]),
         mut found: impl FnMut(&[u8], Value),
     ) -> Result<(), StoreError> {
         let (mut conn, generation) = self.inner.commands.get();
         let nodes = conn.primaries().await.map_err(StoreError::unavailable)?;
-        let pattern = record_pattern(&self.inner.prefix);
         for node in &nodes {
             let mut cursor = b"0".to_vec();
             loop {
@@ -289,7 +303,7 @@ impl RedisStore {
                 scan.cmd("SCAN")
                     .arg(&cursor[..])
                     .arg("MATCH")
-                    .arg(&pattern)
+                    .arg(pattern)
                     .arg("COUNT")
                     .arg(SCAN_BATCH);
                 let reply = self.on_node(&mut conn, generation, node, (what, about), scan).await?;
@@ -342,6 +356,97 @@ impl RedisStore {
         }
     }
 
+    /// The `begin` script, with the hash that holds the identity for the record's slot.
+    async fn claim(
+        &self,
+        request: &BeginRequest<'_>,
+        keys: &RecordKeys,
+        identity_key: &str,
+    ) -> Result<Begin, StoreError> {
+        let claim_purge_at = claim_purge_at(request.purge_at, request.lease_until);
+        let identity = request.identity.map(|identity| identity.to_hex()).unwrap_or_default();
+        let names = [keys.record.as_str(), &keys.body, &keys.checkpoints, identity_key];
+        let reply = run_script(
+            &self.inner.commands,
+            self.writes(),
+            "begin",
+            &BEGIN_SCRIPT,
+            &names,
+            |script| {
+                script
+                    .arg(millis_arg(request.now))
+                    .arg(millis_arg(request.lease_until))
+                    .arg(&request.token.as_bytes()[..])
+                    .arg(&request.fingerprint.digest()[..])
+                    .arg(request.fingerprint.encode())
+                    .arg(millis_arg(claim_purge_at))
+                    .arg(&keys.channel)
+                    .arg(self.inner.publish)
+                    .arg(millis_arg(request.expires_at))
+                    .arg(origin::encode(request.id, request.origin))
+                    .arg(request.origin.trace.map(|trace| trace.to_string()).unwrap_or_default())
+                    .arg(identity);
+            },
+        )
+        .await?;
+        Ok(match parse_begin(reply, request)? {
+            (Begin::Existing(record), true) => Begin::Existing(self.inner.replays.replayed(record)),
+            (Begin::Existing(record), false) => Begin::Existing(self.inner.replays.with_pending(record)),
+            (acquired, _) => acquired,
+        })
+    }
+
+    /// Writes `salt` (the salt hash as it stands) into the cluster's copy `key`, acknowledged as
+    /// any write.
+    async fn copy_identity(&self, key: &str, salt: &ScopeSalt) -> Result<(), StoreError> {
+        run_script(
+            &self.inner.commands,
+            self.writes(),
+            "copy_identity",
+            &COPY_IDENTITY_SCRIPT,
+            &[key],
+            |script| {
+                script
+                    .arg(salt.identity.to_hex())
+                    .arg(&salt.salt[..])
+                    .arg(millis_arg(salt.created_at))
+                    .arg(
+                        salt.older_records_until
+                            .map(|at| millis_arg(at).to_string())
+                            .unwrap_or_default(),
+                    );
+            },
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// A copy of the salt that a cluster kept in a slot whose node did not lose its data, for a
+    /// salt hash that is gone (its own node lost its data): the salt is made again from it, so
+    /// that the records of the nodes that kept theirs are still found under their callers'
+    /// scopes. `None` if no slot kept one (the whole store lost its data, or it is new).
+    async fn surviving_copy(&self) -> Result<Option<ScopeSalt>, StoreError> {
+        let pattern = identity_copy_pattern(&self.inner.prefix);
+        let mut copy = None;
+        let read = |reads: &mut Pipeline, key: &[u8]| {
+            reads.cmd("HGETALL").arg(key);
+        };
+        self.for_each_key("scope_salt", &pattern, &pattern, read, |key, fields| {
+            if copy.is_some() {
+                return;
+            }
+            let key = String::from_utf8_lossy(key);
+            match parse_scope_salt(vec![fields].into_iter(), &key) {
+                Ok(found) => copy = found,
+                Err(err) => {
+                    tracing::warn!(copy = %key, error = %err, "a copy of the scope salt does not read; it is left out")
+                }
+            }
+        })
+        .await?;
+        Ok(copy)
+    }
+
     /// Runs a compare-and-set script, which writes: 1 done, 0 fenced.
     async fn compare_and_set(
         &self,
@@ -360,30 +465,30 @@ impl RedisStore {
 
 #[async_trait]
 impl Store for RedisStore {
+    /// One script, which checks the store's identity first. On a cluster the script can only read
+    /// the copy of the identity in the record's slot: a copy that is missing (the slot's first
+    /// claim, or its node lost its data) or other than the salt hash is written again from the salt
+    /// hash, which decides, if that holds the identity the caller knows, and the claim made again.
     async fn begin(&self, request: BeginRequest<'_>) -> Result<Begin, StoreError> {
         let keys = self.record_keys(request.id);
-        let claim_purge_at = claim_purge_at(request.purge_at, request.lease_until);
-        let reply = self
-            .run(self.writes(), "begin", &BEGIN_SCRIPT, &keys, |script| {
-                script
-                    .arg(millis_arg(request.now))
-                    .arg(millis_arg(request.lease_until))
-                    .arg(&request.token.as_bytes()[..])
-                    .arg(&request.fingerprint.digest()[..])
-                    .arg(request.fingerprint.encode())
-                    .arg(millis_arg(claim_purge_at))
-                    .arg(&keys.channel)
-                    .arg(self.inner.publish)
-                    .arg(millis_arg(request.expires_at))
-                    .arg(origin::encode(request.id, request.origin))
-                    .arg(request.origin.trace.map(|trace| trace.to_string()).unwrap_or_default());
-            })
-            .await?;
-        Ok(match parse_begin(reply, &request)? {
-            (Begin::Existing(record), true) => Begin::Existing(self.inner.replays.replayed(record)),
-            (Begin::Existing(record), false) => Begin::Existing(self.inner.replays.with_pending(record)),
-            (acquired, _) => acquired,
-        })
+        let identity_key = match self.is_cluster() {
+            true => identity_copy_key(&self.inner.prefix, &keys.record),
+            false => scope_salt_key(&self.inner.prefix),
+        };
+        match self.claim(&request, &keys, &identity_key).await {
+            Err(StoreError::IdentityChanged)
+                if self.is_cluster()
+                    && let Some(known) = request.identity =>
+            {
+                let salt = self.scope_salt(ScopeSalt::random(request.now)).await?;
+                if salt.identity != known {
+                    return Err(StoreError::IdentityChanged);
+                }
+                self.copy_identity(&identity_key, &salt).await?;
+                self.claim(&request, &keys, &identity_key).await
+            }
+            begun => begun,
+        }
     }
 
     /// Stores the answer. A call that failed as unavailable may have stored it unseen (its
@@ -543,13 +648,25 @@ impl Store for RedisStore {
             "scope_salt",
             &SCOPE_SALT_SCRIPT,
             &[&key],
-            |_| {},
+            |script| {
+                script.arg(candidate.identity.to_hex());
+            },
         )
         .await?;
         if let Some(salt) = parse_scope_salt(read, &key)? {
             return Ok(salt);
         }
-        let older_records_until = self.latest_purge_at(&key).await?;
+        let surviving = match self.is_cluster() {
+            true => self.surviving_copy().await?,
+            false => None,
+        };
+        let (candidate, older_records_until) = match surviving {
+            Some(copy) => {
+                tracing::warn!(salt = %key, "the scope salt is gone but a slot of the cluster kept a copy: it is made again from the copy");
+                (copy, copy.older_records_until)
+            }
+            None => (candidate, self.latest_purge_at(&key).await?),
+        };
         let made = run_script(
             commands,
             self.writes(),
@@ -558,6 +675,7 @@ impl Store for RedisStore {
             &[&key],
             |script| {
                 script
+                    .arg(candidate.identity.to_hex())
                     .arg(&candidate.salt[..])
                     .arg(millis_arg(candidate.created_at))
                     .arg(
@@ -570,6 +688,28 @@ impl Store for RedisStore {
         .await?;
         parse_scope_salt(made, &key)?
             .ok_or_else(|| StoreError::Corrupt(format!("the scope salt {key} is missing right after it was made")))
+    }
+
+    /// The salt hash's `identity` field, read on its node (none: no salt).
+    async fn identity(&self) -> Result<Option<StoreIdentity>, StoreError> {
+        let key = scope_salt_key(&self.inner.prefix);
+        let reply = run_script(
+            &self.inner.commands,
+            Durability::Primary,
+            "identity",
+            &IDENTITY_SCRIPT,
+            &[&key],
+            |_| {},
+        )
+        .await?
+        .next();
+        match reply {
+            None | Some(Value::Nil | Value::Boolean(false)) => Ok(None),
+            Some(Value::BulkString(hex)) => parse_identity(&hex)
+                .map(Some)
+                .ok_or_else(|| StoreError::Corrupt(format!("the scope salt {key} has no valid identity"))),
+            Some(other) => Err(StoreError::Corrupt(format!("unexpected reply of identity: {other:?}"))),
+        }
     }
 
     async fn wait(

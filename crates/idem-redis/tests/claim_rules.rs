@@ -123,6 +123,7 @@ async fn the_begin_script_follows_the_claim_rule_table() {
             purge_at: now.plus(Duration::from_secs(7200)),
             token: FencingToken::random(),
             origin: idem_core::testkit::origin(),
+            identity: None,
         };
         let begun = store
             .begin(request)

@@ -142,6 +142,7 @@ async fn takeover_wakes_a_waiter(server: Server) {
         purge_at: later.plus(std::time::Duration::from_secs(7 * 24 * 3600)),
         token,
         origin: testkit::origin(),
+        identity: None,
     };
     assert!(matches!(
         holder.begin(request).await.expect("begin"),
@@ -354,6 +355,7 @@ async fn checkpoints_expire_with_their_record(server: Server) {
         purge_at: later.plus(std::time::Duration::from_secs(7 * 24 * 3600)),
         token,
         origin: testkit::origin(),
+        identity: None,
     };
     let taken = store.begin(request).await.expect("begin");
     assert!(matches!(taken, Begin::Acquired { recovered: true }), "{taken:?}");
@@ -473,6 +475,7 @@ async fn a_replay_is_one_round_trip_with_the_answer() {
         purge_at: now.plus(std::time::Duration::from_secs(7 * 24 * 3600)),
         token: FencingToken::random(),
         origin: testkit::origin(),
+        identity: None,
     };
     let Begin::Existing(record) = counting.begin(request).await.expect("begin") else {
         panic!("expected the stored record")
@@ -573,6 +576,7 @@ async fn a_resent_begin_gets_its_own_claim_back() {
         purge_at: now.plus(std::time::Duration::from_secs(7 * 24 * 3600)),
         token,
         origin: testkit::origin(),
+        identity: None,
     };
     let first = FencingToken::random();
     for _ in 0..2 {
@@ -620,6 +624,7 @@ async fn corrupt_records_are_reported_as_corrupt() {
         purge_at: now.plus(std::time::Duration::from_secs(7 * 24 * 3600)),
         token: FencingToken::random(),
         origin: testkit::origin(),
+        identity: None,
     };
     let err = store.begin(request).await.expect_err("no purge_at");
     assert!(
@@ -1056,6 +1061,7 @@ async fn replay(store: &RedisStore, id: &RecordId, now: UnixMillis) -> u64 {
         purge_at: now.plus(std::time::Duration::from_secs(7 * 24 * 3600)),
         token: FencingToken::random(),
         origin: testkit::origin(),
+        identity: None,
     };
     match store.begin(request).await.expect("begin") {
         Begin::Existing(record) => record.replays,

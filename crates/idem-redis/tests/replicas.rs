@@ -38,13 +38,16 @@ async fn connect(url: &str, prefix: &str) -> RedisStore {
 /// Opens stores on one URL, each case under a fresh prefix.
 struct OnUrl {
     url: String,
+    /// A plain URL of the primary, where keys are deleted.
+    primary: String,
     prefix: String,
 }
 
 impl OnUrl {
-    fn new(url: &str) -> Self {
+    fn new(url: &str, primary: &str) -> Self {
         Self {
             url: url.to_owned(),
+            primary: primary.to_owned(),
             prefix: fresh_prefix(),
         }
     }
@@ -54,6 +57,13 @@ impl OnUrl {
 impl Harness for OnUrl {
     async fn open(&self) -> Arc<dyn Store> {
         Arc::new(connect(&self.url, &self.prefix).await)
+    }
+
+    async fn lose_data(&self) {
+        let (primary, prefix) = (self.primary.clone(), self.prefix.clone());
+        tokio::task::spawn_blocking(move || idem_test_support::servers::delete_redis_keys(&primary, &prefix))
+            .await
+            .expect("deleting the prefix's keys");
     }
 }
 
@@ -84,7 +94,7 @@ fn is_unacknowledged(result: &Result<impl std::fmt::Debug, StoreError>) -> bool 
 async fn the_conformance_suite_holds_through_sentinel_with_every_write_acknowledged() {
     let redis = ReplicatedRedis::start_with_sentinels(1, 3).await;
     let url = with_options(&redis.sentinel_url(), "replicas=1");
-    idem_core::conformance_tests!(in_sequence OnUrl::new(&url));
+    idem_core::conformance_tests!(in_sequence OnUrl::new(&url, &redis.endpoint_url()));
 }
 
 /// `replicas=auto` on a primary with a replica: while the replica is cut off, a claim and an

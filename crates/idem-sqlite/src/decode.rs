@@ -5,7 +5,7 @@
 use idem_core::store::backend::StoredRecord;
 use idem_core::{
     StoreError, UnixMillis,
-    store::{Listed, Record, RecordId, ScopeSalt},
+    store::{Listed, Record, RecordId, ScopeSalt, StoreIdentity},
 };
 use rusqlite::Row;
 
@@ -84,17 +84,33 @@ impl ListedRow {
     }
 }
 
+/// The store's identity from its column (`None`: no salt, or a salt not yet given one); one of
+/// the wrong length is a corrupt store.
+pub(crate) fn store_identity(identity: Option<Vec<u8>>) -> Result<Option<StoreIdentity>, StoreError> {
+    identity
+        .map(|bytes| {
+            <[u8; 16]>::try_from(bytes.as_slice())
+                .map(StoreIdentity::from_bytes)
+                .map_err(|_| StoreError::Corrupt(format!("the store's identity is {} bytes long, not 16", bytes.len())))
+        })
+        .transpose()
+}
+
 /// The scope salt from the columns of [`SCOPE_SALT_SELECT`](crate::sql::SCOPE_SALT_SELECT); a salt
 /// of the wrong length is a corrupt store.
 pub(crate) fn scope_salt(
     salt: Vec<u8>,
     created_at: i64,
     older_records_until: Option<i64>,
+    identity: Option<Vec<u8>>,
 ) -> Result<ScopeSalt, StoreError> {
     let salt = <[u8; 32]>::try_from(salt.as_slice())
         .map_err(|_| StoreError::Corrupt(format!("the scope salt is {} bytes long, not 32", salt.len())))?;
+    let identity =
+        store_identity(identity)?.ok_or_else(|| StoreError::Corrupt("the scope salt has no identity".to_owned()))?;
     Ok(ScopeSalt {
         salt,
+        identity,
         created_at: UnixMillis::from_i64(created_at),
         older_records_until: older_records_until.map(UnixMillis::from_i64),
     })

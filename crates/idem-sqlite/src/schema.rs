@@ -15,7 +15,7 @@ use crate::SqliteError;
 use crate::conn::retry_busy;
 
 /// The newest schema version this crate writes.
-pub(crate) const VERSION: i64 = 4;
+pub(crate) const VERSION: i64 = 5;
 
 /// The newest schema, for a new file. Idempotent: every statement is `IF NOT EXISTS`. A rowid
 /// table (not `WITHOUT ROWID`) because rows carry response bodies of up to hundreds of KiB, and
@@ -77,7 +77,8 @@ CREATE TABLE IF NOT EXISTS idem_scope_salt (
     id                  INTEGER PRIMARY KEY CHECK (id = 1),
     salt                BLOB    NOT NULL,
     created_at          INTEGER NOT NULL,
-    older_records_until INTEGER
+    older_records_until INTEGER,
+    identity            BLOB
 ) STRICT;
 ";
 
@@ -105,6 +106,10 @@ const ADD_ORIGIN: [(&str, &str); 5] = [
     ("status", "ALTER TABLE idem_records ADD COLUMN status INTEGER"),
 ];
 
+/// Version 5, on an older file: the store's identity beside its salt (`Store::scope_salt` gives
+/// a salt made before it one, atomically, at its first call after the upgrade).
+const ADD_IDENTITY: &str = "ALTER TABLE idem_scope_salt ADD COLUMN identity BLOB";
+
 /// Creates the schema if it is absent and upgrades an older one, in one immediate transaction so
 /// that processes starting together on a file do not trip over each other (the second one finds
 /// the work done).
@@ -121,6 +126,9 @@ pub(crate) fn migrate(conn: &mut Connection, path: &Path) -> Result<(), SqliteEr
                 if !has_column(&tx, "idem_records", column)? {
                     tx.execute_batch(add)?;
                 }
+            }
+            if !has_column(&tx, "idem_scope_salt", "identity")? {
+                tx.execute_batch(ADD_IDENTITY)?;
             }
             if found < VERSION {
                 tx.pragma_update(None, "user_version", VERSION)?;

@@ -92,12 +92,21 @@ pub(crate) const CHECKPOINTS: &str = "SELECT checkpoints FROM idem_records
 
 /// Makes the scope salt from the candidate unless there is one. `max(purge_at)` is read off the
 /// `purge_at` index, not by a scan.
-pub(crate) const SCOPE_SALT_INSERT: &str = "INSERT INTO idem_scope_salt (id, salt, created_at, older_records_until)
-    VALUES (1, ?1, ?2, (SELECT max(purge_at) FROM idem_records))
+pub(crate) const SCOPE_SALT_INSERT: &str =
+    "INSERT INTO idem_scope_salt (id, salt, created_at, older_records_until, identity)
+    VALUES (1, ?1, ?2, (SELECT max(purge_at) FROM idem_records), ?3)
     ON CONFLICT (id) DO NOTHING";
 
+/// A salt made before salts had an identity gets the candidate's (the first caller's after the
+/// upgrade: later ones find it set).
+pub(crate) const SCOPE_SALT_IDENTIFY: &str =
+    "UPDATE idem_scope_salt SET identity = ?1 WHERE id = 1 AND identity IS NULL";
+
 pub(crate) const SCOPE_SALT_SELECT: &str =
-    "SELECT salt, created_at, older_records_until FROM idem_scope_salt WHERE id = 1";
+    "SELECT salt, created_at, older_records_until, identity FROM idem_scope_salt WHERE id = 1";
+
+/// The store's identity, read in a claim's transaction to check it, and by replay caches.
+pub(crate) const IDENTITY: &str = "SELECT identity FROM idem_scope_salt WHERE id = 1";
 
 /// An operator's delete of a claim in flight: the holder is fenced (no token), the key is left
 /// unknown with the claim's retention, and the run's checkpoints go (see `Store::delete`).

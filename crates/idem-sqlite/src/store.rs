@@ -21,7 +21,7 @@ use idem_core::{
     Store, StoreError, UnixMillis,
     store::{
         Begin, BeginRequest, Checkpoint, ClaimState, Completion, FencingToken, ListQuery, Listed, Purged, Record,
-        RecordId, Release, ScopeSalt, WaitOutcome,
+        RecordId, Release, ScopeSalt, StoreIdentity, WaitOutcome,
     },
 };
 use rusqlite::{Connection, OptionalExtension, Transaction, params};
@@ -164,6 +164,7 @@ impl Store for SqliteStore {
             method: request.origin.method.clone(),
             path: request.origin.path.clone(),
             trace_id: request.origin.trace.map(|trace| trace.to_string()),
+            identity: request.identity,
         };
         let (begun, changed_hands) = self.conns.write(move |tx| begin_in(tx, id, owned)).await?;
         if changed_hands {
@@ -282,6 +283,10 @@ impl Store for SqliteStore {
         // A write even when the salt exists, so that the check and the insert are one step; it is
         // asked once per instance, not per request.
         self.conns.write(move |tx| scope_salt_in(tx, &candidate)).await
+    }
+
+    async fn identity(&self) -> Result<Option<StoreIdentity>, StoreError> {
+        self.conns.read(identity_in).await
     }
 
     async fn delete(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
@@ -453,7 +458,13 @@ fn begin_in(tx: &Transaction<'_>, id: RecordId, request: OwnedBegin) -> Result<(
         method,
         path,
         trace_id,
+        identity,
     } = request;
+    // Checked in the claim's own write transaction: no other process can make or replace the
+    // salt between the check and the claim.
+    if identity.is_some() && identity_in(tx)? != identity {
+        return Err(StoreError::IdentityChanged);
+    }
     let (scope, key) = (id.scope.as_str(), id.key.as_str());
     let purge_at = claim_purge_at(purge_at, lease_until).as_i64();
     let expires_at = expires_at.as_i64();
@@ -561,6 +572,7 @@ struct OwnedBegin {
     method: String,
     path: String,
     trace_id: Option<String>,
+    identity: Option<StoreIdentity>,
 }
 
 /// `checkpoint` inside its transaction: reads the list of the claim `token`, records `checkpoint`
@@ -607,14 +619,27 @@ fn checkpoints_of(conn: &Connection, id: &RecordId) -> Result<Vec<Checkpoint>, S
 /// records measured for `older_records_until` are exactly those held when it was made (`max` is
 /// read off the `purge_at` index, not by a scan).
 fn scope_salt_in(tx: &Transaction<'_>, candidate: &ScopeSalt) -> Result<ScopeSalt, StoreError> {
+    let identity = &candidate.identity.as_bytes()[..];
     tx.prepare_cached(sql::SCOPE_SALT_INSERT)
-        .and_then(|mut stmt| stmt.execute(params![&candidate.salt[..], candidate.created_at.as_i64()]))
+        .and_then(|mut stmt| stmt.execute(params![&candidate.salt[..], candidate.created_at.as_i64(), identity]))
         .map_err(db_error)?;
-    let (salt, created_at, older_records_until): (Vec<u8>, i64, Option<i64>) = tx
+    tx.prepare_cached(sql::SCOPE_SALT_IDENTIFY)
+        .and_then(|mut stmt| stmt.execute(params![identity]))
+        .map_err(db_error)?;
+    let (salt, created_at, older_records_until, identity) = tx
         .prepare_cached(sql::SCOPE_SALT_SELECT)
-        .and_then(|mut stmt| stmt.query_row([], |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?))))
+        .and_then(|mut stmt| stmt.query_row([], |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?, row.get(3)?))))
         .map_err(db_error)?;
-    decode::scope_salt(salt, created_at, older_records_until)
+    decode::scope_salt(salt, created_at, older_records_until, identity)
+}
+
+/// The store's identity as it stands in `conn` (`None`: no salt).
+fn identity_in(conn: &Connection) -> Result<Option<StoreIdentity>, StoreError> {
+    let identity: Option<Option<Vec<u8>>> = conn
+        .prepare_cached(sql::IDENTITY)
+        .and_then(|mut stmt| stmt.query_row([], |row| row.get(0)).optional())
+        .map_err(db_error)?;
+    decode::store_identity(identity.flatten())
 }
 
 #[cfg(test)]
@@ -703,6 +728,7 @@ mod tests {
             purge_at: UnixMillis(1_000_000),
             token,
             origin: &idem_core::store::Origin::default(),
+            identity: None,
         };
         holder.begin(request).await.unwrap();
 

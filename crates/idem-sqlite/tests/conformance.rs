@@ -30,6 +30,15 @@ impl Harness for SqliteHarness {
     async fn open(&self) -> Arc<dyn Store> {
         Arc::new(SqliteStore::open(self.path()).await.expect("open the SQLite store"))
     }
+
+    /// Every record and the salt deleted from the file under the open handles.
+    async fn lose_data(&self) {
+        let conn = rusqlite::Connection::open(self.path()).expect("open the file");
+        conn.busy_timeout(std::time::Duration::from_secs(5))
+            .expect("busy timeout");
+        conn.execute_batch("DELETE FROM idem_records; DELETE FROM idem_scope_salt;")
+            .expect("delete the records and the salt");
+    }
 }
 
 idem_core::conformance_tests!(SqliteHarness::new());

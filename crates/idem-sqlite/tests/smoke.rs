@@ -471,7 +471,7 @@ async fn open_together_upgraded(path: &std::path::Path) -> (SqliteStore, SqliteS
     let (store, other) = tokio::join!(SqliteStore::open(path), SqliteStore::open(path));
     let (store, other) = (store.unwrap(), other.unwrap());
     let (version, columns) = schema_of(path);
-    assert_eq!(version, 4);
+    assert_eq!(version, 5);
     let fresh = path.with_file_name("fresh.db");
     drop(SqliteStore::open(&fresh).await.unwrap());
     assert_eq!(columns, schema_of(&fresh).1, "upgraded tables are like new ones");

@@ -44,7 +44,7 @@ impl IdempotencyLayer {
     pub fn from_shared(store: Arc<dyn Store>) -> Self {
         Self {
             clock: StoreClock::new(store.clone()),
-            replay_cache: ReplayCache::for_store(&*store, ReplayCacheConfig::DEFAULT),
+            replay_cache: ReplayCache::for_store(&store, ReplayCacheConfig::DEFAULT),
             store,
             policy: Policy::default(),
             routes: Routes::new(),
@@ -62,7 +62,7 @@ impl IdempotencyLayer {
     /// store's notification channel at once, and each entry is read again from the store once it
     /// is `max_age` old ([`idem_core::replay_cache`]).
     pub fn with_replay_cache(mut self, config: ReplayCacheConfig) -> Self {
-        self.replay_cache = ReplayCache::for_store(&*self.store, config);
+        self.replay_cache = ReplayCache::for_store(&self.store, config);
         self
     }
 

@@ -17,7 +17,7 @@ use idem_core::{
     ManualClock, MissingKeyPolicy, Policy, RouteRule, Routes, Scope, ScopeSource, Store, StoreError, UnixMillis,
     store::{
         Begin, BeginRequest, Checkpoint, ClaimState, Completion, FencingToken, ListQuery, Listed, Purged, Record,
-        RecordId, Release, ScopeSalt, WaitOutcome,
+        RecordId, Release, ScopeSalt, StoreIdentity, WaitOutcome,
     },
 };
 use idem_sqlite::SqliteStore;
@@ -36,6 +36,19 @@ async fn sqlite() -> (SqliteStore, tempfile::TempDir) {
         .await
         .expect("open sqlite");
     (store, dir)
+}
+
+/// Deletes the scope salt of the SQLite file at `path`, as a store written by a version before
+/// salts has none.
+async fn forget_the_salt(path: &std::path::Path) {
+    let pool = sqlx::SqlitePool::connect(&format!("sqlite://{}", path.display()))
+        .await
+        .expect("open the SQLite file");
+    sqlx::query("DELETE FROM idem_scope_salt")
+        .execute(&pool)
+        .await
+        .expect("delete the salt");
+    pool.close().await;
 }
 
 /// `POST /pay` counts its runs, sleeps `?ms=N` and answers 201 with the run number.
@@ -139,6 +152,8 @@ async fn credential_scopes_read_the_salt_once_and_look_up_older_records_only_aft
         (StatusCode::CREATED, false, "run 1".into())
     );
     drop(before);
+    // The previous version made no salt: the one this version made for that first request goes.
+    forget_the_salt(&dir.path().join("idem.db")).await;
 
     let upgraded = app(IdempotencyLayer::from_shared(old.clone()), dir);
     let replay = send(&upgraded.router, pay_as("old", "Bearer alice")).await;
@@ -462,6 +477,9 @@ impl Store for Unreachable {
     async fn scope_salt(&self, _: ScopeSalt) -> Result<ScopeSalt, StoreError> {
         Err(down())
     }
+    async fn identity(&self) -> Result<Option<StoreIdentity>, StoreError> {
+        Err(down())
+    }
     async fn delete(&self, _: &RecordId) -> Result<Option<Record>, StoreError> {
         Err(down())
     }
@@ -638,6 +656,9 @@ impl Store for Held {
     }
     async fn scope_salt(&self, candidate: ScopeSalt) -> Result<ScopeSalt, StoreError> {
         self.store.scope_salt(candidate).await
+    }
+    async fn identity(&self) -> Result<Option<StoreIdentity>, StoreError> {
+        self.store.identity().await
     }
     async fn delete(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         self.store.delete(id).await

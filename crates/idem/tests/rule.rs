@@ -39,7 +39,10 @@
 //!   (past the lease), 8 min, 30 min (past /orders' ttl), 2 h (past the ttl), 12 h, 2 d (past
 //!   the tombstone-ttl); on PostgreSQL, whose clock cannot move, the operator's commands run on a
 //!   machine clock skewed by up to 9 days instead;
-//! * a gateway killed (kill -9) and restarted, idle or while its run hangs at the upstream.
+//! * a gateway killed (kill -9) and restarted, idle or while its run hangs at the upstream;
+//! * the store losing its data under the running gateways (SQLite's rows deleted, PostgreSQL's
+//!   schema dropped and migrated anew), with one gateway started again after it or none: every
+//!   record is then gone, and no instance may replay a lost answer or split a caller's scope.
 //!
 //! Not covered: `missing-key = "fingerprint:…"`, the library's checkpoints, TLS, secrets in logs.
 

@@ -65,6 +65,7 @@ async fn write_as_before(store: &dyn Store, token: &str, key: &str) {
         purge_at: now.plus(std::time::Duration::from_secs(7 * 24 * 3600)),
         token,
         origin: &idem_core::store::Origin::new("POST", "/pay", None),
+        identity: None,
     };
     assert!(matches!(
         store.begin(request).await.unwrap(),

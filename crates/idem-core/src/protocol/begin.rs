@@ -19,9 +19,13 @@ use crate::scope::{Caller, Scope, hex};
 use crate::spans::traced;
 use crate::store::StoreOperation;
 use crate::store::{
-    Begin, BeginRequest, FencingToken, Origin, Record, RecordId, RecordState, Release, Store, StoreError,
+    Begin, BeginRequest, FencingToken, Origin, Record, RecordId, RecordState, Release, Store, StoreError, StoreIdentity,
 };
 use crate::time::UnixMillis;
+
+/// How many times one request reads the store's salt again after a claim found the store changed
+/// before it is answered `503`: once is enough unless the store loses its data again meanwhile.
+const MAX_RELOADS: u32 = 2;
 
 impl Protocol {
     /// Claims the record for a keyed request, or decides the answer without running the handler.
@@ -43,14 +47,18 @@ impl Protocol {
         let request = keyed.request;
         // Read when the store is first asked for a claim: a replay from the cache needs none.
         let mut origin: Option<Arc<Origin>> = None;
-        let (scope, mut earlier) = match self.scope_of(keyed.caller).await {
-            Ok(scopes) => scopes,
+        // Every claim carries the identity of the store whose salt hashed its scope; read once,
+        // and again when a claim finds the store changed.
+        let mut hashing = match self.credential_scopes().await {
+            Ok(hashing) => hashing,
             Err(err) => {
                 let scope = Scope::from_stored("cred-mac:(the store's salt could not be read)");
                 return self.store_failed(&err, RecordId { scope, key });
             }
         };
+        let (scope, mut earlier) = self.scope_of(&keyed.caller, &hashing);
         let mut id = RecordId { scope, key };
+        let mut reloads = 0;
         if provisional.is_none()
             && let Some(created) = id.key.timestamp(policy.expire_by_key_time)
             && self.now().since(created) > policy.ttl
@@ -77,11 +85,24 @@ impl Protocol {
                     fingerprint,
                     origin.get_or_insert_with(|| request.origin()),
                     now,
-                    token,
+                    (token, hashing.identity()),
                     provisional,
                 )
                 .await
             {
+                // The store lost its data since its salt was read (or another instance read a new
+                // one first): nothing was claimed. The salt is read again, this instance's replay
+                // caches emptied, and the request decided anew under the scope the salt now gives.
+                Err(StoreError::IdentityChanged) if reloads < MAX_RELOADS => {
+                    reloads += 1;
+                    hashing = match self.reload_scopes(&hashing).await {
+                        Ok(hashing) => hashing,
+                        Err(err) => return self.store_failed(&err, id),
+                    };
+                    let (scope, again) = self.scope_of(&keyed.caller, &hashing);
+                    (id.scope, earlier) = (scope, again);
+                    continue;
+                }
                 Err(err) => return self.store_failed(&err, id),
                 // A key new in this scope may have been run under the caller's scope of before a
                 // change of hashing: decided on that record if there is one.
@@ -213,36 +234,56 @@ impl Protocol {
         }
     }
 
-    /// The scope of `caller`, and the scopes its records may have been stored under before a
-    /// change of how credentials are hashed (none for other sources).
-    async fn scope_of(&self, caller: Caller) -> Result<(Scope, Vec<Scope>), StoreError> {
+    /// The scope of `caller` under `hashing`, and the scopes its records may have been stored
+    /// under before a change of how credentials are hashed (none for other sources).
+    fn scope_of(&self, caller: &Caller, hashing: &CredentialScopes) -> (Scope, Vec<Scope>) {
         match caller {
-            Caller::Scope(scope) => Ok((scope, Vec::new())),
+            Caller::Scope(scope) => (scope.clone(), Vec::new()),
             Caller::Credential(credential) => {
-                let scopes = self.credential_scopes().await?;
                 let policy = &self.inner.policy;
                 let retention = policy.ttl + policy.tombstone_ttl;
-                let earlier = scopes.earlier(credential.as_bytes(), self.now(), retention);
-                Ok((scopes.scope(credential.as_bytes()), earlier))
+                let earlier = hashing.earlier(credential.as_bytes(), self.now(), retention);
+                (hashing.scope(credential.as_bytes()), earlier)
             }
         }
     }
 
-    /// How credential scopes are hashed in this store: its salt is read (made, the first time
-    /// ever) at the first call, and kept; a failed read is tried again at the next.
-    pub async fn credential_scopes(&self) -> Result<&CredentialScopes, StoreError> {
+    /// How credential scopes are hashed in this store, and its identity: its salt is read (made,
+    /// the first time ever) at the first call, and kept; a failed read is tried again at the next.
+    pub async fn credential_scopes(&self) -> Result<Arc<CredentialScopes>, StoreError> {
         let credentials = &self.inner.credentials;
-        if let Some(loaded) = credentials.loaded.get() {
+        if let Some(loaded) = credentials.current() {
             return Ok(loaded);
         }
         // Boxed: loading is a large future, run once per process; inline, every request's
         // `begin` would carry (and move) room for it.
-        Box::pin(credentials.loaded.get_or_try_init(|| {
-            self.bounded(
-                StoreOperation::ScopeSalt,
-                CredentialScopes::load(&*self.inner.store, &credentials.secrets, self.now()),
-            )
-        }))
+        Box::pin(credentials.reload(None, self.load_scopes())).await
+    }
+
+    /// The hashing under the salt the store holds now, after a claim under `stale` found the store
+    /// changed: read once for every request that found it at the same time. Every replay cache of
+    /// this instance in front of the store is emptied first, so that nothing the store no longer
+    /// holds is answered from memory once the new salt is in use.
+    async fn reload_scopes(&self, stale: &Arc<CredentialScopes>) -> Result<Arc<CredentialScopes>, StoreError> {
+        if let Some(invalidations) = self.inner.store.invalidations() {
+            invalidations.flush();
+        }
+        let reloaded = Box::pin(self.inner.credentials.reload(Some(stale), self.load_scopes())).await?;
+        if reloaded.identity() != stale.identity() {
+            tracing::warn!(
+                "the store is not the one this instance knew (its data was lost, flushed or replaced): its scope salt was read again and the replay cache emptied"
+            );
+        }
+        Ok(reloaded)
+    }
+
+    /// Reads the store's salt (making it if the store has none), bounded by `store_timeout`.
+    async fn load_scopes(&self) -> Result<CredentialScopes, StoreError> {
+        let credentials = &self.inner.credentials;
+        self.bounded(
+            StoreOperation::ScopeSalt,
+            CredentialScopes::load(&*self.inner.store, &credentials.secrets, self.now()),
+        )
         .await
     }
 
@@ -309,16 +350,17 @@ impl Protocol {
         respond(problem, Outcome::StoreError, id)
     }
 
-    /// One `begin` in the store, run to its end whatever becomes of this request: if it does not
-    /// answer within `store_timeout`, the request is told the store failed, and a claim that the
-    /// store makes later is released at once (nothing was sent).
+    /// One `begin` in the store, under the token and the store identity given, run to its end
+    /// whatever becomes of this request: if it does not answer within `store_timeout`, the request
+    /// is told the store failed, and a claim that the store makes later is released at once
+    /// (nothing was sent).
     async fn claim_or_read(
         &self,
         id: &RecordId,
         fingerprint: &Fingerprint,
         origin: &Arc<Origin>,
         now: UnixMillis,
-        token: FencingToken,
+        (token, identity): (FencingToken, StoreIdentity),
         provisional: Option<Duration>,
     ) -> Result<Begin, StoreError> {
         let store = self.inner.store.clone();
@@ -337,6 +379,7 @@ impl Protocol {
                 purge_at,
                 token,
                 origin: &owned_origin,
+                identity: Some(identity),
             };
             let begun = traced(StoreOperation::Begin, store.begin(request)).await;
             (begun, owned_id, store)

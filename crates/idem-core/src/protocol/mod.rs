@@ -271,7 +271,7 @@ impl Protocol {
     /// The protocol with an injected clock (tests of leases and retention). It keeps a replay
     /// cache of the default size ([`ReplayCacheConfig::DEFAULT`]) if the store can invalidate one.
     pub fn with_clock(store: Arc<dyn Store>, policy: Policy, clock: Arc<dyn Clock>) -> Self {
-        let replay_cache = ReplayCache::for_store(&*store, ReplayCacheConfig::DEFAULT);
+        let replay_cache = ReplayCache::for_store(&store, ReplayCacheConfig::DEFAULT);
         Self {
             inner: Arc::new(Inner {
                 store,

@@ -150,6 +150,14 @@ pub struct BeginRequest<'a> {
     /// What the record keeps about the request: written by a new claim, its trace id by a
     /// takeover too (the run that answers is the one to find).
     pub origin: &'a Origin,
+    /// The store's identity as the caller knows it (from [`Store::scope_salt`]), under whose salt
+    /// the record's scope was hashed. The store checks it in the same atomic step as the claim
+    /// and refuses with [`StoreError::IdentityChanged`], changing nothing, if it holds another
+    /// identity or none (its data was lost: flushed, restarted empty, failed over to an empty
+    /// node, migrated anew). A store may answer a replay it reads without writing anything (a
+    /// read before the claim) without the check: the record it returns is its own. `None` skips
+    /// the check: for tools and tests of the primitives; the protocol always sets it.
+    pub identity: Option<StoreIdentity>,
 }
 
 /// The most bytes of a request's path a record keeps; a longer path is cut at a character
@@ -294,11 +302,52 @@ pub struct Checkpoint {
     pub value: Bytes,
 }
 
+/// What makes a store the same store: 16 random bytes made with its [`ScopeSalt`] and written
+/// beside it. A store that lost its data (and so its salt) makes a new salt with a new identity,
+/// so an instance that knew the old one finds out at its next claim ([`BeginRequest::identity`]),
+/// or within [`IDENTITY_CHECK`](crate::replay_cache::IDENTITY_CHECK) if it only answers from
+/// its replay cache, and reads the salt again before it answers.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct StoreIdentity([u8; 16]);
+
+impl StoreIdentity {
+    /// A new random identity, from a cryptographically secure generator.
+    pub fn random() -> Self {
+        let mut bytes = [0; 16];
+        rand::rng().fill_bytes(&mut bytes);
+        Self(bytes)
+    }
+
+    /// Rebuilds an identity from its stored bytes.
+    pub fn from_bytes(bytes: [u8; 16]) -> Self {
+        Self(bytes)
+    }
+
+    /// The identity's bytes.
+    pub fn as_bytes(&self) -> &[u8; 16] {
+        &self.0
+    }
+
+    /// Its 32 lowercase hex digits (how the Redis store keeps it).
+    pub fn to_hex(&self) -> String {
+        hex(&self.0)
+    }
+}
+
+impl fmt::Debug for StoreIdentity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "StoreIdentity({})", hex(&self.0[..4]))
+    }
+}
+
 /// The store-wide secret that keys the hash of credential scopes (see [`Store::scope_salt`]).
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub struct ScopeSalt {
     /// 32 random bytes, made once per store.
     pub salt: [u8; 32],
+    /// The store's identity, made with the salt (or, for a salt made before salts had one, by
+    /// the first [`Store::scope_salt`] after the upgrade) and never changed after.
+    pub identity: StoreIdentity,
     /// When the store made it.
     pub created_at: UnixMillis,
     /// The latest `purge_at` among the records the store held when it made the salt: records
@@ -314,6 +363,7 @@ impl ScopeSalt {
         rand::rng().fill_bytes(&mut salt);
         Self {
             salt,
+            identity: StoreIdentity::random(),
             created_at: now,
             older_records_until: None,
         }
@@ -324,6 +374,7 @@ impl fmt::Debug for ScopeSalt {
     /// Never prints the salt itself.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ScopeSalt")
+            .field("identity", &self.identity)
             .field("created_at", &self.created_at)
             .field("older_records_until", &self.older_records_until)
             .finish_non_exhaustive()
@@ -395,6 +446,13 @@ pub enum StoreError {
     /// The store holds data it cannot read.
     #[error("the store holds a corrupt record: {0}")]
     Corrupt(String),
+    /// The claim was refused, nothing changed: the store is not the one the caller knew (its
+    /// identity is another, or it has none: its data was lost). The caller reads the salt again
+    /// ([`Store::scope_salt`]) before it claims anything more.
+    #[error(
+        "the store is not the one this instance knew (its data was lost, flushed or replaced): its salt is read again"
+    )]
+    IdentityChanged,
 }
 
 impl StoreError {
@@ -466,8 +524,16 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// retention never removes it). When it is made, the store fills in
     /// [`ScopeSalt::older_records_until`] from the records it holds; `candidate`'s is ignored.
     ///
-    /// Asked once per instance, not per request.
+    /// Asked once per instance, and again when a claim finds another identity
+    /// ([`StoreError::IdentityChanged`]): never per request. A salt made before salts had an
+    /// [identity](ScopeSalt::identity) is given `candidate`'s, atomically, by the first call
+    /// after the upgrade.
     async fn scope_salt(&self, candidate: ScopeSalt) -> Result<ScopeSalt, StoreError>;
+
+    /// The store's identity as it stands, without making one: `None` if the store has no salt
+    /// (new, or its data was lost). Read every [`IDENTITY_CHECK`](crate::replay_cache::IDENTITY_CHECK)
+    /// by each replay cache, which empties itself when the identity changes.
+    async fn identity(&self) -> Result<Option<StoreIdentity>, StoreError>;
 
     /// An operator's tool: forgets the record, atomically, and returns it as it was (as
     /// [`Store::get`] would have read it the moment before); `None` if there was none. What it
@@ -564,6 +630,9 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     }
     async fn scope_salt(&self, candidate: ScopeSalt) -> Result<ScopeSalt, StoreError> {
         (**self).scope_salt(candidate).await
+    }
+    async fn identity(&self) -> Result<Option<StoreIdentity>, StoreError> {
+        (**self).identity().await
     }
     async fn delete(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         (**self).delete(id).await

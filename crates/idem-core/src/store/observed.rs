@@ -10,7 +10,7 @@ use async_trait::async_trait;
 use crate::store::Invalidations;
 use crate::store::{
     Begin, BeginRequest, Checkpoint, ClaimState, Completion, FencingToken, ListQuery, Listed, Purged, Record, RecordId,
-    Release, ScopeSalt, Store, StoreError, WaitOutcome,
+    Release, ScopeSalt, Store, StoreError, StoreIdentity, WaitOutcome,
 };
 use crate::time::UnixMillis;
 
@@ -43,6 +43,8 @@ pub enum StoreOperation {
     Checkpoints,
     /// [`Store::scope_salt`]: read once per instance, never per request.
     ScopeSalt,
+    /// [`Store::identity`]: read by each replay cache every second, never per request.
+    Identity,
     /// [`Store::claim_state`]: after a run that completed its record in its own transaction.
     ClaimState,
     /// [`Store::list`]: an operator's question.
@@ -51,7 +53,7 @@ pub enum StoreOperation {
 
 impl StoreOperation {
     /// Every operation, in declaration order.
-    pub const ALL: [Self; 15] = [
+    pub const ALL: [Self; 16] = [
         Self::Begin,
         Self::Complete,
         Self::Release,
@@ -65,6 +67,7 @@ impl StoreOperation {
         Self::Checkpoint,
         Self::Checkpoints,
         Self::ScopeSalt,
+        Self::Identity,
         Self::ClaimState,
         Self::List,
     ];
@@ -85,6 +88,7 @@ impl StoreOperation {
             Self::Checkpoint => "checkpoint",
             Self::Checkpoints => "checkpoints",
             Self::ScopeSalt => "scope_salt",
+            Self::Identity => "identity",
             Self::ClaimState => "claim_state",
             Self::List => "list",
         }
@@ -106,6 +110,7 @@ impl StoreOperation {
             Self::Checkpoint => "store checkpoint",
             Self::Checkpoints => "store checkpoints",
             Self::ScopeSalt => "store scope_salt",
+            Self::Identity => "store identity",
             Self::ClaimState => "store claim_state",
             Self::List => "store list",
         }
@@ -114,7 +119,7 @@ impl StoreOperation {
     /// True for the operations an instance makes on its own (or an operator asks), never per
     /// request.
     pub fn per_instance(self) -> bool {
-        matches!(self, Self::Clock | Self::ScopeSalt | Self::List)
+        matches!(self, Self::Clock | Self::ScopeSalt | Self::Identity | Self::List)
     }
 }
 
@@ -217,6 +222,9 @@ impl<S: Store, O: Observer> Store for Observed<S, O> {
     async fn scope_salt(&self, candidate: ScopeSalt) -> Result<ScopeSalt, StoreError> {
         self.measure(StoreOperation::ScopeSalt, self.inner.scope_salt(candidate))
             .await
+    }
+    async fn identity(&self) -> Result<Option<StoreIdentity>, StoreError> {
+        self.measure(StoreOperation::Identity, self.inner.identity()).await
     }
     async fn delete(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         self.measure(StoreOperation::Delete, self.inner.delete(id)).await

@@ -97,4 +97,13 @@ impl Harness for RedisHarness {
     async fn open(&self) -> Arc<dyn Store> {
         Arc::new(connect(self.server, &self.prefix, "").await)
     }
+
+    /// Every key under the prefix deleted, on every node: what `FLUSHALL`, or a restart without
+    /// persistence, does to the prefix.
+    async fn lose_data(&self) {
+        let (server, prefix) = (self.server, self.prefix.clone());
+        tokio::task::spawn_blocking(move || delete_keys(server, &prefix))
+            .await
+            .expect("deleting the prefix's keys");
+    }
 }

@@ -414,6 +414,31 @@ pub(crate) fn store_bytes(url: &str) -> Vec<u8> {
     }
 }
 
+/// Makes the store at `url` lose every record and its salt under the gateways running on it, as
+/// a restart without persistence, a `FLUSHALL` or a failover to an empty node does (SQLite: the
+/// rows deleted; PostgreSQL: the schema dropped and migrated anew by `idem migrate`; Redis: every
+/// key under the prefix deleted, on every node).
+pub(crate) async fn lose_store_data(url: &str) {
+    if let Some(path) = url.strip_prefix("sqlite://") {
+        let conn = rusqlite::Connection::open(path).expect("open the SQLite file");
+        conn.busy_timeout(Duration::from_secs(5)).expect("busy timeout");
+        conn.execute_batch("DELETE FROM idem_records; DELETE FROM idem_scope_salt;")
+            .expect("delete the records and the salt");
+    } else if url.starts_with("postgres") {
+        let (owned, schema) = (url.to_owned(), store_option(url, "schema"));
+        tokio::task::spawn_blocking(move || idem_test_support::servers::drop_postgres_schema(&owned, &schema))
+            .await
+            .expect("drop the schema");
+        let migrated = run_idem(&["migrate", "--store", url], Duration::from_secs(60)).await;
+        assert!(migrated.status.success(), "idem migrate: {}", describe(&migrated));
+    } else {
+        let (url, prefix) = (url.to_owned(), store_option(url, "prefix"));
+        tokio::task::spawn_blocking(move || idem_test_support::servers::delete_redis_keys(&url, &prefix))
+            .await
+            .expect("delete the prefix's keys");
+    }
+}
+
 impl Gateway {
     /// Starts `idem serve --upstream UPSTREAM` with a fresh temporary store and `args` added.
     pub(crate) async fn start(upstream: &str, args: &[&str]) -> Self {

@@ -12,7 +12,8 @@ use super::oracle::{Model, Outcome, Record, RecordId, Shape, judge_own_answer};
 use super::routes::{CONFIG, Protection};
 use super::upstream::{self, Arrival, Upstream};
 use super::wire::{self, Answer, Reading};
-use crate::common::{Gateway, run_idem_with_env};
+use crate::common::{Gateway, lose_store_data, run_idem_with_env};
+use idem_core::replay_cache::IDENTITY_CHECK;
 
 /// How long the driver waits for a hung run to end and its record to settle.
 const SETTLE: Duration = Duration::from_secs(20);
@@ -62,6 +63,8 @@ enum Event {
     DeletedHeld(RecordId),
     /// The gateway running this record was killed.
     Killed(RecordId, Shape, Protection),
+    /// The store lost every record.
+    Lost,
 }
 
 /// The running set-up and the oracle's model of it.
@@ -424,6 +427,19 @@ impl Driver {
                 refused = true;
                 (vec![sent(n, plan, answer)], false)
             }
+            Step::LoseData { restart } => {
+                self.settle_records(&[]).await;
+                lose_store_data(&self.store).await;
+                events.push((self.upstream.arrived(), Event::Lost));
+                if let Some(instance) = restart {
+                    self.gateways[*instance].kill().await;
+                    let restarted = self.start_gateway().await;
+                    self.gateways[*instance] = restarted;
+                }
+                // A gateway that only replays from its cache finds the loss within this.
+                tokio::time::sleep(IDENTITY_CHECK * 2).await;
+                (Vec::new(), false)
+            }
             Step::Kill { instance, during } => {
                 let mut out = Vec::new();
                 let mut task = None;
@@ -555,6 +571,7 @@ impl Driver {
                 }
             }
             Event::Killed(id, shape, protection) => self.model.holder_killed(&id, &shape, &protection, now),
+            Event::Lost => self.model.lost(),
         }
     }
 

@@ -81,6 +81,9 @@ pub(crate) enum Step {
     Kill { instance: usize, during: Option<Plan> },
     /// A request sent while the upstream refuses connections.
     Refused(Plan),
+    /// The store loses every record and its salt under the running gateways; then one of them is
+    /// started again (an instance of after the loss beside the others), or none.
+    LoseData { restart: Option<usize> },
 }
 
 impl fmt::Display for Step {
@@ -100,6 +103,10 @@ impl fmt::Display for Step {
                 None => write!(f, "kill -9 gw{instance} (idle)"),
             },
             Self::Refused(plan) => write!(f, "upstream down: {plan}"),
+            Self::LoseData { restart } => match restart {
+                Some(instance) => write!(f, "the store loses its data, gw{instance} restarted"),
+                None => write!(f, "the store loses its data"),
+            },
         }
     }
 }
@@ -288,7 +295,7 @@ impl Generator {
 
     /// The next step.
     pub(crate) fn next(&mut self) -> Step {
-        let weights = [30, 7, 12, 5, 3, 5, 3, 4, if self.can_jump { 9 } else { 0 }, 2, 2, 3];
+        let weights = [30, 7, 12, 5, 3, 5, 3, 4, if self.can_jump { 9 } else { 0 }, 2, 2, 3, 2];
         match self.rng.weighted(&weights) {
             0 => {
                 let behaviour = self.behaviour();
@@ -354,7 +361,10 @@ impl Generator {
                     during: Some(plan),
                 }
             }
-            _ => Step::Refused(self.keyed(Behaviour::Status(201))),
+            11 => Step::Refused(self.keyed(Behaviour::Status(201))),
+            _ => Step::LoseData {
+                restart: self.rng.chance(0.5).then(|| self.below(self.instances)),
+            },
         }
     }
 }

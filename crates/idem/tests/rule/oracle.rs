@@ -256,6 +256,11 @@ impl Model {
         self.records.insert(id.clone(), record);
     }
 
+    /// The store lost its data: every record is gone, as if never written.
+    pub(crate) fn lost(&mut self) {
+        self.records.clear();
+    }
+
     /// A gateway was killed while it ran `id`: the outcome is unknown, and the dead holder's lease
     /// holds until it runs out.
     pub(crate) fn holder_killed(&mut self, id: &RecordId, shape: &Shape, protection: &Protection, now: Duration) {
