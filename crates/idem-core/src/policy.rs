@@ -262,6 +262,14 @@ impl Policy {
                 "fingerprint: derives a provisional key from the caller's scope and the request, and with --scope none every caller shares one scope, so two callers posting the same body would get one run and one answer; use --scope credential or header:NAME, or another --missing-key",
             );
         }
+        if let Some(name) = self.scope.credential_header() {
+            return Err(PolicyError {
+                setting: "scope",
+                reason: format!(
+                    "header:{name} carries a credential, which would be stored in clear in every record and shown in every request's log line, `idem list` and the idem.scope span attribute; use --scope credential (a keyed hash of the Authorization header), or a header that a trusted auth layer sets to name the caller (header:X-User-Id)"
+                ),
+            });
+        }
         if self.anonymous == AnonymousPolicy::Reject && self.scope == ScopeSource::None {
             return fail(
                 "anonymous",
@@ -323,6 +331,24 @@ mod tests {
             ..Policy::default()
         };
         assert_eq!(per_caller.validate(), Ok(()));
+    }
+
+    #[test]
+    fn a_header_scope_on_a_credential_is_refused() {
+        for source in ["header:Authorization", "header:Cookie", "header:X-Api-Key"] {
+            let policy = Policy {
+                scope: source.parse().unwrap(),
+                ..Policy::default()
+            };
+            let err = policy.validate().unwrap_err();
+            assert_eq!(err.setting, "scope", "{source}");
+            assert!(err.reason.contains("--scope credential"), "{source}: {err}");
+        }
+        let identity = Policy {
+            scope: "header:X-User-Id".parse().unwrap(),
+            ..Policy::default()
+        };
+        assert_eq!(identity.validate(), Ok(()));
     }
 
     #[test]

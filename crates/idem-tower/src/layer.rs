@@ -125,6 +125,10 @@ impl IdempotencyLayer {
     }
 
     /// Where the caller's scope comes from.
+    ///
+    /// A `header:` source on a header that carries a credential (`Cookie`, `X-Api-Key`, …: see
+    /// [`ScopeSource::credential_header`]) fails [`Policy::validate`]; if the layer is given one
+    /// anyway, the header's value is hashed as a credential, never stored or shown in clear.
     pub fn with_scope(mut self, scope: ScopeSource) -> Self {
         self.policy.scope = scope;
         self
