@@ -38,6 +38,15 @@ pub(crate) async fn list(args: ListArgs) -> anyhow::Result<()> {
     } else if !listed.is_empty() {
         print!("{}", table(&listed));
     }
+    for record in &listed {
+        if let Some(why) = &record.damaged {
+            eprintln!(
+                "the record of key {:?} in scope {:?} is damaged: {why}; `idem inspect` shows it, `idem delete` removes it",
+                record.id.key.as_str(),
+                record.id.scope.as_str()
+            );
+        }
+    }
     if listed.is_empty() {
         eprintln!("no record matches");
     } else if listed.len() == limit {
@@ -64,7 +73,12 @@ fn table(listed: &[Listed]) -> String {
         .map(|record| {
             [
                 record.created_at.to_string(),
-                record.state.to_string(),
+                // A damaged record's state is judged on times that cannot be right.
+                if record.damaged.is_some() {
+                    "damaged".to_owned()
+                } else {
+                    record.state.to_string()
+                },
                 record
                     .status
                     .map_or_else(|| "-".to_owned(), |status| status.to_string()),
@@ -115,7 +129,8 @@ fn request(record: &Listed) -> String {
 /// record has none).
 #[derive(Debug, Serialize)]
 struct ListedJson<'a> {
-    created_at: String,
+    /// RFC 3339; `null` if the record holds a time past the year 9999 (see `damaged`).
+    created_at: Option<String>,
     /// `in-flight`, `unknown`, `completed` or `tombstone`.
     state: &'static str,
     status: Option<u16>,
@@ -127,13 +142,15 @@ struct ListedJson<'a> {
     trace_id: Option<String>,
     scope: &'a str,
     key: &'a str,
+    /// Why the record is damaged (a time past the year 9999, which no setting makes), else `null`.
+    damaged: Option<&'a str>,
 }
 
 impl<'a> ListedJson<'a> {
     fn of(record: &'a Listed) -> Self {
         let kept = |text: &'a str| (!text.is_empty()).then_some(text);
         Self {
-            created_at: record.created_at.to_string(),
+            created_at: record.created_at.rfc3339(),
             state: record.state.as_str(),
             status: record.status,
             replays: record.replays,
@@ -143,6 +160,7 @@ impl<'a> ListedJson<'a> {
             trace_id: record.origin.trace.map(|trace| trace.trace_id.to_string()),
             scope: record.id.scope.as_str(),
             key: record.id.key.as_str(),
+            damaged: record.damaged.as_deref(),
         }
     }
 }
@@ -168,6 +186,7 @@ mod tests {
             created_at: UnixMillis(1_000),
             replays: 2,
             recovered: true,
+            damaged: None,
         }
     }
 
@@ -197,7 +216,7 @@ mod tests {
             json!({
                 "created_at": UnixMillis(1_000).to_string(), "state": "completed", "status": null,
                 "replays": 2, "recovered": true, "method": null, "path": null, "trace_id": null,
-                "scope": "cred-mac:ab12", "key": "order-7",
+                "scope": "cred-mac:ab12", "key": "order-7", "damaged": null,
             })
         );
     }

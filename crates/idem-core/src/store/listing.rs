@@ -204,6 +204,10 @@ pub struct Listed {
     pub replays: u64,
     /// Whether its latest run was a recovered one.
     pub recovered: bool,
+    /// Why the record cannot be as stored, if it cannot: a time past the year 9999
+    /// ([`UnixMillis::past_rfc3339`]), which no setting idem accepts makes. It is listed all the
+    /// same, so that the operator sees it (and one such record never stops a listing).
+    pub damaged: Option<String>,
 }
 
 impl Listed {
@@ -303,6 +307,7 @@ mod tests {
             created_at: UnixMillis::from_i64(created_at),
             replays: 0,
             recovered: false,
+            damaged: None,
         }
     }
 
