@@ -18,6 +18,7 @@ use serde::Serialize;
 
 use crate::cli::{InspectArgs, RecordArgs, StoreArgs};
 use crate::stores;
+use crate::terminal::escaped;
 
 /// The batch size of `idem purge`.
 const PURGE_BATCH: usize = 1000;
@@ -113,7 +114,12 @@ pub(crate) async fn inspect(args: InspectArgs) -> anyhow::Result<()> {
     } else {
         let mut out = describe(&record, keyring.as_ref(), now);
         for checkpoint in &checkpoints {
-            let _ = writeln!(out, "step:     {} ({} bytes)", checkpoint.name, checkpoint.value.len());
+            let _ = writeln!(
+                out,
+                "step:     {} ({} bytes)",
+                escaped(&checkpoint.name),
+                checkpoint.value.len()
+            );
         }
         print!("{out}");
     }
@@ -180,8 +186,8 @@ pub(crate) async fn delete(args: RecordArgs) -> anyhow::Result<()> {
     };
     let mut out = format!(
         "deleted:  the {state} record of {} {}; {effect}\n",
-        fp.method(),
-        fp.path()
+        escaped(fp.method()),
+        escaped(fp.path())
     );
     let keyring = crate::config::keyring_from_env()?;
     out.push_str(&describe(&deleted, keyring.as_ref(), clock.now()));
@@ -229,13 +235,14 @@ fn damage(record: &Record) -> Option<String> {
     UnixMillis::past_rfc3339(&times)
 }
 
-/// `record` as text, its times judged against `now` on the store's clock.
+/// `record` as text, its times judged against `now` on the store's clock; what callers chose
+/// (scope, key, path) escaped for a terminal.
 fn describe(record: &Record, keyring: Option<&Keyring>, now: UnixMillis) -> String {
     let mut out = String::new();
     let fp = &record.fingerprint;
-    let _ = writeln!(out, "scope:    {}", record.id.scope);
-    let _ = writeln!(out, "key:      {}", record.id.key);
-    let _ = writeln!(out, "request:  {} {}", fp.method(), fp.path());
+    let _ = writeln!(out, "scope:    {}", escaped(record.id.scope.as_str()));
+    let _ = writeln!(out, "key:      {}", escaped(record.id.key.as_str()));
+    let _ = writeln!(out, "request:  {} {}", escaped(fp.method()), escaped(fp.path()));
     if let Some(why) = damage(record) {
         let _ = writeln!(out, "damaged:  {why}; `idem delete` removes it");
     }
@@ -285,7 +292,7 @@ fn describe(record: &Record, keyring: Option<&Keyring>, now: UnixMillis) -> Stri
                 .filter(|_| !expired)
                 .map(|bytes| Answer::read(&record.id, bytes, keyring));
             if let Some(key) = answer.as_ref().and_then(|answer| answer.sealed_by.as_deref()) {
-                let _ = writeln!(out, "sealed:   by key {key}");
+                let _ = writeln!(out, "sealed:   by key {}", escaped(key));
             }
             match answer.map(|answer| answer.stored) {
                 Some(Ok(stored)) => {
@@ -297,7 +304,7 @@ fn describe(record: &Record, keyring: Option<&Keyring>, now: UnixMillis) -> Stri
                     let _ = writeln!(out, "body:     {body}");
                 }
                 Some(Err(err)) => {
-                    let _ = writeln!(out, "status:   unreadable ({err})");
+                    let _ = writeln!(out, "status:   unreadable ({})", escaped(&err));
                 }
                 None => match record.status {
                     Some(status) => {

@@ -12,6 +12,7 @@ use serde::Serialize;
 use crate::cli::ListArgs;
 use crate::commands::store_clock;
 use crate::stores;
+use crate::terminal::escaped;
 
 /// `idem list`: prints the records the arguments ask for, newest first, as a table or as JSON
 /// lines; says on stderr when none match, or when the limit cut the list short.
@@ -55,7 +56,8 @@ pub(crate) async fn list(args: ListArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The records as an aligned table with a header, one line each.
+/// The records as an aligned table with a header, one line each; what callers chose (scope, key,
+/// path) escaped for a terminal.
 fn table(listed: &[Listed]) -> String {
     const HEADER: [&str; 9] = [
         "CREATED",
@@ -89,8 +91,8 @@ fn table(listed: &[Listed]) -> String {
                     .origin
                     .trace
                     .map_or_else(|| "-".to_owned(), |trace| trace.trace_id.to_string()),
-                record.id.scope.to_string(),
-                record.id.key.to_string(),
+                escaped(record.id.scope.as_str()).into_owned(),
+                escaped(record.id.key.as_str()).into_owned(),
             ]
         })
         .collect();
@@ -116,12 +118,12 @@ fn table(listed: &[Listed]) -> String {
     out
 }
 
-/// `METHOD PATH`, or `-` for a record written before records kept them.
+/// `METHOD PATH` (escaped for a terminal), or `-` for a record written before records kept them.
 fn request(record: &Listed) -> String {
     if record.origin.method.is_empty() && record.origin.path.is_empty() {
         "-".to_owned()
     } else {
-        format!("{} {}", record.origin.method, record.origin.path)
+        format!("{} {}", escaped(&record.origin.method), escaped(&record.origin.path))
     }
 }
 

@@ -20,6 +20,7 @@ mod serve;
 mod settings;
 mod stores;
 mod telemetry;
+mod terminal;
 mod tls;
 mod units;
 
