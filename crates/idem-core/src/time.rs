@@ -173,10 +173,7 @@ mod tests {
         let now = UnixMillis(1_765_000_000_000);
         let cases = [
             (Duration::from_secs(60), UnixMillis(1_765_000_060_000)),
-            (
-                Duration::from_secs(8_000 * 365 * 86_400),
-                UnixMillis::LAST_RFC3339,
-            ),
+            (Duration::from_secs(8_000 * 365 * 86_400), UnixMillis::LAST_RFC3339),
             (Duration::MAX, UnixMillis::LAST_RFC3339),
         ];
         for (duration, expected) in cases {

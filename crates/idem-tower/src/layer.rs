@@ -113,6 +113,12 @@ impl IdempotencyLayer {
     }
 
     /// How long an answer is replayable.
+    ///
+    /// The builder takes any duration, as every `with_` method here does: one past
+    /// [`Policy::MAX_RETENTION`] (a ttl, a tombstone) or [`Policy::MAX_TIMEOUT`] (a lease, a wait,
+    /// a timeout) fails [`Policy::validate`], which the gateway calls at start; a layer built with
+    /// one anyway clamps rather than panic in a request: the times it stores stop at the year 9999
+    /// and its deadlines thirty years out.
     pub fn with_ttl(mut self, ttl: Duration) -> Self {
         self.policy.ttl = ttl;
         self

@@ -243,10 +243,10 @@ fn describe(record: &Record, keyring: Option<&Keyring>, now: UnixMillis) -> Stri
     let _ = writeln!(out, "scope:    {}", escaped(record.id.scope.as_str()));
     let _ = writeln!(out, "key:      {}", escaped(record.id.key.as_str()));
     let _ = writeln!(out, "request:  {} {}", escaped(fp.method()), escaped(fp.path()));
+    let _ = writeln!(out, "created:  {}", record.created_at);
     if let Some(why) = damage(record) {
         let _ = writeln!(out, "damaged:  {why}; `idem delete` removes it");
     }
-    let _ = writeln!(out, "created:  {}", record.created_at);
     if let Some(trace) = record.origin.trace {
         let _ = match trace.span_id {
             Some(span_id) => writeln!(out, "trace:    {} (of the latest run; span {span_id})", trace.trace_id),
