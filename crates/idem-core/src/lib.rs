@@ -88,7 +88,7 @@ pub use fingerprint::{Differences, Fingerprint, FingerprintDecodeError};
 #[cfg(feature = "server")]
 pub use policy::{AnonymousPolicy, AnonymousPolicyError, MissingKeyPolicy, MissingKeyPolicyError, Policy, PolicyError};
 #[cfg(feature = "server")]
-pub use redact::{redact_url, url_userinfo_end};
+pub use redact::{redact_url, redact_urls_in, url_userinfo_end};
 #[cfg(feature = "server")]
 pub use response::{HOP_BY_HOP, HeaderAllowList, ResponseDecodeError, StoredResponse};
 #[cfg(feature = "server")]

@@ -224,6 +224,25 @@ impl Default for Policy {
 }
 
 impl Policy {
+    /// The longest `ttl`, `tombstone_ttl` and `fingerprint:` window [`validate`](Self::validate)
+    /// accepts: ten years (`10y`, 3652.5 days).
+    ///
+    /// idem adds these to "now" in Unix milliseconds, and every store must take the sum: SQLite's
+    /// and PostgreSQL's `bigint` (up to `i64::MAX`), Redis's `PEXPIRE` (at most `i64::MAX` minus
+    /// the server's clock, and computed in Lua's doubles) and RFC 3339, in which `idem list` and
+    /// `idem inspect` write times, which stops at the year 9999
+    /// ([`UnixMillis::LAST_RFC3339`](crate::UnixMillis::LAST_RFC3339)). Now plus a ttl, a
+    /// tombstone and a lease at their bounds is about twenty years from now, far inside them all;
+    /// and a retry ten years late is no retry.
+    pub const MAX_RETENTION: Duration = Duration::from_secs(10 * 31_557_600);
+
+    /// The longest `lease`, `run_timeout`, `wait` and `store_timeout` (and the gateway's own
+    /// timeouts) [`validate`](Self::validate) accepts: a day. Each is a deadline from now that
+    /// idem counts on a monotonic clock or renews while a request runs; a request held for longer
+    /// than a day is a fault to end, not a wait to keep, and the bound keeps every deadline idem
+    /// adds (a timer, a lease's end) far from overflowing.
+    pub const MAX_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
+
     /// Checks that the settings can work together; the first that cannot is the error.
     ///
     /// The gateway refuses to start with such a policy. The tower layer does not check (it is
@@ -253,6 +272,39 @@ impl Policy {
         if self.ttl.is_zero() {
             return fail("ttl", "must be longer than zero, or no answer could ever be replayed");
         }
+        let retention = [
+            ("ttl", self.ttl),
+            ("tombstone-ttl", self.tombstone_ttl),
+            (
+                "missing-key",
+                match self.missing_key {
+                    MissingKeyPolicy::Fingerprint { window } => window,
+                    _ => Duration::ZERO,
+                },
+            ),
+        ];
+        for (setting, duration) in retention {
+            if duration > Self::MAX_RETENTION {
+                return fail(
+                    setting,
+                    "must be at most 10y (ten years): idem adds it to the time of every record, which every store must keep and RFC 3339 write (see Policy::MAX_RETENTION)",
+                );
+            }
+        }
+        let timeouts = [
+            ("lease", self.lease),
+            ("run-timeout", self.run_timeout),
+            ("wait", self.wait),
+            ("store-timeout", self.store_timeout),
+        ];
+        for (setting, duration) in timeouts {
+            if duration > Self::MAX_TIMEOUT {
+                return fail(
+                    setting,
+                    "must be at most 1d (one day): a request held longer is a fault to end, not a wait to keep (see Policy::MAX_TIMEOUT)",
+                );
+            }
+        }
         if self.methods.is_empty() {
             return fail("methods", "must name at least one method");
         }
@@ -261,6 +313,14 @@ impl Policy {
                 "missing-key",
                 "fingerprint: derives a provisional key from the caller's scope and the request, and with --scope none every caller shares one scope, so two callers posting the same body would get one run and one answer; use --scope credential or header:NAME, or another --missing-key",
             );
+        }
+        if let Some(name) = self.scope.credential_header() {
+            return Err(PolicyError {
+                setting: "scope",
+                reason: format!(
+                    "header:{name} carries a credential, which would be stored in clear in every record and shown in every request's log line, `idem list` and the idem.scope span attribute; use --scope credential (a keyed hash of the Authorization header), or a header that a trusted auth layer sets to name the caller (header:X-User-Id)"
+                ),
+            });
         }
         if self.anonymous == AnonymousPolicy::Reject && self.scope == ScopeSource::None {
             return fail(
@@ -306,6 +366,38 @@ mod tests {
     use super::*;
 
     #[test]
+    fn durations_are_bounded_where_every_store_takes_them() {
+        type Set = fn(&mut Policy, Duration);
+        let cases: [(&str, Set, Duration); 7] = [
+            ("ttl", |p, d| p.ttl = d, Policy::MAX_RETENTION),
+            ("tombstone-ttl", |p, d| p.tombstone_ttl = d, Policy::MAX_RETENTION),
+            (
+                "missing-key",
+                |p, d| p.missing_key = MissingKeyPolicy::Fingerprint { window: d },
+                Policy::MAX_RETENTION,
+            ),
+            ("lease", |p, d| p.lease = d, Policy::MAX_TIMEOUT),
+            ("run-timeout", |p, d| p.run_timeout = d, Policy::MAX_TIMEOUT),
+            ("wait", |p, d| p.wait = d, Policy::MAX_TIMEOUT),
+            ("store-timeout", |p, d| p.store_timeout = d, Policy::MAX_TIMEOUT),
+        ];
+        for (setting, set, bound) in cases {
+            let mut policy = Policy::default();
+            set(&mut policy, bound);
+            assert_eq!(policy.validate(), Ok(()), "{setting} at its bound");
+            set(&mut policy, bound + Duration::from_millis(1));
+            let err = policy.validate().expect_err(setting);
+            assert_eq!(err.setting, setting);
+            assert!(err.reason.starts_with("must be at most"), "{setting}: {}", err.reason);
+        }
+        // The longest sum idem computes stays a time every store takes and RFC 3339 writes, from
+        // any clock before the year 9900.
+        let year_9900 = UnixMillis(250_246_000_000_000);
+        let latest = year_9900.0 + (2 * Policy::MAX_RETENTION + Policy::MAX_TIMEOUT).as_millis() as u64;
+        assert!(UnixMillis(latest).is_rfc3339());
+    }
+
+    #[test]
     fn a_provisional_key_over_one_shared_scope_is_refused() {
         let fingerprint = MissingKeyPolicy::Fingerprint {
             window: Duration::from_secs(5),
@@ -323,6 +415,24 @@ mod tests {
             ..Policy::default()
         };
         assert_eq!(per_caller.validate(), Ok(()));
+    }
+
+    #[test]
+    fn a_header_scope_on_a_credential_is_refused() {
+        for source in ["header:Authorization", "header:Cookie", "header:X-Api-Key"] {
+            let policy = Policy {
+                scope: source.parse().unwrap(),
+                ..Policy::default()
+            };
+            let err = policy.validate().unwrap_err();
+            assert_eq!(err.setting, "scope", "{source}");
+            assert!(err.reason.contains("--scope credential"), "{source}: {err}");
+        }
+        let identity = Policy {
+            scope: "header:X-User-Id".parse().unwrap(),
+            ..Policy::default()
+        };
+        assert_eq!(identity.validate(), Ok(()));
     }
 
     #[test]

@@ -2,6 +2,8 @@
 //! with its password masked. Every store crate and the gateway show URLs through it, so that no
 //! two of them disagree on what a password is.
 
+use std::borrow::Cow;
+
 /// What stands in for a password.
 const MASK: &str = "***";
 
@@ -46,6 +48,53 @@ pub fn redact_url(url: &str) -> String {
     }
     out.push_str(&redact_query(query));
     out
+}
+
+/// `text` (a log line, an error message) with the password of every URL in it masked as
+/// [`redact_url`] masks one: a URL is found by its `scheme://` and runs to the next space, quote,
+/// control character or other character that a URL cannot hold unescaped (`<>"'`…), less
+/// trailing punctuation (`)`, `,`, `.`, …) that closes a sentence or a bracket around it. Text
+/// without `://` is returned as it is, without copying (every log line comes through here).
+///
+/// ```
+/// assert_eq!(
+///     idem_core::redact_urls_in("error sending request for url (http://u:s3cr3t@collector:4318/v1/traces)"),
+///     "error sending request for url (http://u:***@collector:4318/v1/traces)"
+/// );
+/// ```
+pub fn redact_urls_in(text: &str) -> Cow<'_, str> {
+    if !text.contains("://") {
+        return Cow::Borrowed(text);
+    }
+    let is_scheme = |c: char| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.');
+    let ends_url = |c: char| {
+        c.is_whitespace() || c.is_control() || matches!(c, '"' | '\'' | '<' | '>' | '`' | '\\' | '{' | '}' | '|' | '^')
+    };
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find("://") {
+        let scheme_at = rest[..at]
+            .char_indices()
+            .rev()
+            .take_while(|&(_, c)| is_scheme(c))
+            .last()
+            .map_or(at, |(start, _)| start);
+        let after = at + 3;
+        let mut end = rest[after..].find(ends_url).map_or(rest.len(), |len| after + len);
+        while end > after && rest[..end].ends_with([')', ',', '.', ';', ':', '!', '?']) {
+            end -= 1;
+        }
+        out.push_str(&rest[..scheme_at]);
+        if scheme_at < at {
+            out.push_str(&redact_url(&rest[scheme_at..end]));
+        } else {
+            // `://` with no scheme before it is no URL.
+            out.push_str(&rest[scheme_at..end]);
+        }
+        rest = &rest[end..];
+    }
+    out.push_str(rest);
+    Cow::Owned(out)
 }
 
 /// Where the user info of `rest` (a URL after its `://`) ends, the index of its `@`: the last `@`
@@ -100,7 +149,33 @@ fn redact_query(query: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::redact_url;
+    use super::{redact_url, redact_urls_in};
+
+    #[test]
+    fn masks_every_url_in_a_line() {
+        for (line, shown) in [
+            ("no url here", "no url here"),
+            (
+                "HttpClient.NetworkError url=\"http://user:pass@127.0.0.1:9/v1/traces\" error=\"error sending request for url (http://user:pass@127.0.0.1:9/v1/traces)\"",
+                "HttpClient.NetworkError url=\"http://user:***@127.0.0.1:9/v1/traces\" error=\"error sending request for url (http://user:***@127.0.0.1:9/v1/traces)\"",
+            ),
+            ("(http://user:pass@host:9)", "(http://user:***@host:9)"),
+            ("to http://u:p@h, then", "to http://u:***@h, then"),
+            (
+                "store=postgres://db/app?password=pw&x=1 ok",
+                "store=postgres://db/app?password=***&x=1 ok",
+            ),
+            ("redis://token@cache:6379/0", "redis://***@cache:6379/0"),
+            (
+                r#"{"endpoint":"https://a:b@c/d","other":"https://e:f@g"}"#,
+                r#"{"endpoint":"https://a:***@c/d","other":"https://e:***@g"}"#,
+            ),
+            ("a :// b http://plain/path", "a :// b http://plain/path"),
+            ("über http://ü:ß@h", "über http://ü:***@h"),
+        ] {
+            assert_eq!(redact_urls_in(line), shown, "{line}");
+        }
+    }
 
     #[test]
     fn masks_every_password_and_nothing_else() {

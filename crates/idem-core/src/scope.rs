@@ -81,6 +81,13 @@ pub enum ScopeSource {
     Credential,
     /// A header set by a trusted auth layer in front of idem, such as `X-User-Id`. A request
     /// without it is in the anonymous scope.
+    ///
+    /// A header that carries a credential ([`ScopeSource::credential_header`]: `Cookie`,
+    /// `X-Api-Key`, …) is refused by [`Policy::validate`](crate::Policy::validate), and so by the
+    /// gateway and by [`Routes`](crate::Routes): its value would be stored in clear in every
+    /// record and shown wherever a scope is (logs, `idem list`, spans). Where no one validates
+    /// (an `IdempotencyLayer` given such a source), its value is taken as a credential, stored
+    /// only as a keyed hash as for [`ScopeSource::Credential`], never in clear.
     Header(HeaderName),
     /// One scope shared by every caller.
     None,
@@ -137,6 +144,10 @@ impl ScopeSource {
             Self::Credential => header_caller(parts, &http::header::AUTHORIZATION, |value| {
                 Caller::Credential(value.clone())
             }),
+            // Never stored in clear, even where the policy was not validated: hashed as a credential.
+            Self::Header(name) if carries_credential(name) => {
+                header_caller(parts, name, |value| Caller::Credential(value.clone()))
+            }
             Self::Header(name) => header_caller(parts, name, |value| Caller::Scope(Scope::header(value.as_bytes()))),
             Self::None => Ok(Caller::Scope(Scope::shared())),
             Self::Extension => Ok(Caller::Scope(
@@ -148,6 +159,25 @@ impl ScopeSource {
             )),
         }
     }
+
+    /// The header this source takes the scope from, if it carries a credential: `Authorization`,
+    /// `Proxy-Authorization`, `Cookie`, or a name holding `key`, `token`, `secret`, `password`,
+    /// `auth` or `cookie` (`X-Api-Key`, `X-Auth-Token`). Such a header identifies its caller by a
+    /// secret, which a `header:` scope would store and show in clear.
+    pub fn credential_header(&self) -> Option<&HeaderName> {
+        match self {
+            Self::Header(name) if carries_credential(name) => Some(name),
+            _ => None,
+        }
+    }
+}
+
+/// Whether a header's value is a secret. Header names are lower case, so one spelling suffices;
+/// `auth` covers both authorization headers.
+fn carries_credential(name: &HeaderName) -> bool {
+    const SECRET_WORDS: [&str; 6] = ["auth", "cookie", "key", "token", "secret", "password"];
+    let name = name.as_str();
+    SECRET_WORDS.iter().any(|word| name.contains(word))
 }
 
 fn header_caller(
@@ -259,6 +289,33 @@ mod tests {
         );
         assert!("header:".parse::<ScopeSource>().is_err());
         assert!("tenant".parse::<ScopeSource>().is_err());
+    }
+
+    #[test]
+    fn credential_headers_are_told_from_identity_headers() {
+        for (name, credential) in [
+            ("authorization", true),
+            ("proxy-authorization", true),
+            ("cookie", true),
+            ("x-api-key", true),
+            ("x-auth-token", true),
+            ("x-client-secret", true),
+            ("x-password", true),
+            ("x-user-id", false),
+            ("x-tenant", false),
+        ] {
+            let source: ScopeSource = format!("header:{}", name.to_ascii_uppercase()).parse().unwrap();
+            assert_eq!(source.credential_header().is_some(), credential, "{name}");
+        }
+        assert_eq!(ScopeSource::Credential.credential_header(), None);
+    }
+
+    #[test]
+    fn a_credential_header_scope_is_never_kept_in_clear() {
+        let source: ScopeSource = "header:X-Api-Key".parse().unwrap();
+        let caller = source.caller_of(&parts(&[("x-api-key", b"k-123")])).unwrap();
+        assert_eq!(caller, Caller::Credential(HeaderValue::from_static("k-123")));
+        assert!(!format!("{caller:?}").contains("k-123"));
     }
 
     #[test]

@@ -89,9 +89,12 @@ local function stateless(cur)
     end
   end
 end
+-- A ttl is cut to 2^53 ms (285 000 years): Redis refuses one past i64::MAX ms minus its clock,
+-- and one that near it, computed in Lua's doubles, passes or not with the rounding of `now`. idem
+-- computes no time past the year 9999; a caller that gives one gets an expiry, not an error.
 local function set_ttl(key, ttl)
   if ttl > 0 then
-    redis.call('PEXPIRE', key, string.format('%d', ttl))
+    redis.call('PEXPIRE', key, string.format('%d', math.min(ttl, 9007199254740992)))
   else
     redis.call('DEL', key)
   end
@@ -265,7 +268,7 @@ redis.call('HSET', rec, 'state', 'completed', 'completed_at', ARGV[4], 'expires_
   'completed_by', token, 'status', ARGV[10])
 local body_ttl = num(ARGV[5], 'expires_at') - now
 if body_ttl > 0 then
-  redis.call('SET', body, response, 'PX', string.format('%d', body_ttl))
+  redis.call('SET', body, response, 'PX', string.format('%d', math.min(body_ttl, 9007199254740992)))
 else
   redis.call('DEL', body)
 end

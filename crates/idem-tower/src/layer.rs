@@ -113,6 +113,12 @@ impl IdempotencyLayer {
     }
 
     /// How long an answer is replayable.
+    ///
+    /// The builder takes any duration, as every `with_` method here does: one past
+    /// [`Policy::MAX_RETENTION`] (a ttl, a tombstone) or [`Policy::MAX_TIMEOUT`] (a lease, a wait,
+    /// a timeout) fails [`Policy::validate`], which the gateway calls at start; a layer built with
+    /// one anyway clamps rather than panic in a request: the times it stores stop at the year 9999
+    /// and its deadlines thirty years out.
     pub fn with_ttl(mut self, ttl: Duration) -> Self {
         self.policy.ttl = ttl;
         self
@@ -125,6 +131,10 @@ impl IdempotencyLayer {
     }
 
     /// Where the caller's scope comes from.
+    ///
+    /// A `header:` source on a header that carries a credential (`Cookie`, `X-Api-Key`, …: see
+    /// [`ScopeSource::credential_header`]) fails [`Policy::validate`]; if the layer is given one
+    /// anyway, the header's value is hashed as a credential, never stored or shown in clear.
     pub fn with_scope(mut self, scope: ScopeSource) -> Self {
         self.policy.scope = scope;
         self

@@ -201,9 +201,15 @@ async fn pay(
                 .execute(&mut *tx)
                 .await
                 .expect("the ledger row");
-            let done = store.complete_in(&mut tx, &run, &mut answer).await;
-            finish(tx, then).await;
-            done
+            // Takes the transaction: a fenced completion has rolled it back, so there is
+            // nothing left to commit (SQLite cannot keep a failed transaction open).
+            match store.complete_in(tx, &run, &mut answer).await {
+                Ok(tx) => {
+                    finish(tx, then).await;
+                    Ok(())
+                }
+                Err(err) => Err(err),
+            }
         }
     };
     *shop.completed.lock().await = Some(match &done {

@@ -1018,3 +1018,31 @@ async fn a_run_whose_claim_was_lost_cannot_record_a_step() {
     let err = second.expect_err("a fenced run cannot record a step");
     assert!(err.contains("lost to another run"), "{err}");
 }
+
+/// A layer given durations past the policy's bounds (which `Policy::validate` refuses, but the
+/// layer is built without it) still answers, and a copy still waits for the first request: the
+/// times it stores stop at the year 9999 and its deadlines thirty years out, never a panic.
+#[tokio::test]
+async fn durations_past_the_bounds_never_panic_a_request() {
+    let (store, dir) = sqlite().await;
+    let layer = IdempotencyLayer::new(store)
+        .with_ttl(Duration::MAX)
+        .with_tombstone_ttl(Duration::MAX)
+        .with_lease(Duration::MAX)
+        .with_run_timeout(Duration::MAX)
+        .with_store_timeout(Duration::MAX)
+        .with_wait(Duration::MAX);
+    let app = app(layer, dir);
+    let first = send(&app.router, pay("far", "?ms=300"));
+    let copy = async {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        send(&app.router, pay("far", "?ms=300")).await
+    };
+    let ((first, first_replayed, _), (copy, copy_replayed, _)) = tokio::join!(first, copy);
+    assert_eq!((first, copy), (StatusCode::CREATED, StatusCode::CREATED));
+    assert!(
+        !first_replayed && copy_replayed,
+        "the copy waited and got the first's answer"
+    );
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1);
+}

@@ -18,6 +18,7 @@ use serde::Serialize;
 
 use crate::cli::{InspectArgs, RecordArgs, StoreArgs};
 use crate::stores;
+use crate::terminal::escaped;
 
 /// The batch size of `idem purge`.
 const PURGE_BATCH: usize = 1000;
@@ -113,7 +114,12 @@ pub(crate) async fn inspect(args: InspectArgs) -> anyhow::Result<()> {
     } else {
         let mut out = describe(&record, keyring.as_ref(), now);
         for checkpoint in &checkpoints {
-            let _ = writeln!(out, "step:     {} ({} bytes)", checkpoint.name, checkpoint.value.len());
+            let _ = writeln!(
+                out,
+                "step:     {} ({} bytes)",
+                escaped(&checkpoint.name),
+                checkpoint.value.len()
+            );
         }
         print!("{out}");
     }
@@ -180,8 +186,8 @@ pub(crate) async fn delete(args: RecordArgs) -> anyhow::Result<()> {
     };
     let mut out = format!(
         "deleted:  the {state} record of {} {}; {effect}\n",
-        fp.method(),
-        fp.path()
+        escaped(fp.method()),
+        escaped(fp.path())
     );
     let keyring = crate::config::keyring_from_env()?;
     out.push_str(&describe(&deleted, keyring.as_ref(), clock.now()));
@@ -199,14 +205,48 @@ pub(crate) async fn delete(args: RecordArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `record` as text, its times judged against `now` on the store's clock.
+/// Why `record` is damaged, if it is: a time past the year 9999, which no setting idem accepts
+/// makes (a record written by hand, or by a version that accepted any ttl).
+fn damage(record: &Record) -> Option<String> {
+    let mut times = vec![("created_at", record.created_at)];
+    match &record.state {
+        RecordState::InFlight {
+            lease_until,
+            expires_at,
+            ..
+        } => {
+            times.push(("lease_until", *lease_until));
+            times.extend(expires_at.map(|at| ("expires_at", at)));
+        }
+        RecordState::Completed {
+            completed_at,
+            expires_at,
+            purge_at,
+            ..
+        } => times.extend([
+            ("completed_at", *completed_at),
+            ("expires_at", *expires_at),
+            ("purge_at", *purge_at),
+        ]),
+        RecordState::Unknown { expires_at, purge_at } => {
+            times.extend([("expires_at", *expires_at), ("purge_at", *purge_at)]);
+        }
+    }
+    UnixMillis::past_rfc3339(&times)
+}
+
+/// `record` as text, its times judged against `now` on the store's clock; what callers chose
+/// (scope, key, path) escaped for a terminal.
 fn describe(record: &Record, keyring: Option<&Keyring>, now: UnixMillis) -> String {
     let mut out = String::new();
     let fp = &record.fingerprint;
-    let _ = writeln!(out, "scope:    {}", record.id.scope);
-    let _ = writeln!(out, "key:      {}", record.id.key);
-    let _ = writeln!(out, "request:  {} {}", fp.method(), fp.path());
+    let _ = writeln!(out, "scope:    {}", escaped(record.id.scope.as_str()));
+    let _ = writeln!(out, "key:      {}", escaped(record.id.key.as_str()));
+    let _ = writeln!(out, "request:  {} {}", escaped(fp.method()), escaped(fp.path()));
     let _ = writeln!(out, "created:  {}", record.created_at);
+    if let Some(why) = damage(record) {
+        let _ = writeln!(out, "damaged:  {why}; `idem delete` removes it");
+    }
     if let Some(trace) = record.origin.trace {
         let _ = match trace.span_id {
             Some(span_id) => writeln!(out, "trace:    {} (of the latest run; span {span_id})", trace.trace_id),
@@ -252,7 +292,7 @@ fn describe(record: &Record, keyring: Option<&Keyring>, now: UnixMillis) -> Stri
                 .filter(|_| !expired)
                 .map(|bytes| Answer::read(&record.id, bytes, keyring));
             if let Some(key) = answer.as_ref().and_then(|answer| answer.sealed_by.as_deref()) {
-                let _ = writeln!(out, "sealed:   by key {key}");
+                let _ = writeln!(out, "sealed:   by key {}", escaped(key));
             }
             match answer.map(|answer| answer.stored) {
                 Some(Ok(stored)) => {
@@ -264,7 +304,7 @@ fn describe(record: &Record, keyring: Option<&Keyring>, now: UnixMillis) -> Stri
                     let _ = writeln!(out, "body:     {body}");
                 }
                 Some(Err(err)) => {
-                    let _ = writeln!(out, "status:   unreadable ({err})");
+                    let _ = writeln!(out, "status:   unreadable ({})", escaped(&err));
                 }
                 None => match record.status {
                     Some(status) => {
@@ -296,7 +336,8 @@ struct RecordJson<'a> {
     key: &'a str,
     method: &'a str,
     path: &'a str,
-    created_at: String,
+    /// RFC 3339, as every time here; `null` past the year 9999 (the record is `damaged`).
+    created_at: Option<String>,
     /// `in-flight`, `completed` or `unknown` (outcome unknown: the next run is marked recovered).
     state: &'static str,
     /// In flight: when the holder's lease ends unless renewed.
@@ -328,6 +369,8 @@ struct RecordJson<'a> {
     recovered: bool,
     /// The steps the run recorded (name and size; their values are the handler's).
     checkpoints: Vec<CheckpointJson>,
+    /// Why the record is damaged (a time past the year 9999, which no setting makes), else `null`.
+    damaged: Option<String>,
 }
 
 /// A checkpoint in `idem inspect --json`.
@@ -355,7 +398,7 @@ impl<'a> RecordJson<'a> {
             key: record.id.key.as_str(),
             method: fp.method(),
             path: fp.path(),
-            created_at: record.created_at.to_string(),
+            created_at: record.created_at.rfc3339(),
             state: IN_FLIGHT,
             lease_until: None,
             completed_at: None,
@@ -374,9 +417,10 @@ impl<'a> RecordJson<'a> {
                 .map(|id| id.to_string()),
             recovered: record.recovered,
             checkpoints: Vec::new(),
+            damaged: damage(record),
         };
         match &record.state {
-            RecordState::InFlight { lease_until, .. } => json.lease_until = Some(lease_until.to_string()),
+            RecordState::InFlight { lease_until, .. } => json.lease_until = lease_until.rfc3339(),
             RecordState::Completed {
                 response,
                 completed_at,
@@ -384,9 +428,9 @@ impl<'a> RecordJson<'a> {
                 purge_at,
             } => {
                 json.state = COMPLETED;
-                json.completed_at = Some(completed_at.to_string());
-                json.expires_at = Some(expires_at.to_string());
-                json.purge_at = Some(purge_at.to_string());
+                json.completed_at = completed_at.rfc3339();
+                json.expires_at = expires_at.rfc3339();
+                json.purge_at = purge_at.rfc3339();
                 let answer = response
                     .as_ref()
                     .filter(|_| now < *expires_at)
@@ -407,8 +451,8 @@ impl<'a> RecordJson<'a> {
             }
             RecordState::Unknown { expires_at, purge_at } => {
                 json.state = UNKNOWN;
-                json.expires_at = Some(expires_at.to_string());
-                json.purge_at = Some(purge_at.to_string());
+                json.expires_at = expires_at.rfc3339();
+                json.purge_at = purge_at.rfc3339();
             }
         }
         json
@@ -502,7 +546,7 @@ mod tests {
                 "completed_at": "1970-01-01T00:00:02.000Z", "expires_at": "1970-01-01T00:00:03.000Z",
                 "purge_at": "1970-01-01T00:00:04.000Z", "answer": "whole", "status": 202, "body_bytes": 5,
                 "sealed_by": null, "replays": 3, "trace_id": null, "span_id": null, "recovered": false,
-                "checkpoints": []
+                "checkpoints": [], "damaged": null
             })
         );
 

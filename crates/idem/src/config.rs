@@ -180,6 +180,7 @@ impl ServeConfig {
         let settings = settings.resolve()?;
         let policy = settings.policy();
         check_for_gateway(&policy).map_err(|err| origins.place(err))?;
+        gateway_timeouts(&settings).map_err(|err| origins.place(err))?;
         let limits = limits(&settings).map_err(|err| origins.place(err))?;
         let routes = match &origins.file {
             Some(file) => routes(file, &settings.route, &policy)?,
@@ -279,6 +280,26 @@ fn check_for_gateway(policy: &Policy) -> Result<(), Misconfigured> {
         flag: err.setting,
         reason: err.reason,
     })
+}
+
+/// The gateway's own timeouts, bounded as the policy's are ([`Policy::MAX_TIMEOUT`]): each is a
+/// deadline added to the monotonic clock, and an upload, an upstream answer or a shutdown that
+/// takes longer than a day is a fault to end, not a wait to keep.
+fn gateway_timeouts(settings: &Resolved) -> Result<(), Misconfigured> {
+    let timeouts = [
+        ("upstream-timeout", settings.upstream_timeout),
+        ("read-timeout", settings.read_timeout),
+        ("shutdown-grace", settings.shutdown_grace),
+    ];
+    for (flag, timeout) in timeouts {
+        if timeout > Policy::MAX_TIMEOUT {
+            return refuse(
+                flag,
+                "must be at most 1d (one day): a request or a shutdown held longer is a fault to end, not a wait to keep",
+            );
+        }
+    }
+    Ok(())
 }
 
 /// What the gateway's listeners allow their clients.

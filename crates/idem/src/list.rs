@@ -12,6 +12,7 @@ use serde::Serialize;
 use crate::cli::ListArgs;
 use crate::commands::store_clock;
 use crate::stores;
+use crate::terminal::escaped;
 
 /// `idem list`: prints the records the arguments ask for, newest first, as a table or as JSON
 /// lines; says on stderr when none match, or when the limit cut the list short.
@@ -38,6 +39,15 @@ pub(crate) async fn list(args: ListArgs) -> anyhow::Result<()> {
     } else if !listed.is_empty() {
         print!("{}", table(&listed));
     }
+    for record in &listed {
+        if let Some(why) = &record.damaged {
+            eprintln!(
+                "the record of key {:?} in scope {:?} is damaged: {why}; `idem inspect` shows it, `idem delete` removes it",
+                record.id.key.as_str(),
+                record.id.scope.as_str()
+            );
+        }
+    }
     if listed.is_empty() {
         eprintln!("no record matches");
     } else if listed.len() == limit {
@@ -46,7 +56,8 @@ pub(crate) async fn list(args: ListArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The records as an aligned table with a header, one line each.
+/// The records as an aligned table with a header, one line each; what callers chose (scope, key,
+/// path) escaped for a terminal.
 fn table(listed: &[Listed]) -> String {
     const HEADER: [&str; 9] = [
         "CREATED",
@@ -64,7 +75,12 @@ fn table(listed: &[Listed]) -> String {
         .map(|record| {
             [
                 record.created_at.to_string(),
-                record.state.to_string(),
+                // A damaged record's state is judged on times that cannot be right.
+                if record.damaged.is_some() {
+                    "damaged".to_owned()
+                } else {
+                    record.state.to_string()
+                },
                 record
                     .status
                     .map_or_else(|| "-".to_owned(), |status| status.to_string()),
@@ -75,8 +91,8 @@ fn table(listed: &[Listed]) -> String {
                     .origin
                     .trace
                     .map_or_else(|| "-".to_owned(), |trace| trace.trace_id.to_string()),
-                record.id.scope.to_string(),
-                record.id.key.to_string(),
+                escaped(record.id.scope.as_str()).into_owned(),
+                escaped(record.id.key.as_str()).into_owned(),
             ]
         })
         .collect();
@@ -102,12 +118,12 @@ fn table(listed: &[Listed]) -> String {
     out
 }
 
-/// `METHOD PATH`, or `-` for a record written before records kept them.
+/// `METHOD PATH` (escaped for a terminal), or `-` for a record written before records kept them.
 fn request(record: &Listed) -> String {
     if record.origin.method.is_empty() && record.origin.path.is_empty() {
         "-".to_owned()
     } else {
-        format!("{} {}", record.origin.method, record.origin.path)
+        format!("{} {}", escaped(&record.origin.method), escaped(&record.origin.path))
     }
 }
 
@@ -115,7 +131,8 @@ fn request(record: &Listed) -> String {
 /// record has none).
 #[derive(Debug, Serialize)]
 struct ListedJson<'a> {
-    created_at: String,
+    /// RFC 3339; `null` if the record holds a time past the year 9999 (see `damaged`).
+    created_at: Option<String>,
     /// `in-flight`, `unknown`, `completed` or `tombstone`.
     state: &'static str,
     status: Option<u16>,
@@ -127,13 +144,15 @@ struct ListedJson<'a> {
     trace_id: Option<String>,
     scope: &'a str,
     key: &'a str,
+    /// Why the record is damaged (a time past the year 9999, which no setting makes), else `null`.
+    damaged: Option<&'a str>,
 }
 
 impl<'a> ListedJson<'a> {
     fn of(record: &'a Listed) -> Self {
         let kept = |text: &'a str| (!text.is_empty()).then_some(text);
         Self {
-            created_at: record.created_at.to_string(),
+            created_at: record.created_at.rfc3339(),
             state: record.state.as_str(),
             status: record.status,
             replays: record.replays,
@@ -143,6 +162,7 @@ impl<'a> ListedJson<'a> {
             trace_id: record.origin.trace.map(|trace| trace.trace_id.to_string()),
             scope: record.id.scope.as_str(),
             key: record.id.key.as_str(),
+            damaged: record.damaged.as_deref(),
         }
     }
 }
@@ -168,6 +188,7 @@ mod tests {
             created_at: UnixMillis(1_000),
             replays: 2,
             recovered: true,
+            damaged: None,
         }
     }
 
@@ -197,7 +218,7 @@ mod tests {
             json!({
                 "created_at": UnixMillis(1_000).to_string(), "state": "completed", "status": null,
                 "replays": 2, "recovered": true, "method": null, "path": null, "trace_id": null,
-                "scope": "cred-mac:ab12", "key": "order-7",
+                "scope": "cred-mac:ab12", "key": "order-7", "damaged": null,
             })
         );
     }

@@ -11,6 +11,7 @@ mod instrumented;
 mod list;
 mod listener;
 mod log_format;
+mod log_redact;
 mod log_writer;
 mod misconfigured;
 mod proxy;
@@ -19,6 +20,7 @@ mod serve;
 mod settings;
 mod stores;
 mod telemetry;
+mod terminal;
 mod tls;
 mod units;
 

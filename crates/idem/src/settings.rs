@@ -315,7 +315,8 @@ settings! {
         file: [deserialize_with = "de::duration"],
         shown: shown::duration,
     },
-    /// Who the caller is: credential, none or header:NAME.
+    /// Who the caller is: credential, none or header:NAME (not a header that carries a
+    /// credential, such as Cookie or X-Api-Key).
     scope: ScopeSource {
         flag: "scope", env: "IDEM_SCOPE", default: policy, route: true,
         file: [deserialize_with = "de::parsed"],

@@ -1,7 +1,8 @@
 //! Where the command's logs and traces go: log lines to stderr (text, or JSON in the
 //! OpenTelemetry log data model, [`crate::log_format`]), filtered by `IDEM_LOG`; and, for
 //! `idem serve` when the standard `OTEL_*` variables ask for it, idem's spans (target
-//! [`idem_core::spans::TARGET`]) exported over OTLP/HTTP with protobuf.
+//! [`idem_core::spans::TARGET`]) exported over OTLP/HTTP with protobuf. Every log line, its
+//! dependencies' included, has the passwords of its URLs masked ([`crate::log_redact`]).
 //!
 //! With traces off, idem's spans are disabled at their callsites (the filter turns their target
 //! off), so the request path pays one disabled-callsite check per span and nothing else.
@@ -22,6 +23,7 @@ use tracing_subscriber::util::SubscriberInitExt as _;
 use tracing_subscriber::{Layer as _, fmt};
 
 use crate::log_format::OtelJson;
+use crate::log_redact::RedactUrls;
 use crate::log_writer::LogWriter;
 use crate::misconfigured::Misconfigured;
 
@@ -97,10 +99,16 @@ pub(crate) fn init(default_filter: &str, serving: bool) -> anyhow::Result<Teleme
         // Traces off: the filter is global, so a disabled span is never built.
         let logs = fmt().with_env_filter(filter).with_ansi(ansi && !json);
         match (&writer, json) {
-            (Some(writer), true) => logs.with_writer(writer.clone()).event_format(OtelJson).init(),
-            (Some(writer), false) => logs.with_writer(writer.clone()).init(),
-            (None, true) => logs.with_writer(std::io::stderr).event_format(OtelJson).init(),
-            (None, false) => logs.with_writer(std::io::stderr).init(),
+            (Some(writer), true) => logs
+                .with_writer(RedactUrls(writer.clone()))
+                .event_format(OtelJson)
+                .init(),
+            (Some(writer), false) => logs.with_writer(RedactUrls(writer.clone())).init(),
+            (None, true) => logs
+                .with_writer(RedactUrls(std::io::stderr))
+                .event_format(OtelJson)
+                .init(),
+            (None, false) => logs.with_writer(RedactUrls(std::io::stderr)).init(),
         }
         return Ok(Telemetry {
             traces: None,
@@ -109,7 +117,7 @@ pub(crate) fn init(default_filter: &str, serving: bool) -> anyhow::Result<Teleme
         });
     };
     let writer = writer.expect("traces are exported by the gateway only");
-    let logs = fmt::layer().with_writer(writer.clone());
+    let logs = fmt::layer().with_writer(RedactUrls(writer.clone()));
     let logs = if json {
         logs.event_format(OtelJson).with_filter(filter).boxed()
     } else {
@@ -124,7 +132,7 @@ pub(crate) fn init(default_filter: &str, serving: bool) -> anyhow::Result<Teleme
         .with_filter(Targets::new().with_target(TARGET, tracing::Level::INFO));
     tracing_subscriber::registry().with(logs).with(spans).init();
     opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
-    // A password in the endpoint's URL is never printed.
+    // A password in the endpoint's URL is never printed (and every line is masked again on its way out).
     tracing::info!(
         endpoint = %idem_core::redact_url(&traces_endpoint()),
         "exporting traces over OTLP/HTTP"

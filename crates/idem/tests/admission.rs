@@ -220,6 +220,53 @@ async fn settings_that_cannot_work_never_start() {
     }
 }
 
+/// A `header:` scope on a header that carries a credential would store it in clear in every
+/// record and print it in every log line: refused, pointing to `--scope credential`, whether it
+/// comes from the flag, the environment or a route of the config file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_header_scope_on_a_credential_never_starts() {
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let route_file = dir.path().join("idem.toml");
+    std::fs::write(
+        &route_file,
+        "[[route]]\npath = \"/pay\"\nscope = \"header:X-Api-Key\"\n",
+    )
+    .unwrap();
+    let route_file = route_file.to_str().unwrap();
+    let upstream = ["--upstream", "http://127.0.0.1:9"];
+    for (what, args, env, names) in [
+        ("--scope", &["--scope", "header:Authorization"][..], &[][..], "--scope"),
+        ("--scope Cookie", &["--scope", "header:cookie"], &[], "--scope"),
+        (
+            "IDEM_SCOPE",
+            &[],
+            &[("IDEM_SCOPE", "header:Proxy-Authorization")],
+            "--scope",
+        ),
+        (
+            "--scope X-Auth-Token",
+            &["--scope", "header:X-Auth-Token"],
+            &[],
+            "--scope",
+        ),
+        (
+            "a route's scope",
+            &["--config", route_file],
+            &[],
+            "route \"/pay\": scope",
+        ),
+    ] {
+        let output = common::serve_refusing(&[&upstream[..], args].concat(), env).await;
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(stderr.contains(names), "{what}: names the setting ({names}): {stderr}");
+        assert!(stderr.contains("carries a credential"), "{what}: says why: {stderr}");
+        assert!(
+            stderr.contains("--scope credential"),
+            "{what}: says what to use: {stderr}"
+        );
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Bodies that break off
 // ---------------------------------------------------------------------------------------------

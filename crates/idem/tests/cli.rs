@@ -377,3 +377,69 @@ async fn a_gateway_that_cannot_listen_writes_its_earlier_lines_first() {
         .unwrap_or_else(|| panic!("the error is written:\n{stderr}"));
     assert!(started < failed, "{stderr}");
 }
+
+/// A path and a header scope are the caller's to choose: control and bidi characters in them are
+/// escaped in `idem list`'s table and `idem inspect`'s text, so that they cannot recolour, move or
+/// reorder what the operator reads; the JSON forms keep the exact values.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_and_inspect_escape_terminal_controls_and_json_keeps_them_exact() {
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&upstream.url(), &["--scope", "header:X-User-Id"]).await;
+    // Raw UTF-8 in the request target (U+202E, an override) and an escaped one (U+2066, an
+    // isolate), and in the scope header U+2066, U+202E, U+009B (the C1 CSI) and a tab: what a
+    // hostile caller can send.
+    let path = "/pay/\u{202e}gpj.exe%E2%81%A6x";
+    let user = "\u{2066}alice\u{202e}\u{9b}31m\tx";
+    let key = new_key();
+    let raw = format!(
+        "POST {path} HTTP/1.1\r\nhost: idem\r\nidempotency-key: {key}\r\nx-user-id: {user}\r\n\
+         content-type: application/json\r\ncontent-length: 2\r\n\r\n{{}}"
+    );
+    let (answers, ending) =
+        idem_test_support::wire::exchange(gw.addr(), raw.as_bytes(), false, 1, Duration::from_secs(10)).await;
+    assert!(!answers.is_empty(), "no answer: {ending:?}");
+    let scope = format!("header:{user}");
+    let shown_scope = "header:\\u{2066}alice\\u{202e}\\u{9b}31m\\tx";
+    let store = gw.store.as_str();
+    let is_hostile = |c: char| {
+        (c.is_control() && c != '\n')
+            || matches!(c, '\u{061c}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+    };
+    // `list` shows the path as servers read it (escapes decoded); `inspect` the request's own.
+    for (args, json_args, shown_path, exact_path) in [
+        (
+            &["list", "--store", store][..],
+            &["list", "--store", store, "--json"][..],
+            "/pay/\\u{202e}gpj.exe\\u{2066}x",
+            "/pay/\u{202e}gpj.exe\u{2066}x",
+        ),
+        (
+            &["inspect", "--store", store, "--scope", &scope, &key],
+            &["inspect", "--store", store, "--scope", &scope, "--json", &key],
+            "/pay/\\u{202e}gpj.exe%E2%81%A6x",
+            path,
+        ),
+    ] {
+        let output = run_idem(args, COMMAND_LIMIT).await;
+        assert!(output.status.success(), "{args:?}: {}", describe(&output));
+        let text = String::from_utf8(output.stdout.clone()).expect("UTF-8 output");
+        assert!(
+            !text.contains(is_hostile),
+            "{args:?} prints a control or bidi character raw:\n{text:?}"
+        );
+        for shown in [shown_path, shown_scope] {
+            assert!(text.contains(shown), "{args:?} shows {shown}:\n{text}");
+        }
+
+        let output = run_idem(json_args, COMMAND_LIMIT).await;
+        assert!(output.status.success(), "{json_args:?}: {}", describe(&output));
+        let record: serde_json::Value =
+            serde_json::from_slice(&output.stdout).unwrap_or_else(|err| panic!("{err}: {}", describe(&output)));
+        assert_eq!(record["path"], exact_path, "{json_args:?}: the exact path: {record}");
+        assert_eq!(
+            record["scope"],
+            scope.as_str(),
+            "{json_args:?}: the exact scope: {record}"
+        );
+    }
+}

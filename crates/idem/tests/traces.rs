@@ -345,6 +345,48 @@ async fn an_https_endpoint_is_spoken_to_over_tls_and_a_failed_export_is_logged()
     assert!(!gw.stderr().contains("sekret"), "{}", gw.stderr());
 }
 
+/// At `debug` the OTLP exporter logs its own `HttpClient.NetworkError` line, with the endpoint's
+/// URL, on every failed export: the password in it is masked all the same, in either log format.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_password_in_the_endpoint_is_masked_in_the_exporters_own_lines() {
+    const PASSWORD: &str = "otlp-Pw-7xq";
+    let upstream = common::Upstream::start().await;
+    for format in ["text", "json"] {
+        // Nothing listens there: every export fails to connect.
+        let closed = common::reserve_port();
+        let endpoint = format!("http://idem:{PASSWORD}@{closed}");
+        let env = [
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+            ("OTEL_BSP_SCHEDULE_DELAY", "50"),
+            ("IDEM_LOG", "debug"),
+            ("IDEM_LOG_FORMAT", format),
+        ];
+        let gw = Gateway::start_with_env(&upstream.url(), &[], &env).await;
+        let payment = gw
+            .post("/pay", PAY_BODY)
+            .header("content-type", "application/json")
+            .header("idempotency-key", new_key().as_str());
+        assert_eq!(send(payment).await.status, 201);
+        let stderr = gw
+            .stderr_once("the exporter's failed export", |stderr| {
+                stderr.contains("HttpClient.NetworkError")
+            })
+            .await;
+        let network_error = stderr
+            .lines()
+            .find(|line| line.contains("HttpClient.NetworkError"))
+            .unwrap();
+        assert!(
+            network_error.contains(&format!("http://idem:***@{closed}")),
+            "{format}: the line shows the URL, masked: {network_error}"
+        );
+        assert!(
+            !stderr.contains(PASSWORD),
+            "{format}: a log line shows the password:\n{stderr}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_receiver_that_hangs_neither_stops_the_payments_nor_holds_the_exit() {
     // Takes every connection and never answers one.

@@ -343,9 +343,11 @@ async fn pay_in_transaction(
                 return database_failed(&err);
             }
             let mut answer = paid(&charge, info.recovered);
-            if let Err(err) = store.complete_in(&mut tx, &run, &mut answer).await {
-                return err.problem().to_response().map(Body::from).into_response();
-            }
+            // SQLite's `complete_in` takes the transaction: on an error it has rolled it back.
+            let tx = match store.complete_in(tx, &run, &mut answer).await {
+                Ok(tx) => tx,
+                Err(err) => return err.problem().to_response().map(Body::from).into_response(),
+            };
             let committed = log_commit(tx.commit().await, key);
             Ran {
                 answer,

@@ -12,6 +12,11 @@ use std::error::Error;
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn Error>> {
+    // The TLS crypto provider of the payment provider's client (reqwest over rustls), installed
+    // here rather than assumed: in a workspace build reqwest has `idem`'s `rustls-no-provider`,
+    // and its `Client::build` panics without a process default. Ring, as `idem` uses; an error
+    // only means that one is installed already.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let listen = std::env::var("PAYMENTS_LISTEN").unwrap_or_else(|_| "127.0.0.1:3000".to_owned());
     let mut config = idem_example_payments::Config {
         provider: std::env::var("PAYMENTS_PROVIDER").ok(),

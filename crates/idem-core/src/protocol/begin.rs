@@ -7,7 +7,7 @@ use std::time::Duration;
 use super::admission::KeySource;
 use super::judge::{Judgement, judge};
 use super::lease::Gauged;
-use super::{Claim, Decision, Keyed, Outcome, Protocol, StoreTimedOut};
+use super::{Claim, Decision, Keyed, Outcome, Protocol, StoreTimedOut, deadline_after};
 use crate::content_coding::AcceptEncoding;
 use crate::credential::CredentialScopes;
 use crate::fingerprint::Fingerprint;
@@ -145,7 +145,7 @@ impl Protocol {
                 }
                 Judgement::Wait { holder, lease_until } => (holder, lease_until),
             };
-            let deadline = *deadline.get_or_insert_with(|| tokio::time::Instant::now() + policy.wait);
+            let deadline = *deadline.get_or_insert_with(|| deadline_after(policy.wait));
             if tokio::time::Instant::now() >= deadline {
                 let secs = policy.retry_after.as_secs().max(1);
                 let detail = format!(
@@ -155,14 +155,19 @@ impl Protocol {
                 return respond(problem, Outcome::InFlight, id);
             }
             // Wake at the latest when the holder's lease runs out, to take over from a crashed holder.
-            let until = deadline.min(tokio::time::Instant::now() + lease_until.since(now) + Duration::from_millis(5));
+            let until = deadline.min(deadline_after(
+                lease_until.since(now).saturating_add(Duration::from_millis(5)),
+            ));
             waited = true;
             let limit = policy.store_timeout;
             let _waiting = Gauged::new(metric_names::WAITERS);
             let waiting = async {
-                tokio::time::timeout_at(until + limit, self.inner.store.wait(&id, holder, until))
-                    .await
-                    .unwrap_or_else(|_| Err(StoreError::unavailable(StoreTimedOut(limit))))
+                tokio::time::timeout_at(
+                    until.checked_add(limit).unwrap_or_else(|| deadline_after(limit)),
+                    self.inner.store.wait(&id, holder, until),
+                )
+                .await
+                .unwrap_or_else(|_| Err(StoreError::unavailable(StoreTimedOut(limit))))
             };
             if let Err(err) = traced(StoreOperation::Wait, waiting).await {
                 return self.store_failed(&err, id);
@@ -229,7 +234,7 @@ impl Protocol {
             token,
             recovered,
             provisional,
-            run_deadline: tokio::time::Instant::now() + self.inner.policy.run_timeout,
+            run_deadline: deadline_after(self.inner.policy.run_timeout),
             stepped: Arc::default(),
         }
     }

@@ -128,7 +128,7 @@ impl Protocol {
     pub(crate) async fn renewing<F: Future>(&self, claim: &Claim, work: F) -> F::Output {
         let every = self.renew_every();
         let renewal = async {
-            let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+            let mut ticks = tokio::time::interval_at(super::deadline_after(every), every);
             ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 ticks.tick().await;

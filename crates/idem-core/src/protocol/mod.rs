@@ -353,3 +353,12 @@ impl Protocol {
         }
     }
 }
+
+/// `after` from now on the runtime's clock: a deadline, never a panic. A sum past what the clock
+/// holds (a policy beyond [`Policy::MAX_TIMEOUT`], which [`Policy::validate`] refuses but a layer
+/// built without it may hold) is thirty years from now instead, as good as never.
+pub(crate) fn deadline_after(after: Duration) -> tokio::time::Instant {
+    let now = tokio::time::Instant::now();
+    now.checked_add(after)
+        .unwrap_or_else(|| now + Duration::from_secs(30 * 365 * 86_400))
+}

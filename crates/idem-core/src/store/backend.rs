@@ -216,14 +216,22 @@ impl StoredRecord {
             has_answer,
             now,
         )?;
+        let created_at = UnixMillis::from_i64(self.created_at);
+        let times = [
+            Some(("created_at", created_at)),
+            millis(self.expires_at).map(|at| ("expires_at", at)),
+            millis(self.purge_at).map(|at| ("purge_at", at)),
+        ];
+        let times: Vec<(&str, UnixMillis)> = times.into_iter().flatten().collect();
         Some(Listed {
             id,
             state,
             origin: self.origin(),
             status: self.status(),
-            created_at: UnixMillis::from_i64(self.created_at),
+            created_at,
             replays: u64::try_from(self.replays).unwrap_or(0),
             recovered: self.recovered,
+            damaged: UnixMillis::past_rfc3339(&times),
         })
     }
 

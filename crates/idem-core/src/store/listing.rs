@@ -2,6 +2,7 @@
 //! time, route and recovery, for the operator chasing a payment (`idem list`).
 
 use std::cmp::Ordering;
+use std::collections::BinaryHeap;
 use std::fmt;
 use std::str::FromStr;
 
@@ -203,6 +204,10 @@ pub struct Listed {
     pub replays: u64,
     /// Whether its latest run was a recovered one.
     pub recovered: bool,
+    /// Why the record cannot be as stored, if it cannot: a time past the year 9999
+    /// ([`UnixMillis::past_rfc3339`]), which no setting idem accepts makes. It is listed all the
+    /// same, so that the operator sees it (and one such record never stops a listing).
+    pub damaged: Option<String>,
 }
 
 impl Listed {
@@ -218,42 +223,69 @@ impl Listed {
 
 /// The first `limit` records of those offered, in [`Listed::newest_first`] order, holding at most
 /// `limit` at a time: for a store that scans.
+///
+/// A binary heap whose top is the oldest record kept, so that each offer costs O(log `limit`)
+/// whatever the order records come in: a store scans in hash order, and a sorted `Vec` paid a
+/// shift of up to `limit` records for each one kept (200 000 records listed with `--limit 100000`
+/// took 45 s of CPU on Redis).
 #[derive(Debug)]
 pub struct Newest {
     limit: usize,
-    kept: Vec<Listed>,
+    kept: BinaryHeap<Oldest>,
 }
+
+/// A kept record, ordered so that the heap's greatest is the one [`Listed::newest_first`] puts
+/// last: the first to go when a newer one comes.
+#[derive(Debug)]
+struct Oldest(Listed);
+
+impl Ord for Oldest {
+    fn cmp(&self, other: &Self) -> Ordering {
+        Listed::newest_first(&self.0, &other.0)
+    }
+}
+
+impl PartialOrd for Oldest {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl PartialEq for Oldest {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+
+impl Eq for Oldest {}
 
 impl Newest {
     /// Keeps up to `limit` records.
     pub fn new(limit: usize) -> Self {
         Self {
             limit,
-            kept: Vec::with_capacity(limit.min(1024)),
+            kept: BinaryHeap::with_capacity(limit.min(1024)),
         }
     }
 
     /// Offers one record.
     pub fn offer(&mut self, listed: Listed) {
-        if self.limit == 0 {
+        if self.kept.len() < self.limit {
+            self.kept.push(Oldest(listed));
             return;
         }
-        if self.kept.len() == self.limit {
-            let last = self.kept.last().expect("limit is not zero");
-            if Listed::newest_first(&listed, last) != Ordering::Less {
-                return;
-            }
-            self.kept.pop();
+        // Full (or a limit of zero): the record replaces the oldest kept if it comes before it.
+        if let Some(mut oldest) = self.kept.peek_mut()
+            && Listed::newest_first(&listed, &oldest.0) == Ordering::Less
+        {
+            *oldest = Oldest(listed);
         }
-        let at = self
-            .kept
-            .partition_point(|kept| Listed::newest_first(kept, &listed) == Ordering::Less);
-        self.kept.insert(at, listed);
     }
 
     /// The records kept, in order.
     pub fn into_vec(self) -> Vec<Listed> {
-        self.kept
+        // Ascending by `Oldest`'s order is newest first.
+        self.kept.into_sorted_vec().into_iter().map(|kept| kept.0).collect()
     }
 }
 
@@ -275,6 +307,7 @@ mod tests {
             created_at: UnixMillis::from_i64(created_at),
             replays: 0,
             recovered: false,
+            damaged: None,
         }
     }
 
@@ -291,6 +324,35 @@ mod tests {
             .collect();
         assert_eq!(kept, [(9, "k2".to_owned()), (9, "k5".to_owned()), (7, "k3".to_owned())]);
         assert!(Newest::new(0).into_vec().is_empty());
+    }
+
+    proptest::proptest! {
+        /// Whatever the order records come in, ties and duplicates included, the kept records
+        /// are the first `limit` of them all sorted.
+        #[test]
+        fn newest_keeps_what_a_sort_would(
+            offered in proptest::collection::vec((0_i64..20, 0_u8..3, 0_u8..30), 0..200),
+            limit in 0_usize..60,
+        ) {
+            let records: Vec<Listed> = offered
+                .iter()
+                .map(|&(at, scope, key)| Listed {
+                    id: RecordId {
+                        scope: Scope::from_stored(format!("s{scope}")),
+                        key: IdempotencyKey::new(&format!("k{key}")).unwrap(),
+                    },
+                    ..listed("k", at)
+                })
+                .collect();
+            let mut newest = Newest::new(limit);
+            for record in records.iter().cloned() {
+                newest.offer(record);
+            }
+            let mut sorted = records;
+            sorted.sort_by(Listed::newest_first);
+            sorted.truncate(limit);
+            proptest::prop_assert_eq!(newest.into_vec(), sorted);
+        }
     }
 
     #[test]
