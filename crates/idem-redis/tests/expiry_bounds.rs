@@ -59,6 +59,7 @@ async fn times_past_what_redis_expires_are_stored_with_an_expiry_it_takes() {
                 purge_at: at,
                 token,
                 origin: idem_core::testkit::origin(),
+                identity: None,
             })
             .await;
         assert!(
