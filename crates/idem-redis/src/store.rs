@@ -19,23 +19,26 @@ use idem_core::{
     },
 };
 use redis::{Cmd, Pipeline, Value};
+use sha2::{Digest, Sha256};
 use tokio::sync::Notify;
 
 use crate::ack::Acknowledgement;
 use crate::call::{Call, Durability, run_script};
 use crate::conn::{Commands, Conn, Node, follow_sentinels};
 use crate::decode::{
-    Found, LISTED_FIELDS, StoredHash, parse_begin, parse_checkpoints, parse_identity, parse_listed, parse_millis,
-    parse_scan, parse_scope_salt,
+    Claimed, Found, LISTED_FIELDS, StoredHash, parse_begin, parse_checkpoints, parse_identity, parse_listed,
+    parse_millis, parse_scan, parse_scope_salt,
 };
 use crate::keys::{
-    RecordKeys, deletions_channel, identity_copy_key, identity_copy_pattern, record_pattern, scope_salt_key,
+    RecordKeys, deletions_channel, identity_copy_key, identity_copy_pattern, range_marker_key, record_pattern,
+    scope_salt_key,
 };
 use crate::notify::{Deletions, Subscriptions, Watch};
 use crate::script_load::StoreScript;
 use crate::scripts::{
     BEGIN_SCRIPT, CHECKPOINT_SCRIPT, CHECKPOINTS_SCRIPT, CLAIM_STATE_SCRIPT, COMPLETE_SCRIPT, COPY_IDENTITY_SCRIPT,
-    COUNT_REPLAYS_SCRIPT, DELETE_SCRIPT, GET_SCRIPT, IDENTITY_SCRIPT, RELEASE_SCRIPT, RENEW_SCRIPT, SCOPE_SALT_SCRIPT,
+    COUNT_REPLAYS_SCRIPT, DELETE_SCRIPT, GET_SCRIPT, IDENTITY_SCRIPT, MARK_SCRIPT, RELEASE_SCRIPT, RENEW_SCRIPT,
+    SCOPE_SALT_SCRIPT,
 };
 use crate::timeouts::RESPONSE_TIMEOUT;
 use crate::url::Target;
@@ -362,7 +365,7 @@ impl RedisStore {
         request: &BeginRequest<'_>,
         keys: &RecordKeys,
         identity_key: &str,
-    ) -> Result<Begin, StoreError> {
+    ) -> Result<Claimed, StoreError> {
         let claim_purge_at = claim_purge_at(request.purge_at, request.lease_until);
         let identity = request.identity.map(|identity| identity.to_hex()).unwrap_or_default();
         let names = [keys.record.as_str(), &keys.body, &keys.checkpoints, identity_key];
@@ -390,16 +393,21 @@ impl RedisStore {
         )
         .await?;
         Ok(match parse_begin(reply, request)? {
-            (Begin::Existing(record), true) => Begin::Existing(self.inner.replays.replayed(record)),
-            (Begin::Existing(record), false) => Begin::Existing(self.inner.replays.with_pending(record)),
-            (acquired, _) => acquired,
+            Claimed::Begun(Begin::Existing(record), true) => {
+                Claimed::Begun(Begin::Existing(self.inner.replays.replayed(record)), true)
+            }
+            Claimed::Begun(Begin::Existing(record), false) => {
+                Claimed::Begun(Begin::Existing(self.inner.replays.with_pending(record)), false)
+            }
+            other => other,
         })
     }
 
     /// Writes `salt` (the salt hash as it stands) into the cluster's copy `key`, acknowledged as
-    /// any write.
-    async fn copy_identity(&self, key: &str, salt: &ScopeSalt) -> Result<(), StoreError> {
-        run_script(
+    /// any write, if the copy still holds `held` (what the claim found there): false if another
+    /// instance rewrote it meanwhile.
+    async fn copy_identity(&self, key: &str, held: &[u8], salt: &ScopeSalt) -> Result<bool, StoreError> {
+        let reply = run_script(
             &self.inner.commands,
             self.writes(),
             "copy_identity",
@@ -407,6 +415,7 @@ impl RedisStore {
             &[key],
             |script| {
                 script
+                    .arg(held)
                     .arg(salt.identity.to_hex())
                     .arg(&salt.salt[..])
                     .arg(millis_arg(salt.created_at))
@@ -417,8 +426,73 @@ impl RedisStore {
                     );
             },
         )
-        .await?;
-        Ok(())
+        .await?
+        .next();
+        match reply {
+            Some(Value::Int(copied)) => Ok(copied == 1),
+            other => Err(StoreError::Corrupt(format!(
+                "unexpected reply of copy_identity: {other:?}"
+            ))),
+        }
+    }
+
+    /// On a cluster, a digest of the marker of every range of slots (`keys::range_marker_key`),
+    /// each set if it has none: it changes when a node lost its data, even if the salt hash,
+    /// on another node, did not.
+    async fn ranges_digest(&self) -> Result<[u8; 32], StoreError> {
+        let (mut conn, _) = self.inner.commands.get();
+        let slots: Value = redis::cmd("CLUSTER")
+            .arg("SLOTS")
+            .query_async(&mut conn)
+            .await
+            .map_err(StoreError::unavailable)?;
+        let mut starts: Vec<u16> = match slots {
+            Value::Array(ranges) => ranges
+                .into_iter()
+                .filter_map(|range| match range {
+                    Value::Array(fields) => match fields.first() {
+                        Some(Value::Int(start)) => u16::try_from(*start).ok(),
+                        _ => None,
+                    },
+                    _ => None,
+                })
+                .collect(),
+            other => {
+                return Err(StoreError::Corrupt(format!(
+                    "unexpected reply of CLUSTER SLOTS: {other:?}"
+                )));
+            }
+        };
+        starts.sort_unstable();
+        let marks = starts
+            .iter()
+            .filter_map(|&start| range_marker_key(&self.inner.prefix, start))
+            .map(|key| async move {
+                let fresh = StoreIdentity::random().to_hex();
+                run_script(
+                    &self.inner.commands,
+                    Durability::Primary,
+                    "mark",
+                    &MARK_SCRIPT,
+                    &[&key],
+                    |script| {
+                        script.arg(fresh);
+                    },
+                )
+                .await
+                .map(|mut reply| (key, reply.next()))
+            });
+        let mut digest = Sha256::new();
+        for mark in futures_util::future::join_all(marks).await {
+            let (key, value) = mark?;
+            digest.update((key.len() as u64).to_be_bytes());
+            digest.update(key.as_bytes());
+            match value {
+                Some(Value::BulkString(mark)) => digest.update(&mark),
+                other => return Err(StoreError::Corrupt(format!("unexpected reply of mark: {other:?}"))),
+            }
+        }
+        Ok(digest.finalize().into())
     }
 
     /// A copy of the salt that a cluster kept in a slot whose node did not lose its data, for a
@@ -475,19 +549,20 @@ impl Store for RedisStore {
             true => identity_copy_key(&self.inner.prefix, &keys.record),
             false => scope_salt_key(&self.inner.prefix),
         };
-        match self.claim(&request, &keys, &identity_key).await {
-            Err(StoreError::IdentityChanged)
-                if self.is_cluster()
-                    && let Some(known) = request.identity =>
-            {
-                let salt = self.scope_salt(ScopeSalt::random(request.now)).await?;
-                if salt.identity != known {
-                    return Err(StoreError::IdentityChanged);
-                }
-                self.copy_identity(&identity_key, &salt).await?;
-                self.claim(&request, &keys, &identity_key).await
-            }
-            begun => begun,
+        let held = match self.claim(&request, &keys, &identity_key).await? {
+            Claimed::Begun(begun, _) => return Ok(begun),
+            Claimed::OtherStore(held) => held,
+        };
+        let Some(known) = request.identity.filter(|_| self.is_cluster()) else {
+            return Err(StoreError::IdentityChanged);
+        };
+        let salt = self.scope_salt(ScopeSalt::random(request.now)).await?;
+        if salt.identity != known || !self.copy_identity(&identity_key, &held, &salt).await? {
+            return Err(StoreError::IdentityChanged);
+        }
+        match self.claim(&request, &keys, &identity_key).await? {
+            Claimed::Begun(begun, _) => Ok(begun),
+            Claimed::OtherStore(_) => Err(StoreError::IdentityChanged),
         }
     }
 
@@ -690,7 +765,9 @@ impl Store for RedisStore {
             .ok_or_else(|| StoreError::Corrupt(format!("the scope salt {key} is missing right after it was made")))
     }
 
-    /// The salt hash's `identity` field, read on its node (none: no salt).
+    /// The salt hash's `identity` field, read on its node (none: no salt); on a cluster, a digest
+    /// of it with the marker of every range of slots, so that a node that lost its data changes it
+    /// too (`ranges_digest`).
     async fn identity(&self) -> Result<Option<StoreIdentity>, StoreError> {
         let key = scope_salt_key(&self.inner.prefix);
         let reply = run_script(
@@ -703,13 +780,22 @@ impl Store for RedisStore {
         )
         .await?
         .next();
-        match reply {
-            None | Some(Value::Nil | Value::Boolean(false)) => Ok(None),
+        let identity = match reply {
+            None | Some(Value::Nil | Value::Boolean(false)) => return Ok(None),
             Some(Value::BulkString(hex)) => parse_identity(&hex)
-                .map(Some)
-                .ok_or_else(|| StoreError::Corrupt(format!("the scope salt {key} has no valid identity"))),
-            Some(other) => Err(StoreError::Corrupt(format!("unexpected reply of identity: {other:?}"))),
+                .ok_or_else(|| StoreError::Corrupt(format!("the scope salt {key} has no valid identity")))?,
+            Some(other) => return Err(StoreError::Corrupt(format!("unexpected reply of identity: {other:?}"))),
+        };
+        if !self.is_cluster() {
+            return Ok(Some(identity));
         }
+        let ranges = self.ranges_digest().await?;
+        let mut digest = Sha256::new();
+        digest.update(identity.as_bytes());
+        digest.update(ranges);
+        let mut bytes = [0; 16];
+        bytes.copy_from_slice(&digest.finalize()[..16]);
+        Ok(Some(StoreIdentity::from_bytes(bytes)))
     }
 
     async fn wait(

@@ -71,4 +71,70 @@ mod salt_node_lost {
             .await
             .expect("the test's keys deleted");
     }
+
+    /// A node that does not hold the salt hash loses its data: the salt is the same, and so are
+    /// the callers' scopes, but the store's identity as the replay caches read it changes, so that
+    /// no cache replays what that node lost.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_node_that_lost_its_data_changes_the_identity_caches_read() {
+        let prefix = fresh_prefix();
+        let store = connect(Server::Cluster, &prefix, "").await;
+        let (now, fp) = (UnixMillis::now(), fingerprint("{}"));
+        let salt = idem_core::Store::scope_salt(&store, ScopeSalt::random(now))
+            .await
+            .expect("scope_salt");
+        for _ in 0..32 {
+            let id = fresh_id();
+            let claimed = BeginRequest {
+                identity: Some(salt.identity),
+                ..claim(&id, &fp, now, FencingToken::random())
+            };
+            let begun = idem_core::Store::begin(&store, claimed).await;
+            assert!(matches!(begun, Ok(Begin::Acquired { recovered: false })), "{begun:?}");
+        }
+        let before = idem_core::Store::identity(&store).await.expect("identity");
+        assert!(before.is_some());
+        assert_eq!(idem_core::Store::identity(&store).await.expect("identity"), before);
+
+        // Every key of the prefix on one node that does not hold the salt hash: that node's loss,
+        // as far as this store goes.
+        let (salt_key, nodes, pattern) = (
+            format!("{prefix}:scope-salt"),
+            Server::Cluster.node_urls(),
+            format!("{prefix}:*"),
+        );
+        let lost = tokio::task::spawn_blocking(move || {
+            for node in nodes {
+                let mut conn = redis::Client::open(node.as_str())
+                    .and_then(|c| c.get_connection())
+                    .expect("a node");
+                let keys: Vec<String> = redis::Commands::scan_match::<_, String>(&mut conn, &pattern)
+                    .expect("SCAN")
+                    .filter_map(Result::ok)
+                    .collect();
+                if !keys.is_empty() && !keys.contains(&salt_key) {
+                    for key in &keys {
+                        let _: i64 = redis::cmd("DEL").arg(key).query(&mut conn).expect("DEL");
+                    }
+                    return true;
+                }
+            }
+            false
+        })
+        .await
+        .expect("a node's keys deleted");
+        assert!(lost, "a node without the salt hash held some of the store's keys");
+        let after = idem_core::Store::identity(&store).await.expect("identity");
+        assert!(after.is_some() && after != before, "{before:?} -> {after:?}");
+        assert_eq!(
+            idem_core::Store::scope_salt(&store, ScopeSalt::random(now))
+                .await
+                .expect("scope_salt"),
+            salt,
+            "the salt and the scopes are the same"
+        );
+        tokio::task::spawn_blocking(move || delete_keys(Server::Cluster, &prefix))
+            .await
+            .expect("the test's keys deleted");
+    }
 }
