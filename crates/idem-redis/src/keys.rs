@@ -88,15 +88,6 @@ pub(crate) fn identity_copy_key(prefix: &str, record: &str) -> String {
     format!("{prefix}:identity:{{{tag}}}")
 }
 
-/// The marker of the range of slots that starts at `slot` on a cluster: `PREFIX:node:{TAG}`, in that
-/// slot. Its random value stays while the node holding the range keeps its data; each replay
-/// cache reads the markers every second (`Store::identity`), so that a node that lost its data
-/// (flushed, restarted empty, failed over to an empty replica) empties every cache.
-pub(crate) fn range_marker_key(prefix: &str, slot: u16) -> Option<String> {
-    let tag = &SLOT_TAGS[&Slot::new(slot)?];
-    Some(format!("{prefix}:node:{{{tag}}}"))
-}
-
 /// For every slot of a cluster, the shortest decimal number that hashes to it: found by trying
 /// numbers in turn (about 160 000, a few milliseconds, once per process).
 static SLOT_TAGS: LazyLock<HashMap<Slot, String>> = LazyLock::new(|| {

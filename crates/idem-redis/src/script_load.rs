@@ -19,7 +19,7 @@ use redis::{Cmd, ErrorKind, Pipeline, RedisResult, Script, ServerErrorKind, Valu
 use tokio::sync::Mutex;
 
 /// How many scripts the store has: each has its own place (`index`) in a [`ScriptLoads`].
-pub(crate) const SCRIPTS: usize = 14;
+pub(crate) const SCRIPTS: usize = 13;
 
 /// One of the store's Lua scripts.
 pub(crate) struct StoreScript {

@@ -508,15 +508,6 @@ end
 return answer(1)
 "#;
 
-/// `mark` (a cluster's): KEYS[1] = the marker of one range of slots (`keys::range_marker_key`).
-/// ARGV: nonce, a fresh random value. Sets the marker to it unless it has one (no expiry), and
-/// returns `{nonce, the marker}`: the same value for as long as the node that holds the range
-/// keeps its data, another once it lost it.
-const MARK: &str = r#"
-redis.call('SET', rec, ARGV[2], 'NX')
-return answer(redis.call('GET', rec))
-"#;
-
 /// `identity`. KEYS[1] = the salt hash. ARGV: nonce. Returns `{nonce, its identity or false}`.
 const IDENTITY: &str = r#"
 return answer(redis.call('HGET', rec, 'identity'))
@@ -616,14 +607,13 @@ pub(crate) static COUNT_REPLAYS_SCRIPT: LazyLock<StoreScript> = LazyLock::new(||
 pub(crate) static SCOPE_SALT_SCRIPT: LazyLock<StoreScript> = LazyLock::new(|| script(10, SCOPE_SALT));
 pub(crate) static COPY_IDENTITY_SCRIPT: LazyLock<StoreScript> = LazyLock::new(|| script(11, COPY_IDENTITY));
 pub(crate) static IDENTITY_SCRIPT: LazyLock<StoreScript> = LazyLock::new(|| script(12, IDENTITY));
-pub(crate) static MARK_SCRIPT: LazyLock<StoreScript> = LazyLock::new(|| script(13, MARK));
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::script_load::SCRIPTS;
 
-    const ALL: [(&str, &str); 14] = [
+    const ALL: [(&str, &str); 13] = [
         ("begin", BEGIN),
         ("complete", COMPLETE),
         ("release", RELEASE),
@@ -637,7 +627,6 @@ mod tests {
         ("scope_salt", SCOPE_SALT),
         ("copy_identity", COPY_IDENTITY),
         ("identity", IDENTITY),
-        ("mark", MARK),
     ];
 
     #[test]
@@ -734,7 +723,6 @@ mod tests {
             &SCOPE_SALT_SCRIPT,
             &COPY_IDENTITY_SCRIPT,
             &IDENTITY_SCRIPT,
-            &MARK_SCRIPT,
         ];
         let mut places: Vec<usize> = scripts.iter().map(|script| script.index()).collect();
         places.sort_unstable();

@@ -19,7 +19,6 @@ use idem_core::{
     },
 };
 use redis::{Cmd, Pipeline, Value};
-use sha2::{Digest, Sha256};
 use tokio::sync::Notify;
 
 use crate::ack::Acknowledgement;
@@ -30,15 +29,13 @@ use crate::decode::{
     parse_millis, parse_scan, parse_scope_salt,
 };
 use crate::keys::{
-    RecordKeys, deletions_channel, identity_copy_key, identity_copy_pattern, range_marker_key, record_pattern,
-    scope_salt_key,
+    RecordKeys, deletions_channel, identity_copy_key, identity_copy_pattern, record_pattern, scope_salt_key,
 };
 use crate::notify::{Deletions, Subscriptions, Watch};
 use crate::script_load::StoreScript;
 use crate::scripts::{
     BEGIN_SCRIPT, CHECKPOINT_SCRIPT, CHECKPOINTS_SCRIPT, CLAIM_STATE_SCRIPT, COMPLETE_SCRIPT, COPY_IDENTITY_SCRIPT,
-    COUNT_REPLAYS_SCRIPT, DELETE_SCRIPT, GET_SCRIPT, IDENTITY_SCRIPT, MARK_SCRIPT, RELEASE_SCRIPT, RENEW_SCRIPT,
-    SCOPE_SALT_SCRIPT,
+    COUNT_REPLAYS_SCRIPT, DELETE_SCRIPT, GET_SCRIPT, IDENTITY_SCRIPT, RELEASE_SCRIPT, RENEW_SCRIPT, SCOPE_SALT_SCRIPT,
 };
 use crate::timeouts::RESPONSE_TIMEOUT;
 use crate::url::Target;
@@ -436,65 +433,6 @@ impl RedisStore {
         }
     }
 
-    /// On a cluster, a digest of the marker of every range of slots (`keys::range_marker_key`),
-    /// each set if it has none: it changes when a node lost its data, even if the salt hash,
-    /// on another node, did not.
-    async fn ranges_digest(&self) -> Result<[u8; 32], StoreError> {
-        let (mut conn, _) = self.inner.commands.get();
-        let slots: Value = redis::cmd("CLUSTER")
-            .arg("SLOTS")
-            .query_async(&mut conn)
-            .await
-            .map_err(StoreError::unavailable)?;
-        let mut starts: Vec<u16> = match slots {
-            Value::Array(ranges) => ranges
-                .into_iter()
-                .filter_map(|range| match range {
-                    Value::Array(fields) => match fields.first() {
-                        Some(Value::Int(start)) => u16::try_from(*start).ok(),
-                        _ => None,
-                    },
-                    _ => None,
-                })
-                .collect(),
-            other => {
-                return Err(StoreError::Corrupt(format!(
-                    "unexpected reply of CLUSTER SLOTS: {other:?}"
-                )));
-            }
-        };
-        starts.sort_unstable();
-        let marks = starts
-            .iter()
-            .filter_map(|&start| range_marker_key(&self.inner.prefix, start))
-            .map(|key| async move {
-                let fresh = StoreIdentity::random().to_hex();
-                run_script(
-                    &self.inner.commands,
-                    Durability::Primary,
-                    "mark",
-                    &MARK_SCRIPT,
-                    &[&key],
-                    |script| {
-                        script.arg(fresh);
-                    },
-                )
-                .await
-                .map(|mut reply| (key, reply.next()))
-            });
-        let mut digest = Sha256::new();
-        for mark in futures_util::future::join_all(marks).await {
-            let (key, value) = mark?;
-            digest.update((key.len() as u64).to_be_bytes());
-            digest.update(key.as_bytes());
-            match value {
-                Some(Value::BulkString(mark)) => digest.update(&mark),
-                other => return Err(StoreError::Corrupt(format!("unexpected reply of mark: {other:?}"))),
-            }
-        }
-        Ok(digest.finalize().into())
-    }
-
     /// A copy of the salt that a cluster kept in a slot whose node did not lose its data, for a
     /// salt hash that is gone (its own node lost its data): the salt is made again from it, so
     /// that the records of the nodes that kept theirs are still found under their callers'
@@ -765,9 +703,7 @@ impl Store for RedisStore {
             .ok_or_else(|| StoreError::Corrupt(format!("the scope salt {key} is missing right after it was made")))
     }
 
-    /// The salt hash's `identity` field, read on its node (none: no salt); on a cluster, a digest
-    /// of it with the marker of every range of slots, so that a node that lost its data changes it
-    /// too (`ranges_digest`).
+    /// The salt hash's `identity` field, read on its node (none: no salt).
     async fn identity(&self) -> Result<Option<StoreIdentity>, StoreError> {
         let key = scope_salt_key(&self.inner.prefix);
         let reply = run_script(
@@ -780,22 +716,13 @@ impl Store for RedisStore {
         )
         .await?
         .next();
-        let identity = match reply {
-            None | Some(Value::Nil | Value::Boolean(false)) => return Ok(None),
+        match reply {
+            None | Some(Value::Nil | Value::Boolean(false)) => Ok(None),
             Some(Value::BulkString(hex)) => parse_identity(&hex)
-                .ok_or_else(|| StoreError::Corrupt(format!("the scope salt {key} has no valid identity")))?,
-            Some(other) => return Err(StoreError::Corrupt(format!("unexpected reply of identity: {other:?}"))),
-        };
-        if !self.is_cluster() {
-            return Ok(Some(identity));
+                .map(Some)
+                .ok_or_else(|| StoreError::Corrupt(format!("the scope salt {key} has no valid identity"))),
+            Some(other) => Err(StoreError::Corrupt(format!("unexpected reply of identity: {other:?}"))),
         }
-        let ranges = self.ranges_digest().await?;
-        let mut digest = Sha256::new();
-        digest.update(identity.as_bytes());
-        digest.update(ranges);
-        let mut bytes = [0; 16];
-        bytes.copy_from_slice(&digest.finalize()[..16]);
-        Ok(Some(StoreIdentity::from_bytes(bytes)))
     }
 
     async fn wait(

@@ -530,10 +530,8 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// after the upgrade.
     async fn scope_salt(&self, candidate: ScopeSalt) -> Result<ScopeSalt, StoreError>;
 
-    /// What tells the store's data from the data of a store that lost it, as it stands, without
-    /// making a salt: `None` if the store has no salt (new, or its data was lost). The salt's
-    /// [identity](ScopeSalt::identity), or, for a store that can lose its data in part (a Redis
-    /// Cluster, node by node), a digest of it with a marker of each part. Read every
+    /// The store's identity as it stands, without making a salt: `None` if the store has no salt
+    /// (new, or its data was lost). Read every
     /// [`IDENTITY_CHECK`](crate::replay_cache::IDENTITY_CHECK) by each replay cache, which empties
     /// itself when it changes.
     async fn identity(&self) -> Result<Option<StoreIdentity>, StoreError>;
