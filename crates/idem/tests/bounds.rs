@@ -6,16 +6,7 @@
 mod common;
 mod servers;
 
-use std::path::PathBuf;
-
-use common::{Gateway, Upstream, count, new_key, serve_refusing};
-
-fn config_file(text: &str) -> (tempfile::TempDir, PathBuf) {
-    let dir = tempfile::tempdir().expect("a temp dir");
-    let path = dir.path().join("idem.toml");
-    std::fs::write(&path, text).expect("write the config file");
-    (dir, path)
-}
+use common::{Gateway, Upstream, config_file, count, new_key, serve_refusing};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_duration_past_its_bound_stops_the_start_naming_flag_and_bound() {

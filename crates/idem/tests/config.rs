@@ -3,18 +3,9 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::time::Duration;
 
-use common::{Gateway, Upstream, count, new_key, send, serve_refusing};
-
-/// A config file in a directory of its own (kept as long as the returned guard).
-fn config_file(text: &str) -> (tempfile::TempDir, PathBuf) {
-    let dir = tempfile::tempdir().expect("a temp dir");
-    let path = dir.path().join("idem.toml");
-    std::fs::write(&path, text).expect("write the config file");
-    (dir, path)
-}
+use common::{Gateway, Upstream, config_file, count, new_key, send, serve_refusing};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routes_give_each_path_its_rules() {

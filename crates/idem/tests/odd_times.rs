@@ -148,15 +148,7 @@ async fn postgres_a_record_past_9999_is_shown_damaged() {
 async fn redis_a_record_past_9999_is_shown_damaged() {
     let store = servers::redis_url();
     let (server, prefix) = store.split_once("/?prefix=").expect("a URL with a prefix");
-    let redis_cli = |args: &[&str]| -> String {
-        let output = std::process::Command::new("redis-cli")
-            .args(["-u", server])
-            .args(args)
-            .output()
-            .expect("redis-cli on PATH (apt-get install redis-tools)");
-        assert!(output.status.success(), "redis-cli {args:?}: {output:?}");
-        String::from_utf8_lossy(&output.stdout).into_owned()
-    };
+    let redis_cli = |args: &[&str]| common::redis_cli(server, args);
     let damage = |key: &str, field: &str, millis: i64| {
         // The record's hash is named by a hash of its scope and key; its `origin` holds the key.
         let pattern = format!("{prefix}:*:rec");

@@ -263,15 +263,7 @@ async fn sqlite_a_damaged_record_is_refused_until_deleted() {
 async fn redis_a_damaged_record_is_refused_until_deleted() {
     let store = servers::redis_url();
     let (server, prefix) = store.split_once("/?prefix=").expect("a URL with a prefix");
-    let redis_cli = |args: &[&str]| -> String {
-        let output = std::process::Command::new("redis-cli")
-            .args(["-u", server])
-            .args(args)
-            .output()
-            .expect("redis-cli on PATH (apt-get install redis-tools)");
-        assert!(output.status.success(), "redis-cli {args:?}: {output:?}");
-        String::from_utf8_lossy(&output.stdout).into_owned()
-    };
+    let redis_cli = |args: &[&str]| common::redis_cli(server, args);
     a_damaged_record_is_refused_until_deleted(&store, |_key| {
         // The test's prefix holds this one record.
         let pattern = format!("{prefix}:*:rec");

@@ -6,14 +6,13 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::Router;
 use axum::extract::State;
 use axum::http::{Method, Uri};
-use common::{Gateway, new_key};
+use common::{Gateway, config_file, new_key};
 use idem_test_support::wire::{self, Answer, Raw};
 use tokio::net::TcpListener;
 
@@ -74,14 +73,6 @@ async fn raw(gw: &Gateway, method: &str, target: &str, key: Option<&str>, body: 
     wire::send(gw.addr(), &request.sized(body.as_bytes()), Duration::from_secs(30))
         .await
         .unwrap_or_else(|err| panic!("{method} {target}: {err}"))
-}
-
-/// A config file in a directory of its own (kept as long as the returned guard).
-fn config_file(text: &str) -> (tempfile::TempDir, PathBuf) {
-    let dir = tempfile::tempdir().expect("a temp dir");
-    let path = dir.path().join("idem.toml");
-    std::fs::write(&path, text).expect("write the config file");
-    (dir, path)
 }
 
 /// Payments need a key and take small bodies; everything else under `/payments/` and the

@@ -414,6 +414,25 @@ pub(crate) fn store_bytes(url: &str) -> Vec<u8> {
     }
 }
 
+/// A config file in a directory of its own (kept as long as the returned guard).
+pub(crate) fn config_file(text: &str) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let path = dir.path().join("idem.toml");
+    std::fs::write(&path, text).expect("write the config file");
+    (dir, path)
+}
+
+/// Runs `redis-cli -u SERVER ARGS` and returns what it printed (it must succeed).
+pub(crate) fn redis_cli(server: &str, args: &[&str]) -> String {
+    let output = std::process::Command::new("redis-cli")
+        .args(["-u", server])
+        .args(args)
+        .output()
+        .expect("redis-cli on PATH (apt-get install redis-tools)");
+    assert!(output.status.success(), "redis-cli {args:?}: {output:?}");
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
 /// Makes the store at `url` lose every record and its salt under the gateways running on it, as
 /// a restart without persistence, a `FLUSHALL` or a failover to an empty node does (SQLite: the
 /// rows deleted; PostgreSQL: the schema dropped and migrated anew by `idem migrate`; Redis: every
