@@ -243,6 +243,20 @@ impl Policy {
     /// adds (a timer, a lease's end) far from overflowing.
     pub const MAX_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
 
+    /// Checks that each of `timeouts` (a setting's name and its value) is at most
+    /// [`MAX_TIMEOUT`](Self::MAX_TIMEOUT): the policy's own, and those a caller keeps beside it
+    /// (the gateway's upstream and read timeouts, its shutdown grace). The first past it is the
+    /// error.
+    pub fn within_max_timeout(timeouts: &[(&'static str, Duration)]) -> Result<(), PolicyError> {
+        match timeouts.iter().find(|(_, duration)| *duration > Self::MAX_TIMEOUT) {
+            Some((setting, _)) => Err(PolicyError {
+                setting,
+                reason: "must be at most 1d (one day): a request or a shutdown held longer is a fault to end, not a wait to keep (see Policy::MAX_TIMEOUT)".to_owned(),
+            }),
+            None => Ok(()),
+        }
+    }
+
     /// Checks that the settings can work together; the first that cannot is the error.
     ///
     /// The gateway refuses to start with such a policy. The tower layer does not check (it is
@@ -297,14 +311,7 @@ impl Policy {
             ("wait", self.wait),
             ("store-timeout", self.store_timeout),
         ];
-        for (setting, duration) in timeouts {
-            if duration > Self::MAX_TIMEOUT {
-                return fail(
-                    setting,
-                    "must be at most 1d (one day): a request held longer is a fault to end, not a wait to keep (see Policy::MAX_TIMEOUT)",
-                );
-            }
-        }
+        Self::within_max_timeout(&timeouts)?;
         if self.methods.is_empty() {
             return fail("methods", "must name at least one method");
         }

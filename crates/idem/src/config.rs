@@ -286,20 +286,15 @@ fn check_for_gateway(policy: &Policy) -> Result<(), Misconfigured> {
 /// deadline added to the monotonic clock, and an upload, an upstream answer or a shutdown that
 /// takes longer than a day is a fault to end, not a wait to keep.
 fn gateway_timeouts(settings: &Resolved) -> Result<(), Misconfigured> {
-    let timeouts = [
+    Policy::within_max_timeout(&[
         ("upstream-timeout", settings.upstream_timeout),
         ("read-timeout", settings.read_timeout),
         ("shutdown-grace", settings.shutdown_grace),
-    ];
-    for (flag, timeout) in timeouts {
-        if timeout > Policy::MAX_TIMEOUT {
-            return refuse(
-                flag,
-                "must be at most 1d (one day): a request or a shutdown held longer is a fault to end, not a wait to keep",
-            );
-        }
-    }
-    Ok(())
+    ])
+    .map_err(|err| Misconfigured {
+        flag: err.setting,
+        reason: err.reason,
+    })
 }
 
 /// What the gateway's listeners allow their clients.
