@@ -3,9 +3,10 @@
 # storm of crates/idem/tests/contention.rs with its long plan (IDEM_CONTENTION=long): two
 # `idem serve` gateways on one store before a payments upstream that writes a ledger row in a
 # PostgreSQL transaction (on PostgreSQL with --in-transaction, calling idem_complete in it); 40 new
-# keys/s and 10 payments/s for 60 s without slow transactions (the baseline), then 60 s more in
-# which one payment in ten holds its transaction 3-15 s and gets 10-20 copies sent at once to both
-# gateways (--lease 5s --wait 10s: copies of the longest holds get 409 key-in-flight).
+# keys/s and 10 payments/s; for 60 s (the storm) one payment in ten holds its transaction 3-15 s
+# and gets 10-20 copies sent at once to both gateways (--lease 5s --wait 10s: copies of the longest
+# holds get 409 key-in-flight); the same traffic with no hold runs 30 s before the storm and 30 s
+# after it (the baseline).
 #
 # Prints, per store, a markdown table: unrelated keys' req/s, p50, p99, max and errors in each
 # phase, the slow keys' answers; then the lock waits of idem's connections (PostgreSQL), the ledger

@@ -2,8 +2,9 @@
 //! share a store before a payments upstream that writes a ledger row in a PostgreSQL transaction
 //! (on PostgreSQL, with `--in-transaction`, calling `idem_complete` in it). Steady new keys and
 //! payments run open loop; one payment in ten holds its transaction 3–6 s (the short plan; 3–15 s
-//! in the long one) and gets 10–20 copies, sent at once to both gateways. A baseline phase sends
-//! the same traffic with no hold first, so the verdict compares the run with itself:
+//! in the long one) and gets 10–20 copies, sent at once to both gateways. A baseline sends the
+//! same traffic with no hold, half before the storm and half after it, so the verdict compares
+//! the run with itself:
 //!
 //! * unrelated keys: no error, and their p99 in the storm within 2× the baseline's;
 //! * each slow key runs once (the ledger's rows, counted in the database, equal the payments);
@@ -193,8 +194,9 @@ async fn separate_ledger(plan: &Plan) -> (Ledger, DropSchema) {
     )
 }
 
-/// The run: two gateways on `store` before `ledger`, warmed up, the baseline, the storm, then
-/// every slow key once more on each gateway; the figures printed and the verdict asserted.
+/// The run: two gateways on `store` before `ledger`, warmed up, half the baseline, the storm, the
+/// other half, then every slow key once more on each gateway; the figures printed and the verdict
+/// asserted.
 async fn contend(plan: &Plan, store: &Store, ledger: &Ledger) {
     let mut rng = Seed::for_this_run().rng(&format!("contention-{}", store.name));
     let args: Vec<&str> = plan.gateway_args.iter().chain(store.args).copied().collect();
@@ -209,17 +211,22 @@ async fn contend(plan: &Plan, store: &Store, ledger: &Ledger) {
         assert_eq!(warm.status, 201, "warming up: {}", warm.outcome());
     }
 
-    let baseline = run_phase(plan, &target, &run, Phase::Baseline, &mut rng).await;
+    // The baseline is measured on both sides of the storm, so that the machine's load while the
+    // storm runs is the baseline's too.
+    let half = plan.phase / 2;
+    let before = run_phase(plan, &target, (&run, "baseline-1"), Phase::Baseline, half, &mut rng).await;
     let watch = match &store.watched {
         Some((database, application)) => Some(Watch::start(database, application).await),
         None => None,
     };
-    let storm = run_phase(plan, &target, &run, Phase::Storm, &mut rng).await;
+    let storm = run_phase(plan, &target, (&run, "storm"), Phase::Storm, plan.phase, &mut rng).await;
     let mut evidence = Evidence::default();
     if let (Some(watch), Some((database, application))) = (watch, &store.watched) {
         evidence.waits = Some(watch.stop().await);
         evidence.left_running = Some(locks::left_running(database, application).await);
     }
+    let after = run_phase(plan, &target, (&run, "baseline-2"), Phase::Baseline, half, &mut rng).await;
+    let baseline = before.and(after);
     for key in baseline.slow.iter().chain(&storm.slow) {
         let again = [
             target.pay(0, &key.key, Duration::ZERO).await,

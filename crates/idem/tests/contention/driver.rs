@@ -1,8 +1,8 @@
 //! The load of the contention storm: steady new keys and payments, open loop (sent on schedule
 //! whatever the answers, so a stall shows as latency and errors, not as fewer requests), through
 //! two gateways. One payment in ten is slow: its run holds its transaction for a while, and 10–20
-//! copies of it follow it to both gateways. A baseline phase sends the same traffic with every
-//! hold at zero, so the storm's figures are read against the same run's.
+//! copies of it follow it to both gateways. The baseline sends the same traffic with every hold at
+//! zero, so the storm's figures are read against the same run's.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,7 +19,7 @@ use super::ledger::HOLD_HEADER;
 pub(crate) struct Plan {
     /// `short` or `long`.
     pub(crate) name: &'static str,
-    /// How long each phase sends.
+    /// How long the storm sends; the baseline sends half as long before it and half after.
     pub(crate) phase: Duration,
     /// New keys per second besides the payments.
     pub(crate) steady_rate: f64,
@@ -154,6 +154,16 @@ pub(crate) struct PhaseResult {
     pub(crate) sending: Duration,
 }
 
+impl PhaseResult {
+    /// This phase and `later`, of the same kind, as one.
+    pub(crate) fn and(mut self, later: Self) -> Self {
+        self.unrelated.extend(later.unrelated);
+        self.slow.extend(later.slow);
+        self.sending += later.sending;
+        self
+    }
+}
+
 /// The two gateways' base URLs and a client for them.
 #[derive(Clone)]
 pub(crate) struct Target {
@@ -234,11 +244,18 @@ struct SlowDraw {
     after: Duration,
 }
 
-/// Runs one phase of `plan` on `target`: keys named `{run}-{phase}-…`. Returns when every answer
-/// came (a slow run's copies included).
-pub(crate) async fn run_phase(plan: &Plan, target: &Target, run: &str, phase: Phase, rng: &mut Rng) -> PhaseResult {
+/// Runs one phase of `plan` on `target` for `length`: keys named `{run}-{label}-…`. Returns when
+/// every answer came (a slow run's copies included).
+pub(crate) async fn run_phase(
+    plan: &Plan,
+    target: &Target,
+    (run, label): (&str, &str),
+    phase: Phase,
+    length: Duration,
+    rng: &mut Rng,
+) -> PhaseResult {
     let started = Instant::now();
-    let end = started + plan.phase;
+    let end = started + length;
     let unrelated: Arc<std::sync::Mutex<Vec<(String, Sent)>>> = Arc::default();
     let mut slow_tasks: JoinSet<SlowKey> = JoinSet::new();
     let mut fast_tasks: JoinSet<()> = JoinSet::new();
@@ -252,14 +269,14 @@ pub(crate) async fn run_phase(plan: &Plan, target: &Target, run: &str, phase: Ph
             break;
         }
         if next_steady <= now {
-            let key = format!("{run}-{}-new-{steady}", phase.name());
+            let key = format!("{run}-{label}-new-{steady}");
             spawn_fast(&mut fast_tasks, target, &unrelated, key, steady);
             steady += 1;
             next_steady += steady_every;
             continue;
         }
         if next_payment <= now {
-            let key = format!("{run}-{}-pay-{payments}", phase.name());
+            let key = format!("{run}-{label}-pay-{payments}");
             if payments % plan.slow_every == plan.slow_every / 2 {
                 let draw = SlowDraw {
                     key,

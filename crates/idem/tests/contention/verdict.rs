@@ -136,7 +136,7 @@ fn slow_key(key: &str, answers: &[Sent], evidence: &Evidence) -> Vec<String> {
     }
     if let Some((_, again)) = evidence.replays.iter().find(|(k, _)| k == key)
         && let Some(body) = body
-        && again.iter().any(|sent| sent.status == 201 && &sent.body != body)
+        && again.iter().any(|sent| sent.status == 201 && sent.body != *body)
     {
         failed.push(format!("{key}: replayed afterwards with another body"));
     }
