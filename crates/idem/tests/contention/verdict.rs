@@ -3,7 +3,7 @@
 //! answer (or `409 key-in-flight` after the wait); the ledger holds one row per payment answered;
 //! on PostgreSQL, none of idem's connections waits on a lock or is left running.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use super::driver::{PhaseResult, Sent};
 use super::figures::Figures;
@@ -111,20 +111,21 @@ fn slow_key(key: &str, answers: &[Sent], evidence: &Evidence) -> Vec<String> {
         ));
     }
     let body = fresh.first().map(|sent| &sent.body);
+    let mut wrong: BTreeMap<String, (usize, String)> = BTreeMap::new();
     for sent in answers {
-        match (sent.status, sent.problem.as_deref()) {
-            (201, _) if Some(&sent.body) == body => {}
-            (201, _) => failed.push(format!(
-                "{key}: a copy got another answer: {}",
-                String::from_utf8_lossy(&sent.body)
-            )),
-            (409, Some("key-in-flight")) => {}
-            _ => failed.push(format!(
-                "{key}: a copy got {} ({})",
-                sent.outcome(),
-                String::from_utf8_lossy(&sent.body)
-            )),
-        }
+        let outcome = match (sent.status, sent.problem.as_deref()) {
+            (201, _) if Some(&sent.body) == body => continue,
+            (409, Some("key-in-flight")) => continue,
+            (201, _) => "201 with another answer".to_owned(),
+            _ => sent.outcome(),
+        };
+        let seen = wrong
+            .entry(outcome)
+            .or_insert_with(|| (0, String::from_utf8_lossy(&sent.body).into_owned()));
+        seen.0 += 1;
+    }
+    for (outcome, (n, example)) in wrong {
+        failed.push(format!("{key}: {n} of its requests got {outcome} ({example})"));
     }
     let runs = evidence.runs.get(key).cloned().unwrap_or_default();
     if runs.runs != 1 || runs.recovered != 0 {
