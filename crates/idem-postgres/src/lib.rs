@@ -48,6 +48,7 @@
 mod decode;
 mod error;
 mod in_transaction;
+mod lent;
 mod listener;
 mod read_first;
 mod replays;

@@ -38,7 +38,7 @@ pub(crate) async fn store_clock(store: &Arc<dyn Store>) -> anyhow::Result<Arc<St
 /// Opens the store, reads its clock and names the record the arguments point at.
 async fn open_record(args: &RecordArgs) -> anyhow::Result<(Arc<dyn Store>, Arc<StoreClock>, RecordId)> {
     let key = IdempotencyKey::new(&args.key).with_context(|| format!("{:?} is not a valid key", args.key))?;
-    let store = stores::open(&args.store.store).await?;
+    let store = stores::open_for_operator(&args.store.store).await?;
     let clock = store_clock(&store).await?;
     let id = match &args.authorization {
         Some(credential) => credential_record(&*store, credential, key, clock.now()).await?,
@@ -164,6 +164,15 @@ pub(crate) async fn delete(args: RecordArgs) -> anyhow::Result<()> {
             );
             return Ok(());
         }
+        // The store did not wait for the transaction holding the record: what it would have
+        // deleted is not what the record will be once that transaction ends.
+        Err(StoreError::Locked) => anyhow::bail!(
+            "nothing was deleted: the record of key {:?} in scope {:?} is locked by a transaction still open \
+             (its run is completing in its own transaction now). Look again with `idem inspect` once it has \
+             ended: if it committed, its answer is kept for retries, and deleting it would let the key run again",
+            id.key.as_str(),
+            id.scope.as_str()
+        ),
         Err(err) => return Err(anyhow::Error::new(err).context("cannot delete the record")),
     };
     // Every running instance forgets the answer in its replay cache as the store announces the
