@@ -110,6 +110,8 @@ impl Phase {
 /// One answer (or its absence) as a client saw it.
 #[derive(Debug, Clone)]
 pub(crate) struct Sent {
+    /// When it was sent.
+    pub(crate) sent_at: Instant,
     /// From sending to the whole answer read.
     pub(crate) latency: Duration,
     /// The status; 0 when no answer came.
@@ -150,6 +152,8 @@ pub(crate) struct PhaseResult {
     /// Every key that is not slow: its one request.
     pub(crate) unrelated: Vec<(String, Sent)>,
     pub(crate) slow: Vec<SlowKey>,
+    /// When the phase started.
+    pub(crate) started: Instant,
     /// From the first request sent to the last.
     pub(crate) sending: Duration,
 }
@@ -216,6 +220,7 @@ impl Target {
             .and_then(|value| value.get("type")?.as_str().map(str::to_owned))
             .map(|kind| kind.rsplit([':', '/']).next().unwrap_or_default().to_owned());
         Sent {
+            sent_at: started,
             latency: started.elapsed(),
             status,
             problem,
@@ -227,6 +232,7 @@ impl Target {
 
 fn no_answer(started: Instant, err: &reqwest::Error) -> Sent {
     Sent {
+        sent_at: started,
         latency: started.elapsed(),
         status: 0,
         problem: None,
@@ -312,6 +318,7 @@ pub(crate) async fn run_phase(
         phase,
         unrelated,
         slow,
+        started,
         sending,
     }
 }

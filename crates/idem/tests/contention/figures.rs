@@ -114,3 +114,36 @@ pub(crate) fn table(store: &str, phases: &[Figures]) -> String {
     }
     out
 }
+
+/// Where the storm's slowest unrelated keys fell: each one's send time and latency, beside when
+/// each slow key's copies were sent (seconds from the phase's start), to tell a stall that
+/// follows the copies from one that does not.
+pub(crate) fn slowest(result: &PhaseResult, n: usize) -> String {
+    let at = |sent: &Sent| sent.sent_at.duration_since(result.started).as_secs_f64();
+    let mut unrelated: Vec<&Sent> = result.unrelated.iter().map(|(_, sent)| sent).collect();
+    unrelated.sort_by_key(|sent| std::cmp::Reverse(sent.latency));
+    let slowest: Vec<String> = unrelated
+        .iter()
+        .take(n)
+        .map(|sent| format!("+{:.2}s {}", at(sent), ms(sent.latency)))
+        .collect();
+    let copies: Vec<String> = result
+        .slow
+        .iter()
+        .filter_map(|key| {
+            let first = key.answers.first()?;
+            let copy = key.answers.get(1)?;
+            Some(format!(
+                "+{:.2}s (copies +{:.2}s, held {:.1}s)",
+                at(first),
+                at(copy),
+                key.hold.as_secs_f64()
+            ))
+        })
+        .collect();
+    format!(
+        "slowest unrelated keys: {}\nslow keys sent: {}",
+        slowest.join(", "),
+        copies.join(", ")
+    )
+}

@@ -26,6 +26,19 @@ pub(crate) struct Waits {
     pub(crate) statements: BTreeMap<String, usize>,
 }
 
+impl Waits {
+    /// These samples and `later`'s, as one watch.
+    pub(crate) fn and(mut self, later: Self) -> Self {
+        self.samples += later.samples;
+        self.samples_with_waits += later.samples_with_waits;
+        self.most_at_once = self.most_at_once.max(later.most_at_once);
+        for (statement, seen) in later.statements {
+            *self.statements.entry(statement).or_default() += seen;
+        }
+        self
+    }
+}
+
 impl std::fmt::Display for Waits {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(

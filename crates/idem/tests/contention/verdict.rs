@@ -28,24 +28,17 @@ pub(crate) struct Evidence {
     pub(crate) left_running: Option<Vec<String>>,
 }
 
-/// The failed conditions; empty when the run passed.
-pub(crate) fn failures(phases: &[PhaseResult], figures: &[Figures], evidence: &Evidence) -> Vec<String> {
+/// The failed conditions of `phases` but the p99 ratio ([`p99_ratio`]); empty when they held.
+pub(crate) fn failures<'a>(phases: impl IntoIterator<Item = &'a PhaseResult>, evidence: &Evidence) -> Vec<String> {
     let mut failed = Vec::new();
-    for figures in figures {
+    let phases: Vec<&PhaseResult> = phases.into_iter().collect();
+    for phase in &phases {
+        let figures = Figures::of(phase);
         let errors: usize = figures.errors.values().sum();
         if errors > 0 {
             failed.push(format!(
                 "{}: {errors} of {} unrelated keys were not answered 201: {:?}",
                 figures.phase, figures.unrelated, figures.errors
-            ));
-        }
-    }
-    if let [baseline, storm] = figures {
-        let ratio = storm.p99.as_secs_f64() / baseline.p99.as_secs_f64().max(1e-6);
-        if ratio > P99_RATIO {
-            failed.push(format!(
-                "unrelated keys' p99 in the storm is {ratio:.2}× the baseline's ({:?} against {:?}; at most {P99_RATIO}×)",
-                storm.p99, baseline.p99
             ));
         }
     }
@@ -96,6 +89,21 @@ pub(crate) fn failures(phases: &[PhaseResult], figures: &[Figures], evidence: &E
         failed.push(format!("once the storm ended, idem's connections still ran: {left:?}"));
     }
     failed
+}
+
+/// The storm's p99 of unrelated keys against the baseline's (`figures` of one cycle: baseline,
+/// storm): what is wrong, if it is over [`P99_RATIO`].
+pub(crate) fn p99_ratio(figures: &[Figures]) -> Option<String> {
+    let [baseline, storm] = figures else {
+        return Some(format!("{} phases, not a baseline and a storm", figures.len()));
+    };
+    let ratio = storm.p99.as_secs_f64() / baseline.p99.as_secs_f64().max(1e-6);
+    (ratio > P99_RATIO).then(|| {
+        format!(
+            "unrelated keys' p99 in the storm is {ratio:.2}× the baseline's ({:?} against {:?}; at most {P99_RATIO}×)",
+            storm.p99, baseline.p99
+        )
+    })
 }
 
 /// A slow key's answers: one run, one answer (the first `201` not replayed, the others the same
