@@ -24,6 +24,7 @@ STORES=${STORES:-postgres redis sqlite}
 PROFILE=${PROFILE:-release}
 PLAN=${PLAN:-long}
 LOGS=${LOGS:-$(mktemp -d -t contention.XXXXXX)}
+mkdir -p "$LOGS"
 
 case "$PROFILE" in
     release) profile=(--release) ;;
@@ -56,7 +57,8 @@ for store in $STORES; do
         /^stack backtrace:/ { skip = 1 }
         /^---- idem serve stderr/ { skip = 1 }
         /^---- end ----/ { skip = 0; next }
-        on && !skip && !/^[0-9]{4}-[0-9]{2}-[0-9]{2}T/ { print }
+        /^(ok|test result:.*)$/ { next }
+        on && !skip && !/^[0-9]{4}-[0-9]{2}-[0-9]{2}T/ && NF { print }
     ' "$LOGS/$store.log"
     printf '\nverdict (%s): %s\n' "$store" "$verdict"
 done

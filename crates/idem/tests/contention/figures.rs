@@ -127,9 +127,11 @@ pub(crate) fn slowest(result: &PhaseResult, n: usize) -> String {
         .take(n)
         .map(|sent| format!("+{:.2}s {}", at(sent), ms(sent.latency)))
         .collect();
-    let copies: Vec<String> = result
-        .slow
+    let mut slow: Vec<_> = result.slow.iter().collect();
+    slow.sort_by_key(|key| key.answers.first().map(|sent| sent.sent_at));
+    let copies: Vec<String> = slow
         .iter()
+        .take(n)
         .filter_map(|key| {
             let first = key.answers.first()?;
             let copy = key.answers.get(1)?;
@@ -142,7 +144,7 @@ pub(crate) fn slowest(result: &PhaseResult, n: usize) -> String {
         })
         .collect();
     format!(
-        "slowest unrelated keys: {}\nslow keys sent: {}",
+        "slowest unrelated keys: {}\nfirst slow keys sent: {}",
         slowest.join(", "),
         copies.join(", ")
     )
