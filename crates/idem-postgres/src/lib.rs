@@ -49,6 +49,7 @@ mod decode;
 mod error;
 mod in_transaction;
 mod listener;
+mod privileges;
 mod read_first;
 mod replays;
 mod replication;
@@ -58,6 +59,7 @@ mod store;
 mod url;
 
 pub use error::{BoxError, PostgresError};
+pub use privileges::Access;
 pub use replication::{Replication, SynchronousCommit};
 pub use store::PostgresStore;
 pub use url::StoreDatabase;

@@ -47,7 +47,7 @@ use crate::error::Failure;
 use crate::listener::{Listener, deleted_payload, payload};
 use crate::read_first::Reads;
 use crate::url::Settings;
-use crate::{PostgresError, Replication, replays, replication, schema, sql};
+use crate::{Access, PostgresError, Replication, privileges, replays, replication, schema, sql};
 
 /// How many times `begin` tries again when the record it conflicted with is gone before it could
 /// be read (deleted by a release or a purge in between). Each try is a new statement with a new
@@ -151,7 +151,7 @@ impl PostgresStore {
                 target: settings.target.clone(),
                 source: Box::new(err),
             })?;
-        schema::migrate(&pool, &settings.target, settings.schema.as_deref()).await?;
+        schema::prepare(&pool, &settings.target, settings.schema.as_deref()).await?;
         let replication = replication::read(&pool).await;
         replication.log(&settings.target);
         let listener = if settings.notify {
@@ -195,10 +195,22 @@ impl PostgresStore {
         Ok(Self { inner })
     }
 
-    /// Creates the schema or applies the migrations it lacks; does nothing if it is up to date.
-    /// Safe to run from many instances at once. [`PostgresStore::connect`] calls it.
+    /// Creates the schema or applies the migrations it lacks; does nothing if it is up to date
+    /// (then it only reads the schema's version: no DDL, no lock). Safe to run from many instances
+    /// at once. [`PostgresStore::connect`] calls it.
     pub async fn migrate(&self) -> Result<(), PostgresError> {
-        schema::migrate(&self.inner.pool, &self.inner.target, self.inner.schema.as_deref()).await
+        schema::prepare(&self.inner.pool, &self.inner.target, self.inner.schema.as_deref()).await
+    }
+
+    /// Checks that the connected role has every right `access` needs on the store's schema
+    /// (`docs/stores.md`, "PostgreSQL roles"); [`PostgresError::MissingPrivileges`] names each
+    /// right it lacks and its object.
+    pub async fn check_access(&self, access: Access) -> Result<(), PostgresError> {
+        let client = self.inner.pool.get().await.map_err(|err| PostgresError::Connect {
+            target: self.inner.target.to_string(),
+            source: Box::new(err),
+        })?;
+        privileges::check(&**client, &self.inner.target, self.inner.schema.as_deref(), access).await
     }
 
     /// The server, as `user@host:port/database` (never with a password), for messages.

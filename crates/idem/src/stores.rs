@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use anyhow::Context as _;
 use idem_core::{Store, redact_url};
-use idem_postgres::{PostgresError, PostgresStore, StoreDatabase};
+use idem_postgres::{Access, PostgresError, PostgresStore, StoreDatabase};
 use idem_redis::{RedisError, RedisStore};
 use idem_sqlite::{SqliteError, SqliteStore};
 
@@ -16,10 +16,14 @@ pub(crate) const DEFAULT_STORE: &str = "sqlite://idem.db";
 
 /// Opens (and migrates) the store at `url`: `sqlite://`, `postgres://`, `redis://`, `redis+sentinel://` or `redis+cluster://`.
 ///
+/// On PostgreSQL, a schema that is current is only read (no DDL), and the role is checked for the
+/// rights `access` needs (`None`: only the schema's, as for `idem migrate`); a right it lacks is
+/// named with its object (exit 1).
+///
 /// A URL that does not parse (an unknown scheme, a bad option) is a setting that cannot work: it
 /// fails as [`Misconfigured`], so the command exits 2 as for a bad flag. A store that cannot be
 /// reached or opened fails as itself (exit 1): the same command may work once it is up.
-pub(crate) async fn open(url: &str) -> anyhow::Result<Arc<dyn Store>> {
+pub(crate) async fn open(url: &str, access: Option<Access>) -> anyhow::Result<Arc<dyn Store>> {
     let scheme = url.split_once(':').map_or(url, |(scheme, _)| scheme);
     match scheme {
         "sqlite" => match SqliteStore::from_url(url).await {
@@ -28,7 +32,15 @@ pub(crate) async fn open(url: &str) -> anyhow::Result<Arc<dyn Store>> {
             Err(err) => Err(anyhow::Error::new(err).context(format!("cannot open the store {}", redact_url(url)))),
         },
         "postgres" | "postgresql" => match PostgresStore::connect(url).await {
-            Ok(store) => Ok(Arc::new(store)),
+            Ok(store) => {
+                if let Some(access) = access {
+                    store
+                        .check_access(access)
+                        .await
+                        .context("the PostgreSQL store cannot be used")?;
+                }
+                Ok(Arc::new(store))
+            }
             Err(err @ PostgresError::InvalidUrl { .. }) => Err(misconfigured(err)),
             Err(err) => Err(anyhow::Error::new(err).context("cannot open the PostgreSQL store")),
         },
