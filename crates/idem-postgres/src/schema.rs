@@ -52,18 +52,18 @@ const MIGRATION_LOCK: i64 = 0x6964_656d_0000_0001;
 ///    its data (or a schema made anew) finds out before it claims anything. A salt that exists
 ///    gets one here; a new one is made with one (`SCOPE_SALT_INSERT`).
 /// 10. Least privilege for the upstream, and `IDEM1`/`IDEM2`/`IDEM3` that name their cause.
-///    `idem_complete` becomes `SECURITY DEFINER`: it runs with its owner's rights (the role that
-///    migrated), so that an upstream needs `EXECUTE` on it and no right on `idem_records`; its
-///    `search_path` stays pinned (the schema, then `pg_temp`: no object of the caller's stands in
-///    for the store's), and it only ever reaches this schema's records. `EXECUTE` is revoked from
-///    `PUBLIC`; the operator grants it (`docs/stores.md`, "PostgreSQL roles"). An overload takes
-///    the headers as text, so that headers that are not JSON are `IDEM2`, not a cast error in the
-///    caller's statement; the roles that may execute the `jsonb` one may execute it. A token's
-///    fields are checked one by one (`IDEM3` naming the field, a retention out of range among
-///    them), too many header values are `IDEM2`. `idem_claim_lost` raises the `IDEM1` of a claim
-///    that is not current with its cause (completed already by this claim, in this transaction
-///    or before; taken over; released; no record of the key in this schema: deleted, or a token of
-///    another store), for both `idem_complete_claim`s.
+///     `idem_complete` becomes `SECURITY DEFINER`: it runs with its owner's rights (the role that
+///     migrated), so that an upstream needs `EXECUTE` on it and no right on `idem_records`; its
+///     `search_path` stays pinned (the schema, then `pg_temp`: no object of the caller's stands in
+///     for the store's), and it only ever reaches this schema's records. `EXECUTE` is revoked from
+///     `PUBLIC`; the operator grants it (`docs/stores.md`, "PostgreSQL roles"). An overload takes
+///     the headers as text, so that headers that are not JSON are `IDEM2`, not a cast error in the
+///     caller's statement; the roles that may execute the `jsonb` one may execute it. A token's
+///     fields are checked one by one (`IDEM3` naming the field, a retention out of range among
+///     them), too many header values are `IDEM2`. `idem_claim_lost` raises the `IDEM1` of a claim
+///     that is not current with its cause (completed already by this claim, in this transaction
+///     or before; taken over; released; no record of the key in this schema: deleted, or a token of
+///     another store), for both `idem_complete_claim`s.
 const MIGRATIONS: &[(i32, &str)] = &[
     (
         1,
