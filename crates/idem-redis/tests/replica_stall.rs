@@ -271,3 +271,120 @@ async fn a_new_key_refused_during_the_stall_runs_unflagged_after_it() {
         );
     }
 }
+
+/// The logs of the process, kept for counting.
+#[derive(Clone, Default)]
+struct Logs(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Logs {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().expect("logs").extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The issue's shape, measured (not a check: run by hand with `--ignored --nocapture`): new keys
+/// at `RATE` a second (40) for `STALL_SECS` (4) of replica stall, a second before and after;
+/// prints the refusals, how long they took, what their log lines say, and how many refused keys
+/// ran flagged `Idempotency-Recovered` after the stall.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement: cargo test -p idem-redis --test replica_stall -- --ignored --nocapture"]
+async fn measure_a_stall() {
+    let number = |name: &str, default: u64| std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default);
+    let (stall, rate) = (Duration::from_secs(number("STALL_SECS", 4)), number("RATE", 40));
+    let logs = Logs::default();
+    let writer = logs.clone();
+    tracing::subscriber::set_global_default(
+        tracing_subscriber::fmt()
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish(),
+    )
+    .expect("the only subscriber");
+    let (mut redis, store) = stallable().await;
+    let protocol = Protocol::new(Arc::new(store), Policy::default());
+    let replica = redis.replicas()[0];
+    let (decided, warm) = decide(&protocol, &uuid::Uuid::new_v4().to_string()).await;
+    assert_eq!(decided, Decided::Run { recovered: false });
+    protocol
+        .release(&warm.expect("a run"), Release::Forget)
+        .await
+        .expect("released");
+
+    let total = usize::try_from(rate * (stall.as_secs() + 2)).expect("a count");
+    let gap = Duration::from_secs(1) / u32::try_from(rate).expect("a rate");
+    let started = Instant::now();
+    let mut tasks = Vec::with_capacity(total);
+    let (mut frozen, mut thawed) = (false, false);
+    for _ in 0..total {
+        let since = started.elapsed();
+        if !frozen && since >= Duration::from_secs(1) {
+            redis.freeze(replica);
+            frozen = true;
+        }
+        if !thawed && since >= Duration::from_secs(1) + stall {
+            redis.thaw(replica);
+            thawed = true;
+        }
+        let (protocol, key) = (protocol.clone(), uuid::Uuid::new_v4().to_string());
+        tasks.push(tokio::spawn(async move {
+            let at = Instant::now();
+            let (decided, claim) = decide(&protocol, &key).await;
+            let took = at.elapsed();
+            if let Some(claim) = claim {
+                let _ = protocol.release(&claim, Release::Forget).await;
+            }
+            (key, decided, took)
+        }));
+        tokio::time::sleep(gap).await;
+    }
+    if !thawed {
+        redis.thaw(replica);
+    }
+    let mut refused = Vec::new();
+    let mut times = Vec::new();
+    for task in tasks {
+        let (key, decided, took) = task.await.expect("a request");
+        if decided == Decided::Answered(Outcome::StoreError) {
+            refused.push(key);
+            times.push(took);
+        }
+    }
+    redis.wait_until_replicated(1, Duration::from_secs(10)).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let mut flagged = 0;
+    for key in &refused {
+        if let (Decided::Run { recovered: true }, _) = decide(&protocol, key).await {
+            flagged += 1;
+        }
+    }
+    let text = String::from_utf8_lossy(&logs.0.lock().expect("logs")).into_owned();
+    let failures: Vec<&str> = text
+        .lines()
+        .filter(|line| line.contains("idempotency store failed"))
+        .collect();
+    let naming = failures.iter().filter(|line| line.contains("replicas=")).count();
+    let timed_out = failures.iter().filter(|line| line.contains("timed out")).count();
+    times.sort_unstable();
+    let at = |q: f64| {
+        times
+            .get(((times.len() as f64 - 1.0) * q) as usize)
+            .copied()
+            .unwrap_or_default()
+    };
+    println!(
+        "{total} new keys at {rate}/s, replica stopped {stall:?}: {} answered 503 (p50 {:?}, p90 {:?}, max {:?}); \
+         {} log lines, {naming} name the replica setting, {timed_out} say timed out; \
+         {flagged} of {} refused keys ran flagged Idempotency-Recovered after the stall",
+        refused.len(),
+        at(0.5),
+        at(0.9),
+        at(1.0),
+        failures.len(),
+        refused.len()
+    );
+}
