@@ -50,7 +50,8 @@ use crate::{RedisError, origin, url};
 /// fallback for messages lost while a connection was down.
 ///
 /// The store holds two multiplexed connections (on a cluster, two per node): one runs commands,
-/// the other holds the wake-up subscriptions. Both reconnect by themselves after an outage;
+/// the other holds the wake-up subscriptions; with replicas to wait for, writes go over a pool of
+/// connections each lent to one write and its `WAIT` at a time. Both reconnect by themselves after an outage;
 /// operations fail with [`StoreError::Unavailable`] meanwhile. Every reply names the call it
 /// answers (its nonce): one that does not is an error, never acted on, and the connection it came
 /// on is replaced. Cloning is cheap and shares both connections.
