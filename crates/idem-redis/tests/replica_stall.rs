@@ -34,11 +34,16 @@ const REFUSED_WITHIN: Duration = Duration::from_secs(2);
 
 /// A primary with one stoppable replica, and a store on the primary that waits for it.
 async fn stallable() -> (ReplicatedRedis, RedisStore) {
+    stallable_with(REPLICA_TIMEOUT).await
+}
+
+/// As [`stallable`], with writes that wait `replica_timeout` for the replica.
+async fn stallable_with(replica_timeout: Duration) -> (ReplicatedRedis, RedisStore) {
     let redis = ReplicatedRedis::start(1).await;
     let options = format!(
         "prefix={}&replicas=1&replica_timeout={}ms",
         fresh_prefix(),
-        REPLICA_TIMEOUT.as_millis()
+        replica_timeout.as_millis()
     );
     let url = with_options(&redis.primary_url(), &options);
     let store = match tokio::time::timeout(Duration::from_secs(20), RedisStore::connect(&url)).await {
@@ -171,6 +176,46 @@ async fn each_new_claim_is_refused_within_its_replica_timeout_naming_the_replica
             "a takeover no replica acknowledged is not forgotten: {record:?}"
         );
     }
+}
+
+/// A write whose caller gives up on it (a timeout of its own, a client gone) while it waits for
+/// the stalled replica leaves no `WAIT` behind on the server: its connection is closed, not lent
+/// to the next write, which would queue behind that `WAIT` for the rest of its timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_its_caller_abandons_leaves_no_wait_on_the_server() {
+    const LONG_TIMEOUT: Duration = Duration::from_secs(10);
+    let (mut redis, store) = stallable_with(LONG_TIMEOUT).await;
+    let (primary, replica) = (redis.primary(), redis.replicas()[0]);
+    let fp = fingerprint("{}");
+    let blocked = async |redis: &ReplicatedRedis| -> u64 {
+        let info: String = redis.command(primary, redis::cmd("INFO").arg("clients")).await;
+        info.lines()
+            .find_map(|line| line.trim().strip_prefix("blocked_clients:"))
+            .and_then(|count| count.parse().ok())
+            .expect("INFO clients counts blocked_clients")
+    };
+
+    redis.freeze(replica);
+    for _ in 0..3 {
+        let id = fresh_id();
+        let begun = tokio::time::timeout(
+            Duration::from_millis(200),
+            store.begin(claim(&id, &fp, UnixMillis::now(), FencingToken::random())),
+        )
+        .await;
+        assert!(begun.is_err(), "the claim waits for the stalled replica: {begun:?}");
+    }
+    let deadline = Instant::now() + LONG_TIMEOUT / 4;
+    let mut left = blocked(&redis).await;
+    while left > 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        left = blocked(&redis).await;
+    }
+    redis.thaw(replica);
+    assert_eq!(
+        left, 0,
+        "WAITs of abandoned writes still block their connections on the server"
+    );
 }
 
 /// A `POST /pay` with `key`, admitted by `protocol`, and its fingerprint.
