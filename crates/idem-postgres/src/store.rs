@@ -747,6 +747,7 @@ impl Store for PostgresStore {
         // a safety net; with `notify=off` it is how changes are seen. The subscription is taken
         // before each check (the listening connection has been listening since before it, or, if
         // it is reconnecting, wakes every waiter once it listens again).
+        let mut locked = false;
         if subscription.is_some() {
             let db = self.db("wait");
             let marked = self
@@ -759,14 +760,19 @@ impl Store for PostgresStore {
                 })
                 .await?;
             // Not marked: the claim ended, or its row is locked (its run completing in its own
-            // transaction), which the mark does not wait for. Then its end is seen by polling.
-            if marked == 0 && self.read_claim_state("wait", id, token).await? != ClaimState::Current {
-                return Ok(WaitOutcome::Changed);
+            // transaction), which the mark does not wait for. Then its end is seen by polling
+            // only, at the slow end of the backoff: such a run lasts as long as its transaction.
+            if marked == 0 {
+                if self.read_claim_state("wait", id, token).await? != ClaimState::Current {
+                    return Ok(WaitOutcome::Changed);
+                }
+                locked = true;
             }
         }
         let max_poll = self.inner.poll_interval;
+        let first_poll = if locked { max_poll } else { max_poll / 4 };
         let notify = subscription.as_ref().map(|s| s.notify());
-        wait_for_change(notify, deadline, max_poll / 4, max_poll, || async {
+        wait_for_change(notify, deadline, first_poll, max_poll, || async {
             Ok(self.read_claim_state("wait", id, token).await? == ClaimState::Current)
         })
         .await
