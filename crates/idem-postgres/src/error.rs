@@ -178,3 +178,9 @@ pub(crate) fn describe(err: &(dyn StdError + 'static)) -> String {
     }
     out
 }
+
+/// The server refused to wait for a row lock (`55P03`, `lock_not_available`): a statement with
+/// `NOWAIT` found the row locked, or one waited out the session's `lock_timeout`.
+pub(crate) fn lock_not_available(err: &tokio_postgres::Error) -> bool {
+    err.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE)
+}

@@ -48,6 +48,7 @@
 mod decode;
 mod error;
 mod in_transaction;
+mod lent;
 mod listener;
 mod privileges;
 mod read_first;

@@ -36,10 +36,26 @@ pub(crate) const SELECT: &str = "
 SELECT state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays, method, path, trace_id, recovered, status
 FROM idem_records WHERE scope = $1 AND key = $2";
 
+/// The row, locked for a takeover or a replacement decided under its lock; never waited for: a
+/// row locked by another transaction fails at once (`55P03`), as a run alive (its handler's own
+/// transaction completing it) or another claim deciding this instant.
 pub(crate) const SELECT_FOR_UPDATE: &str = "
 SELECT state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays, method, path, trace_id, recovered, status
 FROM idem_records WHERE scope = $1 AND key = $2
-FOR UPDATE";
+FOR UPDATE NOWAIT";
+
+/// The start of the statements that must not wait on a run ([`RENEW`], [`FORGET`],
+/// [`RELEASE_UNKNOWN`]): the record's row is locked first, without waiting (`55P03` if another
+/// transaction holds it: a handler's own, completing the record), and the change is made only
+/// if the lock was had. Referenced by the statement (`EXISTS (SELECT 1 FROM locked)`), since a
+/// `WITH` query that is not referenced does not run.
+macro_rules! locked_first {
+    () => {
+        "WITH locked AS (
+    SELECT 1 FROM idem_records WHERE scope = $1 AND key = $2 FOR NO KEY UPDATE NOWAIT
+)"
+    };
+}
 
 /// A record past its `purge_at` is claimed anew, as if it were absent: nothing of it is kept,
 /// its checkpoints, origin, recovery and status included.
@@ -93,29 +109,34 @@ pub(crate) const CLAIM_STATE: &str =
 pub(crate) const HAS_CHECKPOINTS: &str =
     "SELECT cardinality(checkpoint_names) > 0 FROM idem_records WHERE scope = $1 AND key = $2";
 
-pub(crate) const FORGET: &str = "
-WITH forgotten AS (
+pub(crate) const FORGET: &str = concat!(
+    locked_first!(),
+    ", forgotten AS (
     DELETE FROM idem_records
-    WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in-flight'
+    WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in-flight' AND EXISTS (SELECT 1 FROM locked)
     RETURNING waiters
 )
-SELECT (SELECT pg_notify('idem_records', $4) WHERE forgotten.waiters > 0) FROM forgotten";
+SELECT (SELECT pg_notify('idem_records', $4) WHERE forgotten.waiters > 0) FROM forgotten"
+);
 
 /// The fingerprint stays: only the same request may take the record over. So do the
 /// checkpoints, for the run that takes it over, and the origin and recovery of the run released.
-pub(crate) const RELEASE_UNKNOWN: &str = "
-WITH released AS (
+pub(crate) const RELEASE_UNKNOWN: &str = concat!(
+    locked_first!(),
+    ", released AS (
     UPDATE idem_records
     SET state = 'unknown', token = NULL, lease_until = NULL, purge_at = $4, expires_at = $6
-    WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in-flight'
+    WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in-flight' AND EXISTS (SELECT 1 FROM locked)
     RETURNING waiters
 )
-SELECT (SELECT pg_notify('idem_records', $5) WHERE released.waiters > 0) FROM released";
+SELECT (SELECT pg_notify('idem_records', $5) WHERE released.waiters > 0) FROM released"
+);
 
 /// Returns the record as it was and, as `Store::delete` says, deletes it, or, for a claim in
 /// flight, fences it (no token) and leaves the key unknown with the claim's retention, its
 /// checkpoints dropped; waiters on it are woken to look again. The row is locked as it is read,
-/// so the change is made to the row returned. A claim too damaged to have a token or a lease is
+/// so the change is made to the row returned; a row another transaction holds is not waited
+/// for (`55P03`): the command reports the run completing and changes nothing. A claim too damaged to have a token or a lease is
 /// deleted, so that an operator can always clear it. Every delete is announced ($4, on commit) to
 /// the replay caches of every instance.
 pub(crate) const DELETE: &str = "
@@ -123,7 +144,7 @@ WITH found AS (
     SELECT state, fingerprint, digest, token, lease_until, response, created_at, completed_at, expires_at, purge_at, replays, method, path, trace_id, recovered, status,
         waiters, state = 'in-flight' AND token IS NOT NULL AND lease_until IS NOT NULL AS in_flight
     FROM idem_records WHERE scope = $1 AND key = $2
-    FOR UPDATE
+    FOR UPDATE NOWAIT
 ), fenced AS (
     UPDATE idem_records r
     SET state = 'unknown', token = NULL, lease_until = NULL, expires_at = COALESCE(r.expires_at, r.purge_at),
@@ -142,10 +163,14 @@ FROM found";
 
 /// Renewing moves the `purge_at` of the claim to the new lease's end if that is later; a claim
 /// made before claims carried a `purge_at` of their own (no `expires_at`) keeps the old rule, $5.
-pub(crate) const RENEW: &str = "
+/// A row locked by the run's own open transaction is not waited for (a lock held is a run alive).
+pub(crate) const RENEW: &str = concat!(
+    locked_first!(),
+    "
 UPDATE idem_records
 SET lease_until = $4, purge_at = CASE WHEN expires_at IS NULL THEN $5 ELSE GREATEST(purge_at, $4) END
-WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in-flight'";
+WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in-flight' AND EXISTS (SELECT 1 FROM locked)"
+);
 
 /// Records a checkpoint under the claim, as a compare-and-set on the token. A name already written
 /// keeps its position and takes the new value; a new name goes after the others. Both arrays are
@@ -187,10 +212,18 @@ pub(crate) const IDENTITY: &str = "SELECT identity FROM idem_scope_salt WHERE id
 
 /// A waiter's mark on the claim it waits on, so that the change that ends the claim notifies
 /// (changes of records nobody waits on do not: a `NOTIFY` takes a lock that serialises every
-/// notifying commit in the database). Marks no row if the claim is no longer current.
+/// notifying commit in the database). Marks no row if the claim is no longer current, and none
+/// if the row is locked (by the run's own transaction, completing it): a waiter never queues on
+/// the row's lock, holding a pooled connection; it polls instead. The row is found and locked by
+/// the sub-select, skipping a locked one; the update repeats no condition, as the row it locked
+/// still meets them.
 pub(crate) const WAIT_ON: &str = "
 UPDATE idem_records SET waiters = waiters + 1
-WHERE scope = $1 AND key = $2 AND state = 'in-flight' AND token = $3";
+WHERE ctid = ANY (ARRAY (
+    SELECT ctid FROM idem_records
+    WHERE scope = $1 AND key = $2 AND state = 'in-flight' AND token = $3
+    FOR NO KEY UPDATE SKIP LOCKED
+))";
 
 /// Keyed on the schema that holds the tables, so that stores in different schemas of one
 /// database do not keep each other from purging.

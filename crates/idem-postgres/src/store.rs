@@ -2,7 +2,10 @@
 //! that reads the record and, only if there is none, inserts it (`INSERT ... ON CONFLICT DO
 //! NOTHING`, in the function `idem_claim_insert`, so that a replay is a plain read); taking over
 //! or replacing a record that exists is decided again in a transaction that locks the row
-//! (`SELECT ... FOR UPDATE`). In a burst of replays, `begin` reads first on connections many
+//! (`SELECT ... FOR UPDATE NOWAIT`: a row another transaction holds is a run alive, never waited
+//! for; nothing of the store queues on a row lock, see docs/design.md, "Where each store waits").
+//! Every pooled connection bounds its statements on the server by the store timeout, and goes
+//! back to the pool only when its operation ends (`lent.rs`). In a burst of replays, `begin` reads first on connections many
 //! reads share (`read_first.rs`). Complete, release and renew are single compare-and-set
 //! statements on the fencing token. Changes that end a claim `NOTIFY` in the same statement when
 //! someone waits on the record (a waiter marks it first), so that waiters everywhere are woken on
@@ -27,7 +30,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
+use deadpool_postgres::{Hook, HookError, Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
 use idem_core::store::Invalidations;
 use idem_core::store::backend::{
     Existing, ReplayCounts, claim_purge_at, claim_state, ran_in_transaction, wait_for_change,
@@ -43,7 +46,8 @@ use tokio_postgres::NoTls;
 use tokio_postgres::types::Type;
 
 use crate::decode::{StoredRow, checkpoints_from_row, identity_from_row, listed_from_row, scope_salt_from_row};
-use crate::error::Failure;
+use crate::error::{Failure, lock_not_available};
+use crate::lent::{Bounds, Lent};
 use crate::listener::{Listener, deleted_payload, payload};
 use crate::read_first::Reads;
 use crate::url::Settings;
@@ -58,6 +62,15 @@ const BEGIN_ATTEMPTS: usize = 32;
 const POOL_WAIT_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long checking a returned connection may take.
 const POOL_RECYCLE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long a claim that found a run's lease ended, but its row locked by a transaction still
+/// open (the run completing in its own transaction: alive), treats that lease as going on. The
+/// copy waits (polling whether the claim changed), then tries the takeover again.
+const LOCKED_RUN_LEASE: Duration = Duration::from_secs(1);
+
+/// How long a replacement of a record past its retention waits before it tries again when the
+/// row is locked (by a purge or another claim, for an instant).
+const LOCKED_RETRY_PAUSE: Duration = Duration::from_millis(10);
 
 /// An idempotency store in a PostgreSQL database, shared by every instance of a service.
 ///
@@ -84,6 +97,8 @@ struct Inner {
     replication: Replication,
     /// Replays read on connections of their own, while replays are most of the traffic.
     reads: Reads,
+    /// The server-side bound of the pool's statements (`Store::bound_operations`).
+    bounds: Arc<Bounds>,
 }
 
 impl fmt::Debug for PostgresStore {
@@ -139,6 +154,8 @@ impl PostgresStore {
             .get_connect_timeout()
             .copied()
             .unwrap_or(Duration::from_secs(10));
+        let bounds = Arc::new(Bounds::default());
+        let (on_create, on_recycle) = (Arc::clone(&bounds), Arc::clone(&bounds));
         let pool = Pool::builder(manager)
             .max_size(settings.pool_size)
             .runtime(Runtime::Tokio1)
@@ -146,6 +163,16 @@ impl PostgresStore {
             // A few hosts may each be tried for `connect_timeout`.
             .create_timeout(Some(connect_timeout * 2))
             .recycle_timeout(Some(POOL_RECYCLE_TIMEOUT))
+            .post_create(Hook::async_fn(move |client, _| {
+                let settings = on_create.session_settings();
+                Box::pin(async move {
+                    if let Some(settings) = settings {
+                        client.batch_execute(&settings).await.map_err(HookError::Backend)?;
+                    }
+                    Ok(())
+                })
+            }))
+            .pre_recycle(Hook::sync_fn(move |_, metrics| on_recycle.check(metrics.created)))
             .build()
             .map_err(|err| PostgresError::Connect {
                 target: settings.target.clone(),
@@ -181,6 +208,7 @@ impl PostgresStore {
             replays: Arc::default(),
             replication,
             reads: Reads::start(settings.read_first, settings.read_connections, &settings.config).await,
+            bounds,
         });
         let pool = inner.pool.clone();
         ReplayCounts::flush_forever(
@@ -239,8 +267,33 @@ impl PostgresStore {
             .map_err(|err| Failure::pool(operation, &self.inner.target, err, self.inner.pool_size))
     }
 
+    /// Runs `work` on a pooled connection, which goes back to the pool when `work` ends, and is
+    /// cancelled and closed if `work` is dropped before (see `lent.rs`).
+    async fn with_client<T>(
+        &self,
+        operation: &'static str,
+        work: impl AsyncFnOnce(&mut Object) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let mut lent = Lent::new(self.client(operation).await?);
+        let result = work(&mut lent).await;
+        lent.give_back();
+        result
+    }
+
     fn db(&self, operation: &'static str) -> impl Fn(tokio_postgres::Error) -> StoreError + Copy + '_ {
         move |err| Failure::db(operation, &self.inner.target, err)
+    }
+
+    /// As [`PostgresStore::db`], for a statement that does not wait for the record's row lock:
+    /// finding it held is [`StoreError::Locked`].
+    fn db_nowait(&self, operation: &'static str) -> impl Fn(tokio_postgres::Error) -> StoreError + Copy + '_ {
+        move |err| {
+            if lock_not_available(&err) {
+                StoreError::Locked
+            } else {
+                Failure::db(operation, &self.inner.target, err)
+            }
+        }
     }
 
     /// Where the claim `token` on the record stands, read for `operation` (`claim_state`, or a
@@ -252,19 +305,21 @@ impl PostgresStore {
         token: FencingToken,
     ) -> Result<ClaimState, StoreError> {
         let db = self.db(operation);
-        let client = self.client(operation).await?;
-        let stmt = client.prepare_cached(sql::CLAIM_STATE).await.map_err(db)?;
-        let row = client
-            .query_opt(&stmt, &[&id.scope.as_str(), &id.key.as_str(), &&token.as_bytes()[..]])
-            .await
-            .map_err(db)?;
-        match row {
-            None => Ok(ClaimState::Ended),
-            Some(row) => Ok(claim_state(
-                &row.try_get::<_, String>(0).map_err(db)?,
-                row.try_get(1).map_err(db)?,
-            )),
-        }
+        self.with_client(operation, async |client| {
+            let stmt = client.prepare_cached(sql::CLAIM_STATE).await.map_err(db)?;
+            let row = client
+                .query_opt(&stmt, &[&id.scope.as_str(), &id.key.as_str(), &&token.as_bytes()[..]])
+                .await
+                .map_err(db)?;
+            match row {
+                None => Ok(ClaimState::Ended),
+                Some(row) => Ok(claim_state(
+                    &row.try_get::<_, String>(0).map_err(db)?,
+                    row.try_get(1).map_err(db)?,
+                )),
+            }
+        })
+        .await
     }
 
     /// A `begin` answered with the record as read: counted as a replay (`Replay`), or as it
@@ -280,6 +335,11 @@ impl PostgresStore {
     /// `begin` on the pool: a new key's claim, or the record as it stands, in one statement
     /// (`CLAIM`); a takeover or a replacement decided again under the row's lock.
     async fn claim(&self, request: BeginRequest<'_>) -> Result<Begin, StoreError> {
+        self.with_client("begin", async |client| self.claim_on(client, request).await)
+            .await
+    }
+
+    async fn claim_on(&self, client: &mut Object, request: BeginRequest<'_>) -> Result<Begin, StoreError> {
         let db = self.db("begin");
         let id = request.id;
         let (scope, key) = (id.scope.as_str(), id.key.as_str());
@@ -294,7 +354,6 @@ impl PostgresStore {
         let trace_id = request.origin.trace.map(|trace| trace.to_string());
         let identity = request.identity.map(|identity| identity.as_bytes().to_vec());
         let notice = payload(id);
-        let mut client = self.client("begin").await?;
         for _ in 0..BEGIN_ATTEMPTS {
             // A new key and a replay, the common cases, are this one statement. No transaction
             // around it: it is atomic by itself, and a replay changes nothing but a count.
@@ -330,17 +389,34 @@ impl PostgresStore {
                 // Committed (or deleted) while the insert waited: look again.
                 continue;
             }
-            let row = StoredRow::from_row(&row, id)?;
+            let read = row;
+            let row = StoredRow::from_row(&read, id)?;
             let action = row.stored.on_begin(row.digest.as_slice() == digest, now);
             if matches!(action, Existing::Replay | Existing::Leave) {
                 return Ok(self.existing(row.into_record(id.clone())?, action));
             }
             // A claim on a record that exists: decided again under the row's lock. Read
             // committed is enough, as every statement sees what was committed before it, and
-            // the lock keeps the row still.
+            // the lock keeps the row still. The lock is never waited for: a pooled connection
+            // queued behind a run's open transaction would be one fewer for every other key.
             let tx = client.transaction().await.map_err(db)?;
             let select = tx.prepare_cached(sql::SELECT_FOR_UPDATE).await.map_err(db)?;
-            let Some(row) = tx.query_opt(&select, &[&scope, &key]).await.map_err(db)? else {
+            let locked = match tx.query_opt(&select, &[&scope, &key]).await {
+                Ok(locked) => locked,
+                Err(err) if lock_not_available(&err) => {
+                    tx.rollback().await.map_err(db)?;
+                    let record = StoredRow::from_row(&read, id)?.into_record(id.clone())?;
+                    match locked_run(record, request.now) {
+                        Some(record) => return Ok(self.existing(record, Existing::Leave)),
+                        None => {
+                            tokio::time::sleep(LOCKED_RETRY_PAUSE).await;
+                            continue;
+                        }
+                    }
+                }
+                Err(err) => return Err(db(err)),
+            };
+            let Some(row) = locked else {
                 // Deleted between the two statements: try again from the insert.
                 tx.rollback().await.map_err(db)?;
                 continue;
@@ -441,27 +517,29 @@ impl Store for PostgresStore {
 
     async fn complete(&self, id: &RecordId, token: FencingToken, completion: Completion) -> Result<(), StoreError> {
         let db = self.db("complete");
-        let client = self.client("complete").await?;
-        let stmt = client.prepare_cached(sql::COMPLETE).await.map_err(db)?;
-        let response: &[u8] = &completion.response;
-        let rows = client
-            .query(
-                &stmt,
-                &[
-                    &id.scope.as_str(),
-                    &id.key.as_str(),
-                    &&token.as_bytes()[..],
-                    &response,
-                    &completion.completed_at.as_i64(),
-                    &completion.expires_at.as_i64(),
-                    &completion.purge_at.as_i64(),
-                    &payload(id),
-                    &i32::from(completion.status),
-                ],
-            )
-            .await
-            .map_err(db)?;
-        fenced(rows.len())
+        self.with_client("complete", async |client| {
+            let stmt = client.prepare_cached(sql::COMPLETE).await.map_err(db)?;
+            let response: &[u8] = &completion.response;
+            let rows = client
+                .query(
+                    &stmt,
+                    &[
+                        &id.scope.as_str(),
+                        &id.key.as_str(),
+                        &&token.as_bytes()[..],
+                        &response,
+                        &completion.completed_at.as_i64(),
+                        &completion.expires_at.as_i64(),
+                        &completion.purge_at.as_i64(),
+                        &payload(id),
+                        &i32::from(completion.status),
+                    ],
+                )
+                .await
+                .map_err(db)?;
+            fenced(rows.len())
+        })
+        .await
     }
 
     async fn claim_state(&self, id: &RecordId, token: FencingToken) -> Result<ClaimState, StoreError> {
@@ -472,78 +550,101 @@ impl Store for PostgresStore {
         true
     }
 
+    /// Every pooled connection opened from now on sets `statement_timeout` and `lock_timeout` to
+    /// the longest limit given; those opened before are closed as they come back to the pool.
+    fn bound_operations(&self, limit: Duration) {
+        self.inner.bounds.raise(limit);
+    }
+
     async fn release(&self, id: &RecordId, token: FencingToken, release: Release) -> Result<(), StoreError> {
         let db = self.db("release");
-        let client = self.client("release").await?;
         let (scope, key, token, notice) = (id.scope.as_str(), id.key.as_str(), &token.as_bytes()[..], payload(id));
-        let rows = match release {
-            Release::Forget => {
-                let stmt = client.prepare_cached(sql::FORGET).await.map_err(db)?;
-                client.query(&stmt, &[&scope, &key, &token, &notice]).await
+        self.with_client("release", async |client| {
+            let mut attempts = 1;
+            loop {
+                let rows = match release {
+                    Release::Forget => {
+                        let stmt = client.prepare_cached(sql::FORGET).await.map_err(db)?;
+                        client.query(&stmt, &[&scope, &key, &token, &notice]).await
+                    }
+                    Release::Unknown { expires_at, purge_at } => {
+                        let stmt = client.prepare_cached(sql::RELEASE_UNKNOWN).await.map_err(db)?;
+                        let (expires_at, purge_at) = (expires_at.as_i64(), purge_at.as_i64());
+                        client
+                            .query(&stmt, &[&scope, &key, &token, &purge_at, &notice, &expires_at])
+                            .await
+                    }
+                }
+                .map_err(self.db_nowait("release"));
+                match rows {
+                    Err(StoreError::Locked) if attempts < LOCKED_ATTEMPTS => {
+                        attempts += 1;
+                        tokio::time::sleep(LOCKED_RETRY_PAUSE).await;
+                    }
+                    rows => return fenced(rows?.len()),
+                }
             }
-            Release::Unknown { expires_at, purge_at } => {
-                let stmt = client.prepare_cached(sql::RELEASE_UNKNOWN).await.map_err(db)?;
-                let (expires_at, purge_at) = (expires_at.as_i64(), purge_at.as_i64());
-                client
-                    .query(&stmt, &[&scope, &key, &token, &purge_at, &notice, &expires_at])
-                    .await
-            }
-        }
-        .map_err(db)?;
-        fenced(rows.len())
+        })
+        .await
     }
 
     async fn renew(&self, id: &RecordId, token: FencingToken, lease_until: UnixMillis) -> Result<(), StoreError> {
         let db = self.db("renew");
-        let client = self.client("renew").await?;
-        let stmt = client.prepare_cached(sql::RENEW).await.map_err(db)?;
-        let changed = client
-            .execute(
-                &stmt,
-                &[
-                    &id.scope.as_str(),
-                    &id.key.as_str(),
-                    &&token.as_bytes()[..],
-                    &lease_until.as_i64(),
-                    &abandoned_purge_at(lease_until),
-                ],
-            )
-            .await
-            .map_err(db)?;
-        fenced(usize::try_from(changed).unwrap_or(usize::MAX))
+        self.with_client("renew", async |client| {
+            let stmt = client.prepare_cached(sql::RENEW).await.map_err(db)?;
+            let changed = client
+                .execute(
+                    &stmt,
+                    &[
+                        &id.scope.as_str(),
+                        &id.key.as_str(),
+                        &&token.as_bytes()[..],
+                        &lease_until.as_i64(),
+                        &abandoned_purge_at(lease_until),
+                    ],
+                )
+                .await
+                .map_err(self.db_nowait("renew"))?;
+            fenced(usize::try_from(changed).unwrap_or(usize::MAX))
+        })
+        .await
     }
 
     /// One compare-and-set statement: a holder that lost its claim changes nothing.
     async fn checkpoint(&self, id: &RecordId, token: FencingToken, checkpoint: Checkpoint) -> Result<(), StoreError> {
         let db = self.db("checkpoint");
-        let client = self.client("checkpoint").await?;
-        let stmt = client.prepare_cached(sql::CHECKPOINT).await.map_err(db)?;
-        let value: &[u8] = &checkpoint.value;
-        let changed = client
-            .execute(
-                &stmt,
-                &[
-                    &id.scope.as_str(),
-                    &id.key.as_str(),
-                    &&token.as_bytes()[..],
-                    &checkpoint.name.as_str(),
-                    &value,
-                ],
-            )
-            .await
-            .map_err(db)?;
-        fenced(usize::try_from(changed).unwrap_or(usize::MAX))
+        self.with_client("checkpoint", async |client| {
+            let stmt = client.prepare_cached(sql::CHECKPOINT).await.map_err(db)?;
+            let value: &[u8] = &checkpoint.value;
+            let changed = client
+                .execute(
+                    &stmt,
+                    &[
+                        &id.scope.as_str(),
+                        &id.key.as_str(),
+                        &&token.as_bytes()[..],
+                        &checkpoint.name.as_str(),
+                        &value,
+                    ],
+                )
+                .await
+                .map_err(db)?;
+            fenced(usize::try_from(changed).unwrap_or(usize::MAX))
+        })
+        .await
     }
 
     async fn checkpoints(&self, id: &RecordId) -> Result<Vec<Checkpoint>, StoreError> {
         let db = self.db("checkpoints");
-        let client = self.client("checkpoints").await?;
-        let stmt = client.prepare_cached(sql::CHECKPOINTS).await.map_err(db)?;
-        let row = client
-            .query_opt(&stmt, &[&id.scope.as_str(), &id.key.as_str()])
-            .await
-            .map_err(db)?;
-        row.map_or_else(|| Ok(Vec::new()), |row| checkpoints_from_row(&row, id))
+        self.with_client("checkpoints", async |client| {
+            let stmt = client.prepare_cached(sql::CHECKPOINTS).await.map_err(db)?;
+            let row = client
+                .query_opt(&stmt, &[&id.scope.as_str(), &id.key.as_str()])
+                .await
+                .map_err(db)?;
+            row.map_or_else(|| Ok(Vec::new()), |row| checkpoints_from_row(&row, id))
+        })
+        .await
     }
 
     /// Two statements without a transaction around them: the insert waits for a concurrent one to
@@ -551,83 +652,96 @@ impl Store for PostgresStore {
     /// snapshot of its own, reads what was committed.
     async fn scope_salt(&self, candidate: ScopeSalt) -> Result<ScopeSalt, StoreError> {
         let db = self.db("scope_salt");
-        let client = self.client("scope_salt").await?;
-        let insert = client.prepare_cached(sql::SCOPE_SALT_INSERT).await.map_err(db)?;
-        let identity = &candidate.identity.as_bytes()[..];
-        let made = client
-            .query_opt(
-                &insert,
-                &[&&candidate.salt[..], &candidate.created_at.as_i64(), &identity],
-            )
-            .await
-            .map_err(db)?;
-        if let Some(salt) = made.as_ref().map(scope_salt_from_row).transpose()?.flatten() {
-            return Ok(salt);
-        }
-        let select = client.prepare_cached(sql::SCOPE_SALT_SELECT).await.map_err(db)?;
-        for _ in 0..2 {
-            match client.query_opt(&select, &[]).await.map_err(db)? {
-                Some(row) => match scope_salt_from_row(&row)? {
-                    Some(salt) => return Ok(salt),
-                    // Made by an instance of a version before identities: given the candidate's.
-                    None => {
-                        let identify = client.prepare_cached(sql::SCOPE_SALT_IDENTIFY).await.map_err(db)?;
-                        client.execute(&identify, &[&identity]).await.map_err(db)?;
-                    }
-                },
-                // Nothing deletes the row: only someone emptying the table by hand in between.
-                None => break,
+        self.with_client("scope_salt", async |client| {
+            let insert = client.prepare_cached(sql::SCOPE_SALT_INSERT).await.map_err(db)?;
+            let identity = &candidate.identity.as_bytes()[..];
+            let made = client
+                .query_opt(
+                    &insert,
+                    &[&&candidate.salt[..], &candidate.created_at.as_i64(), &identity],
+                )
+                .await
+                .map_err(db)?;
+            if let Some(salt) = made.as_ref().map(scope_salt_from_row).transpose()?.flatten() {
+                return Ok(salt);
             }
-        }
-        Err(StoreError::unavailable(Failure::new(
-            "scope_salt",
-            &self.inner.target,
-            "the scope salt was deleted while it was being read (idem_scope_salt must never be emptied)".to_owned(),
-            None,
-        )))
+            let select = client.prepare_cached(sql::SCOPE_SALT_SELECT).await.map_err(db)?;
+            for _ in 0..2 {
+                match client.query_opt(&select, &[]).await.map_err(db)? {
+                    Some(row) => match scope_salt_from_row(&row)? {
+                        Some(salt) => return Ok(salt),
+                        // Made by an instance of a version before identities: given the candidate's.
+                        None => {
+                            let identify = client.prepare_cached(sql::SCOPE_SALT_IDENTIFY).await.map_err(db)?;
+                            client.execute(&identify, &[&identity]).await.map_err(db)?;
+                        }
+                    },
+                    // Nothing deletes the row: only someone emptying the table by hand in between.
+                    None => break,
+                }
+            }
+            Err(StoreError::unavailable(Failure::new(
+                "scope_salt",
+                &self.inner.target,
+                "the scope salt was deleted while it was being read (idem_scope_salt must never be emptied)".to_owned(),
+                None,
+            )))
+        })
+        .await
     }
 
     async fn identity(&self) -> Result<Option<StoreIdentity>, StoreError> {
         let db = self.db("identity");
-        let client = self.client("identity").await?;
-        let stmt = client.prepare_cached(sql::IDENTITY).await.map_err(db)?;
-        match client.query_opt(&stmt, &[]).await.map_err(db)? {
-            Some(row) => identity_from_row(&row, 0),
-            None => Ok(None),
-        }
+        self.with_client("identity", async |client| {
+            let stmt = client.prepare_cached(sql::IDENTITY).await.map_err(db)?;
+            match client.query_opt(&stmt, &[]).await.map_err(db)? {
+                Some(row) => identity_from_row(&row, 0),
+                None => Ok(None),
+            }
+        })
+        .await
     }
 
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         let db = self.db("get");
-        let client = self.client("get").await?;
-        let stmt = client.prepare_cached(sql::SELECT).await.map_err(db)?;
-        let row = client
-            .query_opt(&stmt, &[&id.scope.as_str(), &id.key.as_str()])
-            .await
-            .map_err(db)?;
-        let record = row
-            .map(|row| StoredRow::from_row(&row, id)?.into_record(id.clone()))
-            .transpose()?;
-        Ok(record.map(|record| self.inner.replays.with_pending(record)))
+        self.with_client("get", async |client| {
+            let stmt = client.prepare_cached(sql::SELECT).await.map_err(db)?;
+            let row = client
+                .query_opt(&stmt, &[&id.scope.as_str(), &id.key.as_str()])
+                .await
+                .map_err(db)?;
+            let record = row
+                .map(|row| StoredRow::from_row(&row, id)?.into_record(id.clone()))
+                .transpose()?;
+            Ok(record.map(|record| self.inner.replays.with_pending(record)))
+        })
+        .await
     }
 
     /// One statement: the row is gone when it is read, so a row that cannot be read is deleted
     /// all the same.
     async fn delete(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         let db = self.db("delete");
-        let client = self.client("delete").await?;
-        let stmt = client.prepare_cached(sql::DELETE).await.map_err(db)?;
-        let row = client
-            .query_opt(
-                &stmt,
-                &[&id.scope.as_str(), &id.key.as_str(), &payload(id), &deleted_payload(id)],
-            )
-            .await
-            .map_err(db)?;
-        let record = row
-            .map(|row| StoredRow::from_row(&row, id)?.into_record(id.clone()))
-            .transpose();
-        self.inner.replays.deleted(id, record)
+        self.with_client("delete", async |client| {
+            let stmt = client.prepare_cached(sql::DELETE).await.map_err(db)?;
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
+                [&id.scope.as_str(), &id.key.as_str(), &payload(id), &deleted_payload(id)];
+            let mut attempts = 1;
+            let row = loop {
+                match client.query_opt(&stmt, &params).await.map_err(self.db_nowait("delete")) {
+                    Err(StoreError::Locked) if attempts < LOCKED_ATTEMPTS => {
+                        attempts += 1;
+                        tokio::time::sleep(LOCKED_RETRY_PAUSE).await;
+                    }
+                    row => break row?,
+                }
+            };
+            let record = row
+                .map(|row| StoredRow::from_row(&row, id)?.into_record(id.clone()))
+                .transpose();
+            self.inner.replays.deleted(id, record)
+        })
+        .await
     }
 
     async fn wait(
@@ -645,21 +759,32 @@ impl Store for PostgresStore {
         // a safety net; with `notify=off` it is how changes are seen. The subscription is taken
         // before each check (the listening connection has been listening since before it, or, if
         // it is reconnecting, wakes every waiter once it listens again).
+        let mut locked = false;
         if subscription.is_some() {
             let db = self.db("wait");
-            let client = self.client("wait").await?;
-            let stmt = client.prepare_cached(sql::WAIT_ON).await.map_err(db)?;
-            let marked = client
-                .execute(&stmt, &[&id.scope.as_str(), &id.key.as_str(), &&token.as_bytes()[..]])
-                .await
-                .map_err(db)?;
+            let marked = self
+                .with_client("wait", async |client| {
+                    let stmt = client.prepare_cached(sql::WAIT_ON).await.map_err(db)?;
+                    client
+                        .execute(&stmt, &[&id.scope.as_str(), &id.key.as_str(), &&token.as_bytes()[..]])
+                        .await
+                        .map_err(db)
+                })
+                .await?;
+            // Not marked: the claim ended, or its row is locked (its run completing in its own
+            // transaction), which the mark does not wait for. Then its end is seen by polling
+            // only, at the slow end of the backoff: such a run lasts as long as its transaction.
             if marked == 0 {
-                return Ok(WaitOutcome::Changed);
+                if self.read_claim_state("wait", id, token).await? != ClaimState::Current {
+                    return Ok(WaitOutcome::Changed);
+                }
+                locked = true;
             }
         }
         let max_poll = self.inner.poll_interval;
+        let first_poll = if locked { max_poll } else { max_poll / 4 };
         let notify = subscription.as_ref().map(|s| s.notify());
-        wait_for_change(notify, deadline, max_poll / 4, max_poll, || async {
+        wait_for_change(notify, deadline, first_poll, max_poll, || async {
             Ok(self.read_claim_state("wait", id, token).await? == ClaimState::Current)
         })
         .await
@@ -669,43 +794,49 @@ impl Store for PostgresStore {
         let db = self.db("purge");
         let limit = i64::try_from(batch).unwrap_or(i64::MAX);
         let now = now.as_i64();
-        let mut client = self.client("purge").await?;
-        let tx = client.transaction().await.map_err(db)?;
-        let lock = tx.prepare_cached(sql::PURGE_LOCK).await.map_err(db)?;
-        let locked: bool = tx
-            .query_one(&lock, &[&sql::PURGE_LOCK_CLASS])
-            .await
-            .map_err(db)?
-            .try_get(0)
-            .map_err(db)?;
-        if !locked {
-            // Another instance is purging this schema right now.
-            tx.rollback().await.map_err(db)?;
-            return Ok(Purged::default());
-        }
-        let delete = tx.prepare_cached(sql::PURGE_DELETE).await.map_err(db)?;
-        let deleted = tx.execute(&delete, &[&now, &limit]).await.map_err(db)?;
-        let tombstone = tx.prepare_cached(sql::PURGE_TOMBSTONE).await.map_err(db)?;
-        let tombstoned = tx.execute(&tombstone, &[&now, &limit]).await.map_err(db)?;
-        tx.commit().await.map_err(db)?;
-        Ok(Purged { deleted, tombstoned })
+        self.with_client("purge", async |client| {
+            let tx = client.transaction().await.map_err(db)?;
+            let lock = tx.prepare_cached(sql::PURGE_LOCK).await.map_err(db)?;
+            let locked: bool = tx
+                .query_one(&lock, &[&sql::PURGE_LOCK_CLASS])
+                .await
+                .map_err(db)?
+                .try_get(0)
+                .map_err(db)?;
+            if !locked {
+                // Another instance is purging this schema right now.
+                tx.rollback().await.map_err(db)?;
+                return Ok(Purged::default());
+            }
+            let delete = tx.prepare_cached(sql::PURGE_DELETE).await.map_err(db)?;
+            let deleted = tx.execute(&delete, &[&now, &limit]).await.map_err(db)?;
+            let tombstone = tx.prepare_cached(sql::PURGE_TOMBSTONE).await.map_err(db)?;
+            let tombstoned = tx.execute(&tombstone, &[&now, &limit]).await.map_err(db)?;
+            tx.commit().await.map_err(db)?;
+            Ok(Purged { deleted, tombstoned })
+        })
+        .await
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
         let db = self.db("ping");
-        let client = self.client("ping").await?;
-        let stmt = client.prepare_cached(sql::PING).await.map_err(db)?;
-        client.query_one(&stmt, &[]).await.map(drop).map_err(db)
+        self.with_client("ping", async |client| {
+            let stmt = client.prepare_cached(sql::PING).await.map_err(db)?;
+            client.query_one(&stmt, &[]).await.map(drop).map_err(db)
+        })
+        .await
     }
 
     async fn clock(&self) -> Result<UnixMillis, StoreError> {
         let db = self.db("clock");
-        let client = self.client("clock").await?;
-        let stmt = client.prepare_cached(sql::CLOCK).await.map_err(db)?;
-        let millis: i64 = client.query_one(&stmt, &[]).await.map_err(db)?.get(0);
-        u64::try_from(millis)
-            .map(UnixMillis)
-            .map_err(|_| StoreError::Corrupt(format!("the server's clock reads {millis} ms since 1970")))
+        self.with_client("clock", async |client| {
+            let stmt = client.prepare_cached(sql::CLOCK).await.map_err(db)?;
+            let millis: i64 = client.query_one(&stmt, &[]).await.map_err(db)?.get(0);
+            u64::try_from(millis)
+                .map(UnixMillis)
+                .map_err(|_| StoreError::Corrupt(format!("the server's clock reads {millis} ms since 1970")))
+        })
+        .await
     }
 
     /// The deletes announced on the `LISTEN` connection; none without one (`notify=false`),
@@ -724,43 +855,65 @@ impl Store for PostgresStore {
     /// counted none).
     async fn list(&self, query: &ListQuery) -> Result<Vec<Listed>, StoreError> {
         let db = self.db("list");
-        let client = self.client("list").await?;
-        let since = query.since.map(UnixMillis::as_i64);
-        let state = query.state.map(ListedState::as_str);
-        let limit = i64::try_from(query.limit).unwrap_or(i64::MAX);
-        let route = query.route_reading();
-        // Typed, so that it is sent as an unnamed statement (one round trip), which the server
-        // plans with these values.
-        let rows = client
-            .query_typed(
-                sql::LIST,
-                &[
-                    (&query.now.as_i64(), Type::INT8),
-                    (&since, Type::INT8),
-                    (&query.recovered, Type::BOOL),
-                    (&route, Type::TEXT),
-                    (&state, Type::TEXT),
-                    (&limit, Type::INT8),
-                ],
-            )
-            .await
-            .map_err(db)?;
-        Ok(rows
-            .iter()
-            .filter_map(|row| match listed_from_row(row, query.now) {
-                Ok(listed) => Some(listed),
-                Err(reason) => {
-                    tracing::warn!(server = %self.inner.target, %reason, "skipped a record that does not read in a listing");
-                    None
-                }
-            })
-            .collect())
+        self.with_client("list", async |client| {
+            let since = query.since.map(UnixMillis::as_i64);
+            let state = query.state.map(ListedState::as_str);
+            let limit = i64::try_from(query.limit).unwrap_or(i64::MAX);
+            let route = query.route_reading();
+            // Typed, so that it is sent as an unnamed statement (one round trip), which the server
+            // plans with these values.
+            let rows = client
+                .query_typed(
+                    sql::LIST,
+                    &[
+                        (&query.now.as_i64(), Type::INT8),
+                        (&since, Type::INT8),
+                        (&query.recovered, Type::BOOL),
+                        (&route, Type::TEXT),
+                        (&state, Type::TEXT),
+                        (&limit, Type::INT8),
+                    ],
+                )
+                .await
+                .map_err(db)?;
+            Ok(rows
+                .iter()
+                .filter_map(|row| match listed_from_row(row, query.now) {
+                    Ok(listed) => Some(listed),
+                    Err(reason) => {
+                        tracing::warn!(server = %self.inner.target, %reason, "skipped a record that does not read in a listing");
+                        None
+                    }
+                })
+                .collect())
+        })
+        .await
+    }
+}
+
+/// A run in flight whose lease ended, found with its row locked by a transaction still open (its
+/// handler's own, completing it): a lock held is a run alive, so it is not taken over. Its lease
+/// is read as going on for [`LOCKED_RUN_LEASE`] more, so that the copy waits that long (woken
+/// at once if the claim changes) before it tries again. `None` for a record not in flight (a
+/// row locked for an instant by another claim or a purge): the claim is tried again.
+fn locked_run(mut record: Record, now: UnixMillis) -> Option<Record> {
+    match &mut record.state {
+        idem_core::store::RecordState::InFlight { lease_until, .. } => {
+            *lease_until = (*lease_until).max(now.plus(LOCKED_RUN_LEASE));
+            Some(record)
+        }
+        _ => None,
     }
 }
 
 fn abandoned_purge_at(lease_until: UnixMillis) -> i64 {
     idem_core::store::backend::abandoned_purge_at(lease_until).as_i64()
 }
+
+/// How many times a release or a delete that found the record's row locked tries, [`LOCKED_RETRY_PAUSE`]
+/// apart, before it reports [`StoreError::Locked`]: another claim's or a purge's lock lasts an
+/// instant; a run's own transaction, completing the record, lasts as long as the run.
+const LOCKED_ATTEMPTS: usize = 5;
 
 /// A compare-and-set that changed nothing lost its claim.
 fn fenced(changed: usize) -> Result<(), StoreError> {

@@ -218,7 +218,7 @@ where
                 // free again at once (no lease to wait out, no phantom recovered run).
                 tracing::info!(scope = %claim.id().scope, key = %claim.id().key, "the caller left before the request ran; releasing its claim");
                 let settlement = protocol.settle(&claim, RunEnd::CallerLeft);
-                carry_out_release(&protocol, &claim, settlement.keep).await;
+                let _ = protocol.release_settled(&claim, settlement).await;
                 return;
             }
             parts.extensions.insert(claim.info());
@@ -333,9 +333,9 @@ async fn run<S, ResBody>(
         Ok(Ok(Ok(response))) => response,
         Ok(Ok(Err(err))) => {
             let settlement = protocol.settle(&claim, RunEnd::HandlerFailed);
+            let settlement = protocol.release_settled(&claim, settlement).await;
             let status = settlement.status.unwrap_or(internal_status());
             report.outcome(Some(&id), settlement.outcome, status);
-            carry_out_release(&protocol, &claim, settlement.keep).await;
             let _ = answer.send(Err(err));
             return;
         }
@@ -381,9 +381,9 @@ async fn run<S, ResBody>(
     };
     let (response, pending) = match settlement.keep {
         Keep::Release(_) | Keep::Leave => {
+            let settlement = protocol.release_settled(&claim, settlement).await;
             let status = settlement.status.unwrap_or(head.status);
             report.outcome(Some(&id), settlement.outcome, status);
-            carry_out_release(&protocol, &claim, settlement.keep).await;
             let response = match settlement.reply {
                 Reply::Handler => Response::from_parts(head, body),
                 Reply::Problem(problem) => problem.map(full),
@@ -442,26 +442,16 @@ async fn run_timed_out(protocol: &Protocol, report: &Report, claim: &Claim) -> R
     settled(protocol, report, claim, settlement).await
 }
 
-/// Carries out a settlement that answers with a problem: logs it, releases the record as it says,
-/// and returns the problem.
+/// Carries out a settlement that answers with a problem: releases the record as it says, logs
+/// it, and returns the problem (as the release found the claim).
 async fn settled(protocol: &Protocol, report: &Report, claim: &Claim, settlement: Settlement) -> Response<Body> {
+    let settlement = protocol.release_settled(claim, settlement).await;
     let status = settlement.status.unwrap_or(internal_status());
     report.outcome(Some(claim.id()), settlement.outcome, status);
-    carry_out_release(protocol, claim, settlement.keep).await;
     match settlement.reply {
         Reply::Problem(problem) => problem.map(full),
         // Every ending without an answer of the handler's is answered with a problem.
         Reply::Handler => internal_error(),
-    }
-}
-
-/// Releases the record as `keep` says (nothing to do for a keep that stores: the caller stores).
-async fn carry_out_release(protocol: &Protocol, claim: &Claim, keep: Keep) {
-    if let Keep::Release(release) = keep
-        && let Err(err) = protocol.release(claim, release).await
-    {
-        // The record stays in flight until its lease ends; then a retry takes it over, marked recovered.
-        tracing::error!(scope = %claim.id().scope, key = %claim.id().key, error = %err, "could not release the record");
     }
 }
 

@@ -39,7 +39,7 @@ pub(crate) async fn store_clock(store: &Arc<dyn Store>) -> anyhow::Result<Arc<St
 /// Opens the store, reads its clock and names the record the arguments point at.
 async fn open_record(args: &RecordArgs, access: Access) -> anyhow::Result<(Arc<dyn Store>, Arc<StoreClock>, RecordId)> {
     let key = IdempotencyKey::new(&args.key).with_context(|| format!("{:?} is not a valid key", args.key))?;
-    let store = stores::open(&args.store.store, Some(access)).await?;
+    let store = stores::open_for_operator(&args.store.store, access).await?;
     let clock = store_clock(&store).await?;
     let id = match &args.authorization {
         Some(credential) => credential_record(&*store, credential, key, clock.now()).await?,
@@ -165,6 +165,15 @@ pub(crate) async fn delete(args: RecordArgs) -> anyhow::Result<()> {
             );
             return Ok(());
         }
+        // The store did not wait for the transaction holding the record: what it would have
+        // deleted is not what the record will be once that transaction ends.
+        Err(StoreError::Locked) => anyhow::bail!(
+            "nothing was deleted: the record of key {:?} in scope {:?} is locked by a transaction still open \
+             (its run is completing in its own transaction now). Look again with `idem inspect` once it has \
+             ended: if it committed, its answer is kept for retries, and deleting it would let the key run again",
+            id.key.as_str(),
+            id.scope.as_str()
+        ),
         Err(err) => return Err(anyhow::Error::new(err).context("cannot delete the record")),
     };
     // Every running instance forgets the answer in its replay cache as the store announces the
@@ -462,7 +471,7 @@ impl<'a> RecordJson<'a> {
 
 /// `idem purge`: runs every due batch of retention work now.
 pub(crate) async fn purge(args: StoreArgs) -> anyhow::Result<()> {
-    let store = stores::open(&args.store, Some(Access::Purge)).await?;
+    let store = stores::open_for_operator(&args.store, Access::Purge).await?;
     let clock = store_clock(&store).await?;
     let purged = Protocol::with_clock(store, Policy::default(), clock)
         .purge(PURGE_BATCH)

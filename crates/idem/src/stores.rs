@@ -2,6 +2,7 @@
 //! password.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context as _;
 use idem_core::{Store, redact_url};
@@ -54,6 +55,19 @@ pub(crate) async fn open(url: &str, access: Option<Access>) -> anyhow::Result<Ar
             redact_url(url)
         ))),
     }
+}
+
+/// The longest any one statement of an operator's command may run or wait on the store's
+/// server (a listing of a large store included), so that a command never hangs on a lock.
+pub(crate) const OPERATOR_BOUND: Duration = Duration::from_secs(30);
+
+/// Opens the store for an operator's command (`list`, `inspect`, `delete`, `purge`): every operation is
+/// bounded on the server by [`OPERATOR_BOUND`], and an operator's delete never waits for a run's
+/// open transaction (it reports it instead).
+pub(crate) async fn open_for_operator(url: &str, access: Access) -> anyhow::Result<Arc<dyn Store>> {
+    let store = open(url, Some(access)).await?;
+    store.bound_operations(OPERATOR_BOUND);
+    Ok(store)
 }
 
 /// A store URL that cannot work, named as the `--store` setting (its message redacts the URL's

@@ -271,6 +271,7 @@ impl Protocol {
     /// The protocol with an injected clock (tests of leases and retention). It keeps a replay
     /// cache of the default size ([`ReplayCacheConfig::DEFAULT`]) if the store can invalidate one.
     pub fn with_clock(store: Arc<dyn Store>, policy: Policy, clock: Arc<dyn Clock>) -> Self {
+        store.bound_operations(policy.store_timeout);
         let replay_cache = ReplayCache::for_store(&store, ReplayCacheConfig::DEFAULT);
         Self {
             inner: Arc::new(Inner {
@@ -300,6 +301,7 @@ impl Protocol {
     /// The same protocol (store, clock, keys, scope hashing and held answers) under another
     /// policy: a route's.
     pub fn with_policy(&self, policy: Policy) -> Self {
+        self.inner.store.bound_operations(policy.store_timeout);
         self.derived(|inner| inner.policy = policy)
     }
 

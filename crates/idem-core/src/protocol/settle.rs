@@ -134,6 +134,9 @@ pub struct Settlement {
     pub outcome: Outcome,
     /// The status the client gets (for logs), when it is not the handler's own.
     pub status: Option<StatusCode>,
+    /// The problem of [`Reply::Problem`], to be said again if the release finds the claim
+    /// elsewhere ([`Protocol::release_settled`]).
+    problem: Option<Problem>,
 }
 
 impl Settlement {
@@ -143,6 +146,7 @@ impl Settlement {
             reply: Reply::Handler,
             outcome: run.outcome,
             status: None,
+            problem: None,
         }
     }
 
@@ -152,8 +156,37 @@ impl Settlement {
             status: Some(problem.kind.status()),
             reply: Reply::Problem(problem.to_response()),
             outcome,
+            problem: Some(problem),
         }
     }
+}
+
+/// Where an in-transaction run's claim was found when its release changed nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Found {
+    /// Its transaction is still open (the store did not wait for it).
+    Open,
+    /// Its transaction committed the answer.
+    Committed,
+    /// Another run took the key over, or it was deleted.
+    Lost,
+}
+
+/// The problem of a run given up (`given_up`: what the settlement would have said) whose claim
+/// turned out to stand as `found`.
+fn said_again(given_up: &Problem, found: Found, retry_after: Duration) -> Problem {
+    let lead = given_up
+        .detail
+        .split_once("; ")
+        .map_or(given_up.detail.as_str(), |(lead, _)| lead);
+    let now = match found {
+        Found::Lost => return claim_lost().retry_after(retry_after),
+        Found::Committed => "but its transaction committed its answer: retry with the same key to receive it",
+        Found::Open => {
+            "its transaction was still open: if it commits, a retry with the same key receives its answer; if it does not, the retry runs the request again"
+        }
+    };
+    Problem::new(given_up.kind, format!("{lead}; {now}")).retry_after(retry_after)
 }
 
 /// What settling needs to know of a run besides how it ended.
@@ -194,6 +227,51 @@ impl Protocol {
             self.store().release(claim.id(), claim.token(), release),
         )
         .await
+    }
+
+    /// Carries out the release `settlement` asks for, if any ([`Keep::Release`]), and returns
+    /// the settlement to answer with.
+    ///
+    /// A run that completes in its own transaction may be given up (its run timeout, its caller
+    /// gone) while that transaction is still open. Its release then changes nothing: the store
+    /// does not wait for the transaction ([`StoreError::Locked`]), or finds the claim completed
+    /// by it or taken over ([`StoreError::Fenced`]). The problem the client gets is then said
+    /// again from where the claim stands: its answer committed (the retry replays it), its
+    /// transaction still open (the retry replays it if it commits, and runs again if it does
+    /// not), or the key another run's. A release that fails otherwise leaves the record in
+    /// flight until its lease ends; the settlement is answered as it is.
+    pub async fn release_settled(&self, claim: &Claim, mut settlement: Settlement) -> Settlement {
+        let Keep::Release(release) = settlement.keep else {
+            return settlement;
+        };
+        let (scope, key) = (&claim.id().scope, &claim.id().key);
+        let found = match self.release(claim, release).await {
+            Ok(()) => return settlement,
+            Err(StoreError::Locked) => Found::Open,
+            Err(StoreError::Fenced) => match self.confirm(claim).await {
+                Ok(ClaimState::Completed) => Found::Committed,
+                Ok(ClaimState::Ended) => Found::Lost,
+                Ok(ClaimState::Current) | Err(_) => {
+                    tracing::warn!(%scope, %key, "the record was not released: its claim changed");
+                    return settlement;
+                }
+            },
+            Err(err) => {
+                // The record stays in flight until its lease ends; then a retry takes it over,
+                // marked recovered (or unmarked if nothing of an in-transaction run stands).
+                tracing::error!(%scope, %key, error = %err, "could not release the record");
+                return settlement;
+            }
+        };
+        tracing::info!(%scope, %key, found = ?found, "the run's release changed nothing: its claim was found elsewhere");
+        if let Some(problem) = settlement.problem.as_ref().filter(|_| claim.token().in_transaction()) {
+            let problem = said_again(problem, found, self.policy().retry_after);
+            settlement.status = Some(problem.kind.status());
+            settlement.reply = Reply::Problem(problem.to_response());
+            settlement.problem = Some(problem);
+        }
+        settlement.keep = Keep::Leave;
+        settlement
     }
 
     /// The answer to a client whose request is still running after the layer's response timeout:
@@ -576,5 +654,34 @@ mod tests {
             retry,
         );
         assert_eq!(timed_out.headers()["retry-after"], "2");
+    }
+
+    /// A run given up whose release found its claim elsewhere is told where: its status kept,
+    /// its first clause kept, the rest said again.
+    #[test]
+    fn a_given_up_run_is_told_where_its_claim_stands() {
+        let given_up = Problem::new(
+            ProblemKind::UpstreamTimeout,
+            "the request ran longer than 2.0 s and was given up; it did not complete, so nothing of it stands: retry with the same key",
+        );
+        let retry = Duration::from_secs(3);
+        for (found, says) in [
+            (Found::Open, "its transaction was still open: if it commits"),
+            (Found::Committed, "but its transaction committed its answer"),
+        ] {
+            let problem = said_again(&given_up, found, retry);
+            assert_eq!(problem.kind, ProblemKind::UpstreamTimeout);
+            assert!(
+                problem
+                    .detail
+                    .starts_with("the request ran longer than 2.0 s and was given up; "),
+                "{problem:?}"
+            );
+            assert!(problem.detail.contains(says), "{problem:?}");
+            assert!(!problem.detail.contains("nothing of it stands"), "{problem:?}");
+            assert_eq!(problem.retry_after, Some(retry));
+        }
+        let lost = said_again(&given_up, Found::Lost, retry);
+        assert_eq!(lost.kind, ProblemKind::KeyInFlight);
     }
 }

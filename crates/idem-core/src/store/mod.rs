@@ -453,6 +453,15 @@ pub enum StoreError {
         "the store is not the one this instance knew (its data was lost, flushed or replaced): its salt is read again"
     )]
     IdentityChanged,
+    /// Nothing was changed, and nothing waited: the record is locked by a transaction still open
+    /// (a handler completing the record in its own transaction, which a lock held shows alive).
+    /// Only a store whose records a caller's transaction can lock (PostgreSQL) says so, and only
+    /// for what must not wait on a run: a renewal, a release, an operator's delete. Where the claim
+    /// stands is read once the transaction has ended ([`Store::claim_state`]).
+    #[error(
+        "the record is locked by a transaction still open (a run completing in its own transaction); nothing was changed"
+    )]
+    Locked,
 }
 
 impl StoreError {
@@ -583,6 +592,16 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
         false
     }
 
+    /// The longest the caller waits for any one operation (the policy's `store_timeout`, given by
+    /// every [`Protocol`](crate::protocol::Protocol) made over the store): a store that can bound
+    /// its own waits where they happen (on the server: PostgreSQL's `statement_timeout` and
+    /// `lock_timeout`; SQLite's busy wait) bounds them by the longest it was given, so that no
+    /// operation outlives its caller. A store whose operations cannot wait on others' (Redis)
+    /// ignores it.
+    fn bound_operations(&self, limit: std::time::Duration) {
+        let _ = limit;
+    }
+
     /// How this store tells this instance's [replay caches](crate::replay_cache) that a record
     /// was deleted, by any instance or by an operator: every [`Store::delete`] announces it on
     /// the store's notification channel, and the store reports the channel's losses. `None` for a
@@ -657,6 +676,9 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     }
     fn clock_is_local(&self) -> bool {
         (**self).clock_is_local()
+    }
+    fn bound_operations(&self, limit: std::time::Duration) {
+        (**self).bound_operations(limit);
     }
     fn invalidations(&self) -> Option<Arc<Invalidations>> {
         (**self).invalidations()
