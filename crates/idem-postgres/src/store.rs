@@ -5,8 +5,8 @@
 //! (`SELECT ... FOR UPDATE NOWAIT`: a row another transaction holds is a run alive, never waited
 //! for; nothing of the store queues on a row lock, see docs/design.md, "Where each store waits").
 //! Every pooled connection bounds its statements on the server by the store timeout, and goes
-//! back to the pool only when its operation ends (`lent.rs`). In a burst of replays, `begin` reads first on connections many
-//! reads share (`read_first.rs`). Complete, release and renew are single compare-and-set
+//! back to the pool only when its operation ends (`lent.rs`). In a burst of replays, `begin`
+//! reads first on connections many reads share (`read_first.rs`). Complete, release and renew are single compare-and-set
 //! statements on the fencing token. Changes that end a claim `NOTIFY` in the same statement when
 //! someone waits on the record (a waiter marks it first), so that waiters everywhere are woken on
 //! commit, and commits nobody waits for do not queue on the lock every `NOTIFY` takes. A replay is
