@@ -59,6 +59,47 @@ pub enum PostgresError {
         /// The newest version this crate knows.
         supported: i32,
     },
+    /// The connecting role lacks rights the store needs on a migrated schema (`USAGE` on the
+    /// schema, a right on a table or a function).
+    #[error(
+        "the role {role} lacks {missing} in PostgreSQL at {target}; grant it, or connect as a role that has it (the grants of each role: docs/stores.md, \"PostgreSQL roles\")"
+    )]
+    MissingPrivileges {
+        /// The server, as `user@host:port/database`.
+        target: String,
+        /// The role connected (`current_user`).
+        role: String,
+        /// Each missing right and its object: `USAGE on schema idem, DELETE on table idem.idem_records`.
+        missing: String,
+    },
+    /// The schema is older than this version of idem, and the connecting role cannot migrate it.
+    #[error(
+        "the idem schema {schema} in PostgreSQL at {target} is at version {found} and this idem needs version {needed}, but the role {role} cannot migrate it: it lacks {missing}; run `idem migrate` with a role that has it"
+    )]
+    MigrationNeeded {
+        /// The server, as `user@host:port/database`.
+        target: String,
+        /// The schema of the store's tables.
+        schema: String,
+        /// The role connected (`current_user`).
+        role: String,
+        /// The version recorded in `idem_schema_migrations` (0: none).
+        found: i32,
+        /// The newest version this crate knows.
+        needed: i32,
+        /// Each missing right and its object.
+        missing: String,
+    },
+    /// No `schema=` was given, and no schema of the connection's `search_path` exists.
+    #[error(
+        "no schema of the search_path ({search_path}) exists in PostgreSQL at {target}: name one with schema=NAME in the store URL"
+    )]
+    NoSchema {
+        /// The server, as `user@host:port/database`.
+        target: String,
+        /// The connection's `search_path`.
+        search_path: String,
+    },
     /// The connection that listens for change notifications could not be set up.
     #[error(
         "cannot LISTEN for change notifications on PostgreSQL at {target} (behind a pooler without LISTEN, such as PgBouncer in transaction mode, add notify=off to the URL)"

@@ -50,6 +50,7 @@ mod error;
 mod in_transaction;
 mod lent;
 mod listener;
+mod privileges;
 mod read_first;
 mod replays;
 mod replication;
@@ -59,6 +60,7 @@ mod store;
 mod url;
 
 pub use error::{BoxError, PostgresError};
+pub use privileges::Access;
 pub use replication::{Replication, SynchronousCommit};
 pub use store::PostgresStore;
 pub use url::StoreDatabase;

@@ -6,7 +6,7 @@ use std::error::Error as StdError;
 
 use deadpool_postgres::{Pool, PoolError};
 
-use crate::PostgresError;
+use crate::{PostgresError, privileges};
 
 /// The key of the advisory lock held while migrating (`"idem"` and 1, as one `bigint`). One lock
 /// for the whole database: migrations are rare and short, and schemas are created under it too.
@@ -51,6 +51,19 @@ const MIGRATION_LOCK: i64 = 0x6964_656d_0000_0001;
 ///    statement (`CLAIM`), so that an instance that read the salt of a store that has since lost
 ///    its data (or a schema made anew) finds out before it claims anything. A salt that exists
 ///    gets one here; a new one is made with one (`SCOPE_SALT_INSERT`).
+/// 10. Least privilege for the upstream, and `IDEM1`/`IDEM2`/`IDEM3` that name their cause.
+///     `idem_complete` becomes `SECURITY DEFINER`: it runs with its owner's rights (the role that
+///     migrated), so that an upstream needs `EXECUTE` on it and no right on `idem_records`; its
+///     `search_path` stays pinned (the schema, then `pg_temp`: no object of the caller's stands in
+///     for the store's), and it only ever reaches this schema's records. `EXECUTE` is revoked from
+///     `PUBLIC`; the operator grants it (`docs/stores.md`, "PostgreSQL roles"). An overload takes
+///     the headers as text, so that headers that are not JSON are `IDEM2`, not a cast error in the
+///     caller's statement; the roles that may execute the `jsonb` one may execute it. A token's
+///     fields are checked one by one (`IDEM3` naming the field, a retention out of range among
+///     them), too many header values are `IDEM2`. `idem_claim_lost` raises the `IDEM1` of a claim
+///     that is not current with its cause (completed already by this claim, in this transaction
+///     or before; taken over; released; no record of the key in this schema: deleted, or a token of
+///     another store), for both `idem_complete_claim`s.
 const MIGRATIONS: &[(i32, &str)] = &[
     (
         1,
@@ -403,20 +416,289 @@ ALTER TABLE idem_scope_salt ADD COLUMN identity BYTEA;
 UPDATE idem_scope_salt SET identity = decode(md5(random()::text || clock_timestamp()::text), 'hex');
 ",
     ),
+    (
+        10,
+        r#"
+-- Raises the IDEM1 of a claim that is not current, naming why: called by idem_complete_claim
+-- when its update found no record in flight under the token.
+CREATE FUNCTION idem_claim_lost(p_scope TEXT, p_key TEXT, p_token BYTEA) RETURNS void
+LANGUAGE plpgsql
+AS $fn$
+DECLARE
+    r    RECORD;
+    hint TEXT := 'this transaction must not commit: it is aborted, and its writes roll back';
+BEGIN
+    SELECT state, token IS NOT DISTINCT FROM p_token AS ours, xmin = pg_current_xact_id()::xid AS here
+    INTO r FROM idem_records WHERE scope = p_scope AND key = p_key;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'idem: there is no record of this key in schema %: it was deleted (by an operator, or purged after it expired), or the token is from a gateway whose store is another schema', current_schema()
+            USING ERRCODE = 'IDEM1', HINT = hint;
+    ELSIF r.ours AND r.state = 'completed' AND r.here THEN
+        RAISE EXCEPTION 'idem: this claim completed its record already, in this transaction: complete a run once'
+            USING ERRCODE = 'IDEM1', HINT = hint;
+    ELSIF r.ours AND r.state = 'completed' THEN
+        RAISE EXCEPTION 'idem: this claim completed its record already, in a transaction that committed before: complete a run once'
+            USING ERRCODE = 'IDEM1', HINT = hint;
+    ELSIF r.state = 'unknown' THEN
+        RAISE EXCEPTION 'idem: the claim was released (the gateway gave the run up, or an operator deleted the key while it ran): the key''s next run is flagged Idempotency-Recovered'
+            USING ERRCODE = 'IDEM1', HINT = hint;
+    ELSIF NOT r.ours AND r.state = 'completed' THEN
+        RAISE EXCEPTION 'idem: another run took the key over (this run''s lease ran out) and completed it'
+            USING ERRCODE = 'IDEM1', HINT = hint || '; the run that took the key answers the client';
+    ELSIF NOT r.ours THEN
+        RAISE EXCEPTION 'idem: another run took the key over (this run''s lease ran out) and holds it now'
+            USING ERRCODE = 'IDEM1', HINT = hint || '; the run that holds the key answers the client';
+    ELSE
+        RAISE EXCEPTION 'idem: the claim on this record is no longer current (its record is %)', r.state
+            USING ERRCODE = 'IDEM1', HINT = hint;
+    END IF;
+END
+$fn$;
+GRANT EXECUTE ON FUNCTION idem_claim_lost(TEXT, TEXT, BYTEA) TO PUBLIC;
+CREATE OR REPLACE FUNCTION idem_complete_claim(
+    p_scope TEXT, p_key TEXT, p_token BYTEA, p_response BYTEA,
+    p_completed_at BIGINT, p_expires_at BIGINT, p_purge_at BIGINT, p_notice TEXT
+) RETURNS void
+LANGUAGE plpgsql
+AS $fn$
+DECLARE
+    woken INTEGER;
+BEGIN
+    IF p_response IS NULL OR p_completed_at IS NULL OR p_expires_at IS NULL OR p_purge_at IS NULL THEN
+        RAISE EXCEPTION 'idem: a completion needs an answer and its times' USING ERRCODE = 'IDEM2';
+    END IF;
+    -- Never kept for less than the claim itself promised (its ttl and tombstone from the claim).
+    UPDATE idem_records
+    SET state = 'completed', lease_until = NULL, response = p_response, completed_at = p_completed_at, expires_at = GREATEST(p_expires_at, expires_at),
+        purge_at = GREATEST(p_purge_at, purge_at), checkpoint_names = '{}', checkpoint_values = '{}'
+    WHERE scope = p_scope AND key = p_key AND token = p_token AND state = 'in-flight'
+    RETURNING waiters INTO woken;
+    IF NOT FOUND THEN
+        PERFORM idem_claim_lost(p_scope, p_key, p_token);
+    END IF;
+    IF woken > 0 THEN
+        PERFORM pg_notify('idem_records', p_notice);
+    END IF;
+END
+$fn$;
+CREATE OR REPLACE FUNCTION idem_complete_claim(
+    p_scope TEXT, p_key TEXT, p_token BYTEA, p_response BYTEA,
+    p_completed_at BIGINT, p_expires_at BIGINT, p_purge_at BIGINT, p_notice TEXT, p_status INTEGER
+) RETURNS void
+LANGUAGE plpgsql
+AS $fn$
+DECLARE
+    woken INTEGER;
+BEGIN
+    IF p_response IS NULL OR p_completed_at IS NULL OR p_expires_at IS NULL OR p_purge_at IS NULL THEN
+        RAISE EXCEPTION 'idem: a completion needs an answer and its times' USING ERRCODE = 'IDEM2';
+    END IF;
+    -- Never kept for less than the claim itself promised (its ttl and tombstone from the claim).
+    UPDATE idem_records
+    SET state = 'completed', lease_until = NULL, response = p_response, status = p_status,
+        completed_at = p_completed_at, expires_at = GREATEST(p_expires_at, expires_at),
+        purge_at = GREATEST(p_purge_at, purge_at), checkpoint_names = '{}', checkpoint_values = '{}'
+    WHERE scope = p_scope AND key = p_key AND token = p_token AND state = 'in-flight'
+    RETURNING waiters INTO woken;
+    IF NOT FOUND THEN
+        PERFORM idem_claim_lost(p_scope, p_key, p_token);
+    END IF;
+    IF woken > 0 THEN
+        PERFORM pg_notify('idem_records', p_notice);
+    END IF;
+END
+$fn$;
+CREATE OR REPLACE FUNCTION idem_complete(p_token TEXT, p_status INTEGER, p_headers JSONB, p_body BYTEA)
+RETURNS void
+LANGUAGE plpgsql
+SECURITY DEFINER
+AS $fn$
+DECLARE
+    parts   TEXT[] := string_to_array(p_token, '.');
+    v_scope TEXT;
+    v_key   TEXT;
+    v_token BYTEA;
+    v_ttl   BIGINT;
+    v_keep  BIGINT;
+    v_now   BIGINT := (extract(epoch FROM clock_timestamp()) * 1000)::bigint;
+    v_heads BYTEA := '\x'::bytea;
+    v_count INTEGER := 0;
+    v_field TEXT;
+    h       RECORD;
+BEGIN
+    IF p_token IS NULL OR cardinality(parts) <> 6 OR parts[1] <> 'idem1' THEN
+        RAISE EXCEPTION 'idem: this is not an Idempotency-Token (one is idem1.SCOPE.KEY.TOKEN.TTL.KEEP, as the gateway sent it)'
+            USING ERRCODE = 'IDEM3';
+    END IF;
+    -- Each field on its own, so that the error names it. A retention is milliseconds from now
+    -- that the database's clock can add (never the bigint overflow of an altered token).
+    BEGIN
+        v_field := 'scope (its second field)';
+        v_scope := convert_from(decode(parts[2], 'hex'), 'UTF8');
+        v_field := 'key (its third field)';
+        v_key := convert_from(decode(parts[3], 'hex'), 'UTF8');
+        v_field := 'claim (its fourth field)';
+        v_token := decode(parts[4], 'hex');
+        v_field := 'ttl (its fifth field)';
+        v_ttl := parts[5]::bigint;
+        v_field := 'tombstone retention (its sixth field)';
+        v_keep := parts[6]::bigint;
+    EXCEPTION WHEN OTHERS THEN
+        RAISE EXCEPTION 'idem: this is not an Idempotency-Token: its % is not valid (%)', v_field, SQLERRM
+            USING ERRCODE = 'IDEM3';
+    END;
+    IF v_ttl < 0 OR v_ttl > 9223372036854775807 - v_now THEN
+        RAISE EXCEPTION 'idem: the Idempotency-Token''s ttl (its fifth field), % ms, is out of range', v_ttl
+            USING ERRCODE = 'IDEM3';
+    END IF;
+    IF v_keep < 0 OR v_keep > 9223372036854775807 - v_now THEN
+        RAISE EXCEPTION 'idem: the Idempotency-Token''s tombstone retention (its sixth field), % ms, is out of range', v_keep
+            USING ERRCODE = 'IDEM3';
+    END IF;
+    IF p_status IS NULL OR p_status < 200 OR p_status > 499 OR p_status IN (408, 409, 425, 429) THEN
+        RAISE EXCEPTION 'idem: a % answer is not stored (a retry runs the request again); do not complete with it', p_status
+            USING ERRCODE = 'IDEM2';
+    END IF;
+    IF p_headers IS NOT NULL AND jsonb_typeof(p_headers) <> 'object' THEN
+        RAISE EXCEPTION 'idem: headers must be a JSON object of names to a value or an array of values, not a JSON %', jsonb_typeof(p_headers)
+            USING ERRCODE = 'IDEM2';
+    END IF;
+    FOR h IN
+        SELECT lower(e.key) AS name, v.value #>> '{}' AS value, jsonb_typeof(v.value) AS kind
+        FROM jsonb_each(COALESCE(p_headers, '{}'::jsonb)) AS e,
+             LATERAL jsonb_array_elements(
+                 CASE jsonb_typeof(e.value) WHEN 'array' THEN e.value ELSE jsonb_build_array(e.value) END
+             ) AS v(value)
+        WHERE lower(e.key) IN ('content-type', 'content-encoding', 'vary', 'location', 'content-location', 'etag', 'link')
+    LOOP
+        IF h.kind <> 'string' THEN
+            RAISE EXCEPTION 'idem: the value of header % must be a string (or an array of strings), not %', h.name, h.kind
+                USING ERRCODE = 'IDEM2';
+        END IF;
+        IF h.value ~ '[\x01-\x08\x0a-\x1f\x7f]' THEN
+            RAISE EXCEPTION 'idem: the value of header % is not a valid header value', h.name USING ERRCODE = 'IDEM2';
+        END IF;
+        IF v_count = 32767 THEN
+            RAISE EXCEPTION 'idem: too many header values (at most 32767 are stored)' USING ERRCODE = 'IDEM2';
+        END IF;
+        v_heads := v_heads
+            || int4send(octet_length(h.name)) || convert_to(h.name, 'UTF8')
+            || int4send(octet_length(convert_to(h.value, 'UTF8'))) || convert_to(h.value, 'UTF8');
+        v_count := v_count + 1;
+    END LOOP;
+    PERFORM idem_complete_claim(
+        v_scope, v_key, v_token,
+        '\x4944523100'::bytea || int2send(p_status::smallint) || int2send(v_count::smallint) || v_heads
+            || COALESCE(p_body, '\x'::bytea),
+        v_now, v_now + v_ttl, v_now + v_keep,
+        encode(substr(sha256(int8send(octet_length(v_scope)::bigint) || convert_to(v_scope, 'UTF8')
+            || convert_to(v_key, 'UTF8')), 1, 16), 'hex'),
+        p_status
+    );
+END
+$fn$;
+-- The headers as text (what a caller's untyped parameter or literal is): headers that are not
+-- JSON are IDEM2, rather than the cast's error in the caller's statement.
+CREATE FUNCTION idem_complete(p_token TEXT, p_status INTEGER, p_headers TEXT, p_body BYTEA)
+RETURNS void
+LANGUAGE plpgsql
+SECURITY DEFINER
+AS $fn$
+DECLARE
+    v_headers JSONB;
+BEGIN
+    BEGIN
+        v_headers := p_headers::jsonb;
+    EXCEPTION WHEN invalid_text_representation THEN
+        RAISE EXCEPTION 'idem: the headers are not JSON (%): pass a JSON object of names to a value or an array of values', SQLERRM
+            USING ERRCODE = 'IDEM2';
+    END;
+    PERFORM idem_complete(p_token, p_status, v_headers, p_body);
+END
+$fn$;
+DO $pin$
+DECLARE
+    grantee TEXT;
+    f       TEXT;
+BEGIN
+    FOREACH f IN ARRAY ARRAY[
+        'idem_claim_lost(TEXT, TEXT, BYTEA)',
+        'idem_complete_claim(TEXT, TEXT, BYTEA, BYTEA, BIGINT, BIGINT, BIGINT, TEXT)',
+        'idem_complete_claim(TEXT, TEXT, BYTEA, BYTEA, BIGINT, BIGINT, BIGINT, TEXT, INTEGER)',
+        'idem_complete(TEXT, INTEGER, JSONB, BYTEA)',
+        'idem_complete(TEXT, INTEGER, TEXT, BYTEA)'
+    ] LOOP
+        EXECUTE format('ALTER FUNCTION %s SET search_path = %I, pg_temp', f, current_schema());
+    END LOOP;
+    -- Whoever may complete with jsonb headers may with text ones; nobody else (PUBLIC neither).
+    FOR grantee IN
+        SELECT DISTINCT quote_ident(pg_get_userbyid(a.grantee))
+        FROM pg_proc p, aclexplode(p.proacl) a
+        WHERE p.oid = 'idem_complete(TEXT, INTEGER, JSONB, BYTEA)'::regprocedure
+          AND a.privilege_type = 'EXECUTE' AND a.grantee <> 0
+    LOOP
+        EXECUTE format('GRANT EXECUTE ON FUNCTION idem_complete(TEXT, INTEGER, TEXT, BYTEA) TO %s', grantee);
+    END LOOP;
+    REVOKE EXECUTE ON FUNCTION idem_complete(TEXT, INTEGER, JSONB, BYTEA) FROM PUBLIC;
+    REVOKE EXECUTE ON FUNCTION idem_complete(TEXT, INTEGER, TEXT, BYTEA) FROM PUBLIC;
+END $pin$;
+"#,
+    ),
 ];
 
 /// The newest schema version this crate knows.
 pub(crate) const VERSION: i32 = MIGRATIONS[MIGRATIONS.len() - 1].0;
 
-/// Brings the schema up to [`VERSION`], creating `schema` first if it is given and missing.
-pub(crate) async fn migrate(pool: &Pool, target: &str, schema: Option<&str>) -> Result<(), PostgresError> {
-    let mut client = pool.get().await.map_err(|err| PostgresError::Connect {
+/// Reads the schema's version with plain reads (no DDL, no lock: a current schema needs only the
+/// rights a use of the store needs) and, when it is behind, migrates it if the role can; when the
+/// role cannot, the error names each right it lacks, and says to run `idem migrate` with a role
+/// that has them.
+pub(crate) async fn prepare(pool: &Pool, target: &str, schema: Option<&str>) -> Result<(), PostgresError> {
+    let client = connection(pool, target).await?;
+    let found = privileges::read_version(&**client, target, schema).await?;
+    if found.version > VERSION {
+        return Err(newer(target, found.version));
+    }
+    if found.version == VERSION {
+        return Ok(());
+    }
+    let missing = privileges::missing_for_migration(&**client, target, &found).await?;
+    if !missing.is_empty() {
+        return Err(PostgresError::MigrationNeeded {
+            target: target.to_owned(),
+            schema: found.schema,
+            role: found.role,
+            found: found.version,
+            needed: VERSION,
+            missing: missing.join(", "),
+        });
+    }
+    drop(client);
+    migrate(pool, target, schema).await
+}
+
+fn newer(target: &str, found: i32) -> PostgresError {
+    PostgresError::NewerSchema {
+        target: target.to_owned(),
+        found,
+        supported: VERSION,
+    }
+}
+
+async fn connection(pool: &Pool, target: &str) -> Result<deadpool_postgres::Object, PostgresError> {
+    pool.get().await.map_err(|err| PostgresError::Connect {
         target: target.to_owned(),
         source: match err {
             PoolError::Backend(err) => Box::new(err),
             err => Box::new(err),
         },
-    })?;
+    })
+}
+
+/// Brings the schema up to [`VERSION`], creating `schema` first if it is given and missing, under
+/// the migration lock.
+async fn migrate(pool: &Pool, target: &str, schema: Option<&str>) -> Result<(), PostgresError> {
+    let mut client = connection(pool, target).await?;
     let failed = |step: &str| {
         let step = step.to_owned();
         move |err: tokio_postgres::Error| PostgresError::Migrate {
@@ -426,6 +708,11 @@ pub(crate) async fn migrate(pool: &Pool, target: &str, schema: Option<&str>) -> 
         }
     };
     let tx = client.transaction().await.map_err(failed("starting a transaction"))?;
+    // A migration waits for the lock and for the tables as long as it takes: the session's
+    // timeouts (set for the store's own statements) must not cut it halfway.
+    tx.batch_execute("SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0")
+        .await
+        .map_err(failed("lifting the session's timeouts"))?;
     tx.batch_execute(&format!("SELECT pg_advisory_xact_lock({MIGRATION_LOCK})"))
         .await
         .map_err(failed("taking the migration lock"))?;
@@ -465,11 +752,7 @@ pub(crate) async fn migrate(pool: &Pool, target: &str, schema: Option<&str>) -> 
         .map_err(failed("reading idem_schema_migrations"))?
         .get(0);
     if found > VERSION {
-        return Err(PostgresError::NewerSchema {
-            target: target.to_owned(),
-            found,
-            supported: VERSION,
-        });
+        return Err(newer(target, found));
     }
     for &(version, sql) in MIGRATIONS.iter().filter(|(version, _)| *version > found) {
         let step = format!("migration {version}");

@@ -2,8 +2,11 @@
 //! that reads the record and, only if there is none, inserts it (`INSERT ... ON CONFLICT DO
 //! NOTHING`, in the function `idem_claim_insert`, so that a replay is a plain read); taking over
 //! or replacing a record that exists is decided again in a transaction that locks the row
-//! (`SELECT ... FOR UPDATE`). In a burst of replays, `begin` reads first on connections many
-//! reads share (`read_first.rs`). Complete, release and renew are single compare-and-set
+//! (`SELECT ... FOR UPDATE NOWAIT`: a row another transaction holds is a run alive, never waited
+//! for; nothing of the store queues on a row lock, see docs/design.md, "Where each store waits").
+//! Every pooled connection bounds its statements on the server by the store timeout, and goes
+//! back to the pool only when its operation ends (`lent.rs`). In a burst of replays, `begin`
+//! reads first on connections many reads share (`read_first.rs`). Complete, release and renew are single compare-and-set
 //! statements on the fencing token. Changes that end a claim `NOTIFY` in the same statement when
 //! someone waits on the record (a waiter marks it first), so that waiters everywhere are woken on
 //! commit, and commits nobody waits for do not queue on the lock every `NOTIFY` takes. A replay is
@@ -48,7 +51,7 @@ use crate::lent::{Bounds, Lent};
 use crate::listener::{Listener, deleted_payload, payload};
 use crate::read_first::Reads;
 use crate::url::Settings;
-use crate::{PostgresError, Replication, replays, replication, schema, sql};
+use crate::{Access, PostgresError, Replication, privileges, replays, replication, schema, sql};
 
 /// How many times `begin` tries again when the record it conflicted with is gone before it could
 /// be read (deleted by a release or a purge in between). Each try is a new statement with a new
@@ -175,7 +178,7 @@ impl PostgresStore {
                 target: settings.target.clone(),
                 source: Box::new(err),
             })?;
-        schema::migrate(&pool, &settings.target, settings.schema.as_deref()).await?;
+        schema::prepare(&pool, &settings.target, settings.schema.as_deref()).await?;
         let replication = replication::read(&pool).await;
         replication.log(&settings.target);
         let listener = if settings.notify {
@@ -220,10 +223,22 @@ impl PostgresStore {
         Ok(Self { inner })
     }
 
-    /// Creates the schema or applies the migrations it lacks; does nothing if it is up to date.
-    /// Safe to run from many instances at once. [`PostgresStore::connect`] calls it.
+    /// Creates the schema or applies the migrations it lacks; does nothing if it is up to date
+    /// (then it only reads the schema's version: no DDL, no lock). Safe to run from many instances
+    /// at once. [`PostgresStore::connect`] calls it.
     pub async fn migrate(&self) -> Result<(), PostgresError> {
-        schema::migrate(&self.inner.pool, &self.inner.target, self.inner.schema.as_deref()).await
+        schema::prepare(&self.inner.pool, &self.inner.target, self.inner.schema.as_deref()).await
+    }
+
+    /// Checks that the connected role has every right `access` needs on the store's schema
+    /// (`docs/stores.md`, "PostgreSQL roles"); [`PostgresError::MissingPrivileges`] names each
+    /// right it lacks and its object.
+    pub async fn check_access(&self, access: Access) -> Result<(), PostgresError> {
+        let client = self.inner.pool.get().await.map_err(|err| PostgresError::Connect {
+            target: self.inner.target.to_string(),
+            source: Box::new(err),
+        })?;
+        privileges::check(&**client, &self.inner.target, self.inner.schema.as_deref(), access).await
     }
 
     /// The server, as `user@host:port/database` (never with a password), for messages.
@@ -744,6 +759,7 @@ impl Store for PostgresStore {
         // a safety net; with `notify=off` it is how changes are seen. The subscription is taken
         // before each check (the listening connection has been listening since before it, or, if
         // it is reconnecting, wakes every waiter once it listens again).
+        let mut locked = false;
         if subscription.is_some() {
             let db = self.db("wait");
             let marked = self
@@ -756,14 +772,19 @@ impl Store for PostgresStore {
                 })
                 .await?;
             // Not marked: the claim ended, or its row is locked (its run completing in its own
-            // transaction), which the mark does not wait for. Then its end is seen by polling.
-            if marked == 0 && self.read_claim_state("wait", id, token).await? != ClaimState::Current {
-                return Ok(WaitOutcome::Changed);
+            // transaction), which the mark does not wait for. Then its end is seen by polling
+            // only, at the slow end of the backoff: such a run lasts as long as its transaction.
+            if marked == 0 {
+                if self.read_claim_state("wait", id, token).await? != ClaimState::Current {
+                    return Ok(WaitOutcome::Changed);
+                }
+                locked = true;
             }
         }
         let max_poll = self.inner.poll_interval;
+        let first_poll = if locked { max_poll } else { max_poll / 4 };
         let notify = subscription.as_ref().map(|s| s.notify());
-        wait_for_change(notify, deadline, max_poll / 4, max_poll, || async {
+        wait_for_change(notify, deadline, first_poll, max_poll, || async {
             Ok(self.read_claim_state("wait", id, token).await? == ClaimState::Current)
         })
         .await

@@ -14,7 +14,7 @@ use idem_core::{
 use idem_postgres::{PostgresError, PostgresStore};
 
 /// The versions every migration of this crate records, in order.
-const VERSIONS: [i32; 9] = [1, 2, 3, 4, 5, 6, 7, 8, 9];
+const VERSIONS: [i32; 10] = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10];
 
 /// Version 1 of the schema, as the first release created it (`idem_schema_migrations`, then
 /// migration 1), to check that a database made by it is upgraded in place.
@@ -372,12 +372,21 @@ async fn the_functions_are_pinned_to_the_store_schema() {
         None,
         false,
     )];
-    for function in [
-        "idem_complete(text,integer,jsonb,bytea)",
-        "idem_complete_claim(text,text,bytea,bytea,bigint,bigint,bigint,text)",
-        "idem_complete_claim(text,text,bytea,bytea,bigint,bigint,bigint,text,integer)",
+    // Version 10: `idem_complete` (both forms) runs with its owner's rights, pinned all the same.
+    for (function, definer) in [
+        ("idem_claim_lost(text,text,bytea)", false),
+        ("idem_complete(text,integer,jsonb,bytea)", true),
+        ("idem_complete(text,integer,text,bytea)", true),
+        (
+            "idem_complete_claim(text,text,bytea,bytea,bigint,bigint,bigint,text)",
+            false,
+        ),
+        (
+            "idem_complete_claim(text,text,bytea,bytea,bigint,bigint,bigint,text,integer)",
+            false,
+        ),
     ] {
-        expected.push((function.to_owned(), pinned.clone(), false));
+        expected.push((function.to_owned(), pinned.clone(), definer));
     }
     assert_eq!(functions, expected);
 }
@@ -399,7 +408,7 @@ async fn a_newer_schema_is_refused() {
             err,
             PostgresError::NewerSchema {
                 found: 999,
-                supported: 9,
+                supported: 10,
                 ..
             }
         ),

@@ -10,9 +10,9 @@
 //! answer in hand is held and stored again.
 //!
 //! `WAIT` blocks the connection that sends it until the replicas answer, so acknowledged calls go
-//! over a small pool of their own connections, round robin, and reads never wait behind them. A
-//! replay is a `begin` too: its `WAIT` returns at once unless writes on the same connection are
-//! still unacknowledged.
+//! over a pool of their own connections, each lent to one call at a time (`ack_pool`): reads never
+//! wait behind a `WAIT`, and no write waits behind another's. A replay is a `begin` too, whose
+//! script writes nothing: it counts whatever its `WAIT` says (`acknowledged`).
 //!
 //! How many replicas to wait for is the URL's `replicas=`: a number, or `auto` (the default): one
 //! from the moment the topology (`INFO replication`, or `CLUSTER NODES` on a cluster, read again
@@ -22,23 +22,23 @@
 //! instance or command that starts later reads it, so one started while the replica is cut off
 //! (a pod restarted mid-failover, an operator's `idem delete`) waits for it too.
 
+use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{PoisonError, RwLock, Weak};
 use std::time::Duration;
 
 use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
 use redis::{RedisResult, Value};
 use tokio::sync::OnceCell;
+use tokio::time::Instant;
 
+use crate::ack_pool::{AckPool, Lent, NotLent};
 use crate::conn::{Commands, Conn};
 use crate::decode::{text, unexpected};
 use crate::keys::replicated_key;
 use crate::timeouts::RESPONSE_TIMEOUT;
 use crate::url::{Config, Replicas};
-
-/// How many connections carry acknowledged writes.
-const POOL_SIZE: usize = 4;
 
 /// How often `replicas=auto` reads the topology again.
 const TOPOLOGY_EVERY: Duration = Duration::from_secs(1);
@@ -53,8 +53,7 @@ pub(crate) struct Acknowledgement {
     /// Whether this process has written (or read) `PREFIX:replicated`.
     marked: AtomicBool,
     config: Config,
-    pool: OnceCell<Vec<Arc<Commands>>>,
-    next: AtomicUsize,
+    pool: OnceCell<AckPool>,
     /// The last topology read, for messages.
     seen: RwLock<Option<u32>>,
 }
@@ -71,7 +70,6 @@ impl Acknowledgement {
             marked: AtomicBool::new(false),
             config: config.clone(),
             pool: OnceCell::new(),
-            next: AtomicUsize::new(0),
             seen: RwLock::new(None),
         });
         if this.setting == Replicas::Auto {
@@ -121,20 +119,23 @@ impl Acknowledgement {
         self.timeout
     }
 
-    /// The connection for the next acknowledged write, with its generation.
-    pub(crate) async fn connection(&self) -> RedisResult<(Arc<Commands>, Conn, u64)> {
-        let pool = self.pool().await?;
-        let commands = &pool[self.next.fetch_add(1, Ordering::Relaxed) % pool.len()];
-        let (conn, generation) = commands.get();
-        Ok((Arc::clone(commands), conn, generation))
+    /// A connection for one acknowledged write, lent to it alone, by `deadline`.
+    pub(crate) async fn lend(&self, deadline: Instant) -> Result<Lent<'_>, NotLent> {
+        let pool = self.pool().await.map_err(|err| NotLent::Open(Some(err)))?;
+        pool.lend(deadline).await
     }
 
     /// The connections of the pool, if it is open.
     pub(crate) fn connections(&self) -> Vec<Arc<Commands>> {
-        self.pool.get().cloned().unwrap_or_default()
+        self.pool.get().map(AckPool::connections).unwrap_or_default()
     }
 
-    async fn pool(&self) -> RedisResult<&Vec<Arc<Commands>>> {
+    /// The setting, for messages: `replicas=1`, or `replicas=auto (1 now)`.
+    pub(crate) fn setting(&self) -> Setting {
+        Setting::new(self.setting, self.wanted())
+    }
+
+    async fn pool(&self) -> RedisResult<&AckPool> {
         if let Some(pool) = self.pool.get() {
             return Ok(pool);
         }
@@ -142,12 +143,7 @@ impl Acknowledgement {
         // acknowledged write's future would otherwise carry (and move) room for it.
         Box::pin(self.pool.get_or_try_init(|| async {
             // A command on these connections may wait `timeout` for the replicas first.
-            let response_timeout = RESPONSE_TIMEOUT + self.timeout;
-            let mut pool = Vec::with_capacity(POOL_SIZE);
-            for _ in 0..POOL_SIZE {
-                pool.push(Commands::connect(&self.config, response_timeout).await?);
-            }
-            Ok(pool)
+            AckPool::open(&self.config, RESPONSE_TIMEOUT + self.timeout).await
         }))
         .await
     }
@@ -195,6 +191,28 @@ impl Acknowledgement {
                 }
             }
         });
+    }
+}
+
+/// The acknowledgement setting as a message names it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Setting {
+    replicas: Replicas,
+    wanted: u32,
+}
+
+impl Setting {
+    pub(crate) fn new(replicas: Replicas, wanted: u32) -> Self {
+        Self { replicas, wanted }
+    }
+}
+
+impl fmt::Display for Setting {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.replicas {
+            Replicas::Exactly(n) => write!(f, "replicas={n}"),
+            Replicas::Auto => write!(f, "replicas=auto, {} now", self.wanted),
+        }
     }
 }
 

@@ -5,14 +5,14 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::Duration;
 
 use idem_core::store::backend::hex;
 use idem_core::{StoreError, store::FencingToken};
-use redis::{Cmd, ErrorKind, RedisResult, ServerErrorKind, Value};
+use redis::{Cmd, RedisResult, Value};
 
 use crate::ack::Acknowledgement;
-use crate::conn::{Commands, Node};
+use crate::acknowledged::{self, Written};
+use crate::conn::Commands;
 use crate::script_load::StoreScript;
 use crate::scripts::CORRUPT;
 
@@ -33,8 +33,8 @@ struct MisroutedReply {
 
 /// One call to Redis: what it is, the record it is about and its nonce.
 pub(crate) struct Call<'a> {
-    what: &'static str,
-    record: &'a str,
+    pub(crate) what: &'static str,
+    pub(crate) record: &'a str,
     /// Fresh for every call: the reply and the errors about the record must carry it.
     pub(crate) nonce: String,
 }
@@ -112,23 +112,9 @@ pub(crate) enum Durability<'a> {
     /// lose without changing an answer).
     Primary,
     /// On the replicas that the rule wants, if any: the call is followed by `WAIT` on a
-    /// connection of the rule's pool, and fails as unavailable if too few acknowledge it.
+    /// connection of the rule's pool lent to it alone, and fails as unavailable if too few
+    /// acknowledge it.
     Replicas(&'a Acknowledgement),
-}
-
-/// A write that too few replicas acknowledged in time: the primary has it, a failover may lose
-/// it, so it does not count.
-#[derive(Debug, thiserror::Error)]
-#[error(
-    "Redis did not get {what} on {record} to enough replicas: {acknowledged} of {wanted} acknowledged it \
-     within {timeout:?} (a failover now could lose it, so it does not count)"
-)]
-struct NotAcknowledged {
-    what: &'static str,
-    record: String,
-    acknowledged: i64,
-    wanted: u32,
-    timeout: Duration,
 }
 
 /// Room for a script call's arguments: the command, hash, key count, keys, nonce and the most any
@@ -141,7 +127,7 @@ const COMMAND_BYTES: usize = 768;
 /// Runs `script` (the operation `what`) on `keys` with a fresh nonce and `args`; returns the reply
 /// after the nonce it names. A reply that names another call, or is not a script's
 /// reply at all, is an error, and the connection it came on is replaced. A call that
-/// [`Durability::Replicas`] waits for the replicas its rule wants.
+/// [`Durability::Replicas`] fails as unavailable unless the replicas its rule wants acknowledge it.
 pub(crate) async fn run_script(
     commands: &Arc<Commands>,
     durability: Durability<'_>,
@@ -150,6 +136,21 @@ pub(crate) async fn run_script(
     keys: &[&str],
     args: impl FnOnce(&mut Cmd),
 ) -> Result<std::vec::IntoIter<Value>, StoreError> {
+    run_write(commands, durability, what, script, keys, args)
+        .await?
+        .into_payload()
+}
+
+/// As [`run_script`], but the reply of a script that ran is returned even if too few replicas
+/// acknowledged it, with that failure beside it: the caller may have to undo what it wrote.
+pub(crate) async fn run_write(
+    commands: &Arc<Commands>,
+    durability: Durability<'_>,
+    what: &'static str,
+    script: &StoreScript,
+    keys: &[&str],
+    args: impl FnOnce(&mut Cmd),
+) -> Result<Written, StoreError> {
     let call = Call::new(what, keys[0]);
     // Sized for the whole call at once: grown argument by argument, the command's buffers would be
     // reallocated about ten times on every call.
@@ -163,111 +164,19 @@ pub(crate) async fn run_script(
     evalsha.arg(&call.nonce);
     args(&mut evalsha);
     match durability {
-        Durability::Replicas(ack) if ack.wanted() > 0 => run_acknowledged(ack, &call, script, &evalsha).await,
+        Durability::Replicas(ack) if ack.wanted() > 0 => acknowledged::run(ack, &call, script, &evalsha).await,
         _ => {
             let (mut conn, generation) = commands.get();
-            call.take(
-                script.send(&commands.loads, &mut conn, &evalsha).await,
-                commands,
-                generation,
-            )
+            let reply = script.send(&commands.loads, &mut conn, &evalsha).await;
+            Ok(Written::counted(call.take(reply, commands, generation)?))
         }
     }
-}
-
-/// Sends the script and `WAIT` in one pipeline on a connection of the acknowledgement pool: the
-/// `WAIT` counts the replicas that have everything this connection wrote, the script included.
-async fn run_acknowledged(
-    ack: &Acknowledgement,
-    call: &Call<'_>,
-    script: &StoreScript,
-    evalsha: &Cmd,
-) -> Result<std::vec::IntoIter<Value>, StoreError> {
-    let wanted = ack.wanted();
-    let (commands, mut conn, generation) = ack.connection().await.map_err(StoreError::unavailable)?;
-    let mut pipeline = redis::pipe();
-    pipeline
-        .add_command(evalsha.clone())
-        .cmd("WAIT")
-        .arg(wanted)
-        .arg(u64::try_from(ack.timeout().as_millis()).unwrap_or(u64::MAX));
-    let mut replies = script
-        .send(&commands.loads, &mut conn, &pipeline)
-        .await
-        .map_err(StoreError::unavailable)?;
-    if let Some(target) = asked_elsewhere(replies.first()) {
-        // The record's slot is being migrated and its keys already live on `target`: the script
-        // goes there, after `ASKING`, with its `WAIT` on the same connection.
-        let mut asking = redis::pipe();
-        asking.cmd("ASKING");
-        for command in pipeline.cmd_iter() {
-            asking.add_command(command.clone());
-        }
-        // Boxed: a rare path whose future would otherwise make every acknowledged write's larger.
-        let mut there = Box::pin(conn.pipeline_on(&target, &asking))
-            .await
-            .map_err(StoreError::unavailable)?;
-        // The reply to ASKING comes first.
-        replies = there.split_off(1.min(there.len()));
-    }
-    let mut replies = replies.into_iter();
-    let (reply, acknowledged) = (replies.next(), replies.next());
-    let reply = match reply {
-        Some(Value::ServerError(err)) => {
-            let err = redis::RedisError::from(err);
-            if err.kind() == ErrorKind::Server(ServerErrorKind::Moved) {
-                // A pipeline is not redirected as a lone command is: let one be, so that the
-                // client learns where the record's slot lives now, and fail this call (MOVED,
-                // TRYAGAIN and CLUSTERDOWN are all the store being unavailable for a moment).
-                let _ = redis::cmd("EXISTS")
-                    .arg(call.record)
-                    .query_async::<Value>(&mut conn)
-                    .await;
-            }
-            Err(err)
-        }
-        Some(reply) => Ok(reply),
-        None => Err((ErrorKind::UnexpectedReturnType, "no reply to the script").into()),
-    };
-    let payload = call.take(reply, &commands, generation)?;
-    match acknowledged {
-        Some(Value::Int(acknowledged)) if acknowledged >= i64::from(wanted) => Ok(payload),
-        Some(Value::Int(acknowledged)) => Err(StoreError::unavailable(NotAcknowledged {
-            what: call.what,
-            record: call.record.to_owned(),
-            acknowledged,
-            wanted,
-            timeout: ack.timeout(),
-        })),
-        other => {
-            tracing::warn!("a Redis reply reached the wrong command");
-            commands.out_of_step(generation);
-            Err(call.misrouted(&other))
-        }
-    }
-}
-
-/// The node an `ASK` redirection names: a slot under migration whose keys are already there.
-fn asked_elsewhere(reply: Option<&Value>) -> Option<Node> {
-    let Some(Value::ServerError(err)) = reply else {
-        return None;
-    };
-    let err = redis::RedisError::from(err.clone());
-    if err.kind() != ErrorKind::Server(ServerErrorKind::Ask) {
-        return None;
-    }
-    let (address, _slot) = err.redirect_node()?;
-    let (host, port) = address.rsplit_once(':')?;
-    Some(Node::Primary {
-        host: host.to_owned(),
-        port: port.parse().ok()?,
-    })
 }
 
 impl Call<'_> {
     /// The payload of `reply` if it answers this call; the store's error otherwise, with the
     /// connection `generation` of `commands` replaced if the reply belongs to another call.
-    fn take(
+    pub(crate) fn take(
         &self,
         reply: RedisResult<Value>,
         commands: &Arc<Commands>,

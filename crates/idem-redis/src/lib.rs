@@ -34,6 +34,8 @@
 #![forbid(unsafe_code)]
 
 mod ack;
+mod ack_pool;
+mod acknowledged;
 mod call;
 mod conn;
 mod decode;

@@ -22,7 +22,7 @@ use redis::{Cmd, Pipeline, Value};
 use tokio::sync::Notify;
 
 use crate::ack::Acknowledgement;
-use crate::call::{Call, Durability, run_script};
+use crate::call::{Call, Durability, run_script, run_write};
 use crate::conn::{Commands, Conn, Node, follow_sentinels};
 use crate::decode::{
     Claimed, Found, LISTED_FIELDS, StoredHash, parse_begin, parse_checkpoints, parse_identity, parse_listed,
@@ -50,7 +50,8 @@ use crate::{RedisError, origin, url};
 /// fallback for messages lost while a connection was down.
 ///
 /// The store holds two multiplexed connections (on a cluster, two per node): one runs commands,
-/// the other holds the wake-up subscriptions. Both reconnect by themselves after an outage;
+/// the other holds the wake-up subscriptions; with replicas to wait for, writes go over a pool of
+/// connections each lent to one write and its `WAIT` at a time. Both reconnect by themselves after an outage;
 /// operations fail with [`StoreError::Unavailable`] meanwhile. Every reply names the call it
 /// answers (its nonce): one that does not is an error, never acted on, and the connection it came
 /// on is replaced. Cloning is cheap and shares both connections.
@@ -366,7 +367,7 @@ impl RedisStore {
         let claim_purge_at = claim_purge_at(request.purge_at, request.lease_until);
         let identity = request.identity.map(|identity| identity.to_hex()).unwrap_or_default();
         let names = [keys.record.as_str(), &keys.body, &keys.checkpoints, identity_key];
-        let reply = run_script(
+        let written = run_write(
             &self.inner.commands,
             self.writes(),
             "begin",
@@ -389,7 +390,22 @@ impl RedisStore {
             },
         )
         .await?;
-        Ok(match parse_begin(reply, request)? {
+        let claimed = parse_begin(written.payload, request)?;
+        if let Some(unacknowledged) = written.unacknowledged {
+            match claimed {
+                // The script wrote nothing (a replay, a mismatch, a copy in flight to wait for,
+                // another store): what it read is what the primary holds, and the `WAIT` only
+                // counted earlier writes of its connection.
+                Claimed::Begun(Begin::Existing(_), _) | Claimed::OtherStore(_) => {}
+                Claimed::Begun(Begin::Acquired { recovered }, _) => {
+                    if !recovered {
+                        self.forget_unacknowledged(request, keys).await;
+                    }
+                    return Err(unacknowledged);
+                }
+            }
+        }
+        Ok(match claimed {
             Claimed::Begun(Begin::Existing(record), true) => {
                 Claimed::Begun(Begin::Existing(self.inner.replays.replayed(record)), true)
             }
@@ -398,6 +414,35 @@ impl RedisStore {
             }
             other => other,
         })
+    }
+
+    /// Forgets a new claim that no replica acknowledged (the script said it was new, not a
+    /// takeover): nothing ran under it, nothing will, so the key's next request runs unflagged, as
+    /// the first. Compare-and-set on the claim's token, on the primary alone: if a failover loses
+    /// the deletion, the replica either never had the claim (the key is new there too) or has it
+    /// in flight, and its lease ends in a takeover flagged as recovered. If it cannot be
+    /// forgotten now, the protocol gives it up as unknown (a release that finds it forgotten is
+    /// fenced, a no-op).
+    async fn forget_unacknowledged(&self, request: &BeginRequest<'_>, keys: &RecordKeys) {
+        let forgotten = self
+            .run_flag(Durability::Primary, "release", &RELEASE_SCRIPT, keys, |script| {
+                script
+                    .arg(&request.token.as_bytes()[..])
+                    .arg("forget")
+                    .arg(0)
+                    .arg(&keys.channel)
+                    .arg(self.inner.publish)
+                    .arg(0);
+            })
+            .await;
+        match forgotten {
+            Ok(1) => tracing::debug!(record = %keys.record, "forgot a new claim that no replica acknowledged"),
+            Ok(_) => {}
+            Err(err) => tracing::warn!(
+                record = %keys.record, error = %err,
+                "cannot forget a new claim that no replica acknowledged; it is given up as unknown"
+            ),
+        }
     }
 
     /// Writes `salt` (the salt hash as it stands) into the cluster's copy `key`, acknowledged as

@@ -7,14 +7,15 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use idem_core::StoreError;
 use rusqlite::{Connection, Transaction, TransactionBehavior};
 
 use crate::SqliteError;
 
-/// How long a statement waits for another connection's write lock before it fails.
+/// How long a statement waits for another connection's write lock before it fails, until the
+/// store is given a bound ([`Connections::bound_by`]).
 const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The open connections to one database file.
@@ -28,6 +29,8 @@ pub(crate) struct Connections {
     /// Reads (`get`, the checks of `wait`, `ping`) do not queue behind writes. `None` for an
     /// in-memory database, which exists only in its one connection.
     reader: Option<Mutex<Connection>>,
+    /// The longest `store_timeout` given, in milliseconds (0: none given, [`BUSY_TIMEOUT`]).
+    bound: AtomicU64,
 }
 
 impl Connections {
@@ -82,6 +85,7 @@ impl Connections {
             database,
             writer: Mutex::new(writer),
             reader,
+            bound: AtomicU64::new(0),
         })
     }
 
@@ -94,6 +98,29 @@ impl Connections {
     /// the file.
     pub(crate) fn database(&self) -> &Arc<Path> {
         &self.database
+    }
+
+    /// Bounds every later operation by `limit` (the longest given is kept): from when it was
+    /// asked for, its wait for this process's connection and then for another process's lock
+    /// on the file together last at most that long, so that an operation its caller gave up
+    /// never runs late, and never holds the connection that the operations queued after it need.
+    pub(crate) fn bound_by(&self, limit: Duration) {
+        let millis = u64::try_from(limit.as_millis()).unwrap_or(u64::MAX).max(1);
+        self.bound.fetch_max(millis, Ordering::AcqRel);
+    }
+
+    /// Sets `conn`'s busy wait to what is left of the bound of an operation asked for at `asked`;
+    /// fails, starting nothing, if nothing is left.
+    fn within_bound(&self, conn: &Connection, asked: Instant) -> Result<(), StoreError> {
+        let limit = match self.bound.load(Ordering::Acquire) {
+            0 => BUSY_TIMEOUT,
+            millis => Duration::from_millis(millis),
+        };
+        let left = limit.saturating_sub(asked.elapsed());
+        if left.is_zero() {
+            return Err(StoreError::unavailable(Overdue(limit)));
+        }
+        conn.busy_timeout(left).map_err(db_error)
     }
 
     /// The writer connection, locked.
@@ -119,9 +146,10 @@ impl Connections {
         F: FnOnce(&Transaction<'_>) -> Result<T, StoreError> + Send + 'static,
         T: Send + 'static,
     {
-        let conns = Arc::clone(self);
+        let (conns, asked) = (Arc::clone(self), Instant::now());
         blocking(move || {
             let mut conn = conns.writer();
+            conns.within_bound(&conn, asked)?;
             let tx = conn
                 .transaction_with_behavior(TransactionBehavior::Immediate)
                 .map_err(db_error)?;
@@ -139,10 +167,23 @@ impl Connections {
         F: FnOnce(&Connection) -> Result<T, StoreError> + Send + 'static,
         T: Send + 'static,
     {
-        let conns = Arc::clone(self);
-        blocking(move || op(&lock(conns.reader.as_ref().unwrap_or(&conns.writer)))).await
+        let (conns, asked) = (Arc::clone(self), Instant::now());
+        blocking(move || {
+            let conn = lock(conns.reader.as_ref().unwrap_or(&conns.writer));
+            conns.within_bound(&conn, asked)?;
+            op(&conn)
+        })
+        .await
     }
 }
+
+/// An operation not started: the operations before it on this process's connection, or another
+/// process holding the file's lock, took its whole bound.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the SQLite file stayed locked for the whole store timeout ({0:?}), by another process's transaction or by this process's operations before this one; nothing was done"
+)]
+struct Overdue(Duration);
 
 fn connect(path: &Path) -> Result<Connection, SqliteError> {
     let setup = |err| SqliteError::setup(path, err);

@@ -382,6 +382,12 @@ impl Store for SqliteStore {
         true
     }
 
+    /// An operation's wait for this process's connection and for another process's lock on the
+    /// file together last at most the longest limit given (see `conn.rs`).
+    fn bound_operations(&self, limit: std::time::Duration) {
+        self.conns.bound_by(limit);
+    }
+
     fn invalidations(&self) -> Option<Arc<Invalidations>> {
         Some(Arc::clone(self.deletions.invalidations()))
     }

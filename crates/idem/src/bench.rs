@@ -52,7 +52,10 @@ struct Phase {
 
 pub(crate) async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let samples = Arc::new(Samples::default());
-    let store = idem_core::store::Observed::new(stores::open(&args.store.store).await?, samples.clone());
+    let store = idem_core::store::Observed::new(
+        stores::open(&args.store.store, Some(idem_postgres::Access::Serve)).await?,
+        samples.clone(),
+    );
     let body = "x".repeat(args.body_size);
     // Sealed at rest when IDEM_ENCRYPTION_KEYS is set, as `idem serve` would seal them.
     let keyring = crate::config::keyring_from_env()?;

@@ -14,6 +14,7 @@ use idem_core::{
     protocol::{CredentialScopes, Protocol},
     store::{Checkpoint, Record, RecordId, RecordState, StoreClock},
 };
+use idem_postgres::Access;
 use serde::Serialize;
 
 use crate::cli::{InspectArgs, RecordArgs, StoreArgs};
@@ -36,9 +37,9 @@ pub(crate) async fn store_clock(store: &Arc<dyn Store>) -> anyhow::Result<Arc<St
 }
 
 /// Opens the store, reads its clock and names the record the arguments point at.
-async fn open_record(args: &RecordArgs) -> anyhow::Result<(Arc<dyn Store>, Arc<StoreClock>, RecordId)> {
+async fn open_record(args: &RecordArgs, access: Access) -> anyhow::Result<(Arc<dyn Store>, Arc<StoreClock>, RecordId)> {
     let key = IdempotencyKey::new(&args.key).with_context(|| format!("{:?} is not a valid key", args.key))?;
-    let store = stores::open_for_operator(&args.store.store).await?;
+    let store = stores::open_for_operator(&args.store.store, access).await?;
     let clock = store_clock(&store).await?;
     let id = match &args.authorization {
         Some(credential) => credential_record(&*store, credential, key, clock.now()).await?,
@@ -95,7 +96,7 @@ fn no_record(id: &RecordId) -> anyhow::Error {
 /// `idem inspect`: prints one record, as text or as one JSON object; fails (exit 1, a message on
 /// stderr, nothing on stdout) when there is none.
 pub(crate) async fn inspect(args: InspectArgs) -> anyhow::Result<()> {
-    let (store, clock, id) = open_record(&args.record).await?;
+    let (store, clock, id) = open_record(&args.record, Access::Read).await?;
     let keyring = crate::config::keyring_from_env()?;
     let record = store
         .get(&id)
@@ -146,7 +147,7 @@ impl Answer {
 /// is free; a record in flight is fenced and left unknown (see `Store::delete`), since its run may
 /// have had effects: the same request then runs again marked recovered.
 pub(crate) async fn delete(args: RecordArgs) -> anyhow::Result<()> {
-    let (store, clock, id) = open_record(&args).await?;
+    let (store, clock, id) = open_record(&args, Access::Delete).await?;
     let deleted = match store.delete(&id).await {
         Ok(deleted) => deleted.ok_or_else(|| no_record(&id))?,
         // The store deletes a record it cannot read all the same: make sure, then say so.
@@ -470,7 +471,7 @@ impl<'a> RecordJson<'a> {
 
 /// `idem purge`: runs every due batch of retention work now.
 pub(crate) async fn purge(args: StoreArgs) -> anyhow::Result<()> {
-    let store = stores::open(&args.store).await?;
+    let store = stores::open_for_operator(&args.store, Access::Purge).await?;
     let clock = store_clock(&store).await?;
     let purged = Protocol::with_clock(store, Policy::default(), clock)
         .purge(PURGE_BATCH)
@@ -488,9 +489,10 @@ pub(crate) async fn purge(args: StoreArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `idem migrate`: opening the store creates or upgrades its schema.
+/// `idem migrate`: opening the store creates or upgrades its schema (the one command whose role
+/// needs DDL rights, and no others).
 pub(crate) async fn migrate(args: StoreArgs) -> anyhow::Result<()> {
-    stores::open(&args.store).await?;
+    stores::open(&args.store, None).await?;
     println!("schema of {} is up to date", idem_core::redact_url(&args.store));
     Ok(())
 }

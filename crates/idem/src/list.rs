@@ -17,7 +17,7 @@ use crate::terminal::escaped;
 /// `idem list`: prints the records the arguments ask for, newest first, as a table or as JSON
 /// lines; says on stderr when none match, or when the limit cut the list short.
 pub(crate) async fn list(args: ListArgs) -> anyhow::Result<()> {
-    let store = stores::open_for_operator(&args.store.store).await?;
+    let store = stores::open_for_operator(&args.store.store, idem_postgres::Access::Read).await?;
     let clock = store_clock(&store).await?;
     let now = clock.now();
     let limit = args.limit as usize;

@@ -55,7 +55,7 @@ pub(crate) async fn run(args: ServeArgs, telemetry: &Telemetry) -> anyhow::Resul
     let tls = tls::listener(config.tls_cert.as_deref(), config.tls_key.as_deref()).map_err(|err| config.place(err))?;
     let limits = config.limits.clone();
     let store: Arc<dyn Store> = Arc::new(idem_core::store::Observed::new(
-        stores::open(&config.store).await?,
+        stores::open(&config.store, Some(idem_postgres::Access::Serve)).await?,
         Prometheus,
     ));
     // Leases and expiry are judged on the store's clock: measure it before the first request.

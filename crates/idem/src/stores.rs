@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use idem_core::{Store, redact_url};
-use idem_postgres::{PostgresError, PostgresStore, StoreDatabase};
+use idem_postgres::{Access, PostgresError, PostgresStore, StoreDatabase};
 use idem_redis::{RedisError, RedisStore};
 use idem_sqlite::{SqliteError, SqliteStore};
 
@@ -17,10 +17,14 @@ pub(crate) const DEFAULT_STORE: &str = "sqlite://idem.db";
 
 /// Opens (and migrates) the store at `url`: `sqlite://`, `postgres://`, `redis://`, `redis+sentinel://` or `redis+cluster://`.
 ///
+/// On PostgreSQL, a schema that is current is only read (no DDL), and the role is checked for the
+/// rights `access` needs (`None`: only the schema's, as for `idem migrate`); a right it lacks is
+/// named with its object (exit 1).
+///
 /// A URL that does not parse (an unknown scheme, a bad option) is a setting that cannot work: it
 /// fails as [`Misconfigured`], so the command exits 2 as for a bad flag. A store that cannot be
 /// reached or opened fails as itself (exit 1): the same command may work once it is up.
-pub(crate) async fn open(url: &str) -> anyhow::Result<Arc<dyn Store>> {
+pub(crate) async fn open(url: &str, access: Option<Access>) -> anyhow::Result<Arc<dyn Store>> {
     let scheme = url.split_once(':').map_or(url, |(scheme, _)| scheme);
     match scheme {
         "sqlite" => match SqliteStore::from_url(url).await {
@@ -29,7 +33,15 @@ pub(crate) async fn open(url: &str) -> anyhow::Result<Arc<dyn Store>> {
             Err(err) => Err(anyhow::Error::new(err).context(format!("cannot open the store {}", redact_url(url)))),
         },
         "postgres" | "postgresql" => match PostgresStore::connect(url).await {
-            Ok(store) => Ok(Arc::new(store)),
+            Ok(store) => {
+                if let Some(access) = access {
+                    store
+                        .check_access(access)
+                        .await
+                        .context("the PostgreSQL store cannot be used")?;
+                }
+                Ok(Arc::new(store))
+            }
             Err(err @ PostgresError::InvalidUrl { .. }) => Err(misconfigured(err)),
             Err(err) => Err(anyhow::Error::new(err).context("cannot open the PostgreSQL store")),
         },
@@ -49,11 +61,11 @@ pub(crate) async fn open(url: &str) -> anyhow::Result<Arc<dyn Store>> {
 /// server (a listing of a large store included), so that a command never hangs on a lock.
 pub(crate) const OPERATOR_BOUND: Duration = Duration::from_secs(30);
 
-/// Opens the store for an operator's command (`list`, `inspect`, `delete`): every operation is
+/// Opens the store for an operator's command (`list`, `inspect`, `delete`, `purge`): every operation is
 /// bounded on the server by [`OPERATOR_BOUND`], and an operator's delete never waits for a run's
 /// open transaction (it reports it instead).
-pub(crate) async fn open_for_operator(url: &str) -> anyhow::Result<Arc<dyn Store>> {
-    let store = open(url).await?;
+pub(crate) async fn open_for_operator(url: &str, access: Access) -> anyhow::Result<Arc<dyn Store>> {
+    let store = open(url, Some(access)).await?;
     store.bound_operations(OPERATOR_BOUND);
     Ok(store)
 }

@@ -655,4 +655,33 @@ mod tests {
         );
         assert_eq!(timed_out.headers()["retry-after"], "2");
     }
+
+    /// A run given up whose release found its claim elsewhere is told where: its status kept,
+    /// its first clause kept, the rest said again.
+    #[test]
+    fn a_given_up_run_is_told_where_its_claim_stands() {
+        let given_up = Problem::new(
+            ProblemKind::UpstreamTimeout,
+            "the request ran longer than 2.0 s and was given up; it did not complete, so nothing of it stands: retry with the same key",
+        );
+        let retry = Duration::from_secs(3);
+        for (found, says) in [
+            (Found::Open, "its transaction was still open: if it commits"),
+            (Found::Committed, "but its transaction committed its answer"),
+        ] {
+            let problem = said_again(&given_up, found, retry);
+            assert_eq!(problem.kind, ProblemKind::UpstreamTimeout);
+            assert!(
+                problem
+                    .detail
+                    .starts_with("the request ran longer than 2.0 s and was given up; "),
+                "{problem:?}"
+            );
+            assert!(problem.detail.contains(says), "{problem:?}");
+            assert!(!problem.detail.contains("nothing of it stands"), "{problem:?}");
+            assert_eq!(problem.retry_after, Some(retry));
+        }
+        let lost = said_again(&given_up, Found::Lost, retry);
+        assert_eq!(lost.kind, ProblemKind::KeyInFlight);
+    }
 }

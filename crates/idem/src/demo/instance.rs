@@ -124,7 +124,7 @@ async fn run_instance(
             ),
             Protection::Store { url, policy } => {
                 let grace = policy.lease;
-                let store = stores::open(&url).await?;
+                let store = stores::open(&url, Some(idem_postgres::Access::Serve)).await?;
                 (
                     Gateway::protected(
                         store.clone(),
