@@ -75,6 +75,12 @@ impl Ledger {
             .await
             .expect("create the ledger");
         let pool = pool(database, connections);
+        // Every connection opened now: a pool that grows while the storm runs would charge a
+        // new connection (a PostgreSQL backend started) to whichever payment comes next.
+        let opened: Vec<_> = futures_util::future::join_all((0..connections).map(|_| pool.get())).await;
+        for client in opened {
+            drop(client.expect("open the upstream's connections"));
+        }
         let runs: Arc<Mutex<HashMap<String, Runs>>> = Arc::default();
         let shared = Shared {
             pool,
