@@ -14,9 +14,14 @@ use rusqlite::{Connection, Transaction, TransactionBehavior};
 
 use crate::SqliteError;
 
-/// How long a statement waits for another connection's write lock before it fails, until the
-/// store is given a bound ([`Connections::bound_by`]).
+/// How long setup waits for another connection's write lock before it fails.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long an operation waits for another connection's write lock on the file (at most its
+/// bound, [`Connections::bound_by`]). idem's own writes hold it for milliseconds; a lock held
+/// longer is a writing transaction still open (a handler's own, completing its run in the same
+/// file), which claims must not queue behind: they fail with [`StoreError::Locked`] instead.
+const BUSY_WAIT: Duration = Duration::from_secs(1);
 
 /// The open connections to one database file.
 pub(crate) struct Connections {
@@ -109,8 +114,8 @@ impl Connections {
         self.bound.fetch_max(millis, Ordering::AcqRel);
     }
 
-    /// Sets `conn`'s busy wait to what is left of the bound of an operation asked for at `asked`;
-    /// fails, starting nothing, if nothing is left.
+    /// Sets `conn`'s busy wait to what is left of the bound of an operation asked for at `asked`,
+    /// [`BUSY_WAIT`] at most; fails, starting nothing, if nothing is left.
     fn within_bound(&self, conn: &Connection, asked: Instant) -> Result<(), StoreError> {
         let limit = match self.bound.load(Ordering::Acquire) {
             0 => BUSY_TIMEOUT,
@@ -120,7 +125,7 @@ impl Connections {
         if left.is_zero() {
             return Err(StoreError::unavailable(Overdue(limit)));
         }
-        conn.busy_timeout(left).map_err(db_error)
+        conn.busy_timeout(left.min(BUSY_WAIT)).map_err(db_error)
     }
 
     /// The writer connection, locked.
@@ -241,8 +246,17 @@ where
 }
 
 /// SQLite's errors are the store being unavailable, except values of the wrong type or range:
-/// those mean the row itself is corrupt.
+/// those mean the row itself is corrupt; and the file's lock held past the busy wait
+/// ([`BUSY_WAIT`]), which is [`StoreError::Locked`]: a writing transaction still open (a handler
+/// completing its run in the same file, or another writer).
 pub(crate) fn db_error(err: rusqlite::Error) -> StoreError {
+    match err.sqlite_error_code() {
+        Some(rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked) => {
+            tracing::debug!(error = %err, "the SQLite file is locked by a writing transaction still open");
+            return StoreError::Locked;
+        }
+        _ => {}
+    }
     match err {
         rusqlite::Error::InvalidColumnType(..)
         | rusqlite::Error::FromSqlConversionFailure(..)

@@ -169,8 +169,9 @@ pub(crate) async fn delete(args: RecordArgs) -> anyhow::Result<()> {
         // deleted is not what the record will be once that transaction ends.
         Err(StoreError::Locked) => anyhow::bail!(
             "nothing was deleted: the record of key {:?} in scope {:?} is locked by a transaction still open \
-             (its run is completing in its own transaction now). Look again with `idem inspect` once it has \
-             ended: if it committed, its answer is kept for retries, and deleting it would let the key run again",
+             (its run completing in its own transaction, or, on SQLite, another writer of the file). Look again \
+             with `idem inspect` once it has ended: if it committed an answer, that answer is kept for retries, \
+             and deleting it would let the key run again",
             id.key.as_str(),
             id.scope.as_str()
         ),

@@ -157,6 +157,11 @@ async fn sqlite_claims_fail_fast_while_a_neighbour_holds_the_write_lock() {
             ));
         } else if reply.header("retry-after").is_none() {
             failed.push(format!("a 503 without Retry-After: {reply}"));
+        } else if !reply
+            .json("detail")
+            .is_some_and(|detail| detail.contains("locked by a transaction still open"))
+        {
+            failed.push(format!("a 503 that does not say the store is locked: {reply}"));
         }
     }
 

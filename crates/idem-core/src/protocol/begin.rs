@@ -349,8 +349,11 @@ impl Protocol {
         if self.inner.policy.fail_open {
             return Decision::PassThrough { id };
         }
-        let detail =
-            "the idempotency store cannot be reached, so the request was not processed; retry with the same key";
+        let detail = if matches!(err, StoreError::Locked) {
+            "the idempotency store is locked by a transaction still open (a request completing in its own transaction), so the request was not processed; retry with the same key"
+        } else {
+            "the idempotency store cannot be reached, so the request was not processed; retry with the same key"
+        };
         let problem = Problem::new(ProblemKind::StoreUnavailable, detail).retry_after(self.inner.policy.retry_after);
         respond(problem, Outcome::StoreError, id)
     }

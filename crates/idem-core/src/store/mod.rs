@@ -455,11 +455,12 @@ pub enum StoreError {
     IdentityChanged,
     /// Nothing was changed, and nothing waited: the record is locked by a transaction still open
     /// (a handler completing the record in its own transaction, which a lock held shows alive).
-    /// Only a store whose records a caller's transaction can lock (PostgreSQL) says so, and only
-    /// for what must not wait on a run: a renewal, a release, an operator's delete. Where the claim
-    /// stands is read once the transaction has ended ([`Store::claim_state`]).
+    /// Only a store whose records a caller's transaction can lock says so: PostgreSQL, for what
+    /// must not wait on a run (a renewal, a release, an operator's delete), and SQLite, whose one
+    /// lock is the whole file's, for any operation past a short busy wait. Where the claim stands
+    /// is read once the transaction has ended ([`Store::claim_state`]).
     #[error(
-        "the record is locked by a transaction still open (a run completing in its own transaction); nothing was changed"
+        "the record is locked by a transaction still open (a run completing in its own transaction, or another writer of the store); nothing was changed"
     )]
     Locked,
 }
