@@ -575,7 +575,8 @@ impl Store for PostgresStore {
     }
 
     /// Every pooled connection opened from now on sets `statement_timeout`, `lock_timeout` and
-    /// `idle_in_transaction_session_timeout` to the longest limit given; those opened before are closed as they come back to the pool.
+    /// `idle_in_transaction_session_timeout` to the longest limit given; those opened before are
+    /// closed as they come back to the pool.
     fn bound_operations(&self, limit: Duration) {
         self.inner.bounds.raise(limit);
     }
