@@ -8,7 +8,12 @@
 //! ends; one dropped part-way is taken out of the pool, its statement cancelled on the server
 //! and the connection closed. And every statement is bounded on the server too: each connection
 //! is opened with `statement_timeout` and `lock_timeout` equal to the longest `store_timeout`
-//! the store was given ([`Store::bound_operations`](idem_core::Store::bound_operations)).
+//! the store was given ([`Store::bound_operations`](idem_core::Store::bound_operations)), and
+//! with `idle_in_transaction_session_timeout` equal to it too: idem's transactions run their
+//! statements back to back, so one left idle that long is one whose connection was cut off
+//! (its process frozen, its network path dead) while it held a record's row lock, which every
+//! other instance would otherwise read as a run alive for as long as the server keeps the
+//! session (until TCP notices: hours).
 
 use std::ops::{Deref, DerefMut};
 use std::sync::Mutex;
@@ -98,7 +103,9 @@ impl Bounds {
         let limit = self.bound().limit?;
         // Whole milliseconds, at least one (zero would mean no bound at all).
         let millis = limit.as_millis().clamp(1, i32::MAX as u128);
-        Some(format!("SET statement_timeout = {millis}; SET lock_timeout = {millis}"))
+        Some(format!(
+            "SET statement_timeout = {millis}; SET lock_timeout = {millis}; SET idle_in_transaction_session_timeout = {millis}"
+        ))
     }
 
     /// Refuses a pooled connection opened before the bound last grew: the pool opens another.

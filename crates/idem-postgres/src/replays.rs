@@ -7,7 +7,7 @@
 //! statement every [`FLUSH_EVERY`]. The counts are statistics: `idem inspect` on another instance
 //! sees them up to that late, and an instance that dies loses at most its last interval's.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use deadpool_postgres::Pool;
@@ -16,8 +16,11 @@ use idem_core::store::RecordId;
 /// How often counted replays are added to their rows.
 pub(crate) const FLUSH_EVERY: Duration = Duration::from_millis(500);
 
-/// Adds the counts to their rows, whichever still exist. Rows are locked in the order of their
-/// keys, so that two instances flushing at once never deadlock.
+/// Adds the counts to their rows, whichever still exist, and returns the rows it skipped. A row
+/// locked by another transaction (a handler's own, completing a record of that key in it; an
+/// operator's delete) is skipped, not waited for: nothing of idem's queues on a record's row lock
+/// (docs/design.md, "Where each store waits"). Its count is kept for the next round, unless the row
+/// is gone. Rows are locked in the order of their keys all the same.
 const FLUSH: &str = "
 WITH counts AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[]) AS c(scope, key, n)
@@ -26,13 +29,19 @@ locked AS (
     SELECT r.scope, r.key, c.n
     FROM idem_records r JOIN counts c ON r.scope = c.scope AND r.key = c.key
     ORDER BY r.scope, r.key
-    FOR UPDATE OF r
+    FOR UPDATE OF r SKIP LOCKED
+),
+added AS (
+    UPDATE idem_records r SET replays = r.replays + locked.n
+    FROM locked WHERE r.scope = locked.scope AND r.key = locked.key
+    RETURNING r.scope, r.key
 )
-UPDATE idem_records r SET replays = r.replays + locked.n
-FROM locked WHERE r.scope = locked.scope AND r.key = locked.key";
+SELECT c.scope, c.key FROM counts c
+WHERE NOT EXISTS (SELECT 1 FROM added a WHERE a.scope = c.scope AND a.key = c.key)
+    AND EXISTS (SELECT 1 FROM idem_records r WHERE r.scope = c.scope AND r.key = c.key)";
 
 /// Adds `counts` to their rows in one statement; returns them all if it failed (nothing was
-/// written), none if it succeeded.
+/// written), and those of rows it found locked if it succeeded.
 pub(crate) async fn write(pool: &Pool, counts: HashMap<RecordId, u64>) -> HashMap<RecordId, u64> {
     let (mut scopes, mut keys, mut ns) = (Vec::new(), Vec::new(), Vec::new());
     for (id, n) in &counts {
@@ -43,14 +52,29 @@ pub(crate) async fn write(pool: &Pool, counts: HashMap<RecordId, u64>) -> HashMa
     let written = async {
         let client = pool.get().await.map_err(|err| err.to_string())?;
         let stmt = client.prepare_cached(FLUSH).await.map_err(|err| err.to_string())?;
-        client
-            .execute(&stmt, &[&scopes, &keys, &ns])
+        let skipped = client
+            .query(&stmt, &[&scopes, &keys, &ns])
             .await
+            .map_err(|err| err.to_string())?;
+        skipped
+            .iter()
+            .map(|row| Ok((row.try_get::<_, String>(0)?, row.try_get::<_, String>(1)?)))
+            .collect::<Result<HashSet<_>, tokio_postgres::Error>>()
             .map_err(|err| err.to_string())
     }
     .await;
     match written {
-        Ok(_) => HashMap::new(),
+        Ok(skipped) if skipped.is_empty() => HashMap::new(),
+        Ok(skipped) => {
+            tracing::debug!(
+                records = skipped.len(),
+                "replay counts kept for the next round: their rows were locked"
+            );
+            counts
+                .into_iter()
+                .filter(|(id, _)| skipped.contains(&(id.scope.as_str().to_owned(), id.key.as_str().to_owned())))
+                .collect()
+        }
         Err(err) => {
             tracing::warn!(error = %err, records = counts.len(), "could not write replay counts; trying again");
             counts

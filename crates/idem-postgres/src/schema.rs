@@ -710,7 +710,9 @@ async fn migrate(pool: &Pool, target: &str, schema: Option<&str>) -> Result<(), 
     let tx = client.transaction().await.map_err(failed("starting a transaction"))?;
     // A migration waits for the lock and for the tables as long as it takes: the session's
     // timeouts (set for the store's own statements) must not cut it halfway.
-    tx.batch_execute("SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0")
+    tx.batch_execute(
+        "SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0; SET LOCAL idle_in_transaction_session_timeout = 0",
+    )
         .await
         .map_err(failed("lifting the session's timeouts"))?;
     tx.batch_execute(&format!("SELECT pg_advisory_xact_lock({MIGRATION_LOCK})"))

@@ -68,8 +68,9 @@ const POOL_RECYCLE_TIMEOUT: Duration = Duration::from_secs(5);
 /// copy waits (polling whether the claim changed), then tries the takeover again.
 const LOCKED_RUN_LEASE: Duration = Duration::from_secs(1);
 
-/// How long a replacement of a record past its retention waits before it tries again when the
-/// row is locked (by a purge or another claim, for an instant).
+/// How long a replacement of a record past its retention, a renewal, a release or a delete waits
+/// before it tries again when the row is locked (by a purge, a copy's mark or another claim, for
+/// an instant).
 const LOCKED_RETRY_PAUSE: Duration = Duration::from_millis(10);
 
 /// An idempotency store in a PostgreSQL database, shared by every instance of a service.
@@ -332,6 +333,29 @@ impl PostgresStore {
         })
     }
 
+    /// One try of `renew`: the row locked first without waiting ([`StoreError::Locked`]).
+    async fn renew_once(&self, id: &RecordId, token: FencingToken, lease_until: UnixMillis) -> Result<(), StoreError> {
+        let db = self.db("renew");
+        self.with_client("renew", async |client| {
+            let stmt = client.prepare_cached(sql::RENEW).await.map_err(db)?;
+            let changed = client
+                .execute(
+                    &stmt,
+                    &[
+                        &id.scope.as_str(),
+                        &id.key.as_str(),
+                        &&token.as_bytes()[..],
+                        &lease_until.as_i64(),
+                        &abandoned_purge_at(lease_until),
+                    ],
+                )
+                .await
+                .map_err(self.db_nowait("renew"))?;
+            fenced(usize::try_from(changed).unwrap_or(usize::MAX))
+        })
+        .await
+    }
+
     /// `begin` on the pool: a new key's claim, or the record as it stands, in one statement
     /// (`CLAIM`); a takeover or a replacement decided again under the row's lock.
     async fn claim(&self, request: BeginRequest<'_>) -> Result<Begin, StoreError> {
@@ -550,8 +574,9 @@ impl Store for PostgresStore {
         true
     }
 
-    /// Every pooled connection opened from now on sets `statement_timeout` and `lock_timeout` to
-    /// the longest limit given; those opened before are closed as they come back to the pool.
+    /// Every pooled connection opened from now on sets `statement_timeout`, `lock_timeout` and
+    /// `idle_in_transaction_session_timeout` to the longest limit given; those opened before are
+    /// closed as they come back to the pool.
     fn bound_operations(&self, limit: Duration) {
         self.inner.bounds.raise(limit);
     }
@@ -588,26 +613,22 @@ impl Store for PostgresStore {
         .await
     }
 
+    /// A row locked for an instant (a copy's mark on it, another claim deciding under its lock)
+    /// is tried again, [`LOCKED_RETRY_PAUSE`] apart and on a connection taken anew each time, as
+    /// a release is: a renewal missed is a third of the lease lost, and three in a row lose the
+    /// claim to a copy while its run is alive. A lock still held after [`LOCKED_ATTEMPTS`] is the
+    /// run's own transaction completing the record, and is reported ([`StoreError::Locked`]).
     async fn renew(&self, id: &RecordId, token: FencingToken, lease_until: UnixMillis) -> Result<(), StoreError> {
-        let db = self.db("renew");
-        self.with_client("renew", async |client| {
-            let stmt = client.prepare_cached(sql::RENEW).await.map_err(db)?;
-            let changed = client
-                .execute(
-                    &stmt,
-                    &[
-                        &id.scope.as_str(),
-                        &id.key.as_str(),
-                        &&token.as_bytes()[..],
-                        &lease_until.as_i64(),
-                        &abandoned_purge_at(lease_until),
-                    ],
-                )
-                .await
-                .map_err(self.db_nowait("renew"))?;
-            fenced(usize::try_from(changed).unwrap_or(usize::MAX))
-        })
-        .await
+        let mut attempts = 1;
+        loop {
+            match self.renew_once(id, token, lease_until).await {
+                Err(StoreError::Locked) if attempts < LOCKED_ATTEMPTS => {
+                    attempts += 1;
+                    tokio::time::sleep(LOCKED_RETRY_PAUSE).await;
+                }
+                renewed => return renewed,
+            }
+        }
     }
 
     /// One compare-and-set statement: a holder that lost its claim changes nothing.
@@ -910,7 +931,7 @@ fn abandoned_purge_at(lease_until: UnixMillis) -> i64 {
     idem_core::store::backend::abandoned_purge_at(lease_until).as_i64()
 }
 
-/// How many times a release or a delete that found the record's row locked tries, [`LOCKED_RETRY_PAUSE`]
+/// How many times a renewal, a release or a delete that found the record's row locked tries, [`LOCKED_RETRY_PAUSE`]
 /// apart, before it reports [`StoreError::Locked`]: another claim's or a purge's lock lasts an
 /// instant; a run's own transaction, completing the record, lasts as long as the run.
 const LOCKED_ATTEMPTS: usize = 5;

@@ -154,3 +154,38 @@ async fn replay_counts_outlive_a_reset_while_they_are_written() {
     assert_eq!(written(&client, &id).await, 3);
     assert_eq!(store.get(&id).await.unwrap().unwrap().replays, 3);
 }
+
+/// Writing counted replays never queues on a record's row lock (a handler's transaction completing
+/// a record of that key, an operator's delete): the row is skipped and its count kept for the next
+/// round, so the other rows' counts are written meanwhile, and a pooled connection is not held
+/// waiting. The store here has no statement bound: a write that waited would wait for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_locked_row_holds_up_no_replay_count() {
+    let schema = TestSchema::new();
+    let store = schema.connect("").await;
+    let (locked, locked_fp, now) = completed(&store).await;
+    let (free, free_fp, _) = completed(&store).await;
+    let mut holder = schema.client().await;
+    let tx = holder.transaction().await.unwrap();
+    tx.execute(
+        "SELECT 1 FROM idem_records WHERE scope = $1 AND key = $2 FOR UPDATE",
+        &[&locked.scope.as_str(), &locked.key.as_str()],
+    )
+    .await
+    .unwrap();
+    begin(&store, &locked, &locked_fp, now).await;
+    begin(&store, &free, &free_fp, now).await;
+
+    let client = schema.client().await;
+    let written_at_last = async |id: &RecordId, what: &str| {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while written(&client, id).await != 1 {
+            assert!(tokio::time::Instant::now() < deadline, "{what}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    written_at_last(&free, "the count of a free row waited for another row's lock").await;
+    assert_eq!(written(&client, &locked).await, 0, "the locked row was not written");
+    tx.rollback().await.unwrap();
+    written_at_last(&locked, "the locked row's count was lost").await;
+}
