@@ -138,10 +138,10 @@ impl Protocol {
                         tracing::warn!(scope = %claim.id().scope, key = %claim.id().key, "the claim was taken over while the request ran; its answer will not be stored");
                         return;
                     }
-                    // Held by the run's own transaction, completing the record: a run alive, which
-                    // no other claim takes over while the lock is held.
+                    // Held by a transaction still open (the run's own, completing the record: a run
+                    // alive, which no other claim takes over while the lock is held).
                     Err(StoreError::Locked) => {
-                        tracing::debug!(scope = %claim.id().scope, key = %claim.id().key, "the lease was not renewed: the record is locked by the run's own open transaction")
+                        tracing::debug!(scope = %claim.id().scope, key = %claim.id().key, "the lease was not renewed this time: the record is locked by a transaction still open")
                     }
                     Err(err) => {
                         tracing::warn!(scope = %claim.id().scope, key = %claim.id().key, error = %err, "could not renew the lease")
