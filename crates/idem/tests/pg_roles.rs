@@ -42,7 +42,7 @@ impl Roles {
             other: format!("{schema}_other"),
             schema,
         };
-        let mut sql = String::new();
+        let mut sql = SERIALLY.to_owned();
         for role in Self::ALL {
             sql += &format!("CREATE ROLE {} LOGIN PASSWORD '{PASSWORD}';", roles.role(role));
         }
@@ -51,6 +51,7 @@ impl Roles {
             "DO $$ BEGIN EXECUTE format('GRANT CREATE ON DATABASE %I TO {}', current_database()); END $$;",
             roles.role("ddl")
         );
+        sql += "COMMIT;";
         roles.admin_sql(&sql).await;
         roles
     }
@@ -116,16 +117,21 @@ impl Roles {
     }
 }
 
+/// Opens a transaction that changes the database's grants one test at a time: PostgreSQL refuses
+/// two concurrent changes of one catalog row ("tuple concurrently updated").
+const SERIALLY: &str = "BEGIN; SELECT pg_advisory_xact_lock(7303016);";
+
 impl Drop for Roles {
     fn drop(&mut self) {
         let mut sql = format!(
-            "DROP SCHEMA IF EXISTS {} CASCADE; DROP SCHEMA IF EXISTS {} CASCADE;",
+            "{SERIALLY}DROP SCHEMA IF EXISTS {} CASCADE; DROP SCHEMA IF EXISTS {} CASCADE;",
             self.schema, self.other
         );
         for role in Self::ALL {
             let role = self.role(role);
             sql += &format!("DROP OWNED BY {role} CASCADE; DROP ROLE {role};");
         }
+        sql += "COMMIT;";
         let admin = self.admin.clone();
         // A runtime of its own: the test's may be shutting down.
         let dropped = std::thread::spawn(move || {
