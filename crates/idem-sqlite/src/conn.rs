@@ -250,12 +250,9 @@ where
 /// ([`BUSY_WAIT`]), which is [`StoreError::Locked`]: a writing transaction still open (a handler
 /// completing its run in the same file, or another writer).
 pub(crate) fn db_error(err: rusqlite::Error) -> StoreError {
-    match err.sqlite_error_code() {
-        Some(rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked) => {
-            tracing::debug!(error = %err, "the SQLite file is locked by a writing transaction still open");
-            return StoreError::Locked;
-        }
-        _ => {}
+    if let Some(rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked) = err.sqlite_error_code() {
+        tracing::debug!(error = %err, "the SQLite file is locked by a writing transaction still open");
+        return StoreError::Locked;
     }
     match err {
         rusqlite::Error::InvalidColumnType(..)
