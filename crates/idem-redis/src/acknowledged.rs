@@ -12,35 +12,9 @@ use tokio::time::Instant;
 
 use crate::ack::{Acknowledgement, Setting};
 use crate::ack_pool::{MAX_CONNECTIONS, NotLent};
-use crate::call::Call;
+use crate::call::{Call, Written};
 use crate::conn::Node;
 use crate::script_load::StoreScript;
-
-/// A script's reply, and whether the replicas the rule wants acknowledged what it wrote.
-pub(crate) struct Written {
-    /// The reply, after the nonce it names.
-    pub(crate) payload: std::vec::IntoIter<Value>,
-    /// Why the write does not count, if it does not: too few replicas acknowledged it.
-    pub(crate) unacknowledged: Option<StoreError>,
-}
-
-impl Written {
-    /// A reply that needs no acknowledgement.
-    pub(crate) fn counted(payload: std::vec::IntoIter<Value>) -> Self {
-        Self {
-            payload,
-            unacknowledged: None,
-        }
-    }
-
-    /// The reply, if the write counts.
-    pub(crate) fn into_payload(self) -> Result<std::vec::IntoIter<Value>, StoreError> {
-        match self.unacknowledged {
-            None => Ok(self.payload),
-            Some(err) => Err(err),
-        }
-    }
-}
 
 /// A write that too few replicas acknowledged in time: the primary has it, a failover may lose
 /// it, so it does not count.

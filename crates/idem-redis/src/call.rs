@@ -8,12 +8,9 @@ use std::sync::Arc;
 
 use idem_core::store::backend::hex;
 use idem_core::{StoreError, store::FencingToken};
-use redis::{Cmd, RedisResult, Value};
+use redis::{RedisResult, Value};
 
-use crate::ack::Acknowledgement;
-use crate::acknowledged::{self, Written};
 use crate::conn::Commands;
-use crate::script_load::StoreScript;
 use crate::scripts::CORRUPT;
 
 /// A reply that answers another call than the one it reached: the connection's replies are
@@ -105,70 +102,28 @@ impl<'a> Call<'a> {
     }
 }
 
-/// Where a call must have landed before it counts.
-#[derive(Clone, Copy)]
-pub(crate) enum Durability<'a> {
-    /// On the primary: sent on the store's shared connection (reads, and writes a failover may
-    /// lose without changing an answer).
-    Primary,
-    /// On the replicas that the rule wants, if any: the call is followed by `WAIT` on a
-    /// connection of the rule's pool lent to it alone, and fails as unavailable if too few
-    /// acknowledge it.
-    Replicas(&'a Acknowledgement),
+/// A script's reply, and whether the replicas the rule wants acknowledged what it wrote.
+pub(crate) struct Written {
+    /// The reply, after the nonce it names.
+    pub(crate) payload: std::vec::IntoIter<Value>,
+    /// Why the write does not count, if it does not: too few replicas acknowledged it.
+    pub(crate) unacknowledged: Option<StoreError>,
 }
 
-/// Room for a script call's arguments: the command, hash, key count, keys, nonce and the most any
-/// operation passes (`begin`'s eleven), with room to spare.
-const COMMAND_ARGS: usize = 24;
-/// Room for a script call's bytes besides its keys' names: hash and nonce, the arguments of a claim
-/// (fingerprint, origin, channel, times) or of a small answer. A larger answer grows it once.
-const COMMAND_BYTES: usize = 768;
-
-/// Runs `script` (the operation `what`) on `keys` with a fresh nonce and `args`; returns the reply
-/// after the nonce it names. A reply that names another call, or is not a script's
-/// reply at all, is an error, and the connection it came on is replaced. A call that
-/// [`Durability::Replicas`] fails as unavailable unless the replicas its rule wants acknowledge it.
-pub(crate) async fn run_script(
-    commands: &Arc<Commands>,
-    durability: Durability<'_>,
-    what: &'static str,
-    script: &StoreScript,
-    keys: &[&str],
-    args: impl FnOnce(&mut Cmd),
-) -> Result<std::vec::IntoIter<Value>, StoreError> {
-    run_write(commands, durability, what, script, keys, args)
-        .await?
-        .into_payload()
-}
-
-/// As [`run_script`], but the reply of a script that ran is returned even if too few replicas
-/// acknowledged it, with that failure beside it: the caller may have to undo what it wrote.
-pub(crate) async fn run_write(
-    commands: &Arc<Commands>,
-    durability: Durability<'_>,
-    what: &'static str,
-    script: &StoreScript,
-    keys: &[&str],
-    args: impl FnOnce(&mut Cmd),
-) -> Result<Written, StoreError> {
-    let call = Call::new(what, keys[0]);
-    // Sized for the whole call at once: grown argument by argument, the command's buffers would be
-    // reallocated about ten times on every call.
-    let names: usize = keys.iter().map(|key| key.len()).sum();
-    let mut evalsha = Cmd::with_capacity(COMMAND_ARGS, COMMAND_BYTES + names);
-    evalsha.arg("EVALSHA");
-    evalsha.arg(script.hash()).arg(keys.len());
-    for key in keys {
-        evalsha.arg(*key);
+impl Written {
+    /// A reply that needs no acknowledgement.
+    pub(crate) fn counted(payload: std::vec::IntoIter<Value>) -> Self {
+        Self {
+            payload,
+            unacknowledged: None,
+        }
     }
-    evalsha.arg(&call.nonce);
-    args(&mut evalsha);
-    match durability {
-        Durability::Replicas(ack) if ack.wanted() > 0 => acknowledged::run(ack, &call, script, &evalsha).await,
-        _ => {
-            let (mut conn, generation) = commands.get();
-            let reply = script.send(&commands.loads, &mut conn, &evalsha).await;
-            Ok(Written::counted(call.take(reply, commands, generation)?))
+
+    /// The reply, if the write counts.
+    pub(crate) fn into_payload(self) -> Result<std::vec::IntoIter<Value>, StoreError> {
+        match self.unacknowledged {
+            None => Ok(self.payload),
+            Some(err) => Err(err),
         }
     }
 }

@@ -49,6 +49,7 @@ mod sentinel;
 mod store;
 mod timeouts;
 mod url;
+mod write;
 
 pub use error::RedisError;
 pub use keys::RecordKeys;

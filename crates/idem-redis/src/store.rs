@@ -22,7 +22,7 @@ use redis::{Cmd, Pipeline, Value};
 use tokio::sync::Notify;
 
 use crate::ack::Acknowledgement;
-use crate::call::{Call, Durability, run_script, run_write};
+use crate::call::Call;
 use crate::conn::{Commands, Conn, Node, follow_sentinels};
 use crate::decode::{
     Claimed, Found, LISTED_FIELDS, StoredHash, parse_begin, parse_checkpoints, parse_identity, parse_listed,
@@ -39,6 +39,7 @@ use crate::scripts::{
 };
 use crate::timeouts::RESPONSE_TIMEOUT;
 use crate::url::Target;
+use crate::write::{Durability, run_script, run_write};
 use crate::{RedisError, origin, url};
 
 /// An idempotency store in Redis: one server (`redis://`) or a Redis Cluster
