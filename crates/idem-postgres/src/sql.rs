@@ -136,8 +136,8 @@ SELECT (SELECT pg_notify('idem_records', $5) WHERE released.waiters > 0) FROM re
 /// flight, fences it (no token) and leaves the key unknown with the claim's retention, its
 /// checkpoints dropped; waiters on it are woken to look again. The row is locked as it is read,
 /// so the change is made to the row returned; a row another transaction holds is not waited
-/// for (`55P03`): the command reports the run completing and changes nothing. A claim too damaged to have a token or a lease is
-/// deleted, so that an operator can always clear it. Every delete is announced ($4, on commit) to
+/// for (`55P03`): the command reports the run completing and changes nothing. A claim too
+/// damaged to have a token or a lease is deleted, so that an operator can always clear it. Every delete is announced ($4, on commit) to
 /// the replay caches of every instance.
 pub(crate) const DELETE: &str = "
 WITH found AS (

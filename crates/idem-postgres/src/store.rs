@@ -334,6 +334,50 @@ impl PostgresStore {
     }
 
     /// One try of `renew`: the row locked first without waiting ([`StoreError::Locked`]).
+    /// One try of `release`: the row locked first without waiting ([`StoreError::Locked`]).
+    async fn release_once(&self, id: &RecordId, token: FencingToken, release: Release) -> Result<(), StoreError> {
+        let db = self.db("release");
+        let (scope, key, token, notice) = (id.scope.as_str(), id.key.as_str(), &token.as_bytes()[..], payload(id));
+        self.with_client("release", async |client| {
+            let rows = match release {
+                Release::Forget => {
+                    let stmt = client.prepare_cached(sql::FORGET).await.map_err(db)?;
+                    client.query(&stmt, &[&scope, &key, &token, &notice]).await
+                }
+                Release::Unknown { expires_at, purge_at } => {
+                    let stmt = client.prepare_cached(sql::RELEASE_UNKNOWN).await.map_err(db)?;
+                    let (expires_at, purge_at) = (expires_at.as_i64(), purge_at.as_i64());
+                    client
+                        .query(&stmt, &[&scope, &key, &token, &purge_at, &notice, &expires_at])
+                        .await
+                }
+            }
+            .map_err(self.db_nowait("release"))?;
+            fenced(rows.len())
+        })
+        .await
+    }
+
+    /// One try of `delete`: the row locked as it is read, without waiting ([`StoreError::Locked`]).
+    async fn delete_once(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+        let db = self.db("delete");
+        self.with_client("delete", async |client| {
+            let stmt = client.prepare_cached(sql::DELETE).await.map_err(db)?;
+            let row = client
+                .query_opt(
+                    &stmt,
+                    &[&id.scope.as_str(), &id.key.as_str(), &payload(id), &deleted_payload(id)],
+                )
+                .await
+                .map_err(self.db_nowait("delete"))?;
+            let record = row
+                .map(|row| StoredRow::from_row(&row, id)?.into_record(id.clone()))
+                .transpose();
+            self.inner.replays.deleted(id, record)
+        })
+        .await
+    }
+
     async fn renew_once(&self, id: &RecordId, token: FencingToken, lease_until: UnixMillis) -> Result<(), StoreError> {
         let db = self.db("renew");
         self.with_client("renew", async |client| {
@@ -582,35 +626,7 @@ impl Store for PostgresStore {
     }
 
     async fn release(&self, id: &RecordId, token: FencingToken, release: Release) -> Result<(), StoreError> {
-        let db = self.db("release");
-        let (scope, key, token, notice) = (id.scope.as_str(), id.key.as_str(), &token.as_bytes()[..], payload(id));
-        self.with_client("release", async |client| {
-            let mut attempts = 1;
-            loop {
-                let rows = match release {
-                    Release::Forget => {
-                        let stmt = client.prepare_cached(sql::FORGET).await.map_err(db)?;
-                        client.query(&stmt, &[&scope, &key, &token, &notice]).await
-                    }
-                    Release::Unknown { expires_at, purge_at } => {
-                        let stmt = client.prepare_cached(sql::RELEASE_UNKNOWN).await.map_err(db)?;
-                        let (expires_at, purge_at) = (expires_at.as_i64(), purge_at.as_i64());
-                        client
-                            .query(&stmt, &[&scope, &key, &token, &purge_at, &notice, &expires_at])
-                            .await
-                    }
-                }
-                .map_err(self.db_nowait("release"));
-                match rows {
-                    Err(StoreError::Locked) if attempts < LOCKED_ATTEMPTS => {
-                        attempts += 1;
-                        tokio::time::sleep(LOCKED_RETRY_PAUSE).await;
-                    }
-                    rows => return fenced(rows?.len()),
-                }
-            }
-        })
-        .await
+        unless_held(|| self.release_once(id, token, release)).await
     }
 
     /// A row locked for an instant (a copy's mark on it, another claim deciding under its lock)
@@ -619,16 +635,7 @@ impl Store for PostgresStore {
     /// claim to a copy while its run is alive. A lock still held after [`LOCKED_ATTEMPTS`] is the
     /// run's own transaction completing the record, and is reported ([`StoreError::Locked`]).
     async fn renew(&self, id: &RecordId, token: FencingToken, lease_until: UnixMillis) -> Result<(), StoreError> {
-        let mut attempts = 1;
-        loop {
-            match self.renew_once(id, token, lease_until).await {
-                Err(StoreError::Locked) if attempts < LOCKED_ATTEMPTS => {
-                    attempts += 1;
-                    tokio::time::sleep(LOCKED_RETRY_PAUSE).await;
-                }
-                renewed => return renewed,
-            }
-        }
+        unless_held(|| self.renew_once(id, token, lease_until)).await
     }
 
     /// One compare-and-set statement: a holder that lost its claim changes nothing.
@@ -740,29 +747,9 @@ impl Store for PostgresStore {
     }
 
     /// One statement: the row is gone when it is read, so a row that cannot be read is deleted
-    /// all the same.
+    /// all the same. A row locked for an instant is tried again, as a release is.
     async fn delete(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
-        let db = self.db("delete");
-        self.with_client("delete", async |client| {
-            let stmt = client.prepare_cached(sql::DELETE).await.map_err(db)?;
-            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
-                [&id.scope.as_str(), &id.key.as_str(), &payload(id), &deleted_payload(id)];
-            let mut attempts = 1;
-            let row = loop {
-                match client.query_opt(&stmt, &params).await.map_err(self.db_nowait("delete")) {
-                    Err(StoreError::Locked) if attempts < LOCKED_ATTEMPTS => {
-                        attempts += 1;
-                        tokio::time::sleep(LOCKED_RETRY_PAUSE).await;
-                    }
-                    row => break row?,
-                }
-            };
-            let record = row
-                .map(|row| StoredRow::from_row(&row, id)?.into_record(id.clone()))
-                .transpose();
-            self.inner.replays.deleted(id, record)
-        })
-        .await
+        unless_held(|| self.delete_once(id)).await
     }
 
     async fn wait(
@@ -931,10 +918,26 @@ fn abandoned_purge_at(lease_until: UnixMillis) -> i64 {
     idem_core::store::backend::abandoned_purge_at(lease_until).as_i64()
 }
 
-/// How many times a renewal, a release or a delete that found the record's row locked tries, [`LOCKED_RETRY_PAUSE`]
-/// apart, before it reports [`StoreError::Locked`]: another claim's or a purge's lock lasts an
-/// instant; a run's own transaction, completing the record, lasts as long as the run.
+/// How many times a renewal, a release or a delete that found the record's row locked tries,
+/// [`LOCKED_RETRY_PAUSE`] apart, before it reports [`StoreError::Locked`]: another claim's or a
+/// purge's lock lasts an instant; a run's own transaction, completing the record, lasts as long
+/// as the run.
 const LOCKED_ATTEMPTS: usize = 5;
+
+/// `attempt` until it does not find the record's row locked, at most [`LOCKED_ATTEMPTS`] times,
+/// [`LOCKED_RETRY_PAUSE`] apart; each try takes a pooled connection anew.
+async fn unless_held<T, F>(mut attempt: impl FnMut() -> F) -> Result<T, StoreError>
+where
+    F: Future<Output = Result<T, StoreError>>,
+{
+    for _ in 1..LOCKED_ATTEMPTS {
+        match attempt().await {
+            Err(StoreError::Locked) => tokio::time::sleep(LOCKED_RETRY_PAUSE).await,
+            done => return done,
+        }
+    }
+    attempt().await
+}
 
 /// A compare-and-set that changed nothing lost its claim.
 fn fenced(changed: usize) -> Result<(), StoreError> {
