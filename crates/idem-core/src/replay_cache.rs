@@ -251,9 +251,10 @@ impl ReplayCache {
         }
     }
 
-    /// The store's identity was read: if it is not the one read before, the store lost its data
-    /// (or was replaced) and everything kept is forgotten.
-    fn identity_read(&self, found: Option<StoreIdentity>) {
+    /// The store's identity was read (by the cache's own reads, or with the store's salt, which
+    /// carries it): if it is not the one read before, the store lost its data (or was replaced)
+    /// and everything kept is forgotten.
+    pub(crate) fn identity_read(&self, found: Option<StoreIdentity>) {
         let Some(watch) = &self.identity else { return };
         let mut known = watch.known.lock().unwrap_or_else(PoisonError::into_inner);
         if known.is_some_and(|known| known != found) {

@@ -282,14 +282,21 @@ impl Protocol {
         Ok(reloaded)
     }
 
-    /// Reads the store's salt (making it if the store has none), bounded by `store_timeout`.
+    /// Reads the store's salt (making it if the store has none), bounded by `store_timeout`. The
+    /// salt carries the store's identity: the replay cache takes it as a read of its own, so that
+    /// it answers from the first replays after start, not only once its own first read is back.
     async fn load_scopes(&self) -> Result<CredentialScopes, StoreError> {
         let credentials = &self.inner.credentials;
-        self.bounded(
-            StoreOperation::ScopeSalt,
-            CredentialScopes::load(&*self.inner.store, &credentials.secrets, self.now()),
-        )
-        .await
+        let loaded = self
+            .bounded(
+                StoreOperation::ScopeSalt,
+                CredentialScopes::load(&*self.inner.store, &credentials.secrets, self.now()),
+            )
+            .await?;
+        if let Some(cache) = &self.inner.replay_cache {
+            cache.identity_read(Some(loaded.identity()));
+        }
+        Ok(loaded)
     }
 
     /// Gives up the new claim `token` on `id` if the key has a live record under one of the
