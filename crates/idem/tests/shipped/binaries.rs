@@ -10,10 +10,8 @@
 //! features differ, but puts its binaries in a target directory of their own: in the tests' one
 //! they would replace the binaries the other tests run (`CARGO_BIN_EXE_*`) while they run.
 //!
-//! Runs once, here, in `cargo test --workspace` (`bash .ci/test`); on its own:
-//! `cargo test -p idem --all-features --test shipped_binaries`.
-
-mod common;
+//! The build runs once per test run ([`shipped_binaries`]); the image's test packs the `idem` it
+//! built.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -23,13 +21,20 @@ use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
-use common::{Gateway, Upstream, client, new_key, reserve_port, send, store_url_in};
+use tokio::sync::OnceCell;
+
+use crate::common::{Gateway, Upstream, client, new_key, reserve_port, send, store_url_in};
 
 /// How long a started binary may take to say that it listens.
 const STARTUP: Duration = Duration::from_secs(30);
 
 /// The workspace's binaries, by name, as `cargo build --workspace --bins` builds them (the paths
-/// cargo reports).
+/// cargo reports); built once for every test of this binary that asks.
+pub(crate) async fn shipped_binaries() -> &'static BTreeMap<String, PathBuf> {
+    static BUILT: OnceCell<BTreeMap<String, PathBuf>> = OnceCell::const_new();
+    BUILT.get_or_init(build_shipped_binaries).await
+}
+
 async fn build_shipped_binaries() -> BTreeMap<String, PathBuf> {
     let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     // This test runs from `<build dir>/<profile dir>/deps/`.
@@ -171,7 +176,7 @@ async fn payments_serves(payments: &Path) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_shipped_binary_starts_as_the_workspace_builds_it() {
-    let built = build_shipped_binaries().await;
+    let built = shipped_binaries().await;
     // A binary added to the workspace must say here how it starts.
     assert_eq!(
         built.keys().map(String::as_str).collect::<Vec<_>>(),

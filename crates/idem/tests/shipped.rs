@@ -1,0 +1,12 @@
+//! What users are given, checked as they get it: the binaries `cargo build` makes (not the test
+//! run's own), started with their documented environment.
+//!
+//! Runs in `cargo test --workspace` (`bash .ci/test`); on its own:
+//! `cargo test -p idem --all-features --test shipped`.
+
+mod common;
+
+/// The checks, in `tests/shipped/`, one module per thing shipped.
+mod shipped {
+    pub(crate) mod binaries;
+}
