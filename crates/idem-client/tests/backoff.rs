@@ -13,7 +13,7 @@ use proptest::prelude::*;
 /// jitter clamped to the cap) miss them by far more.
 const DRAWS: usize = 10_000;
 
-/// The README's promise: the `n`th retry's window is `min(cap, base × 2ⁿ⁻¹)` (0 counts as 1).
+/// docs/clients.md's promise: the `n`th retry's window is `min(cap, base × 2ⁿ⁻¹)` (0 counts as 1).
 fn promised_window(base_ms: u64, cap_ms: u64, retry: u32) -> Duration {
     let doublings = retry.saturating_sub(1).min(64);
     let grown = u128::from(base_ms) << doublings;

@@ -188,14 +188,15 @@ async fn a_bad_config_file_stops_the_start_naming_the_setting_and_its_line() {
     assert!(stderr.contains("--upstream") && stderr.contains("required"), "{stderr}");
 }
 
-/// The config file the README shows, as a reader would copy it: it starts (with the flags
-/// pointing it at a test's store and upstream) and its routes do what the README says.
+/// The config file docs/operations.md shows, as a reader would copy it: it starts (with the flags
+/// pointing it at a test's store and upstream) and its routes do what the page says.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_readme_config_file_works() {
-    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md")).expect("README.md");
-    let section = readme
-        .split_once("### The config file")
-        .expect("the README has a config file section")
+async fn the_documented_config_file_works() {
+    let page = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/operations.md"))
+        .expect("docs/operations.md");
+    let section = page
+        .split_once("## The config file")
+        .expect("docs/operations.md has a config file section")
         .1;
     let toml = section
         .split_once("```toml\n")

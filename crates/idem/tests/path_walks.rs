@@ -126,7 +126,7 @@ async fn raw_post(gateway: SocketAddr, path: &str, key: &str) -> u16 {
         .unwrap_or_else(|| panic!("not an HTTP answer: {text:?}"))
 }
 
-/// The README's own route table: `/payments/*` protected (a key required), `/webhooks/*`
+/// docs/operations.md's route table: `/payments/*` protected (a key required), `/webhooks/*`
 /// passed through. `POST /payments/../webhooks/x` is read by both of idem's readings as
 /// `/webhooks/x` (dot segments resolved in each), so it passes through; an upstream that routes
 /// on the path as it arrives (Express, Node, uvicorn, gunicorn, `http.server`) runs its payments
@@ -145,7 +145,7 @@ async fn a_dot_segment_walks_a_payment_out_of_its_route() {
     .await;
 }
 
-/// The README's route table again, with `--path-readings case-insensitive,strip-params`, the
+/// docs/operations.md's route table again, with `--path-readings case-insensitive,strip-params`, the
 /// setting offered for ASP.NET/IIS upstreams. IIS reads a backslash (and `%5C`) as a `/`, so
 /// `POST /webhooks/..\payments\1` is `/payments/1` to it; idem's readings keep the backslash
 /// inside one segment under `/webhooks/*` and pass it through. What should hold: the payments
@@ -162,7 +162,7 @@ async fn a_backslash_walks_a_payment_out_of_its_route_on_iis() {
     .await;
 }
 
-/// A gateway with the README's routes: `/payments/*` (a key required) and `/webhooks/*` passed
+/// A gateway with docs/operations.md's routes: `/payments/*` (a key required) and `/webhooks/*` passed
 /// through; `args` added. The directory holds its config file.
 async fn readme_gateway(upstream: &PrefixUpstream, args: &[&str]) -> (Gateway, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();

@@ -1,6 +1,6 @@
 //! The figures of a contention run, per phase: unrelated keys' latency (p50, p99, max) and
 //! outcomes, the slow keys' copies and their outcomes. Printed as a markdown table, the form the
-//! README's benchmark section takes.
+//! benchmark page (docs/numbers.md) takes.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
