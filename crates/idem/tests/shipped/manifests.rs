@@ -8,14 +8,13 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::process::Stdio;
 use std::time::Duration;
 
 use serde_json::Value;
 use tokio::process::Command;
 
-use crate::common::{
-    Gateway, IDEM, Upstream, client, config_file, describe, new_key, send, serve_refusing, store_url_in,
-};
+use crate::common::{Gateway, IDEM, Upstream, client, config_file, describe, new_key, send, store_url_in};
 
 /// The Kubernetes versions whose API schema the manifests must pass: the oldest they need (1.30,
 /// for the preStop `sleep` action) and the newest that kubernetes-validate 1.37.0 carries.
@@ -147,6 +146,7 @@ fn bracketed(line: &str, open: &str) -> Option<String> {
 struct Helps(BTreeMap<String, Option<Help>>);
 
 impl Helps {
+    /// `idem SUBCOMMAND --help`, read the first time it is asked for.
     fn of(&mut self, subcommand: &str) -> Option<&Help> {
         self.0
             .entry(subcommand.to_owned())
@@ -334,6 +334,8 @@ fn path_under(pattern: &str) -> String {
 /// routes that require a key; with `IDEM_LOG_FORMAT=json` every log line is a JSON object.
 async fn starts_and_applies_its_settings(served: &Served) {
     let place = &served.place;
+    // Says which deployment, should the start below fail.
+    eprintln!("{place}: idem serve with its settings");
     let upstream = Upstream::start().await;
     let dir = tempfile::tempdir().expect("a temp dir");
     let mut args: Vec<String> = served.args.clone();
@@ -445,19 +447,37 @@ async fn refuses_its_shipped_secrets(served: &Served, problems: &mut Vec<String>
             .copied()
             .collect();
         env.push((*name, shipped.as_str()));
-        let output = serve_refusing(&["--upstream", "http://127.0.0.1:9", "--config", &path], &env).await;
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        if !stderr.contains(name) {
-            problems.push(format!(
-                "{place}: started with the shipped {name}, idem serve refused for another reason: {}",
+        let dir = tempfile::tempdir().expect("a temp dir");
+        let mut serve = Command::new(IDEM);
+        serve
+            .args(["serve", "--upstream", "http://127.0.0.1:9", "--config", &path])
+            .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+            .args(["--store", &store_url_in(dir.path())])
+            .envs(env)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        let output = tokio::time::timeout(Duration::from_secs(30), serve.output())
+            .await
+            .map(|output| output.expect("run idem serve"));
+        match output {
+            Ok(output) if output.status.code() == Some(2) && String::from_utf8_lossy(&output.stderr).contains(name) => {
+            }
+            Ok(output) => problems.push(format!(
+                "{place}: started with the shipped {name}, idem serve should refuse it (exit 2, naming it): {}",
                 describe(&output)
-            ));
+            )),
+            Err(_) => problems.push(format!(
+                "{place}: idem serve runs with the shipped {name}: ship a value idem refuses, so that a copy left \
+                 unedited never runs with a secret published here"
+            )),
         }
     }
 }
 
-/// The checks of one `idem serve` that need no process: every setting read resolves, and the
-/// stop timeout outlasts its `--shutdown-grace` plus what comes before the SIGTERM.
+/// The stop timeout (the pod's grace, systemd's TimeoutStopSec) outlasts what comes before the
+/// SIGTERM (a preStop) plus the `--shutdown-grace` that `served` runs with.
 fn check_grace(
     served: &Served,
     help: &Help,
@@ -467,11 +487,20 @@ fn check_grace(
 ) {
     match served.duration("shutdown-grace", help) {
         Ok(grace) if stop_timeout > before_sigterm + grace => {}
-        Ok(grace) => problems.push(format!(
-            "{}: the stop timeout ({stop_timeout:?}) must be longer than what comes before the SIGTERM \
-             ({before_sigterm:?}) plus --shutdown-grace ({grace:?}), or the answers being stored are cut off",
-            served.place
-        )),
+        Ok(grace) => {
+            let before = if before_sigterm.is_zero() {
+                String::new()
+            } else {
+                format!("the preStop's {} plus ", humantime::format_duration(before_sigterm))
+            };
+            problems.push(format!(
+                "{}: the stop timeout ({}) must be longer than {before}--shutdown-grace ({}), or the answers being \
+                 stored when it ends are cut off (their keys run again, marked recovered)",
+                served.place,
+                humantime::format_duration(stop_timeout),
+                humantime::format_duration(grace)
+            ))
+        }
         Err(err) => problems.push(format!("{}: {err}", served.place)),
     }
 }
@@ -480,9 +509,9 @@ fn check_grace(
 // Kubernetes
 // ---------------------------------------------------------------------------------------------
 
-/// Reads a YAML file's documents as JSON, refusing duplicate keys (which YAML loaders, and so
-/// kubectl, resolve silently by keeping the last one).
-fn yaml_documents(path: &Path) -> Vec<Value> {
+/// Reads YAML files' documents as JSON, one list per file, refusing duplicate keys (which YAML
+/// loaders, and so kubectl, resolve silently by keeping the last one). One python3 for them all.
+fn yaml_documents(paths: &[PathBuf]) -> Vec<Vec<Value>> {
     const TO_JSON: &str = r#"
 import json, sys, yaml
 
@@ -499,18 +528,21 @@ def mapping(loader, node):
     return loader.construct_mapping(node, deep=True)
 
 Strict.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
-with open(sys.argv[1]) as f:
-    print(json.dumps([d for d in yaml.load_all(f, Loader=Strict) if d is not None]))
+files = []
+for path in sys.argv[1:]:
+    with open(path) as f:
+        files.append([d for d in yaml.load_all(f, Loader=Strict) if d is not None])
+print(json.dumps(files))
 "#;
     let output = std::process::Command::new("python3")
+        .current_dir(workspace())
         .args(["-c", TO_JSON])
-        .arg(path)
+        .args(paths.iter().map(|path| shown(path)))
         .output()
         .unwrap_or_else(|err| panic!("python3 with PyYAML reads the manifests ({err}): {INSTALL}"));
     assert!(
         output.status.success(),
-        "{} is not YAML that Kubernetes reads as written (or python3 has no PyYAML: {INSTALL}):\n{}",
-        shown(path),
+        "a manifest is not YAML that Kubernetes reads as written (or python3 has no PyYAML: {INSTALL}):\n{}",
         String::from_utf8_lossy(&output.stderr)
     );
     serde_json::from_slice(&output.stdout).expect("python's JSON")
@@ -531,11 +563,9 @@ fn manifests() -> BTreeMap<PathBuf, Vec<(PathBuf, Value)>> {
     let mut files = Vec::new();
     walk(&workspace().join("deploy/kubernetes"), &mut files);
     let mut folders: BTreeMap<PathBuf, Vec<(PathBuf, Value)>> = BTreeMap::new();
-    for file in files {
+    for (file, docs) in files.iter().zip(yaml_documents(&files)) {
         let folder = folders.entry(file.parent().expect("a folder").to_owned()).or_default();
-        for doc in yaml_documents(&file) {
-            folder.push((file.clone(), doc));
-        }
+        folder.extend(docs.into_iter().map(|doc| (file.clone(), doc)));
     }
     folders
 }
@@ -749,8 +779,7 @@ fn check_kubernetes(problems: &mut Vec<String>) -> Vec<Served> {
             let Some((labels, pod)) = pod_template(doc) else {
                 continue;
             };
-            let containers = pod["containers"].as_array().cloned().unwrap_or_default();
-            for container in &containers {
+            for container in pod["containers"].as_array().into_iter().flatten() {
                 let place = format!(
                     "{}: {} {}, container {}",
                     shown(file),
@@ -819,96 +848,11 @@ fn check_kubernetes(problems: &mut Vec<String>) -> Vec<Served> {
                     config,
                 };
                 let help = helps.of("serve").expect("idem serve's help");
-                let pre_stop = &container["lifecycle"]["preStop"];
-                let before_sigterm = if pre_stop.is_null() {
-                    Some(0)
-                } else {
-                    pre_stop["sleep"]["seconds"].as_u64()
-                };
-                match before_sigterm {
-                    Some(seconds) => {
-                        // The pod's grace counts from when the pod starts terminating, preStop included.
-                        let grace = pod["terminationGracePeriodSeconds"].as_u64().unwrap_or(30);
-                        check_grace(
-                            &served,
-                            help,
-                            Duration::from_secs(grace),
-                            Duration::from_secs(seconds),
-                            problems,
-                        );
-                    }
-                    None => problems.push(format!(
-                        "{place}: the test cannot tell how long this preStop takes: use the sleep action"
-                    )),
-                }
-                let mut ports = BTreeMap::new();
-                for (flag, probes) in [
-                    ("listen", &[][..]),
-                    (
-                        "admin-listen",
-                        &[
-                            ("readinessProbe", "/readyz", true),
-                            ("livenessProbe", "/healthz", true),
-                            ("startupProbe", "/healthz", false),
-                        ][..],
-                    ),
-                ] {
-                    let address = match served.address(flag, help) {
-                        Ok(address) => address,
-                        Err(err) => {
-                            problems.push(format!("{place}: {err}"));
-                            continue;
-                        }
-                    };
-                    if !address.ip().is_unspecified() {
-                        problems.push(format!(
-                            "{place}: --{flag} is {address}: the kubelet and the Service reach the pod's IP, so listen on \
-                             0.0.0.0 (or [::])"
-                        ));
-                    }
-                    ports.insert(flag, address.port());
-                    for (probe, path, required) in probes {
-                        let get = &container[probe]["httpGet"];
-                        if get.is_null() {
-                            if *required || !container[probe].is_null() {
-                                problems.push(format!(
-                                    "{place}: needs a {probe} that GETs {path} on the admin listener"
-                                ));
-                            }
-                            continue;
-                        }
-                        let port = container_port(container, &get["port"]);
-                        if get["path"] != *path
-                            || port != Some(u64::from(address.port()))
-                            || !(get["scheme"].is_null() || get["scheme"] == "HTTP")
-                        {
-                            problems.push(format!(
-                                "{place}: {probe} GETs {} {} on port {port:?}; idem answers {path} over HTTP on the admin \
-                                 listener, port {}",
-                                get["scheme"].as_str().unwrap_or("HTTP"),
-                                get["path"],
-                                address.port()
-                            ));
-                        }
-                    }
-                }
-                // In a pod with the service it protects, idem reaches it inside the pod.
-                if containers
-                    .iter()
-                    .any(|other| other["image"].as_str().and_then(idem_image_tag).is_none())
-                {
-                    match served.setting("upstream", help).map(|upstream| upstream.parse::<http::Uri>()) {
-                        Ok(Ok(uri)) if matches!(uri.host(), Some("127.0.0.1" | "localhost" | "[::1]")) => {}
-                        other => problems.push(format!(
-                            "{place}: the pod holds the service itself: idem's upstream is 127.0.0.1:PORT, not {other:?}"
-                        )),
-                    }
-                }
-                if let Some(port) = ports.get("listen") {
+                if let Some(listen_port) = check_serving_pod(pod, container, &served, help, problems) {
                     serving.push(Serving {
                         labels: labels.clone(),
                         container: container.clone(),
-                        listen_port: *port,
+                        listen_port,
                     });
                 }
                 served_all.push(served);
@@ -923,6 +867,112 @@ fn check_kubernetes(problems: &mut Vec<String>) -> Vec<Served> {
         ));
     }
     served_all
+}
+
+/// The checks of an `idem serve` container against its pod: the grace outlasts what runs at a
+/// shutdown, the probes reach its admin listener, both listeners take the pod's IP, and in a pod
+/// with the service itself it forwards inside the pod. Returns its proxy listener's port.
+fn check_serving_pod(
+    pod: &Value,
+    container: &Value,
+    served: &Served,
+    help: &Help,
+    problems: &mut Vec<String>,
+) -> Option<u16> {
+    let place = &served.place;
+    let pre_stop = &container["lifecycle"]["preStop"];
+    let before_sigterm = if pre_stop.is_null() {
+        Some(0)
+    } else {
+        pre_stop["sleep"]["seconds"].as_u64()
+    };
+    match before_sigterm {
+        Some(seconds) => {
+            // The pod's grace counts from when the pod starts terminating, preStop included.
+            let grace = pod["terminationGracePeriodSeconds"].as_u64().unwrap_or(30);
+            check_grace(
+                served,
+                help,
+                Duration::from_secs(grace),
+                Duration::from_secs(seconds),
+                problems,
+            );
+        }
+        None => problems.push(format!(
+            "{place}: the test cannot tell how long this preStop takes: use the sleep action"
+        )),
+    }
+    let mut ports = BTreeMap::new();
+    for (flag, probes) in [
+        ("listen", &[][..]),
+        (
+            "admin-listen",
+            &[
+                ("readinessProbe", "/readyz", true),
+                ("livenessProbe", "/healthz", true),
+                ("startupProbe", "/healthz", false),
+            ][..],
+        ),
+    ] {
+        let address = match served.address(flag, help) {
+            Ok(address) => address,
+            Err(err) => {
+                problems.push(format!("{place}: {err}"));
+                continue;
+            }
+        };
+        if !address.ip().is_unspecified() {
+            problems.push(format!(
+                "{place}: --{flag} is {address}: the kubelet and the Service reach the pod's IP, so listen on \
+                     0.0.0.0 (or [::])"
+            ));
+        }
+        ports.insert(flag, address.port());
+        for (probe, path, required) in probes {
+            let get = &container[probe]["httpGet"];
+            if get.is_null() {
+                if *required || !container[probe].is_null() {
+                    problems.push(format!(
+                        "{place}: needs a {probe} that GETs {path} on the admin listener"
+                    ));
+                }
+                continue;
+            }
+            let port = container_port(container, &get["port"]);
+            let shown_port = port.map_or_else(|| format!("{} (no such port)", get["port"]), |port| port.to_string());
+            if get["path"] != *path
+                || port != Some(u64::from(address.port()))
+                || !(get["scheme"].is_null() || get["scheme"] == "HTTP")
+            {
+                problems.push(format!(
+                    "{place}: {probe} GETs {} {} on port {shown_port}; idem answers {path} over HTTP on the \
+                         admin listener, port {}",
+                    get["scheme"].as_str().unwrap_or("HTTP"),
+                    get["path"],
+                    address.port()
+                ));
+            }
+        }
+    }
+    // In a pod with the service it protects, idem reaches it inside the pod.
+    if pod["containers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .any(|other| other["image"].as_str().and_then(idem_image_tag).is_none())
+    {
+        match served.setting("upstream", help) {
+            Ok(upstream)
+                if upstream
+                    .parse::<http::Uri>()
+                    .is_ok_and(|uri| matches!(uri.host(), Some("127.0.0.1" | "localhost" | "[::1]"))) => {}
+            Ok(upstream) => problems.push(format!(
+                "{place}: the pod holds the service itself: idem's upstream is on 127.0.0.1, not {upstream}"
+            )),
+            Err(err) => problems.push(format!("{place}: {err}")),
+        }
+    }
+    ports.get("listen").copied()
 }
 
 /// Every Service in `folder` sends its ports to idem's proxy listener in the pods it selects.
@@ -961,11 +1011,12 @@ fn check_services(folder: &Path, docs: &[(PathBuf, Value)], serving: &[Serving],
 #[test]
 fn every_kubernetes_manifest_passes_the_api_schema() {
     let folders = manifests();
-    let files: BTreeSet<&PathBuf> = folders.values().flatten().map(|(file, _)| file).collect();
+    let files: BTreeSet<String> = folders.values().flatten().map(|(file, _)| shown(file)).collect();
     let documents: usize = folders.values().map(Vec::len).sum();
     assert!(documents > 0, "no manifest under deploy/kubernetes");
     for version in KUBERNETES_VERSIONS {
         let output = std::process::Command::new("kubernetes-validate")
+            .current_dir(workspace())
             .args(["--strict", "--kubernetes-version", version])
             .args(&files)
             .output()
@@ -994,9 +1045,6 @@ async fn the_kubernetes_manifests_run_idem_as_it_reads_them() {
         served.len() >= 2,
         "the sidecar and the gateway shapes run idem serve: {served:?}"
     );
-    for served in &served {
-        refuses_its_shipped_secrets(served, &mut problems).await;
-    }
     assert!(
         problems.is_empty(),
         "the Kubernetes manifests:\n- {}",
@@ -1005,13 +1053,21 @@ async fn the_kubernetes_manifests_run_idem_as_it_reads_them() {
     for served in &served {
         starts_and_applies_its_settings(served).await;
     }
+    for served in &served {
+        refuses_its_shipped_secrets(served, &mut problems).await;
+    }
+    assert!(
+        problems.is_empty(),
+        "the Kubernetes manifests' Secrets:\n- {}",
+        problems.join("\n- ")
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
 // systemd
 // ---------------------------------------------------------------------------------------------
 
-/// The exposure `systemd-analyze security` may give the unit at most (0 to 10; 1.2 as shipped).
+/// The exposure `systemd-analyze security` may give the unit at most (0 to 10; 1.1 as shipped).
 const MOST_EXPOSURE: &str = "2.0";
 
 /// A unit file's `Key=value` lines, by section, in order (continued lines joined).
@@ -1195,7 +1251,12 @@ async fn the_systemd_unit_runs_idem_as_it_reads_it() {
             describe(&security)
         ));
     }
-    refuses_its_shipped_secrets(&served, &mut problems).await;
     assert!(problems.is_empty(), "the systemd unit:\n- {}", problems.join("\n- "));
     starts_and_applies_its_settings(&served).await;
+    refuses_its_shipped_secrets(&served, &mut problems).await;
+    assert!(
+        problems.is_empty(),
+        "the systemd unit's environment file:\n- {}",
+        problems.join("\n- ")
+    );
 }
