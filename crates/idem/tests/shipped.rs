@@ -10,4 +10,5 @@ mod common;
 mod shipped {
     pub(crate) mod binaries;
     pub(crate) mod docs;
+    pub(crate) mod manifests;
 }
