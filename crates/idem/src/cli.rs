@@ -7,6 +7,7 @@ use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 use idem_core::store::ListedState;
 
+use crate::config;
 use crate::settings::ServeSettings;
 
 /// idem: make HTTP requests safe to retry.
@@ -24,9 +25,11 @@ pub(crate) fn parse() -> Cli {
 }
 
 /// The command, with `idem serve`'s defaults in its help (its flags have none of their own, so
-/// that the config file can come between them and the defaults).
+/// that the config file can come between them and the defaults) and, after its flags, the
+/// variables it reads from the environment only.
 fn command() -> clap::Command {
     Cli::command().mut_subcommand("serve", |serve| {
+        let serve = serve.after_help(serve_environment());
         ServeSettings::shown_defaults()
             .into_iter()
             .filter_map(|(id, default)| Some((id, default?)))
@@ -37,6 +40,54 @@ fn command() -> clap::Command {
                 })
             })
     })
+}
+
+/// The variables `idem serve` reads that no flag has, and what each holds, laid out as clap lays
+/// out the flags above them. The secrets are among them because a flag's value shows in the
+/// process list (`ps`) to every user of the machine.
+fn serve_environment() -> String {
+    let scope_secret = config::SCOPE_SECRET;
+    let variables: [(&str, String); 6] = [
+        (
+            scope_secret,
+            format!(
+                "A secret mixed into the hash of credential scopes (the `Authorization` header's), kept outside \
+                 the store so that a dump alone gives nothing to test guesses against: at least {} bytes",
+                idem_core::MIN_SECRET_LEN
+            ),
+        ),
+        (
+            config::SCOPE_SECRET_PREVIOUS,
+            format!(
+                "The secret {scope_secret} held before a change (`none` if there was none), kept for one retention \
+                 so that the keys used before it still replay"
+            ),
+        ),
+        (
+            config::ENCRYPTION_KEYS,
+            "The secret keys that seal stored answers: `ID:BASE64` entries of 32-byte keys, comma-separated \
+             (`k2026:…,k2025:…`); the first seals, every one listed opens"
+                .into(),
+        ),
+        (
+            "IDEM_LOG",
+            "Which log lines are written: a filter of targets and levels (`info`, `idem=debug,warn`)".into(),
+        ),
+        (
+            "IDEM_LOG_FORMAT",
+            "`json`: each log line a JSON object, its fields named as OpenTelemetry's log data model names them".into(),
+        ),
+        (
+            "OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_SERVICE_NAME, OTEL_*",
+            "Export idem's spans over OTLP/HTTP (protobuf): the OpenTelemetry SDK's variables, read as it reads them"
+                .into(),
+        ),
+    ];
+    let mut text = "Environment, read there only (a secret given as a flag would show in the process list):".to_owned();
+    for (names, holds) in variables {
+        text.push_str(&format!("\n  {names}\n          {holds}"));
+    }
+    text
 }
 
 #[derive(Debug, Subcommand)]
@@ -255,5 +306,32 @@ mod tests {
             .map(|(id, _)| id)
             .collect();
         assert!(unshown.is_empty(), "give these settings a `shown`: {unshown:?}");
+    }
+
+    #[test]
+    fn serve_s_help_lists_the_variables_it_reads_from_the_environment_only() {
+        let mut command = super::command();
+        let help = command
+            .find_subcommand_mut("serve")
+            .expect("idem serve")
+            .render_long_help()
+            .to_string();
+        let (_, environment) = help
+            .split_once("\nEnvironment")
+            .expect("an Environment section after the flags");
+        for name in [
+            config::SCOPE_SECRET,
+            config::SCOPE_SECRET_PREVIOUS,
+            config::ENCRYPTION_KEYS,
+            "IDEM_LOG",
+            "IDEM_LOG_FORMAT",
+        ] {
+            assert!(
+                environment
+                    .lines()
+                    .any(|line| line.starts_with("  ") && line.trim().split(", ").any(|listed| listed == name)),
+                "{name} is not listed under Environment:\n{help}"
+            );
+        }
     }
 }
