@@ -24,9 +24,24 @@ pub const REPLAY_CACHE_ANSWERS_TOTAL: &str = "idem_replay_cache_answers_total";
 pub const UPSTREAM_SECONDS: &str = "idem_upstream_seconds";
 /// Gauge: open connections by `listener` (gateway).
 pub const CONNECTIONS_OPEN: &str = "idem_connections_open";
+/// Counter: answers the store refused because their run's claim was no longer current (another
+/// run took the key over after the lease ran out, or an operator deleted it while it ran).
+pub const FENCED_COMPLETIONS_TOTAL: &str = "idem_fenced_completions_total";
+/// Histogram: how long keyed runs took by `route`, from the handler's call under its claim to
+/// its answer's head (or to being given up at the run timeout).
+pub const RUN_SECONDS: &str = "idem_run_seconds";
+/// Gauge: the run timeout of each `route`, in seconds (gateway): what [`RUN_SECONDS`] is
+/// compared against.
+pub const RUN_TIMEOUT_SECONDS: &str = "idem_run_timeout_seconds";
+/// Gauge: 1 while the store's channel that announces deletes to the replay cache is up, 0 while
+/// it is down (the cache then answers nothing). Absent without a replay cache (gateway).
+pub const REPLAY_CACHE_CHANNEL_UP: &str = "idem_replay_cache_channel_up";
+/// Counter: store writes, by `operation`, that too few Redis replicas acknowledged within
+/// `replica_timeout` (gateway): each failed as the store being unavailable.
+pub const REPLICA_ACK_TIMEOUTS_TOTAL: &str = "idem_replica_ack_timeouts_total";
 
 /// Every name above, for documentation and tests.
-pub const ALL: [&str; 11] = [
+pub const ALL: [&str; 16] = [
     REQUESTS_TOTAL,
     WAIT_SECONDS,
     WAITERS,
@@ -38,4 +53,9 @@ pub const ALL: [&str; 11] = [
     REPLAY_CACHE_ANSWERS_TOTAL,
     UPSTREAM_SECONDS,
     CONNECTIONS_OPEN,
+    FENCED_COMPLETIONS_TOTAL,
+    RUN_SECONDS,
+    RUN_TIMEOUT_SECONDS,
+    REPLAY_CACHE_CHANNEL_UP,
+    REPLICA_ACK_TIMEOUTS_TOTAL,
 ];

@@ -32,6 +32,13 @@ struct NotAcknowledged {
     setting: Setting,
 }
 
+/// Whether `err` is a write that too few Redis replicas acknowledged within `replica_timeout`
+/// (the URL's `replicas=`): the primary has it, but it does not count, and the operation failed
+/// as the store being unavailable. The gateway counts these apart from other failures.
+pub fn is_unacknowledged(err: &StoreError) -> bool {
+    matches!(err, StoreError::Unavailable(source) if source.is::<NotAcknowledged>())
+}
+
 /// A write that was never sent, or whose replies were lost, while it was to wait for replicas.
 #[derive(Debug, thiserror::Error)]
 #[error("{} on {record} was to wait for Redis replicas ({setting}, replica_timeout {} ms) and {why}", noun(.what), .timeout.as_millis())]
@@ -211,5 +218,29 @@ mod tests {
                 && some.contains("(replicas=auto, 2 now, replica_timeout)"),
             "{some}"
         );
+    }
+
+    #[test]
+    fn only_a_refusal_of_the_replicas_is_told_apart() {
+        let refusal = StoreError::unavailable(NotAcknowledged {
+            what: "complete",
+            record: "p:{a}:rec".to_owned(),
+            acknowledged: 0,
+            wanted: 1,
+            timeout: Duration::from_millis(500),
+            setting: Setting::new(Replicas::Exactly(1), 1),
+        });
+        assert!(is_unacknowledged(&refusal));
+        let unsent = StoreError::unavailable(WaitFailed {
+            what: "complete",
+            record: "p:{a}:rec".to_owned(),
+            setting: Setting::new(Replicas::Exactly(1), 1),
+            timeout: Duration::from_millis(500),
+            why: "Redis did not answer it".to_owned(),
+            source: None,
+        });
+        for other in [unsent, StoreError::Fenced, StoreError::Locked] {
+            assert!(!is_unacknowledged(&other), "{other:?}");
+        }
     }
 }

@@ -51,6 +51,7 @@ mod timeouts;
 mod url;
 mod write;
 
+pub use acknowledged::is_unacknowledged;
 pub use error::RedisError;
 pub use keys::RecordKeys;
 pub use store::RedisStore;

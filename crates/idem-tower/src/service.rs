@@ -318,6 +318,7 @@ async fn run<S, ResBody>(
 {
     let id = claim.id().clone();
     let upstream = trace::upstream_span();
+    let started = std::time::Instant::now();
     let call = upstream.in_scope(|| std::panic::catch_unwind(AssertUnwindSafe(|| inner.call(request))));
     let ran = match call {
         Ok(call) => {
@@ -328,6 +329,9 @@ async fn run<S, ResBody>(
         }
         Err(panic) => Ok(Err(panic)),
     };
+    // Every run, those given up at the run timeout included: what the run timeout is judged by.
+    metrics::histogram!(metric_names::RUN_SECONDS, "route" => report.route.clone())
+        .record(started.elapsed().as_secs_f64());
     trace::upstream_ended(&upstream, &ran);
     let response = match ran {
         Ok(Ok(Ok(response))) => response,

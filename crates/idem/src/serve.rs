@@ -22,7 +22,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::cli::ServeArgs;
 use crate::config::{Limits, ServeConfig};
-use crate::instrumented::Prometheus;
+use crate::instrumented::{self, Prometheus};
 use crate::proxy::Proxy;
 use crate::telemetry::Telemetry;
 use crate::{admin, listener, stores, tls};
@@ -33,6 +33,12 @@ const LATENCY_BUCKETS: &[f64] = &[
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 ];
 
+/// The buckets of `idem_run_seconds`: the latency buckets, then on to the run timeout's default
+/// (5 min) and past it, so that a route's runs can be compared with its run timeout.
+const RUN_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+];
+
 /// How often the background purger runs, and how many records one batch touches.
 const PURGE_EVERY: Duration = Duration::from_secs(60);
 const PURGE_BATCH: usize = 1000;
@@ -41,11 +47,18 @@ pub(crate) async fn run(args: ServeArgs, telemetry: &Telemetry) -> anyhow::Resul
     let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
         // Histograms, never summaries: buckets add up across instances, quantiles do not.
         .set_buckets(LATENCY_BUCKETS)
+        .and_then(|builder| {
+            builder.set_buckets_for_metric(
+                metrics_exporter_prometheus::Matcher::Full(idem_core::metric_names::RUN_SECONDS.to_owned()),
+                RUN_BUCKETS,
+            )
+        })
         .context("the metrics' buckets")?
         .install_recorder()
         .context("cannot install the metrics recorder")?;
     let config = ServeConfig::load(args)?;
     warn_of_no_expired_window(&config.policy, &config.routes);
+    instrumented::at_start(&config.policy, &config.routes);
     let proxy = Proxy::with_options(
         config.upstream.clone(),
         config.upstream_timeout,
@@ -78,7 +91,10 @@ pub(crate) async fn run(args: ServeArgs, telemetry: &Telemetry) -> anyhow::Resul
         replay_cache: config.replay_cache,
     };
     let gateway = Gateway::protected(store.clone(), clock, protection, proxy);
-    match gateway.protocol.as_ref().and_then(Protocol::replay_cache) {
+    let replay_cache = gateway.protocol.as_ref().and_then(Protocol::replay_cache);
+    // What `/metrics` reads the replay cache's channel from: the store's, which the cache watches.
+    let channel = replay_cache.and_then(|_| store.invalidations());
+    match replay_cache {
         Some(cache) => {
             let config = cache.config();
             tracing::info!(
@@ -138,7 +154,7 @@ pub(crate) async fn run(args: ServeArgs, telemetry: &Telemetry) -> anyhow::Resul
         .map(|protocol| tokio::spawn(purge_forever(protocol, shutdown.clone())));
     let admin = tokio::spawn({
         let (shutdown, limits) = (shutdown.clone(), limits.clone());
-        let router = admin::router(store.clone(), metrics);
+        let router = admin::router(store.clone(), metrics, channel);
         async move {
             listener::serve(
                 "admin",

@@ -11,4 +11,5 @@ mod shipped {
     pub(crate) mod binaries;
     pub(crate) mod docs;
     pub(crate) mod manifests;
+    pub(crate) mod monitoring;
 }

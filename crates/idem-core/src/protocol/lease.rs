@@ -219,7 +219,12 @@ impl Protocol {
                 .await
             {
                 Ok(ClaimState::Completed) => Ok(()),
-                Ok(ClaimState::Current | ClaimState::Ended) => Err(StoreError::Fenced),
+                Ok(ClaimState::Current | ClaimState::Ended) => {
+                    // Counted here, once the claim is read, not at the store's first refusal:
+                    // that one is also what an earlier attempt whose reply was lost gets.
+                    metrics::counter!(metric_names::FENCED_COMPLETIONS_TOTAL).increment(1);
+                    Err(StoreError::Fenced)
+                }
                 Err(err) => Err(err),
             },
             done => done,

@@ -95,6 +95,29 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// Every outcome, in declaration order: the values of the `outcome` label, for the rules and
+    /// dashboards that match on them.
+    pub const ALL: [Self; 18] = [
+        Self::New,
+        Self::Replayed,
+        Self::Waited,
+        Self::Mismatch,
+        Self::InFlight,
+        Self::Expired,
+        Self::Recovered,
+        Self::StoreError,
+        Self::Invalid,
+        Self::Missing,
+        Self::TooLarge,
+        Self::BodyIncomplete,
+        Self::ScopeInvalid,
+        Self::CredentialMissing,
+        Self::PathAmbiguous,
+        Self::Internal,
+        Self::RunTimedOut,
+        Self::Unreadable,
+    ];
+
     /// The name used in logs and metrics.
     pub fn as_str(self) -> &'static str {
         match self {

@@ -135,6 +135,12 @@ pub trait Observer: Send + Sync + fmt::Debug + 'static {
     /// a failure).
     fn observe(&self, operation: StoreOperation, elapsed: Duration, failed: bool);
 
+    /// `operation` answered `err` (after [`Self::observe`]), for an observer that tells the
+    /// causes apart: the gateway counts the writes Redis replicas did not acknowledge.
+    fn error(&self, operation: StoreOperation, err: &StoreError) {
+        let _ = (operation, err);
+    }
+
     /// A purge batch did this much.
     fn purged(&self, purged: &Purged) {
         let _ = purged;
@@ -144,6 +150,10 @@ pub trait Observer: Send + Sync + fmt::Debug + 'static {
 impl<O: Observer + ?Sized> Observer for std::sync::Arc<O> {
     fn observe(&self, operation: StoreOperation, elapsed: Duration, failed: bool) {
         (**self).observe(operation, elapsed, failed);
+    }
+
+    fn error(&self, operation: StoreOperation, err: &StoreError) {
+        (**self).error(operation, err);
     }
 
     fn purged(&self, purged: &Purged) {
@@ -180,6 +190,9 @@ impl<S: Store, O: Observer> Observed<S, O> {
         let result = work.await;
         let failed = matches!(&result, Err(err) if !matches!(err, StoreError::Fenced));
         self.observer.observe(operation, started.elapsed(), failed);
+        if let Err(err) = &result {
+            self.observer.error(operation, err);
+        }
         result
     }
 }
