@@ -94,7 +94,7 @@ pub use response::{HOP_BY_HOP, HeaderAllowList, ResponseDecodeError, StoredRespo
 #[cfg(feature = "server")]
 pub use route::{
     PathAmbiguous, PathReadings, PathReadingsError, Route, RouteError, RoutePattern, RoutePatternError, RouteRule,
-    Routes, climbs_above_root,
+    Routes,
 };
 #[cfg(feature = "server")]
 pub use scope::{Scope, ScopeError, ScopeSource, ScopeSourceError};

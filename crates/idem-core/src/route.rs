@@ -272,8 +272,8 @@ fn normal_reading(path: &str, readings: PathReadings) -> Option<Vec<Vec<u8>>> {
 /// (`..;x`, as Tomcat reads it) or with `;params` kept (`a;%2F..%2F..`, as a server that decodes
 /// before it splits reads it), with more `..` than segments before it. An upstream reached under
 /// a path prefix (`http://host/api`) that normalises such a path would serve a path outside the
-/// prefix.
-pub fn climbs_above_root(path: &str) -> bool {
+/// prefix: admission refuses it ([`Protocol::admit_path`](crate::protocol::Protocol::admit_path)).
+pub(crate) fn climbs_above_root(path: &str) -> bool {
     let Some(rest) = path.strip_prefix('/') else {
         return false;
     };

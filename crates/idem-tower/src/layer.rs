@@ -32,6 +32,8 @@ pub struct IdempotencyLayer {
     tasks: TaskTracker,
     /// Completed answers kept in memory, shared by every service this layer makes.
     replay_cache: Option<Arc<ReplayCache>>,
+    /// The path prefix the service is reached under (empty: the root).
+    path_prefix: String,
 }
 
 impl IdempotencyLayer {
@@ -52,6 +54,7 @@ impl IdempotencyLayer {
             scope_hashing: Arc::default(),
             response_timeout: None,
             tasks: TaskTracker::new(),
+            path_prefix: String::new(),
         }
     }
 
@@ -109,6 +112,17 @@ impl IdempotencyLayer {
     /// ```
     pub fn with_routes(mut self, routes: Routes) -> Self {
         self.routes = routes;
+        self
+    }
+
+    /// The path prefix the wrapped service is reached under (`/api`; default none, the root),
+    /// as when the layer sits in front of a server that serves it under `/api`, or a gateway
+    /// passes paths on under an upstream's prefix. A request whose path climbs out of it
+    /// (`/../admin`, in any spelling of `..`) is refused with `400 path-ambiguous` before its
+    /// route is picked, whatever its method: see
+    /// [`Protocol::admit_path`](idem_core::protocol::Protocol::admit_path).
+    pub fn with_path_prefix(mut self, prefix: &str) -> Self {
+        prefix.clone_into(&mut self.path_prefix);
         self
     }
 
@@ -269,6 +283,7 @@ impl IdempotencyLayer {
             .with_keyring(self.keyring.clone())
             .with_scope_hashing(self.scope_hashing.clone())
             .with_replay_cache(self.replay_cache.clone())
+            .with_path_prefix(&self.path_prefix)
     }
 }
 

@@ -1,6 +1,7 @@
-//! Which protocol a request runs under, picked by its path from the layer's [`Routes`].
+//! Which protocol a request runs under, picked by its path from the layer's [`Routes`] once the
+//! path is admitted.
 
-use idem_core::{PathAmbiguous, RouteRule, Routes, protocol::Protocol};
+use idem_core::{Problem, RouteRule, Routes, protocol::Protocol};
 use metrics::SharedString;
 
 /// The metrics label of requests no route matches.
@@ -57,13 +58,18 @@ impl Routing {
     }
 
     /// The pick for a `method` request's path, matched in every reading an upstream could give it;
-    /// a path whose readings fall under two different protecting rules gets none.
-    pub(crate) fn pick(&self, method: &http::Method, path: &str) -> Result<&Pick, PathAmbiguous> {
-        Ok(
-            match self.routes.choose(method, path, self.default_protocol.policy())? {
-                Some(at) => &self.picks[at],
-                None => &self.default,
-            },
-        )
+    /// a path admission refuses (one that climbs out of the layer's path prefix), or whose
+    /// readings fall under two different protecting rules, gets none but the problem that says
+    /// so (`400 path-ambiguous`, both of them).
+    pub(crate) fn pick(&self, method: &http::Method, path: &str) -> Result<&Pick, Problem> {
+        self.default_protocol.admit_path(path)?;
+        let chosen = self
+            .routes
+            .choose(method, path, self.default_protocol.policy())
+            .map_err(|ambiguous| ambiguous.to_problem())?;
+        Ok(match chosen {
+            Some(at) => &self.picks[at],
+            None => &self.default,
+        })
     }
 }

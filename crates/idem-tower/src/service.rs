@@ -80,9 +80,8 @@ where
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let pick = match self.routing.pick(request.method(), request.uri().path()) {
             Ok(pick) => pick,
-            Err(ambiguous) => {
+            Err(problem) => {
                 // Refused before any rule applies: no route to label it with but the default's.
-                let problem = ambiguous.to_problem();
                 let report = Report::new(SharedString::const_str(DEFAULT_ROUTE));
                 report.outcome(None, Outcome::PathAmbiguous, problem.kind.status());
                 return Box::pin(std::future::ready(Ok(problem.to_response().map(full))));

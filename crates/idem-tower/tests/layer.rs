@@ -1046,3 +1046,67 @@ async fn durations_past_the_bounds_never_panic_a_request() {
     );
     assert_eq!(app.runs.load(Ordering::SeqCst), 1);
 }
+
+/// A layer in front of a service reached under `/api` refuses a path that climbs out of it, as
+/// the gateway does for an upstream's prefix: `400 path-ambiguous` naming the path and the prefix,
+/// whatever the method, keyed or not, on a route passed through too, before anything is claimed
+/// or run. A `..` that stays inside is served, and replayed, as any path.
+#[tokio::test]
+async fn a_layer_under_a_prefix_refuses_a_path_that_climbs_out_of_it() {
+    let (store, _dir) = sqlite().await;
+    let store = Arc::new(counting(store));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let runs = runs.clone();
+        move || {
+            let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
+            async move { (StatusCode::CREATED, format!("run {run}")) }
+        }
+    };
+    let routes = Routes::new().with("/webhooks/*", RouteRule::PassThrough).unwrap();
+    let router = Router::new().fallback(handler).layer(
+        IdempotencyLayer::from_shared(store.clone())
+            .with_routes(routes)
+            .with_path_prefix("/api/"),
+    );
+    let request = |method: &str, path: &str, key: Option<&str>| {
+        let mut request = Request::builder().method(method).uri(path);
+        if let Some(key) = key {
+            request = request.header("idempotency-key", format!("\"{key}\""));
+        }
+        request.body(AxumBody::from("{}")).expect("request")
+    };
+
+    let climbs = [
+        "/../admin",
+        "/%2e%2e/admin",
+        "/a/..%2F..%2Fadmin",
+        "/webhooks/../../admin",
+    ];
+    for path in climbs {
+        for (method, key) in [("POST", Some("climb")), ("POST", None), ("GET", None)] {
+            let (status, _, body) = send(&router, request(method, path, key)).await;
+            let case = format!("{method} {path} (key {key:?})");
+            assert_eq!(status, StatusCode::BAD_REQUEST, "{case}: {body}");
+            assert_eq!(
+                problem_type(&body).as_deref(),
+                Some("urn:idem:problem:path-ambiguous"),
+                "{case}: {body}"
+            );
+            assert!(
+                body.contains(path) && body.contains("prefix /api,"),
+                "{case}: the detail names the path and the prefix: {body}"
+            );
+        }
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "no climbing path reached the service");
+    assert_eq!(store.total(), 0, "nothing was claimed for a climbing path");
+
+    let inside = request("POST", "/a/../pay", Some("inside"));
+    assert_eq!(
+        send(&router, inside).await,
+        (StatusCode::CREATED, false, "run 1".into())
+    );
+    let again = request("POST", "/a/../pay", Some("inside"));
+    assert_eq!(send(&router, again).await, (StatusCode::CREATED, true, "run 1".into()));
+}

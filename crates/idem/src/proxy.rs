@@ -21,7 +21,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use idem_core::{
-    HOP_BY_HOP, IDEMPOTENCY_RECOVERED as RECOVERED, IDEMPOTENCY_TOKEN, Problem, ProblemKind, metric_names,
+    HOP_BY_HOP, IDEMPOTENCY_RECOVERED as RECOVERED, IDEMPOTENCY_TOKEN, metric_names,
     protocol::{IdempotencyInfo, InTransaction, NoAnswer},
 };
 use idem_tower::Body;
@@ -144,22 +144,10 @@ impl Proxy {
         self.inner.timeout
     }
 
-    /// The refusal of a request whose path some reading climbs out of the upstream's path prefix
-    /// (`/../admin` to `http://host/api`, in any spelling of `..`: see
-    /// [`idem_core::climbs_above_root`]): `400 path-ambiguous`, before anything is claimed or sent.
-    /// `None` for any other request, and for every request to an upstream without a prefix, where
-    /// there is nothing to climb out of.
-    pub(crate) fn refusal(&self, path: &str) -> Option<Problem> {
-        let prefix = self.prefix();
-        (!prefix.is_empty() && idem_core::climbs_above_root(path)).then(|| {
-            let detail = format!(
-                "the path {path} has a `..` segment (as sent, percent-encoded or with ;parameters) that climbs above the root: the gateway passes paths on under the upstream's prefix {prefix}, and a server that normalises the path would read it as one outside that prefix. Send the path without it. The request was not processed."
-            );
-            Problem::new(ProblemKind::PathAmbiguous, detail)
-        })
-    }
-
-    /// The upstream's path prefix (`/api` of `http://host/api/`), empty if it has none.
+    /// The upstream's path prefix (`/api` of `http://host/api/`), empty if it has none: every
+    /// path is passed on under it, so the idempotency layer is told it
+    /// ([`IdempotencyLayer::with_path_prefix`](idem_tower::IdempotencyLayer::with_path_prefix))
+    /// and refuses a path that would climb out of it.
     pub(crate) fn prefix(&self) -> &str {
         self.inner.upstream.path().trim_end_matches('/')
     }
@@ -359,25 +347,10 @@ mod tests {
             proxy.target(&"/pay?x=1".parse().unwrap()),
             "http://127.0.0.1:3000/api/pay?x=1"
         );
+        assert_eq!(proxy.prefix(), "/api", "the prefix the idempotency layer is told");
         let bare = Proxy::new("http://127.0.0.1:3000".parse().unwrap(), Duration::from_secs(1)).unwrap();
         assert_eq!(bare.target(&"/pay".parse().unwrap()), "http://127.0.0.1:3000/pay");
-    }
-
-    #[test]
-    fn refuses_paths_that_climb_out_of_the_upstream_prefix() {
-        let second = Duration::from_secs(1);
-        let prefixed = Proxy::new("http://127.0.0.1:3000/api/".parse().unwrap(), second).unwrap();
-        let refused = prefixed.refusal("/%2e%2e/admin").expect("refused");
-        assert_eq!(refused.kind, ProblemKind::PathAmbiguous);
-        assert!(
-            prefixed.refusal("/a/../pay").is_none(),
-            "a `..` that stays inside is passed on"
-        );
-        let bare = Proxy::new("http://127.0.0.1:3000".parse().unwrap(), second).unwrap();
-        assert!(
-            bare.refusal("/../pay").is_none(),
-            "without a prefix there is nothing to climb out of"
-        );
+        assert_eq!(bare.prefix(), "", "nothing to climb out of");
     }
 
     #[test]

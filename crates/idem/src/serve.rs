@@ -7,7 +7,6 @@ use std::future::Future;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use axum::extract::State;
 use std::sync::Arc;
 
 use idem_core::replay_cache::ReplayCacheConfig;
@@ -251,27 +250,30 @@ impl Gateway {
         if let Some(keyring) = protection.keyring {
             layer = layer.with_encryption(keyring);
         }
-        let layer = layer.with_response_timeout(proxy.timeout());
+        // Paths are passed on under the upstream's prefix: admission refuses one that climbs out.
+        let layer = layer
+            .with_response_timeout(proxy.timeout())
+            .with_path_prefix(proxy.prefix());
         let (tasks, protocol) = (layer.tasks(), layer.protocol());
-        let guard = proxy.clone();
         let app = axum::Router::new().fallback_service(tower::ServiceBuilder::new().layer(layer).service(proxy));
         Self {
-            app: guarded(app, guard),
+            app,
             tasks,
             protocol: Some(protocol),
         }
     }
 
-    /// `proxy` with no idempotency at all (`idem demo`'s first set-up).
+    /// `proxy` with no idempotency at all (`idem demo`'s first set-up): nothing is admitted or
+    /// refused, not even a path that climbs out of an upstream's prefix (admission's to refuse),
+    /// so its upstream is the demo's own, which has none.
     pub(crate) fn unprotected(proxy: Proxy) -> Self {
-        let guard = proxy.clone();
         let app = axum::Router::new().fallback_service(
             tower::ServiceBuilder::new()
                 .map_request(|request: http::Request<axum::body::Body>| request.map(idem_tower::Body::new))
                 .service(proxy),
         );
         Self {
-            app: guarded(app, guard),
+            app,
             tasks: TaskTracker::new(),
             protocol: None,
         }
@@ -288,33 +290,6 @@ impl Gateway {
         shutdown: impl Future<Output = ()>,
     ) {
         listener::serve("proxy", listener, tls, self.app.clone(), limits, &self.tasks, shutdown).await;
-    }
-}
-
-/// `app` behind [`Proxy::refusal`]: a path that climbs out of the upstream's path prefix is
-/// answered before the idempotency layer claims anything or the proxy sends anything. An upstream
-/// without a prefix has nothing to climb out of, and its requests pay nothing for the check.
-fn guarded(app: axum::Router, proxy: Proxy) -> axum::Router {
-    if proxy.prefix().is_empty() {
-        return app;
-    }
-    app.layer(axum::middleware::from_fn_with_state(proxy, refuse_climbs))
-}
-
-async fn refuse_climbs(
-    State(proxy): State<Proxy>,
-    request: axum::extract::Request,
-    next: axum::middleware::Next,
-) -> axum::response::Response {
-    match proxy.refusal(request.uri().path()) {
-        Some(problem) => {
-            tracing::info!(
-                path = request.uri().path(),
-                "refused a path that climbs out of the upstream's prefix"
-            );
-            problem.to_response().map(axum::body::Body::from)
-        }
-        None => next.run(request).await,
     }
 }
 

@@ -1,5 +1,6 @@
 //! Admission: from a request's head alone, whether the protocol applies, and if it does, the key,
 //! the caller and what the client accepts — or the problem that refuses it before anything runs.
+//! Its first step, [`Protocol::admit_path`], reads the path alone, before any route is picked.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,6 +13,7 @@ use crate::content_coding::AcceptEncoding;
 use crate::key::{IdempotencyKey, KeyError};
 use crate::policy::{AnonymousPolicy, MissingKeyPolicy};
 use crate::problem::{Problem, ProblemKind};
+use crate::route::climbs_above_root;
 use crate::scope::{Caller, Scope, ScopeSource};
 use crate::store::Origin;
 use crate::trace_context::RunTrace;
@@ -95,7 +97,22 @@ impl Keyed {
 }
 
 impl Protocol {
-    /// Decides from the request head whether the protocol applies.
+    /// Admission's first step, for every request whatever its method and before its route is
+    /// picked (a route passed through included): under a path prefix
+    /// ([`with_path_prefix`](Self::with_path_prefix)), a path that some reading climbs out of
+    /// (`/../admin` under `/api`, in any spelling of `..`: `%2e%2e`, `a%2F..%2F..`, `..;x`) is
+    /// refused with `400 path-ambiguous` ([`Outcome::PathAmbiguous`]): the service behind the
+    /// prefix, if it normalises the path, would read it as one outside the prefix. Nothing is
+    /// claimed or run. Every other path, and every path at the root, is admitted.
+    pub fn admit_path(&self, path: &str) -> Result<(), Problem> {
+        match &self.inner.path_prefix {
+            Some(prefix) => refuse_climb(prefix, path),
+            None => Ok(()),
+        }
+    }
+
+    /// Decides from the request head whether the protocol applies, once its path is admitted
+    /// ([`admit_path`](Self::admit_path)) and its route picked.
     pub fn admit(&self, parts: &Parts) -> Admission {
         let policy = &self.inner.policy;
         if !policy.applies_to(&parts.method) {
@@ -202,6 +219,53 @@ impl Protocol {
                 Err(Admission::PassThrough { headers })
             }
             MissingKeyPolicy::Fingerprint { window } => Ok(window),
+        }
+    }
+}
+
+/// `400 path-ambiguous` for a `path` that climbs out of `prefix` in some reading
+/// ([`climbs_above_root`]), the detail naming both.
+fn refuse_climb(prefix: &str, path: &str) -> Result<(), Problem> {
+    if !climbs_above_root(path) {
+        return Ok(());
+    }
+    let detail = format!(
+        "the path {path} has a `..` segment (as sent, percent-encoded or with ;parameters) that climbs above the root: this service is reached under the path prefix {prefix}, and a server that normalises the path would read it as one outside that prefix. Send the path without it. The request was not processed."
+    );
+    Err(Problem::new(ProblemKind::PathAmbiguous, detail))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Under `/api`: each path, and whether it climbs out (the spellings of `..` themselves are
+    /// `climbs_above_root`'s tests).
+    #[test]
+    fn a_path_that_climbs_out_of_the_prefix_is_refused_as_ambiguous() {
+        let cases = [
+            ("/../admin", true),
+            ("/%2e%2e/admin", true),
+            ("/a/..%2F..%2Fadmin", true),
+            ("/..;x/admin", true),
+            ("/a/../pay", false),
+            ("/pay", false),
+            ("*", false),
+        ];
+        for (path, climbs) in cases {
+            match refuse_climb("/api", path) {
+                Ok(()) => assert!(!climbs, "{path} climbs out of /api, yet was admitted"),
+                Err(refused) => {
+                    assert!(climbs, "{path} stays inside /api, yet was refused: {refused:?}");
+                    assert_eq!(refused.kind, ProblemKind::PathAmbiguous, "{path}");
+                    assert_eq!(refused.kind.status(), http::StatusCode::BAD_REQUEST, "{path}");
+                    assert!(
+                        refused.detail.contains(path) && refused.detail.contains("/api"),
+                        "{path}: the detail names the path and the prefix: {}",
+                        refused.detail
+                    );
+                }
+            }
         }
     }
 }

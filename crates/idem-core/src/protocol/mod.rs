@@ -5,7 +5,7 @@
 //!
 //! | phase | module | decides |
 //! |---|---|---|
-//! | admission | `admission.rs` | [`Protocol::admit`]: protected method? key valid? scope? keyless policy? |
+//! | admission | `admission.rs` | [`Protocol::admit_path`]: a path that climbs out of the service's prefix? then [`Protocol::admit`]: protected method? key valid? scope? keyless policy? |
 //! | begin | `begin.rs` | [`Protocol::begin`]: the atomic claim, waiting for a copy in flight, the store failing |
 //! | judgement | `judge.rs` | `judge`: a pure function of (record, fingerprint, now) — replay, mismatch, expired, wait |
 //! | the run | `lease.rs` | [`Protocol::drive`]: the lease renewed beside the work, the run timeout, the answer stored or held |
@@ -83,7 +83,8 @@ pub enum Outcome {
     ScopeInvalid,
     /// A caller without an identity, under `--anonymous reject`.
     CredentialMissing,
-    /// The request's path reads as two paths under different protecting rules.
+    /// The request's path reads as two paths under different protecting rules, or climbs out of
+    /// the service's path prefix.
     PathAmbiguous,
     /// A bug: something in the request's path panicked.
     Internal,
@@ -272,6 +273,9 @@ pub(crate) struct Inner {
     /// Completed answers kept in memory, shared by every protocol derived from this one (`None`:
     /// every replay reads the store).
     replay_cache: Option<Arc<ReplayCache>>,
+    /// The path prefix the service is reached under (`/api`), without a trailing `/`; `None` at
+    /// the root. Admission refuses a path that climbs out of it ([`Protocol::admit_path`]).
+    path_prefix: Option<Arc<str>>,
 }
 
 impl fmt::Debug for Protocol {
@@ -280,6 +284,7 @@ impl fmt::Debug for Protocol {
             .field("store", &self.inner.store)
             .field("policy", &self.inner.policy)
             .field("clock", &self.inner.clock)
+            .field("path_prefix", &self.inner.path_prefix)
             .finish()
     }
 }
@@ -305,6 +310,7 @@ impl Protocol {
                 credentials: Arc::default(),
                 pending: Arc::default(),
                 replay_cache,
+                path_prefix: None,
             }),
         }
     }
@@ -338,6 +344,17 @@ impl Protocol {
     /// store's salt, read once for every protocol that shares it).
     pub fn with_scope_hashing(&self, hashing: Arc<ScopeHashing>) -> Self {
         self.derived(|inner| inner.credentials = hashing)
+    }
+
+    /// The same protocol for a service reached under the path `prefix` (`/api`: a gateway whose
+    /// upstream is `http://host/api/`, an application mounted under `/api`): admission then
+    /// refuses a path that climbs out of it ([`admit_path`](Self::admit_path)). A trailing `/` is
+    /// not part of it; an empty prefix, or `/`, is the root, where nothing can be climbed out of.
+    /// Every route's protocol derived from this one shares it: the prefix is where the whole
+    /// service sits, not a route's setting.
+    pub fn with_path_prefix(&self, prefix: &str) -> Self {
+        let prefix = prefix.trim_end_matches('/');
+        self.derived(|inner| inner.path_prefix = (!prefix.is_empty()).then(|| prefix.into()))
     }
 
     /// This protocol (its store, clock and held answers among the rest) with one thing changed.
