@@ -9,4 +9,5 @@ mod common;
 /// The checks, in `tests/shipped/`, one module per thing shipped.
 mod shipped {
     pub(crate) mod binaries;
+    pub(crate) mod image;
 }
