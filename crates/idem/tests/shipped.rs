@@ -12,4 +12,5 @@ mod shipped {
     pub(crate) mod docs;
     pub(crate) mod manifests;
     pub(crate) mod monitoring;
+    pub(crate) mod image;
 }
