@@ -1,5 +1,6 @@
 //! What users are given, checked as they get it: the binaries `cargo build` makes (not the test
-//! run's own), started with their documented environment.
+//! run's own), started with their documented environment; the image built from them; the
+//! deployments, alert rules and dashboard in `deploy/`; and the README and `docs/` (links, flags).
 //!
 //! Runs in `cargo test --workspace` (`bash .ci/test`); on its own:
 //! `cargo test -p idem --all-features --test shipped`.
@@ -10,7 +11,7 @@ mod common;
 mod shipped {
     pub(crate) mod binaries;
     pub(crate) mod docs;
+    pub(crate) mod image;
     pub(crate) mod manifests;
     pub(crate) mod monitoring;
-    pub(crate) mod image;
 }

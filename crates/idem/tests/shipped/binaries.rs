@@ -45,7 +45,28 @@ async fn build_shipped_binaries() -> BTreeMap<String, PathBuf> {
         Some("debug") | None => "dev",
         Some(profile) => profile,
     };
-    let output = Command::new(env!("CARGO"))
+    let mut command = Command::new(env!("CARGO"));
+    // Cargo gives this test the variables of the crate under test (`CARGO_PKG_*`, `OUT_DIR`, …).
+    // Passed on, they would change the environment of the build scripts that watch them (ring's),
+    // which would run again, and everything above them would be rebuilt twice: here and in the
+    // next test build.
+    for (name, _) in std::env::vars_os() {
+        let name = name.to_string_lossy();
+        if name.starts_with("CARGO_PKG_")
+            || name.starts_with("CARGO_MANIFEST_")
+            || name.starts_with("CARGO_BIN_EXE_")
+            || [
+                "CARGO_CRATE_NAME",
+                "CARGO_PRIMARY_PACKAGE",
+                "CARGO_TARGET_TMPDIR",
+                "OUT_DIR",
+            ]
+            .contains(&&*name)
+        {
+            command.env_remove(&*name);
+        }
+    }
+    let output = command
         .current_dir(&workspace)
         .args(["build", "--workspace", "--bins", "--locked", "--profile", profile])
         .arg("--config")
