@@ -1,16 +1,15 @@
 //! A replay is one read: it takes no row lock and writes nothing on its way, and its count reaches
 //! the row a moment later, in a batch, for every instance to see.
 
-mod common;
-
 use std::time::Duration;
 
-use common::{TestSchema, through};
 use idem_core::testkit::{DAY, acquire, begin, completion, fingerprint, fresh_id};
 use idem_core::{
     Fingerprint, Store, UnixMillis,
     store::{Begin, RecordId},
 };
+use idem_test_support::chain;
+use idem_test_support::postgres_store::TestSchema;
 use idem_test_support::relay::{Fault, Relay};
 
 /// A new record, completed with an answer: its id, its fingerprint and the time of its claim.
@@ -115,12 +114,12 @@ async fn written(client: &tokio_postgres::Client, id: &RecordId) -> i64 {
 async fn replay_counts_outlive_a_reset_while_they_are_written() {
     let schema = TestSchema::new();
     let options = "poll_interval=60s";
-    let (upstream, _) = through(0, &schema, options);
+    let (upstream, _) = schema.through(0, options);
     let relay = Relay::start(upstream).await;
-    let (_, url) = through(relay.addr().port(), &schema, options);
+    let (_, url) = schema.through(relay.addr().port(), options);
     let store = idem_postgres::PostgresStore::connect(&url)
         .await
-        .unwrap_or_else(|err| panic!("{}", common::chain(&err)));
+        .unwrap_or_else(|err| panic!("{}", chain(&err)));
     let (id, fp, now) = completed(&store).await;
     // The batch's statement is prepared on the connection that first runs it: the reset strikes
     // its text on its way to the server.

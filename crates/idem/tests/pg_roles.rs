@@ -5,7 +5,6 @@
 //! `idem_complete` says why it refused (`IDEM1`/`IDEM2`/`IDEM3`), whoever calls it.
 
 mod common;
-mod servers;
 
 use std::net::SocketAddr;
 use std::process::Output;

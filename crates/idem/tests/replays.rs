@@ -16,8 +16,8 @@ use axum::http::{StatusCode, header};
 use axum::response::Response;
 use axum::routing::post;
 use common::{Gateway, REQUEST_TIMEOUT, Reply, count, new_key, send};
+use idem_test_support::task::AbortOnDrop;
 use tokio::net::TcpListener;
-use tokio::task::JoinHandle;
 
 const REQUEST_BODY: &str = r#"{"amount":1000,"currency":"EUR"}"#;
 
@@ -85,13 +85,7 @@ struct Calls {
 struct Upstream {
     url: String,
     calls: Arc<Calls>,
-    task: JoinHandle<()>,
-}
-
-impl Drop for Upstream {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
+    _task: AbortOnDrop,
 }
 
 type Params = Query<HashMap<String, String>>;
@@ -105,10 +99,14 @@ impl Upstream {
             .route("/encoded", post(encoded))
             .route("/large", post(large))
             .with_state(calls.clone());
-        let task = tokio::spawn(async move {
+        let task = AbortOnDrop::spawn(async move {
             axum::serve(listener, app).await.expect("the upstream serves");
         });
-        Self { url, calls, task }
+        Self {
+            url,
+            calls,
+            _task: task,
+        }
     }
 }
 

@@ -7,7 +7,6 @@
 //! * a malformed secret stops the start.
 
 mod common;
-mod servers;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,6 +19,7 @@ use idem_core::{
     store::{Begin, BeginRequest, Completion, FencingToken, RecordId},
 };
 use idem_test_support::raw;
+use idem_test_support::{postgres_store, redis_store};
 use sha2::{Digest, Sha256};
 
 const BODY: &str = r#"{"amount":4200}"#;
@@ -182,21 +182,21 @@ async fn sqlite_records_from_before_the_keyed_hash_still_replay() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_records_from_before_the_keyed_hash_still_replay() {
-    let store = servers::postgres_url();
+    let store = postgres_store::store_url();
     let open = Arc::new(idem_postgres::PostgresStore::connect(&store).await.unwrap());
     upgrade_keeps_replaying(&store, open).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_records_from_before_the_keyed_hash_still_replay() {
-    let store = servers::redis_url();
+    let store = redis_store::store_url();
     let open = Arc::new(idem_redis::RedisStore::connect(&store).await.unwrap());
     upgrade_keeps_replaying(&store, open).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_cluster_records_from_before_the_keyed_hash_still_replay() {
-    let store = servers::redis_cluster_url();
+    let store = redis_store::cluster_store_url();
     let open = Arc::new(idem_redis::RedisStore::connect(&store).await.unwrap());
     upgrade_keeps_replaying(&store, open).await;
 }

@@ -6,10 +6,10 @@
 //! even under `--fail-open`, and `idem delete --authorization` removes it.
 
 mod common;
-mod servers;
 
 use common::{Gateway, Reply, Upstream, count, new_key, run_idem, send, serve_refusing};
 use idem_test_support::raw;
+use idem_test_support::{postgres_store, redis_store};
 
 const KEY_A: &str = "a:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=";
 const KEY_B: &str = "b:HxwdHhsaGRgXFhUUExIREA8ODQwLCgkIBwYFBAMCAQA=";
@@ -69,19 +69,19 @@ async fn sqlite_holds_no_answer_or_credential_in_clear() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_holds_no_answer_or_credential_in_clear() {
-    let store = servers::postgres_url();
+    let store = postgres_store::store_url();
     sealed_at_rest(&store, || common::store_bytes(&store)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_holds_no_answer_or_credential_in_clear() {
-    let store = servers::redis_url();
+    let store = redis_store::store_url();
     sealed_at_rest(&store, || common::store_bytes(&store)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_cluster_holds_no_answer_or_credential_in_clear() {
-    let store = servers::redis_cluster_url();
+    let store = redis_store::cluster_store_url();
     sealed_at_rest(&store, || common::store_bytes(&store)).await;
 }
 
@@ -261,7 +261,7 @@ async fn sqlite_a_damaged_record_is_refused_until_deleted() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_a_damaged_record_is_refused_until_deleted() {
-    let store = servers::redis_url();
+    let store = redis_store::store_url();
     let (server, prefix) = store.split_once("/?prefix=").expect("a URL with a prefix");
     let redis_cli = |args: &[&str]| common::redis_cli(server, args);
     a_damaged_record_is_refused_until_deleted(&store, |_key| {

@@ -3,11 +3,11 @@
 //! and command output of real `idem` processes, on success and on failure.
 
 mod common;
-mod servers;
 
 use std::time::Duration;
 
 use common::{Gateway, Upstream, describe, run_idem, run_idem_with_env, serve_refusing};
+use idem_test_support::{postgres_store, redis_store};
 
 /// The password put into every store URL here; it must never come out.
 const PASSWORD: &str = "Sup3r-S3cret-Pw";
@@ -86,12 +86,12 @@ async fn no_command_prints_the_store_password(store: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_no_command_prints_the_store_password() {
-    no_command_prints_the_store_password(&with_password(&servers::postgres_url())).await;
+    no_command_prints_the_store_password(&with_password(&postgres_store::store_url())).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_no_command_prints_the_store_password() {
-    no_command_prints_the_store_password(&with_password(&servers::redis_url())).await;
+    no_command_prints_the_store_password(&with_password(&redis_store::store_url())).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

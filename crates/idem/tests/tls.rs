@@ -19,9 +19,9 @@ use axum::response::Response;
 use axum::routing::post;
 use common::{Gateway, Reply, describe, new_key, send};
 use hyper_util::rt::{TokioExecutor, TokioIo};
+use idem_test_support::task::AbortOnDrop;
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose};
 use tokio::net::TcpListener;
-use tokio::task::JoinHandle;
 use tokio_rustls::TlsAcceptor;
 use tower::ServiceExt as _;
 
@@ -161,13 +161,7 @@ impl Counts {
 struct TestUpstream {
     addr: SocketAddr,
     counts: Arc<Counts>,
-    task: JoinHandle<()>,
-}
-
-impl Drop for TestUpstream {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
+    _task: AbortOnDrop,
 }
 
 impl TestUpstream {
@@ -179,7 +173,7 @@ impl TestUpstream {
             .route("/pay", post(pay).get(read))
             .route("/chunked", post(chunked))
             .with_state(counts.clone());
-        let task = tokio::spawn(async move {
+        let task = AbortOnDrop::spawn(async move {
             loop {
                 let Ok((stream, _)) = listener.accept().await else {
                     continue;
@@ -201,7 +195,11 @@ impl TestUpstream {
                 });
             }
         });
-        Self { addr, counts, task }
+        Self {
+            addr,
+            counts,
+            _task: task,
+        }
     }
 
     fn http_url(&self) -> String {

@@ -3,8 +3,13 @@
 //!
 //! Every test starts its own upstream, its own gateway and its own temporary SQLite file, so the tests
 //! are independent and can run in parallel.
+//!
+//! Each of the gateway's ~30 test binaries uses another part of it, hence the one `dead_code`
+//! allowance among idem's test modules.
 
 #![allow(dead_code)]
+
+pub(crate) mod ledger;
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
@@ -21,10 +26,10 @@ use axum::extract::{Path as UrlPath, Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::Response;
 use axum::routing::post;
+use idem_test_support::task::AbortOnDrop;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::net::TcpListener;
 use tokio::process::{Child, Command};
-use tokio::task::JoinHandle;
 
 /// The path of the binary under test.
 pub(crate) const IDEM: &str = env!("CARGO_BIN_EXE_idem");
@@ -113,13 +118,7 @@ pub(crate) struct Upstream {
     pub(crate) addr: SocketAddr,
     /// Its counters.
     pub(crate) state: Arc<UpstreamState>,
-    task: JoinHandle<()>,
-}
-
-impl Drop for Upstream {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
+    _task: AbortOnDrop,
 }
 
 impl Upstream {
@@ -149,10 +148,14 @@ impl Upstream {
             .route("/chunked", post(chunked))
             .route("/orders/{*rest}", post(order))
             .with_state(state.clone());
-        let task = tokio::spawn(async move {
+        let task = AbortOnDrop::spawn(async move {
             axum::serve(listener, app).await.expect("the upstream serves");
         });
-        Self { addr, state, task }
+        Self {
+            addr,
+            state,
+            _task: task,
+        }
     }
 
     /// `http://127.0.0.1:PORT`.
@@ -680,7 +683,18 @@ fn parse_listening_line(line: &str) -> Option<(String, String)> {
 /// preloaded into idem itself, not through the `faketime` wrapper, which would run idem as a
 /// child of its own that outlives the wrapper when the test kills it.
 pub(crate) fn skewed_clock(offset: &str) -> [(&'static str, String); 3] {
-    let library = [
+    let library = faketime_library();
+    [
+        ("LD_PRELOAD", library.display().to_string()),
+        ("FAKETIME", offset.to_owned()),
+        ("FAKETIME_DONT_FAKE_MONOTONIC", "1".to_owned()),
+    ]
+}
+
+/// The libfaketime library, to preload into idem itself (not through the `faketime` wrapper, whose
+/// child would outlive a kill -9 of the wrapper).
+pub(crate) fn faketime_library() -> PathBuf {
+    [
         "/usr/lib/x86_64-linux-gnu/faketime",
         "/usr/lib/aarch64-linux-gnu/faketime",
         "/usr/lib/faketime",
@@ -691,14 +705,9 @@ pub(crate) fn skewed_clock(offset: &str) -> [(&'static str, String); 3] {
     .unwrap_or_else(|| {
         panic!(
             "this test runs idem on a skewed clock with libfaketime, which is not installed: \
-                 run `bash .ci/services` (or `apt-get install faketime`)"
+             run `bash .ci/services` (or `apt-get install faketime`)"
         )
-    });
-    [
-        ("LD_PRELOAD", library.display().to_string()),
-        ("FAKETIME", offset.to_owned()),
-        ("FAKETIME_DONT_FAKE_MONOTONIC", "1".to_owned()),
-    ]
+    })
 }
 
 /// Runs `idem ARGS` to completion (at most `limit`) with its wall clock skewed by `offset`
@@ -716,9 +725,16 @@ pub(crate) async fn run_idem(args: &[&str], limit: Duration) -> Output {
 
 /// [`run_idem`] with `env` set.
 pub(crate) async fn run_idem_with_env(args: &[&str], env: &[(&str, &str)], limit: Duration) -> Output {
-    let child = Command::new(IDEM)
+    let mut command = Command::new(IDEM);
+    command.envs(env.iter().copied());
+    run_to_end(&mut command, args, limit).await
+}
+
+/// Runs `command` (idem, its environment set) with `args` to completion (at most `limit`), its
+/// output captured.
+pub(crate) async fn run_to_end(command: &mut Command, args: &[&str], limit: Duration) -> Output {
+    let child = command
         .args(args)
-        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

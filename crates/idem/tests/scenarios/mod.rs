@@ -1,8 +1,6 @@
 //! Scenarios every store must pass behind several `idem serve` processes, written once and run per
-//! store: concurrent copies spread over instances, a crashed holder taken over, an outage of the
-//! store in the middle of traffic, and the operator's commands.
-
-#![allow(dead_code)]
+//! store (`shared_stores.rs`): concurrent copies spread over instances, a crashed holder taken
+//! over, an outage of the store in the middle of traffic, and the operator's commands.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -12,9 +10,19 @@ use crate::common::{
     Gateway, Reply, Upstream, count, describe, new_key, random_u64, run_idem, send, try_send, wait_for_count,
 };
 
+/// [`copies_run_once`] with 60 copies over three instances.
+pub(crate) async fn sixty_copies_over_three_instances_run_once(store: &str) {
+    copies_run_once(store, 3, 60).await;
+}
+
+/// [`copies_run_once`] with 50 copies over two instances (on one SQLite file).
+pub(crate) async fn fifty_copies_over_two_instances_run_once(store: &str) {
+    copies_run_once(store, 2, 50).await;
+}
+
 /// `copies` simultaneous copies of one keyed request, spread round-robin over `instances`
 /// gateways sharing `store`: the upstream runs once and every client gets the same 2xx body.
-pub(crate) async fn copies_run_once(store: &str, instances: usize, copies: usize) {
+async fn copies_run_once(store: &str, instances: usize, copies: usize) {
     let upstream = Upstream::start().await;
     let mut gateways = Vec::with_capacity(instances);
     for _ in 0..instances {
