@@ -14,22 +14,6 @@ use idem_test_support::postgres_store::{TestSchema, raw_client};
 use idem_test_support::{chain, servers};
 use tokio::time::timeout;
 
-/// A transaction of the test's own that holds the row of `id` locked, as a handler's transaction
-/// does once it has completed the record in it, until it is dropped.
-async fn lock_row(schema: &TestSchema, id: &idem_core::store::RecordId) -> tokio_postgres::Client {
-    let holder = raw_client(&schema.url("")).await;
-    holder.batch_execute("BEGIN").await.unwrap();
-    let locked = holder
-        .execute(
-            "SELECT 1 FROM idem_records WHERE scope = $1 AND key = $2 FOR NO KEY UPDATE",
-            &[&id.scope.as_str(), &id.key.as_str()],
-        )
-        .await
-        .unwrap();
-    assert_eq!(locked, 1);
-    holder
-}
-
 /// The statements of the store's connections (named `application_name`) that wait on a lock.
 async fn waiting_on_locks(schema: &TestSchema, application_name: &str) -> Vec<String> {
     raw_client(&schema.url(""))
@@ -46,7 +30,7 @@ async fn waiting_on_locks(schema: &TestSchema, application_name: &str) -> Vec<St
 }
 
 /// A store on a schema of its own (connected with `options`), a record it claimed, and a
-/// transaction of the test's own that holds the record's row ([`lock_row`]).
+/// transaction of the test's own that holds the record's row ([`TestSchema::hold_row`]).
 struct LockedClaim {
     schema: TestSchema,
     store: PostgresStore,
@@ -67,7 +51,7 @@ impl LockedClaim {
         }
         let (id, fp, now) = (fresh_id(), fingerprint("{}"), UnixMillis::now());
         let token = acquire(&store, &id, &fp, now).await;
-        let holder = lock_row(&schema, &id).await;
+        let holder = schema.hold_row(&id, "FOR NO KEY UPDATE").await;
         Self {
             schema,
             store,
@@ -210,7 +194,7 @@ async fn a_renewal_passes_a_lock_held_for_an_instant() {
     let token = acquire(&store, &id, &fp, now).await;
     let mut missed = 0;
     for round in 1..=5 {
-        let holder = lock_row(&schema, &id).await;
+        let holder = schema.hold_row(&id, "FOR NO KEY UPDATE").await;
         let letting_go = tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(10)).await;
             holder.batch_execute("ROLLBACK").await.unwrap();

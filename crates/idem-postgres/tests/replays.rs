@@ -31,14 +31,7 @@ async fn replays_are_answered_while_another_transaction_holds_the_row() {
     let store = schema.connect("").await;
     let (id, fp, now) = completed(&store).await;
 
-    let mut holder = schema.client().await;
-    let tx = holder.transaction().await.unwrap();
-    tx.execute(
-        "SELECT 1 FROM idem_records WHERE scope = $1 AND key = $2 FOR UPDATE",
-        &[&id.scope.as_str(), &id.key.as_str()],
-    )
-    .await
-    .unwrap();
+    let holder = schema.hold_row(&id, "FOR UPDATE").await;
     for replays in 1..=3 {
         // The lock is held until the end of the test: a replay that needed it would never come.
         let replay = tokio::time::timeout(Duration::from_secs(10), begin(&store, &id, &fp, now))
@@ -49,7 +42,7 @@ async fn replays_are_answered_while_another_transaction_holds_the_row() {
             other => panic!("expected the stored answer, got {other:?}"),
         }
     }
-    tx.rollback().await.unwrap();
+    holder.batch_execute("ROLLBACK").await.unwrap();
 }
 
 /// Replays counted by one instance reach the row, where another instance reads them; the counting
@@ -164,14 +157,7 @@ async fn a_locked_row_holds_up_no_replay_count() {
     let store = schema.connect("").await;
     let (locked, locked_fp, now) = completed(&store).await;
     let (free, free_fp, _) = completed(&store).await;
-    let mut holder = schema.client().await;
-    let tx = holder.transaction().await.unwrap();
-    tx.execute(
-        "SELECT 1 FROM idem_records WHERE scope = $1 AND key = $2 FOR UPDATE",
-        &[&locked.scope.as_str(), &locked.key.as_str()],
-    )
-    .await
-    .unwrap();
+    let holder = schema.hold_row(&locked, "FOR UPDATE").await;
     begin(&store, &locked, &locked_fp, now).await;
     begin(&store, &free, &free_fp, now).await;
 
@@ -185,6 +171,6 @@ async fn a_locked_row_holds_up_no_replay_count() {
     };
     written_at_last(&free, "the count of a free row waited for another row's lock").await;
     assert_eq!(written(&client, &locked).await, 0, "the locked row was not written");
-    tx.rollback().await.unwrap();
+    holder.batch_execute("ROLLBACK").await.unwrap();
     written_at_last(&locked, "the locked row's count was lost").await;
 }

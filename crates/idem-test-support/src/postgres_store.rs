@@ -5,6 +5,7 @@
 use std::net::{Ipv4Addr, SocketAddr};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use idem_core::store::RecordId;
 use idem_postgres::PostgresStore;
 
 use crate::chain;
@@ -58,6 +59,26 @@ impl TestSchema {
     /// A plain connection whose search_path is this schema.
     pub async fn client(&self) -> tokio_postgres::Client {
         raw_client(&self.url("")).await
+    }
+
+    /// A connection in a transaction of its own that holds the row of `id` with `lock` (`FOR
+    /// UPDATE`, `FOR NO KEY UPDATE`), as a handler's transaction or an operator's statement does,
+    /// until it rolls back (`ROLLBACK`) or is dropped.
+    ///
+    /// # Panics
+    /// If the record has no row.
+    pub async fn hold_row(&self, id: &RecordId, lock: &str) -> tokio_postgres::Client {
+        let holder = self.client().await;
+        holder.batch_execute("BEGIN").await.unwrap();
+        let locked = holder
+            .execute(
+                &format!("SELECT 1 FROM idem_records WHERE scope = $1 AND key = $2 {lock}"),
+                &[&id.scope.as_str(), &id.key.as_str()],
+            )
+            .await
+            .unwrap();
+        assert_eq!(locked, 1, "the row of {id:?}");
+        holder
     }
 
     /// The test server's address, and the URL of this schema (with `options`) through a relay on

@@ -15,6 +15,14 @@ impl AbortOnDrop {
         Self(tokio::spawn(task))
     }
 
+    /// Serves `app` on `listener` (a test's HTTP server), until dropped.
+    ///
+    /// # Panics
+    /// In its task, if the server fails.
+    pub fn serve(listener: tokio::net::TcpListener, app: axum::Router) -> Self {
+        Self::spawn(async move { axum::serve(listener, app).await.expect("a test server serves") })
+    }
+
     /// Aborts the task and returns once it is gone, and what it owned (a listener) with it.
     pub async fn stop(&mut self) {
         self.0.abort();

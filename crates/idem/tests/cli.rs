@@ -97,21 +97,7 @@ async fn a_store_that_cannot_be_opened_stops_serve_with_a_message_naming_it() {
     let path = dir.path().join("missing").join("x").join("idem.db");
     let store = format!("sqlite://{}", path.display());
 
-    let output = run_idem(
-        &[
-            "serve",
-            "--upstream",
-            "http://127.0.0.1:9",
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--store",
-            &store,
-        ],
-        COMMAND_LIMIT,
-    )
-    .await;
+    let output = common::serve_to_end("http://127.0.0.1:9", &store, COMMAND_LIMIT).await;
     assert!(!output.status.success(), "serve must fail:\n{}", describe(&output));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(

@@ -82,14 +82,12 @@ impl PrefixUpstream {
             flagged: Arc::new(AtomicUsize::new(0)),
         };
         let app = Router::new().fallback(prefix_routed).with_state(counters.clone());
-        let task = AbortOnDrop::spawn(async move {
-            axum::serve(listener, app).await.expect("the upstream serves");
-        });
+        let _task = AbortOnDrop::serve(listener, app);
         Self {
             addr,
             payments: counters.payments,
             flagged: counters.flagged,
-            _task: task,
+            _task,
         }
     }
 

@@ -85,26 +85,6 @@ async fn redis_cluster_holds_no_answer_or_credential_in_clear() {
     sealed_at_rest(&store, || common::store_bytes(&store)).await;
 }
 
-/// `idem inspect --json` of a record, as a JSON value.
-async fn inspect(store: &str, token: &str, key: &str) -> serde_json::Value {
-    let authorization = format!("Bearer {token}");
-    let output = run_idem(
-        &[
-            "inspect",
-            "--store",
-            store,
-            "--authorization",
-            &authorization,
-            "--json",
-            key,
-        ],
-        std::time::Duration::from_secs(30),
-    )
-    .await;
-    assert!(output.status.success(), "{}", common::describe(&output));
-    serde_json::from_slice(&output.stdout).expect("one JSON object")
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keys_rotate_and_a_key_that_is_gone_leaves_the_answer_unreadable_not_rerun() {
     let upstream = Upstream::start().await;
@@ -128,9 +108,12 @@ async fn keys_rotate_and_a_key_that_is_gone_leaves_the_answer_unreadable_not_rer
     );
     assert_eq!(replay.body, sealed_by_a.body);
     pay(&after, &new, "t", "CARD-2").await;
-    assert_eq!(inspect(&store, "t", &old).await["sealed_by"], "a");
     assert_eq!(
-        inspect(&store, "t", &new).await["sealed_by"],
+        common::inspect_json(&store, &old, Some("t"), &[]).await["sealed_by"],
+        "a"
+    );
+    assert_eq!(
+        common::inspect_json(&store, &new, Some("t"), &[]).await["sealed_by"],
         "b",
         "new answers are sealed by the first key"
     );

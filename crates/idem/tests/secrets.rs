@@ -118,21 +118,7 @@ async fn a_store_that_cannot_be_opened_is_named_without_its_password() {
 
 /// What `idem serve` on `store` (which cannot be opened) printed before it exited.
 async fn serve_refusing_or_failing(store: &str) -> String {
-    let output = run_idem(
-        &[
-            "serve",
-            "--upstream",
-            "http://127.0.0.1:9",
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--store",
-            store,
-        ],
-        LIMIT,
-    )
-    .await;
+    let output = common::serve_to_end("http://127.0.0.1:9", store, LIMIT).await;
     assert!(!output.status.success(), "{store}: {}", describe(&output));
     printed(&output)
 }

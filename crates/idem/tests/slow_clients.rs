@@ -104,18 +104,12 @@ async fn clients_that_send_no_head_in_time_are_disconnected_after_the_read_timeo
     assert_eq!(reply.status, 201, "{reply}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_keyed_body_that_stalls_is_400_body_incomplete_and_its_key_stays_unclaimed() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &["--read-timeout", "1s"]).await;
-    let key = new_key();
-
+/// Sends `bytes` (a request whose body stops short) to `gw`, whose read timeout is 1 s, and reads
+/// its answer: `400 body-incomplete`, once the read timeout has passed.
+async fn stall_after(gw: &Gateway, bytes: &str) -> (TcpStream, Reply) {
     let mut client = connect(gw.addr()).await;
     let sent = Instant::now();
-    client
-        .write_all(format!("{}{}", keyed_head(&key), &BODY[..5]).as_bytes())
-        .await
-        .unwrap();
+    client.write_all(bytes.as_bytes()).await.unwrap();
     let answer = read_answer(&mut client, Duration::from_secs(10)).await.unwrap();
     let waited = sent.elapsed();
     answer.assert_problem(400, "body-incomplete");
@@ -123,6 +117,16 @@ async fn a_keyed_body_that_stalls_is_400_body_incomplete_and_its_key_stays_uncla
         waited >= Duration::from_millis(900),
         "answered after {waited:?}, before the read timeout: {answer}"
     );
+    (client, answer)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keyed_body_that_stalls_is_400_body_incomplete_and_its_key_stays_unclaimed() {
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&upstream.url(), &["--read-timeout", "1s"]).await;
+    let key = new_key();
+
+    let (mut client, answer) = stall_after(&gw, &format!("{}{}", keyed_head(&key), &BODY[..5])).await;
     assert!(
         answer.detail().contains("read timeout"),
         "the detail says why: {answer}"
@@ -307,24 +311,12 @@ async fn an_unkeyed_body_that_stalls_is_cut_off_as_the_clients_fault_not_the_ups
     let upstream = Upstream::start().await;
     let gw = Gateway::start(&upstream.url(), &["--read-timeout", "1s"]).await;
 
-    let mut client = connect(gw.addr()).await;
-    let sent = Instant::now();
     let head = format!(
         "POST /pay HTTP/1.1\r\nHost: idem\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
         BODY.len()
     );
-    client
-        .write_all(format!("{head}{}", &BODY[..5]).as_bytes())
-        .await
-        .unwrap();
     // Passed through, the body streams to the upstream: cutting it off must not read as an
     // upstream failure (a 502 would page someone about a healthy upstream).
-    let answer = read_answer(&mut client, Duration::from_secs(10)).await.unwrap();
-    let waited = sent.elapsed();
-    answer.assert_problem(400, "body-incomplete");
-    assert!(
-        waited >= Duration::from_millis(900),
-        "answered after {waited:?}, before the read timeout: {answer}"
-    );
+    let _ = stall_after(&gw, &format!("{head}{}", &BODY[..5])).await;
     assert_eq!(count(&upstream.state.pay), 0, "the upstream did not act on half a body");
 }

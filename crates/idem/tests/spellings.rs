@@ -40,12 +40,8 @@ impl Counting {
                 (axum::http::StatusCode::CREATED, format!("{{\"call\":{}}}", seen.len()))
             })
             .with_state(seen.clone());
-        let task = AbortOnDrop::spawn(async move { axum::serve(listener, app).await.expect("the upstream serves") });
-        Self {
-            addr,
-            seen,
-            _task: task,
-        }
+        let _task = AbortOnDrop::serve(listener, app);
+        Self { addr, seen, _task }
     }
 
     fn url(&self) -> String {

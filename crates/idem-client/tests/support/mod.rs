@@ -88,14 +88,8 @@ impl Scripted {
             script: Box::new(script),
         });
         let app = Router::new().fallback(answer).with_state(shared.clone());
-        let task = AbortOnDrop::spawn(async move {
-            axum::serve(listener, app).await.unwrap();
-        });
-        Self {
-            addr,
-            shared,
-            _task: task,
-        }
+        let _task = AbortOnDrop::serve(listener, app);
+        Self { addr, shared, _task }
     }
 
     /// `http://127.0.0.1:PORT/path`.
@@ -147,7 +141,7 @@ impl HangUp {
         let addr = listener.local_addr().unwrap();
         let received = Arc::new(Mutex::new(0));
         let counter = received.clone();
-        let task = AbortOnDrop::spawn(async move {
+        let _task = AbortOnDrop::spawn(async move {
             loop {
                 let Ok((mut socket, _)) = listener.accept().await else {
                     return;
@@ -163,11 +157,7 @@ impl HangUp {
                 });
             }
         });
-        Self {
-            addr,
-            received,
-            _task: task,
-        }
+        Self { addr, received, _task }
     }
 
     /// `http://127.0.0.1:PORT/path`.

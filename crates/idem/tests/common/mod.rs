@@ -99,6 +99,11 @@ impl UpstreamState {
         self.last_headers.lock().unwrap().get(route).cloned()
     }
 
+    /// The `Idempotency-Recovered` header of each request on `route`, in order of arrival.
+    pub(crate) fn recovered(&self, route: &str) -> Vec<Option<String>> {
+        self.seen(route).into_iter().map(|seen| seen.recovered).collect()
+    }
+
     /// Every request on `route`, in order of arrival.
     pub(crate) fn seen(&self, route: &str) -> Vec<Seen> {
         self.seen
@@ -148,14 +153,8 @@ impl Upstream {
             .route("/chunked", post(chunked))
             .route("/orders/{*rest}", post(order))
             .with_state(state.clone());
-        let task = AbortOnDrop::spawn(async move {
-            axum::serve(listener, app).await.expect("the upstream serves");
-        });
-        Self {
-            addr,
-            state,
-            _task: task,
-        }
+        let _task = AbortOnDrop::serve(listener, app);
+        Self { addr, state, _task }
     }
 
     /// `http://127.0.0.1:PORT`.
@@ -745,6 +744,35 @@ pub(crate) async fn run_to_end(command: &mut Command, args: &[&str], limit: Dura
         Ok(output) => output.expect("wait for idem"),
         Err(_) => panic!("`idem {}` did not finish within {limit:?}", args.join(" ")),
     }
+}
+
+/// `idem inspect --json` of `key` in `store` (found by the caller's `Bearer` token, if any, and
+/// with `env` set): the one JSON object it prints.
+pub(crate) async fn inspect_json(
+    store: &str,
+    key: &str,
+    bearer: Option<&str>,
+    env: &[(&str, &str)],
+) -> serde_json::Value {
+    let mut args = vec!["inspect", "--json", "--store", store];
+    let authorization = bearer.map(|token| format!("Bearer {token}"));
+    if let Some(authorization) = &authorization {
+        args.extend(["--authorization", authorization]);
+    }
+    args.push(key);
+    let output = run_idem_with_env(&args, env, Duration::from_secs(60)).await;
+    assert!(output.status.success(), "inspect --json:\n{}", describe(&output));
+    let text = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(text.lines().count(), 1, "one line:\n{text}");
+    serde_json::from_str(&text).unwrap_or_else(|err| panic!("inspect --json prints JSON ({err}):\n{text}"))
+}
+
+/// Runs `idem serve` on ephemeral ports before `upstream`, on `store`, to completion (at most
+/// `limit`): a `serve` that is expected to stop rather than serve.
+pub(crate) async fn serve_to_end(upstream: &str, store: &str, limit: Duration) -> Output {
+    let ports = ["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"];
+    let args = [&["serve", "--upstream", upstream][..], &ports, &["--store", store]].concat();
+    run_idem(&args, limit).await
 }
 
 /// Runs `idem serve` (ephemeral ports, a fresh SQLite store, then `args`, with `env` set) and

@@ -88,14 +88,8 @@ impl Receiver {
         let app = Router::new()
             .route("/v1/traces", post(export))
             .with_state(spans.clone());
-        let task = AbortOnDrop::spawn(async move {
-            axum::serve(listener, app).await.expect("the receiver serves");
-        });
-        Self {
-            addr,
-            spans,
-            _task: task,
-        }
+        let _task = AbortOnDrop::serve(listener, app);
+        Self { addr, spans, _task }
     }
 
     /// `http://127.0.0.1:PORT`: what `OTEL_EXPORTER_OTLP_ENDPOINT` names.

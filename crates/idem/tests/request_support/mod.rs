@@ -28,7 +28,7 @@ impl LossyLink {
     pub(crate) async fn start(target: SocketAddr) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let task = AbortOnDrop::spawn(async move {
+        let _task = AbortOnDrop::spawn(async move {
             let mut first = true;
             while let Ok((client, _)) = listener.accept().await {
                 let lose = std::mem::replace(&mut first, false);
@@ -45,7 +45,7 @@ impl LossyLink {
                 });
             }
         });
-        Self { addr, _task: task }
+        Self { addr, _task }
     }
 
     /// The URL of `path` through the link.

@@ -49,19 +49,26 @@ const COMMAND_LIMIT: Duration = Duration::from_secs(30);
 // Failovers under load
 // ---------------------------------------------------------------------------------------------
 
+/// [`CUT_OFF_AT`] into the load, cuts the replica off; [`CUT_OFF_FOR`] later kills the primary
+/// and lets the replica go on, lagging: the old primary, the replica, and when the primary died.
+async fn lag_then_kill_the_primary(redis: &mut ReplicatedRedis) -> (usize, usize, Instant) {
+    let (old, replica) = (redis.primary(), redis.replicas()[0]);
+    tokio::time::sleep(CUT_OFF_AT).await;
+    redis.isolate(replica).await;
+    tokio::time::sleep(CUT_OFF_FOR).await;
+    redis.kill(old);
+    let killed = Instant::now();
+    redis.thaw(replica);
+    (old, replica, killed)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failover_of_a_primary_behind_one_address() {
     let mut redis = ReplicatedRedis::start(1).await;
     let store = format!("{}/?prefix=idem-failover", redis.endpoint_url());
     let redis = &mut redis;
     scenario("redis-endpoint-failover", &store, PAYMENTS_OVER, 1, |_| async move {
-        let (old, replica) = (redis.primary(), redis.replicas()[0]);
-        tokio::time::sleep(CUT_OFF_AT).await;
-        redis.isolate(replica).await;
-        tokio::time::sleep(CUT_OFF_FOR).await;
-        redis.kill(old);
-        let killed = Instant::now();
-        redis.thaw(replica);
+        let (old, replica, killed) = lag_then_kill_the_primary(redis).await;
         redis.promote(replica).await;
         redis.point_endpoint_at(replica);
         redis.restart_as_replica_of(old, replica).await;
@@ -83,13 +90,7 @@ async fn failover_through_sentinel() {
     let store = format!("{}?prefix=idem-failover", redis.sentinel_url());
     let redis = &mut redis;
     scenario("redis-sentinel-failover", &store, PAYMENTS_OVER, 1, |_| async move {
-        let (old, replica) = (redis.primary(), redis.replicas()[0]);
-        tokio::time::sleep(CUT_OFF_AT).await;
-        redis.isolate(replica).await;
-        tokio::time::sleep(CUT_OFF_FOR).await;
-        redis.kill(old);
-        let killed = Instant::now();
-        redis.thaw(replica);
+        let (old, replica, killed) = lag_then_kill_the_primary(redis).await;
         let promoted = redis.wait_for_failover(SENTINEL_FAILOVER).await;
         assert_eq!(promoted, replica, "Sentinel promoted the only replica");
         let failed_over = killed.elapsed();
