@@ -61,10 +61,7 @@ async fn two_bodies_under_one_key_are_one_request_only_as_one_json_value() {
 
 /// A keyed payment from the caller named by `X-User-Id: user` (raw bytes).
 async fn pay_as(gw: &Gateway, key: &str, user: &[&[u8]]) -> Reply {
-    let mut request = gw
-        .post("/pay", r#"{"amount":100}"#)
-        .header("content-type", "application/json")
-        .header("idempotency-key", key);
+    let mut request = gw.keyed("/pay", key, r#"{"amount":100}"#);
     for value in user {
         request = request.header("x-user-id", HeaderValue::from_bytes(value).expect("a header value"));
     }

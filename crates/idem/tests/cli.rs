@@ -27,10 +27,7 @@ async fn sigterm_lets_in_flight_requests_finish_and_exits_zero() {
     let key = new_key();
 
     let in_flight = {
-        let request = gw
-            .post("/pay?delay=1000", r#"{"amount":1}"#)
-            .header("content-type", "application/json")
-            .header("idempotency-key", key.as_str());
+        let request = gw.keyed("/pay?delay=1000", key.as_str(), r#"{"amount":1}"#);
         tokio::spawn(send(request))
     };
     wait_for_count(&upstream.state.pay, 1, Duration::from_secs(10)).await;

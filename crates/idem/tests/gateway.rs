@@ -19,13 +19,6 @@ async fn set_up(flags: &[&str]) -> (Upstream, Gateway, String) {
     (upstream, gw, new_key())
 }
 
-/// A JSON `POST` of [`PAY_BODY`] to `path` with `key`, to send.
-fn keyed(gw: &Gateway, path: &str, key: &str) -> reqwest::RequestBuilder {
-    gw.post(path, PAY_BODY)
-        .header("content-type", "application/json")
-        .header("idempotency-key", key)
-}
-
 /// Strips the sf-string quotes a gateway may have added when forwarding the key.
 fn unquote(value: &str) -> &str {
     value
@@ -197,7 +190,7 @@ async fn a_copy_waiting_past_the_wait_limit_gets_409_with_retry_after() {
     let (upstream, gw, key) = set_up(&["--wait", "200ms"]).await;
 
     let first = {
-        let request = keyed(&gw, "/pay?delay=3000", &key);
+        let request = gw.keyed("/pay?delay=3000", &key, PAY_BODY);
         tokio::spawn(send(request))
     };
     wait_for_count(&upstream.state.pay, 1, Duration::from_secs(10)).await;
@@ -232,7 +225,7 @@ async fn two_callers_with_the_same_key_never_share_an_answer() {
     for (flags, header, [a, b]) in cases {
         println!("case: {header} {a} and {b} ({flags:?})");
         let (upstream, gw, key) = set_up(flags).await;
-        let pay_as = |who: &str| send(keyed(&gw, "/pay", &key).header(header, who));
+        let pay_as = |who: &str| send(gw.keyed("/pay", &key, PAY_BODY).header(header, who));
         let first = pay_as(a).await;
         let other = pay_as(b).await;
         assert_eq!((first.status, other.status), (201, 201), "{first}\n{other}");
@@ -299,9 +292,7 @@ async fn invalid_keys_are_refused_and_never_processed() {
     let (upstream, gw, _) = set_up(&[]).await;
 
     let two_headers = gw
-        .post("/pay", PAY_BODY)
-        .header("content-type", "application/json")
-        .header("idempotency-key", "first-key")
+        .keyed("/pay", "first-key", PAY_BODY)
         .header("idempotency-key", "second-key");
     let reply = send(two_headers).await;
     reply.assert_problem(400, "key-invalid");
@@ -665,7 +656,7 @@ async fn an_unreachable_upstream_releases_the_key() {
 async fn a_connection_lost_mid_answer_is_502_and_the_rerun_is_marked_recovered() {
     let (upstream, gw, key) = set_up(&[]).await;
 
-    let request = keyed(&gw, "/break-once", &key);
+    let request = gw.keyed("/break-once", &key, PAY_BODY);
     let broken = common::try_send(request)
         .await
         .unwrap_or_else(|err| panic!("expected a whole 502 upstream-failed answer; {err}"));
@@ -695,7 +686,7 @@ async fn an_unknown_outcome_survives_a_recovery_that_could_not_reach_the_upstrea
     let upstream = Upstream::start_on(addr).await;
     let gw = Gateway::start(&upstream.url(), &[]).await;
     let key = new_key();
-    let pay = || keyed(&gw, "/break-once", &key);
+    let pay = || gw.keyed("/break-once", &key, PAY_BODY);
 
     let lost = common::try_send(pay()).await.expect("a whole answer");
     lost.assert_problem(502, "upstream-failed");
@@ -720,7 +711,7 @@ async fn an_unknown_outcome_survives_a_recovery_that_could_not_reach_the_upstrea
 async fn an_unknown_outcome_past_its_ttl_is_key_expired_until_its_tombstone_ends() {
     let (upstream, gw, key) = set_up(&["--ttl", "1s", "--tombstone-ttl", "1h"]).await;
 
-    let request = keyed(&gw, "/break-once", &key);
+    let request = gw.keyed("/break-once", &key, PAY_BODY);
     let broken = common::try_send(request)
         .await
         .unwrap_or_else(|err| panic!("expected a whole 502 upstream-failed answer; {err}"));
@@ -762,7 +753,7 @@ async fn a_head_over_the_limit_is_refused_before_it_reaches_the_upstream() {
     let (upstream, gw, _) = set_up(&[]).await;
     for size in [401 * 1024, 450 * 1024, 600 * 1024] {
         let key = new_key();
-        let request = keyed(&gw, "/pay", &key).header("x-junk", "j".repeat(size));
+        let request = gw.keyed("/pay", &key, PAY_BODY).header("x-junk", "j".repeat(size));
         match common::try_send(request).await {
             Ok(reply) => assert_eq!(reply.status, 431, "a {size}-byte header: {reply}"),
             // hyper may close instead, when its buffer fills before the head is whole: the client
@@ -799,7 +790,8 @@ async fn a_head_over_the_limit_is_refused_before_it_reaches_the_upstream() {
 async fn the_trace_context_reaches_the_upstream_and_the_record() {
     let (upstream, gw, key) = set_up(&[]).await;
     let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
-    let request = keyed(&gw, "/pay", &key)
+    let request = gw
+        .keyed("/pay", &key, PAY_BODY)
         .header("traceparent", traceparent)
         .header("tracestate", "vendor=opaque");
     assert_eq!(send(request).await.status, 201);

@@ -56,16 +56,18 @@ async fn function_search_paths(ledger: &Ledger) -> Vec<(String, Vec<String>)> {
         .collect()
 }
 
-/// A PostgreSQL store in a schema of its own, and the ledger upstream on its database.
-async fn set_up() -> (String, Ledger, String) {
+/// A PostgreSQL store in a schema of its own, the ledger upstream on its database with its next
+/// runs planned, and a gateway with `flags` before it.
+async fn set_up(flags: &[&str], plan: &[Then]) -> (String, Ledger, Gateway) {
     let store = postgres_store::store_url();
     let (database, schema) = store.split_once("?schema=").expect("a schema option");
     // The schema and its functions exist once the store migrated: `idem migrate` does it.
     let migrated = common::run_idem(&["migrate", "--store", &store], Duration::from_secs(60)).await;
     assert!(migrated.status.success(), "{}", common::describe(&migrated));
     let upstream = Ledger::start(database, schema, 8, true).await;
-    let url = upstream.url.clone();
-    (store, upstream, url)
+    upstream.plan(plan);
+    let gateway = Gateway::start_on_store(&upstream.url, &store, flags).await;
+    (store, upstream, gateway)
 }
 
 fn pay_request(gateway: &Gateway, key: &str) -> reqwest::RequestBuilder {
@@ -78,8 +80,7 @@ fn pay_request(gateway: &Gateway, key: &str) -> reqwest::RequestBuilder {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_that_completes_in_its_transaction_is_replayed_and_not_stored_again() {
-    let (store, upstream, url) = set_up().await;
-    let gateway = Gateway::start_on_store(&url, &store, &[]).await;
+    let (_, upstream, gateway) = set_up(&[], &[]).await;
     let first = send(pay_request(&gateway, "k1").header("idempotency-token", "forged-by-the-client")).await;
     assert_eq!(first.status, 201, "{first}");
     let runs = upstream.completed();
@@ -138,9 +139,7 @@ async fn an_upstream_that_completes_in_its_transaction_is_replayed_and_not_store
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_an_in_transaction_route_an_answer_whose_transaction_rolled_back_is_not_stored() {
-    let (store, upstream, url) = set_up().await;
-    let gateway = Gateway::start_on_store(&url, &store, &["--in-transaction"]).await;
-    upstream.plan(&[Then::RollBackAndAnswer]);
+    let (_, upstream, gateway) = set_up(&["--in-transaction"], &[Then::RollBackAndAnswer]).await;
     let first = send(pay_request(&gateway, "k1")).await;
     assert_eq!(first.status, 201, "passed on: {first}");
     assert_eq!(upstream.rows_of("k1").await, 0);
@@ -157,9 +156,7 @@ async fn on_an_in_transaction_route_an_answer_whose_transaction_rolled_back_is_n
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_token_tampered_to_expire_its_key_at_once_keeps_the_claims_retention() {
-    let (store, upstream, url) = set_up().await;
-    let gateway = Gateway::start_on_store(&url, &store, &[]).await;
-    upstream.plan(&[Then::CommitExpiringAtOnce]);
+    let (_, upstream, gateway) = set_up(&[], &[Then::CommitExpiringAtOnce]).await;
     assert_eq!(send(pay_request(&gateway, "k1")).await.status, 201);
     assert_eq!(upstream.completed()[0].refused, None);
     let retry = send(pay_request(&gateway, "k1")).await;
@@ -170,9 +167,7 @@ async fn a_token_tampered_to_expire_its_key_at_once_keeps_the_claims_retention()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_that_died_before_its_commit_runs_again_unflagged_on_an_in_transaction_route() {
-    let (store, upstream, url) = set_up().await;
-    let gateway = Gateway::start_on_store(&url, &store, &["--in-transaction"]).await;
-    upstream.plan(&[Then::Die]);
+    let (store, upstream, gateway) = set_up(&["--in-transaction"], &[Then::Die]).await;
     let lost = send(pay_request(&gateway, "k1")).await;
     assert_eq!(lost.status, 502, "{lost}");
     assert_eq!(upstream.rows_of("k1").await, 0, "rolled back");
@@ -188,7 +183,7 @@ async fn an_upstream_that_died_before_its_commit_runs_again_unflagged_on_an_in_t
     assert_eq!(upstream.rows_of("k1").await, 1);
 
     // Without the route's declaration, the same loss is flagged, as for any upstream.
-    let gateway = Gateway::start_on_store(&url, &store, &[]).await;
+    let gateway = Gateway::start_on_store(&upstream.url, &store, &[]).await;
     upstream.plan(&[Then::Die]);
     assert_eq!(send(pay_request(&gateway, "k2")).await.status, 502);
     assert_eq!(send(pay_request(&gateway, "k2")).await.status, 201);
@@ -200,9 +195,7 @@ async fn an_upstream_that_died_before_its_commit_runs_again_unflagged_on_an_in_t
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_killed_while_its_upstream_ran_leaves_the_answer_to_the_upstreams_commit() {
-    let (store, upstream, url) = set_up().await;
-    let mut first = Gateway::start_on_store(&url, &store, &["--in-transaction", "--lease", "1s"]).await;
-    upstream.plan(&[Then::WaitThenCommit]);
+    let (store, upstream, mut first) = set_up(&["--in-transaction", "--lease", "1s"], &[Then::WaitThenCommit]).await;
     let started = upstream.waiting();
     let pending = tokio::spawn(pay_request(&first, "k1").send());
     started.await;
@@ -220,7 +213,7 @@ async fn a_gateway_killed_while_its_upstream_ran_leaves_the_answer_to_the_upstre
     }
     assert_eq!(upstream.completed()[0].refused, None);
 
-    let second = Gateway::start_on_store(&url, &store, &["--in-transaction", "--lease", "1s"]).await;
+    let second = Gateway::start_on_store(&upstream.url, &store, &["--in-transaction", "--lease", "1s"]).await;
     let retry = send(pay_request(&second, "k1")).await;
     assert!(retry.replayed(), "the answer the upstream committed: {retry}");
     assert_eq!(upstream.completed().len(), 1, "no second run");
@@ -229,9 +222,11 @@ async fn a_gateway_killed_while_its_upstream_ran_leaves_the_answer_to_the_upstre
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_killed_before_its_upstream_committed_is_taken_over_unflagged_and_the_old_run_cannot_commit() {
-    let (store, upstream, url) = set_up().await;
-    let mut first = Gateway::start_on_store(&url, &store, &["--in-transaction", "--lease", "1s"]).await;
-    upstream.plan(&[Then::WaitThenCommit, Then::Commit]);
+    let (store, upstream, mut first) = set_up(
+        &["--in-transaction", "--lease", "1s"],
+        &[Then::WaitThenCommit, Then::Commit],
+    )
+    .await;
     let started = upstream.waiting();
     let pending = tokio::spawn(pay_request(&first, "k1").send());
     started.await;
@@ -240,7 +235,7 @@ async fn a_gateway_killed_before_its_upstream_committed_is_taken_over_unflagged_
     // Past the dead gateway's lease, another instance takes the key over while the first run's
     // transaction is still open.
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    let second = Gateway::start_on_store(&url, &store, &["--in-transaction", "--lease", "1s"]).await;
+    let second = Gateway::start_on_store(&upstream.url, &store, &["--in-transaction", "--lease", "1s"]).await;
     let retry = send(pay_request(&second, "k1")).await;
     assert_eq!(retry.status, 201, "{retry}");
     assert!(!retry.replayed());

@@ -95,12 +95,7 @@ async fn clients_that_send_no_head_in_time_are_disconnected_after_the_read_timeo
     }
     // The gateway serves on, and a request waiting for a slow upstream is not a client that
     // stalls: it outlives the read timeout.
-    let reply = send(
-        gw.post("/pay?delay=1500", BODY)
-            .header("content-type", "application/json")
-            .header("idempotency-key", new_key()),
-    )
-    .await;
+    let reply = send(gw.keyed("/pay?delay=1500", &new_key(), BODY)).await;
     assert_eq!(reply.status, 201, "{reply}");
 }
 
@@ -237,11 +232,7 @@ async fn sigterm_exits_within_the_grace_despite_a_stuck_client_and_keeps_the_run
     let key = new_key();
 
     // An upstream call that takes 2 s, running when the signal comes.
-    let slow = tokio::spawn(send(
-        gw.post("/pay?delay=2000", BODY)
-            .header("content-type", "application/json")
-            .header("idempotency-key", key.as_str()),
-    ));
+    let slow = tokio::spawn(send(gw.keyed("/pay?delay=2000", key.as_str(), BODY)));
     wait_for_count(&upstream.state.pay, 1, Duration::from_secs(10)).await;
     // A client stuck in the middle of its body (with the default 30 s read timeout).
     let mut stuck = connect(gw.addr()).await;
@@ -283,12 +274,7 @@ async fn sigterm_exits_within_the_grace_despite_a_stuck_client_and_keeps_the_run
 
     // The answer was stored: a gateway on the same store replays it without calling the upstream.
     let gw2 = Gateway::start_on_store(&upstream.url(), &gw.store, &[]).await;
-    let retry = send(
-        gw2.post("/pay?delay=2000", BODY)
-            .header("content-type", "application/json")
-            .header("idempotency-key", key.as_str()),
-    )
-    .await;
+    let retry = send(gw2.keyed("/pay?delay=2000", key.as_str(), BODY)).await;
     assert_eq!(retry.status, 201, "{retry}");
     assert!(retry.replayed(), "the retry is a replay: {retry}");
     assert_eq!(retry.charge(), first.charge(), "the same answer: {retry}");

@@ -591,14 +591,22 @@ impl Gateway {
         self.client.post(self.url(path)).body(body)
     }
 
-    /// A keyed JSON `POST` to `path`, sent.
+    /// A JSON `POST` of `body` to `path` with `Idempotency-Key: key`, to send (more headers may
+    /// follow).
+    pub(crate) fn keyed(&self, path: &str, key: &str, body: impl Into<reqwest::Body>) -> reqwest::RequestBuilder {
+        self.post(path, body)
+            .header("content-type", "application/json")
+            .header("idempotency-key", key)
+    }
+
+    /// A JSON `POST` to `path`, keyed if `key` is given, sent.
     pub(crate) async fn post_json(&self, path: &str, key: Option<&str>, body: &str) -> Reply {
-        let mut request = self
-            .post(path, body.to_owned())
-            .header("content-type", "application/json");
-        if let Some(key) = key {
-            request = request.header("idempotency-key", key);
-        }
+        let request = match key {
+            Some(key) => self.keyed(path, key, body.to_owned()),
+            None => self
+                .post(path, body.to_owned())
+                .header("content-type", "application/json"),
+        };
         send(request).await
     }
 

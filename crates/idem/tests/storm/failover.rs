@@ -380,10 +380,7 @@ async fn a_gateway_killed_mid_failover_has_its_claim_taken_over_after_the_lease(
     let body = r#"{"amount":9}"#;
     // A claims and runs a slow payment; it is killed while the upstream works.
     let slow = {
-        let request = a
-            .post("/pay?delay=3000", body.to_owned())
-            .header("content-type", "application/json")
-            .header("idempotency-key", key.as_str());
+        let request = a.keyed("/pay?delay=3000", key.as_str(), body.to_owned());
         tokio::spawn(async move { common::try_send(request).await })
     };
     common::wait_for_count(&upstream.state.pay, 1, Duration::from_secs(10)).await;
