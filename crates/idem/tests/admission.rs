@@ -7,7 +7,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{Gateway, Reply, Upstream, count, new_key, send};
+use common::{Gateway, Reply, count, new_key, send};
 use idem_test_support::wire;
 use reqwest::header::HeaderValue;
 
@@ -28,8 +28,7 @@ async fn same_key(gw: &Gateway, first: &str, second: &str) -> (Reply, Reply) {
 /// second is `422 key-mismatch`, which never reaches the upstream.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_bodies_under_one_key_are_one_request_only_as_one_json_value() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &[]).await;
+    let (upstream, gw, _) = common::start(&[]).await;
     #[rustfmt::skip]
     let cases = [
         // 2^53 + 1 and 2^53 are one f64: a canonicaliser that goes through floating point makes
@@ -70,9 +69,7 @@ async fn pay_as(gw: &Gateway, key: &str, user: &[&[u8]]) -> Reply {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scope_headers_are_compared_byte_for_byte() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &["--scope", "header:X-User-Id"]).await;
-    let key = new_key();
+    let (upstream, gw, key) = common::start(&["--scope", "header:X-User-Id"]).await;
     // "müller" and "mäller" in Latin-1: not UTF-8, and one scope after a lossy conversion.
     let mueller = pay_as(&gw, &key, &[b"m\xfcller"]).await;
     let maeller = pay_as(&gw, &key, &[b"m\xe4ller"]).await;
@@ -93,9 +90,7 @@ async fn scope_headers_are_compared_byte_for_byte() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_repeated_scope_header_is_refused() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &["--scope", "header:X-User-Id"]).await;
-    let key = new_key();
+    let (upstream, gw, key) = common::start(&["--scope", "header:X-User-Id"]).await;
     let alice = pay_as(&gw, &key, &[b"alice"]).await;
     assert_eq!(alice.status, 201, "{alice}");
     // Before, the first value won: alice's answer went to a request that also says "mallory".
@@ -122,8 +117,7 @@ async fn a_repeated_scope_header_is_refused() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn anonymous_reject_refuses_keyed_requests_without_a_credential() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &["--anonymous", "reject"]).await;
+    let (upstream, gw, _) = common::start(&["--anonymous", "reject"]).await;
 
     let anonymous = gw.post_json("/pay", Some(&new_key()), "{}").await;
     anonymous.assert_problem(401, "credential-missing");
@@ -160,8 +154,7 @@ const ULID_LOOKING: &str = "01ARZ3NDEKTSV4RRFFQ69G5FAV";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_that_merely_looks_like_a_ulid_does_not_expire() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &[]).await;
+    let (upstream, gw, _) = common::start(&[]).await;
     let first = gw.post_json("/pay", Some(ULID_LOOKING), "{}").await;
     assert_eq!(first.status, 201, "{first}");
     let retry = gw.post_json("/pay", Some(ULID_LOOKING), "{}").await;
@@ -176,8 +169,7 @@ async fn a_key_that_merely_looks_like_a_ulid_does_not_expire() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ulid_times_expire_keys_only_when_asked() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &["--expire-by-key-time", "uuid7,ulid"]).await;
+    let (upstream, gw, _) = common::start(&["--expire-by-key-time", "uuid7,ulid"]).await;
     gw.post_json("/pay", Some(ULID_LOOKING), "{}")
         .await
         .assert_problem(422, "key-expired");
@@ -262,9 +254,7 @@ async fn a_header_scope_on_a_credential_never_starts() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_that_breaks_off_is_body_incomplete_and_claims_nothing() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &[]).await;
-    let key = new_key();
+    let (upstream, gw, key) = common::start(&[]).await;
     // A chunked body whose second chunk-size line is not a number: the body cannot be read whole.
     let raw = format!(
         "POST /pay HTTP/1.1\r\nhost: idem\r\nidempotency-key: {key}\r\ncontent-type: application/json\r\n\

@@ -8,16 +8,9 @@ mod common;
 use std::sync::atomic::AtomicUsize;
 use std::time::Duration;
 
-use common::{Gateway, Upstream, UpstreamState, count, new_key, now_millis, send, uuid_v7_at, wait_for_count};
+use common::{Gateway, Upstream, UpstreamState, count, new_key, now_millis, send, start, uuid_v7_at, wait_for_count};
 
 const PAY_BODY: &str = r#"{"amount":1000,"currency":"EUR"}"#;
-
-/// An upstream, a gateway in front of it with `flags`, and a fresh key: where each test starts.
-async fn set_up(flags: &[&str]) -> (Upstream, Gateway, String) {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), flags).await;
-    (upstream, gw, new_key())
-}
 
 /// Strips the sf-string quotes a gateway may have added when forwarding the key.
 fn unquote(value: &str) -> &str {
@@ -33,7 +26,7 @@ fn unquote(value: &str) -> &str {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retry_gets_the_stored_answer_and_the_upstream_runs_once() {
-    let (upstream, gw, key) = set_up(&[]).await;
+    let (upstream, gw, key) = start(&[]).await;
 
     let first = gw.post_json("/pay", Some(&key), PAY_BODY).await;
     assert_eq!(first.status, 201, "{first}");
@@ -98,7 +91,7 @@ async fn a_retry_of_the_same_request_in_other_words_is_replayed() {
     ];
     for (case, method, spellings, bodies) in cases {
         println!("case: {case}");
-        let (upstream, gw, key) = set_up(&[]).await;
+        let (upstream, gw, key) = start(&[]).await;
         let mut replies = Vec::new();
         for (spelling, body) in spellings.into_iter().zip(bodies) {
             let key = match spelling {
@@ -143,7 +136,7 @@ async fn the_same_key_with_another_request_is_a_mismatch_naming_what_differs() {
     ];
     for (differs, path, body) in cases {
         println!("case: another {differs}");
-        let (upstream, gw, key) = set_up(&[]).await;
+        let (upstream, gw, key) = start(&[]).await;
         let first = gw.post_json("/pay", Some(&key), PAY_BODY).await;
         assert_eq!(first.status, 201, "{first}");
         let other = gw.post_json(path, Some(&key), body).await;
@@ -168,7 +161,7 @@ async fn the_same_key_with_another_request_is_a_mismatch_naming_what_differs() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_concurrent_copy_waits_and_gets_the_replay() {
-    let (upstream, gw, key) = set_up(&[]).await;
+    let (upstream, gw, key) = start(&[]).await;
 
     let (a, b) = tokio::join!(
         gw.post_json("/pay?delay=800", Some(&key), PAY_BODY),
@@ -187,7 +180,7 @@ async fn a_concurrent_copy_waits_and_gets_the_replay() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_copy_waiting_past_the_wait_limit_gets_409_with_retry_after() {
-    let (upstream, gw, key) = set_up(&["--wait", "200ms"]).await;
+    let (upstream, gw, key) = start(&["--wait", "200ms"]).await;
 
     let first = {
         let request = gw.keyed("/pay?delay=3000", &key, PAY_BODY);
@@ -224,7 +217,7 @@ async fn two_callers_with_the_same_key_never_share_an_answer() {
     ];
     for (flags, header, [a, b]) in cases {
         println!("case: {header} {a} and {b} ({flags:?})");
-        let (upstream, gw, key) = set_up(flags).await;
+        let (upstream, gw, key) = start(flags).await;
         let pay_as = |who: &str| send(gw.keyed("/pay", &key, PAY_BODY).header(header, who));
         let first = pay_as(a).await;
         let other = pay_as(b).await;
@@ -244,7 +237,7 @@ async fn two_callers_with_the_same_key_never_share_an_answer() {
 /// the credential itself is case-sensitive, and another is another caller.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_spellings_of_one_credential_are_one_caller() {
-    let (upstream, gw, key) = set_up(&[]).await;
+    let (upstream, gw, key) = start(&[]).await;
     let pay_as = |authorization: &'static str| {
         let request = gw
             .post("/pay", PAY_BODY)
@@ -279,7 +272,7 @@ async fn the_spellings_of_one_credential_are_one_caller() {
 async fn a_keyless_request_is_refused_where_a_key_is_required() {
     for policy in ["require", "grace:2000-01-01T00:00:00Z"] {
         println!("case: --missing-key {policy}");
-        let (upstream, gw, _) = set_up(&["--missing-key", policy]).await;
+        let (upstream, gw, _) = start(&["--missing-key", policy]).await;
         gw.post_json("/pay", None, PAY_BODY)
             .await
             .assert_problem(400, "key-missing");
@@ -289,7 +282,7 @@ async fn a_keyless_request_is_refused_where_a_key_is_required() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn invalid_keys_are_refused_and_never_processed() {
-    let (upstream, gw, _) = set_up(&[]).await;
+    let (upstream, gw, _) = start(&[]).await;
 
     let two_headers = gw
         .keyed("/pay", "first-key", PAY_BODY)
@@ -308,7 +301,7 @@ async fn invalid_keys_are_refused_and_never_processed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_keyless_post_passes_through_by_default() {
-    let (upstream, gw, _) = set_up(&[]).await;
+    let (upstream, gw, _) = start(&[]).await;
 
     let a = gw.post_json("/pay", None, PAY_BODY).await;
     let b = gw.post_json("/pay", None, PAY_BODY).await;
@@ -324,7 +317,7 @@ async fn a_keyless_post_passes_through_by_default() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_fingerprint_policy_catches_a_keyless_double_tap() {
-    let (upstream, gw, _) = set_up(&["--missing-key", "fingerprint:10s"]).await;
+    let (upstream, gw, _) = start(&["--missing-key", "fingerprint:10s"]).await;
     // The double tap of one caller: the same credential, the same body.
     let tap = |body: &'static str| {
         send(
@@ -352,7 +345,7 @@ async fn the_fingerprint_policy_catches_a_keyless_double_tap() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_fingerprint_policy_never_merges_two_anonymous_callers() {
-    let (upstream, gw, _) = set_up(&["--missing-key", "fingerprint:10s"]).await;
+    let (upstream, gw, _) = start(&["--missing-key", "fingerprint:10s"]).await;
 
     // Two people without a credential who post the same body: nothing tells them apart, so
     // neither may get the other's answer.
@@ -403,7 +396,7 @@ async fn fingerprint_with_one_shared_scope_is_refused_at_start() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn during_the_grace_period_keyless_requests_pass_with_deprecation_headers() {
-    let (upstream, gw, _) = set_up(&["--missing-key", "grace:2099-01-01T00:00:00Z"]).await;
+    let (upstream, gw, _) = start(&["--missing-key", "grace:2099-01-01T00:00:00Z"]).await;
 
     let reply = gw.post_json("/pay", None, PAY_BODY).await;
     assert_eq!(reply.status, 201, "{reply}");
@@ -417,7 +410,7 @@ async fn during_the_grace_period_keyless_requests_pass_with_deprecation_headers(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_get_with_a_key_passes_through_untouched() {
-    let (upstream, gw, key) = set_up(&[]).await;
+    let (upstream, gw, key) = start(&[]).await;
 
     for n in 1..=2 {
         let reply = send(gw.client.get(gw.url("/pay")).header("idempotency-key", key.as_str())).await;
@@ -492,7 +485,7 @@ async fn what_is_stored_is_replayed_and_what_is_not_runs_again() {
     } in cases
     {
         println!("case: {case}");
-        let (upstream, gw, key) = set_up(flags).await;
+        let (upstream, gw, key) = start(flags).await;
         let mut before: Option<common::Reply> = None;
         for &(status, replayed) in answers {
             let reply = gw.post_json(path, Some(&key), "{}").await;
@@ -509,7 +502,7 @@ async fn what_is_stored_is_replayed_and_what_is_not_runs_again() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_large_answer_is_never_re_run_and_replays_compact() {
-    let (upstream, gw, key) = set_up(&["--max-stored-body", "1KiB"]).await;
+    let (upstream, gw, key) = start(&["--max-stored-body", "1KiB"]).await;
 
     let first = gw.post_json("/big?size=200000", Some(&key), "{}").await;
     assert_eq!(first.status, 201, "{first}");
@@ -534,7 +527,7 @@ async fn a_large_answer_is_never_re_run_and_replays_compact() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_small_chunked_answer_is_stored_whole() {
-    let (upstream, gw, key) = set_up(&[]).await;
+    let (upstream, gw, key) = start(&[]).await;
 
     let first = gw.post_json("/chunked", Some(&key), "{}").await;
     assert_eq!(first.status, 201, "{first}");
@@ -556,7 +549,7 @@ async fn a_small_chunked_answer_is_stored_whole() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_hanging_up_does_not_cancel_the_request() {
-    let (upstream, gw, key) = set_up(&[]).await;
+    let (upstream, gw, key) = start(&[]).await;
 
     let impatient = reqwest::Client::builder()
         .no_proxy()
@@ -582,7 +575,7 @@ async fn a_client_hanging_up_does_not_cancel_the_request() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_the_ttl_the_key_is_expired_not_re_run() {
-    let (upstream, gw, key) = set_up(&["--ttl", "1s"]).await;
+    let (upstream, gw, key) = start(&["--ttl", "1s"]).await;
 
     let first = gw.post_json("/pay", Some(&key), PAY_BODY).await;
     assert_eq!(first.status, 201, "{first}");
@@ -598,7 +591,7 @@ async fn after_the_ttl_the_key_is_expired_not_re_run() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_uuid_v7_key_older_than_the_ttl_is_expired_at_once() {
-    let (upstream, gw, _) = set_up(&[]).await;
+    let (upstream, gw, _) = start(&[]).await;
     let two_days = 2 * 24 * 3600 * 1000;
     let key = uuid_v7_at(now_millis() - two_days);
 
@@ -615,7 +608,7 @@ async fn a_uuid_v7_key_older_than_the_ttl_is_expired_at_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_keyed_body_over_the_limit_is_413() {
-    let (upstream, gw, key) = set_up(&["--max-body", "1KiB"]).await;
+    let (upstream, gw, key) = start(&["--max-body", "1KiB"]).await;
     let body = format!(r#"{{"memo":"{}"}}"#, "x".repeat(2048));
 
     let reply = gw.post_json("/pay", Some(&key), &body).await;
@@ -654,7 +647,7 @@ async fn an_unreachable_upstream_releases_the_key() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_lost_mid_answer_is_502_and_the_rerun_is_marked_recovered() {
-    let (upstream, gw, key) = set_up(&[]).await;
+    let (upstream, gw, key) = start(&[]).await;
 
     let request = gw.keyed("/break-once", &key, PAY_BODY);
     let broken = common::try_send(request)
@@ -709,7 +702,7 @@ async fn an_unknown_outcome_survives_a_recovery_that_could_not_reach_the_upstrea
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unknown_outcome_past_its_ttl_is_key_expired_until_its_tombstone_ends() {
-    let (upstream, gw, key) = set_up(&["--ttl", "1s", "--tombstone-ttl", "1h"]).await;
+    let (upstream, gw, key) = start(&["--ttl", "1s", "--tombstone-ttl", "1h"]).await;
 
     let request = gw.keyed("/break-once", &key, PAY_BODY);
     let broken = common::try_send(request)
@@ -729,7 +722,7 @@ async fn an_unknown_outcome_past_its_ttl_is_key_expired_until_its_tombstone_ends
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_upstream_gets_504_and_its_answer_is_kept_for_the_retry() {
-    let (upstream, gw, key) = set_up(&["--upstream-timeout", "300ms"]).await;
+    let (upstream, gw, key) = start(&["--upstream-timeout", "300ms"]).await;
 
     let slow = gw.post_json("/pay?delay=1500", Some(&key), PAY_BODY).await;
     slow.assert_problem(504, "upstream-timeout");
@@ -750,7 +743,7 @@ async fn a_slow_upstream_gets_504_and_its_answer_is_kept_for_the_retry() {
 /// the connection mid-request and leave its key unknown). Just under the limit, it runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_head_over_the_limit_is_refused_before_it_reaches_the_upstream() {
-    let (upstream, gw, _) = set_up(&[]).await;
+    let (upstream, gw, _) = start(&[]).await;
     for size in [401 * 1024, 450 * 1024, 600 * 1024] {
         let key = new_key();
         let request = gw.keyed("/pay", &key, PAY_BODY).header("x-junk", "j".repeat(size));
@@ -788,7 +781,7 @@ async fn a_head_over_the_limit_is_refused_before_it_reaches_the_upstream() {
 /// spans join the client's trace; the record keeps its trace id (`idem inspect`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_trace_context_reaches_the_upstream_and_the_record() {
-    let (upstream, gw, key) = set_up(&[]).await;
+    let (upstream, gw, key) = start(&[]).await;
     let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
     let request = gw
         .keyed("/pay", &key, PAY_BODY)

@@ -10,7 +10,7 @@ use std::io::ErrorKind;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use common::{Gateway, Reply, Upstream, count, new_key, send, wait_for_count};
+use common::{Gateway, Reply, count, new_key, send, wait_for_count};
 use idem_test_support::wire;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -55,8 +55,7 @@ async fn read_answer(stream: &mut TcpStream, limit: Duration) -> Result<Reply, S
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clients_that_send_no_head_in_time_are_disconnected_after_the_read_timeout() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &["--read-timeout", "1s"]).await;
+    let (_, gw, _) = common::start(&["--read-timeout", "1s"]).await;
 
     let mut half = connect(gw.addr()).await;
     half.write_all(b"POST /pay HTTP/1.1\r\nHost: idem\r\nContent-Ty")
@@ -117,9 +116,7 @@ async fn stall_after(gw: &Gateway, bytes: &str) -> (TcpStream, Reply) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_keyed_body_that_stalls_is_400_body_incomplete_and_its_key_stays_unclaimed() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &["--read-timeout", "1s"]).await;
-    let key = new_key();
+    let (upstream, gw, key) = common::start(&["--read-timeout", "1s"]).await;
 
     let (mut client, answer) = stall_after(&gw, &format!("{}{}", keyed_head(&key), &BODY[..5])).await;
     assert!(
@@ -141,9 +138,7 @@ async fn a_keyed_body_that_stalls_is_400_body_incomplete_and_its_key_stays_uncla
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_keyed_body_dripped_slowly_is_cut_off_once_its_waits_add_up_to_the_read_timeout() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &["--read-timeout", "1s"]).await;
-    let key = new_key();
+    let (upstream, gw, key) = common::start(&["--read-timeout", "1s"]).await;
 
     let (mut reader, mut writer) = connect(gw.addr()).await.into_split();
     let sent = Instant::now();
@@ -184,8 +179,7 @@ async fn a_keyed_body_dripped_slowly_is_cut_off_once_its_waits_add_up_to_the_rea
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_beyond_max_connections_wait_until_one_closes() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &["--max-connections", "4", "--read-timeout", "60s"]).await;
+    let (upstream, gw, _) = common::start(&["--max-connections", "4", "--read-timeout", "60s"]).await;
 
     let mut held = Vec::new();
     for _ in 0..4 {
@@ -227,9 +221,7 @@ async fn connections_beyond_max_connections_wait_until_one_closes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_exits_within_the_grace_despite_a_stuck_client_and_keeps_the_running_calls_answer() {
-    let upstream = Upstream::start().await;
-    let mut gw = Gateway::start(&upstream.url(), &["--shutdown-grace", "3s"]).await;
-    let key = new_key();
+    let (upstream, mut gw, key) = common::start(&["--shutdown-grace", "3s"]).await;
 
     // An upstream call that takes 2 s, running when the signal comes.
     let slow = tokio::spawn(send(gw.keyed("/pay?delay=2000", key.as_str(), BODY)));
@@ -294,8 +286,7 @@ async fn zero_limits_are_refused_at_start_naming_the_flag() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unkeyed_body_that_stalls_is_cut_off_as_the_clients_fault_not_the_upstreams() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &["--read-timeout", "1s"]).await;
+    let (upstream, gw, _) = common::start(&["--read-timeout", "1s"]).await;
 
     let head = format!(
         "POST /pay HTTP/1.1\r\nHost: idem\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",

@@ -163,6 +163,14 @@ impl Upstream {
     }
 }
 
+/// An upstream, a gateway in front of it with `flags` (on a fresh SQLite store), and a fresh key:
+/// where most tests start.
+pub(crate) async fn start(flags: &[&str]) -> (Upstream, Gateway, String) {
+    let upstream = Upstream::start().await;
+    let gateway = Gateway::start(&upstream.url(), flags).await;
+    (upstream, gateway, new_key())
+}
+
 /// A port on 127.0.0.1 that was free a moment ago and on which nothing listens now.
 pub(crate) fn reserve_port() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], idem_test_support::servers::free_port()))
