@@ -11,7 +11,7 @@ const COMMAND_LIMIT: Duration = Duration::from_secs(30);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_admin_listener_answers_health_and_readiness() {
-    let (_, gw, _) = common::start(&[]).await;
+    let (_upstream, gw, _) = common::start(&[]).await;
 
     let health = send(gw.client.get(format!("{}/healthz", gw.admin))).await;
     assert_eq!(health.status, 200, "{health}");
@@ -252,7 +252,7 @@ async fn inspect_and_delete_find_a_credentials_record_by_its_authorization() {
 /// are all written by the time it exits, and the last line is the last thing it logged.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_request_is_logged_once_by_the_time_the_gateway_exits() {
-    let (_, mut gw, _) = common::start(&[]).await;
+    let (_upstream, mut gw, _) = common::start(&[]).await;
     let keys: Vec<String> = (0..100).map(|_| new_key()).collect();
     let replies = futures_util::future::join_all(
         keys.iter()
@@ -356,7 +356,7 @@ async fn a_gateway_that_cannot_listen_writes_its_earlier_lines_first() {
 /// reorder what the operator reads; the JSON forms keep the exact values.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn list_and_inspect_escape_terminal_controls_and_json_keeps_them_exact() {
-    let (_, gw, _) = common::start(&["--scope", "header:X-User-Id"]).await;
+    let (_upstream, gw, _) = common::start(&["--scope", "header:X-User-Id"]).await;
     // Raw UTF-8 in the request target (U+202E, an override) and an escaped one (U+2066, an
     // isolate), and in the scope header U+2066, U+202E, U+009B (the C1 CSI) and a tab: what a
     // hostile caller can send.

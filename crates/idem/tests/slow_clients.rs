@@ -55,7 +55,7 @@ async fn read_answer(stream: &mut TcpStream, limit: Duration) -> Result<Reply, S
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clients_that_send_no_head_in_time_are_disconnected_after_the_read_timeout() {
-    let (_, gw, _) = common::start(&["--read-timeout", "1s"]).await;
+    let (_upstream, gw, _) = common::start(&["--read-timeout", "1s"]).await;
 
     let mut half = connect(gw.addr()).await;
     half.write_all(b"POST /pay HTTP/1.1\r\nHost: idem\r\nContent-Ty")
