@@ -4,31 +4,15 @@
 //! does wait is bounded on the server by the store timeout; and an operation its caller gave up
 //! never leaves its connection busy in the pool.
 
-mod common;
-
 use std::time::Duration;
 
-use common::{TestSchema, chain, raw_client};
-use idem_core::store::{Begin, RecordState, WaitOutcome};
+use idem_core::store::{Begin, FencingToken, RecordId, RecordState, WaitOutcome};
 use idem_core::testkit::{DAY, LEASE, acquire, begin, completion, fingerprint, fresh_id, unknown_at};
-use idem_core::{Store, StoreError, UnixMillis};
+use idem_core::{Fingerprint, Store, StoreError, UnixMillis};
+use idem_postgres::PostgresStore;
+use idem_test_support::postgres_store::{TestSchema, raw_client};
+use idem_test_support::{chain, servers};
 use tokio::time::timeout;
-
-/// A transaction of the test's own that holds the row of `id` locked, as a handler's transaction
-/// does once it has completed the record in it, until it is dropped.
-async fn lock_row(schema: &TestSchema, id: &idem_core::store::RecordId) -> tokio_postgres::Client {
-    let holder = raw_client(&schema.url("")).await;
-    holder.batch_execute("BEGIN").await.unwrap();
-    let locked = holder
-        .execute(
-            "SELECT 1 FROM idem_records WHERE scope = $1 AND key = $2 FOR NO KEY UPDATE",
-            &[&id.scope.as_str(), &id.key.as_str()],
-        )
-        .await
-        .unwrap();
-    assert_eq!(locked, 1);
-    holder
-}
 
 /// The statements of the store's connections (named `application_name`) that wait on a lock.
 async fn waiting_on_locks(schema: &TestSchema, application_name: &str) -> Vec<String> {
@@ -45,19 +29,58 @@ async fn waiting_on_locks(schema: &TestSchema, application_name: &str) -> Vec<St
         .collect()
 }
 
+/// A store on a schema of its own (connected with `options`), a record it claimed, and a
+/// transaction of the test's own that holds the record's row ([`TestSchema::hold_row`]).
+struct LockedClaim {
+    schema: TestSchema,
+    store: PostgresStore,
+    id: RecordId,
+    fp: Fingerprint,
+    now: UnixMillis,
+    token: FencingToken,
+    holder: tokio_postgres::Client,
+}
+
+impl LockedClaim {
+    /// `bound`: [`Store::bound_operations`] before anything is claimed.
+    async fn new(options: &str, bound: Option<Duration>) -> Self {
+        let schema = TestSchema::new();
+        let store = schema.connect(options).await;
+        if let Some(limit) = bound {
+            store.bound_operations(limit);
+        }
+        let (id, fp, now) = (fresh_id(), fingerprint("{}"), UnixMillis::now());
+        let token = acquire(&store, &id, &fp, now).await;
+        let holder = schema.hold_row(&id, "FOR NO KEY UPDATE").await;
+        Self {
+            schema,
+            store,
+            id,
+            fp,
+            now,
+            token,
+            holder,
+        }
+    }
+
+    /// Ends the transaction that held the row; the run then completes as usual.
+    async fn let_go_and_complete(self) {
+        self.holder.batch_execute("ROLLBACK").await.unwrap();
+        let done = completion(b"ok", self.now, DAY, 7 * DAY);
+        self.store.complete(&self.id, self.token, done).await.unwrap();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nothing_of_a_claim_waits_on_its_runs_open_transaction() {
-    let schema = TestSchema::new();
-    let store = schema.connect("").await;
-    let (id, fp, now) = (fresh_id(), fingerprint("{}"), UnixMillis::now());
-    let token = acquire(&store, &id, &fp, now).await;
-    let holder = lock_row(&schema, &id).await;
+    let claim = LockedClaim::new("", None).await;
+    let (store, id, fp, now, token) = (&claim.store, &claim.id, &claim.fp, claim.now, claim.token);
     let limit = Duration::from_secs(3);
 
     // Past the lease, a copy does not take a run over whose transaction holds the row: it reads
     // the run as going on, and waits.
     let later = now.plus(LEASE + Duration::from_secs(1));
-    let (copy, _) = timeout(limit, begin(&store, &id, &fp, later))
+    let (copy, _) = timeout(limit, begin(store, id, fp, later))
         .await
         .expect("the copy's claim waited on the lock");
     let Begin::Existing(record) = copy else {
@@ -69,51 +92,46 @@ async fn nothing_of_a_claim_waits_on_its_runs_open_transaction() {
     assert!(lease_until > later, "read as going on: {lease_until} at {later}");
     // The run's own renewal, its release and an operator's delete change nothing and wait for
     // nothing: they report the lock.
-    let renewed = timeout(limit, store.renew(&id, token, later.plus(LEASE)))
+    let renewed = timeout(limit, store.renew(id, token, later.plus(LEASE)))
         .await
         .expect("renew waited");
     assert!(matches!(renewed, Err(StoreError::Locked)), "{renewed:?}");
-    let released = timeout(limit, store.release(&id, token, unknown_at(later)))
+    let released = timeout(limit, store.release(id, token, unknown_at(later)))
         .await
         .expect("release waited");
     assert!(matches!(released, Err(StoreError::Locked)), "{released:?}");
-    let deleted = timeout(limit, store.delete(&id)).await.expect("delete waited");
+    let deleted = timeout(limit, store.delete(id)).await.expect("delete waited");
     assert!(matches!(deleted, Err(StoreError::Locked)), "{deleted:?}");
     // A waiter polls; it does not queue on the lock.
     let deadline = tokio::time::Instant::now() + Duration::from_millis(600);
-    let waited = timeout(limit, store.wait(&id, token, deadline))
+    let waited = timeout(limit, store.wait(id, token, deadline))
         .await
         .expect("wait queued on the lock");
     assert!(matches!(waited, Ok(WaitOutcome::TimedOut)), "{waited:?}");
-    let record = store.get(&id).await.unwrap().expect("nothing was deleted");
+    let record = store.get(id).await.unwrap().expect("nothing was deleted");
     assert!(
         matches!(record.state, RecordState::InFlight { .. }),
         "nothing changed: {record:?}"
     );
 
     // Once the transaction ends, the run is the store's as before.
-    holder.batch_execute("ROLLBACK").await.unwrap();
-    store.renew(&id, token, later.plus(LEASE)).await.unwrap();
+    claim.holder.batch_execute("ROLLBACK").await.unwrap();
+    store.renew(id, token, later.plus(LEASE)).await.unwrap();
     store
-        .complete(&id, token, completion(b"ok", later, DAY, 7 * DAY))
+        .complete(id, token, completion(b"ok", later, DAY, 7 * DAY))
         .await
         .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_operation_given_up_leaves_no_busy_connection_in_the_pool() {
-    let schema = TestSchema::new();
-    let application_name = format!("abandoned_{}", schema.name);
-    let store = schema
-        .connect(&format!("pool_size=1&application_name={application_name}"))
-        .await;
-    let (id, fp, now) = (fresh_id(), fingerprint("{}"), UnixMillis::now());
-    let token = acquire(&store, &id, &fp, now).await;
-    let holder = lock_row(&schema, &id).await;
+    let application_name = format!("abandoned_{}", servers::unique_name("pool"));
+    let claim = LockedClaim::new(&format!("pool_size=1&application_name={application_name}"), None).await;
+    let (store, id, token, now) = (&claim.store, &claim.id, claim.token, claim.now);
     // Completing waits for the lock (bounded by nothing yet): its caller gives up.
     let given_up = timeout(
         Duration::from_millis(300),
-        store.complete(&id, token, completion(b"ok", now, DAY, 7 * DAY)),
+        store.complete(id, token, completion(b"ok", now, DAY, 7 * DAY)),
     )
     .await;
     assert!(given_up.is_err(), "it waited for the lock: {given_up:?}");
@@ -126,7 +144,7 @@ async fn an_operation_given_up_leaves_no_busy_connection_in_the_pool() {
     // And the abandoned statement was cancelled on the server.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     loop {
-        let waiting = waiting_on_locks(&schema, &application_name).await;
+        let waiting = waiting_on_locks(&claim.schema, &application_name).await;
         if waiting.is_empty() {
             break;
         }
@@ -136,25 +154,17 @@ async fn an_operation_given_up_leaves_no_busy_connection_in_the_pool() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    holder.batch_execute("ROLLBACK").await.unwrap();
-    store
-        .complete(&id, token, completion(b"ok", now, DAY, 7 * DAY))
-        .await
-        .unwrap();
+    claim.let_go_and_complete().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_statement_that_waits_is_bounded_on_the_server_by_the_store_timeout() {
-    let schema = TestSchema::new();
-    let store = schema.connect("").await;
-    store.bound_operations(Duration::from_millis(500));
-    let (id, fp, now) = (fresh_id(), fingerprint("{}"), UnixMillis::now());
-    let token = acquire(&store, &id, &fp, now).await;
-    let holder = lock_row(&schema, &id).await;
+    let claim = LockedClaim::new("", Some(Duration::from_millis(500))).await;
+    let (store, id, token, now) = (&claim.store, &claim.id, claim.token, claim.now);
     // Nobody gives up on the client: the server does.
     let completed = timeout(
         Duration::from_secs(10),
-        store.complete(&id, token, completion(b"ok", now, DAY, 7 * DAY)),
+        store.complete(id, token, completion(b"ok", now, DAY, 7 * DAY)),
     )
     .await
     .expect("the statement waited past the store timeout");
@@ -169,11 +179,7 @@ async fn a_statement_that_waits_is_bounded_on_the_server_by_the_store_timeout() 
         }
         other => panic!("{other:?}"),
     }
-    holder.batch_execute("ROLLBACK").await.unwrap();
-    store
-        .complete(&id, token, completion(b"ok", now, DAY, 7 * DAY))
-        .await
-        .unwrap();
+    claim.let_go_and_complete().await;
 }
 
 /// A copy's mark (`waiters + 1`) locks the row for an instant, one statement and its commit; a
@@ -188,7 +194,7 @@ async fn a_renewal_passes_a_lock_held_for_an_instant() {
     let token = acquire(&store, &id, &fp, now).await;
     let mut missed = 0;
     for round in 1..=5 {
-        let holder = lock_row(&schema, &id).await;
+        let holder = schema.hold_row(&id, "FOR NO KEY UPDATE").await;
         let letting_go = tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(10)).await;
             holder.batch_execute("ROLLBACK").await.unwrap();

@@ -2,17 +2,15 @@
 //! disappears between a begin's conflicting insert and its read, which `begin` must survive
 //! (by trying again) without ever handing out two claims at the same time.
 
-mod common;
-
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use common::TestSchema;
 use idem_core::testkit::{begin, fingerprint, fresh_id};
 use idem_core::{
     Store, UnixMillis,
     store::{Begin, Release},
 };
+use idem_test_support::postgres_store::TestSchema;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claims_stay_exclusive_while_the_record_comes_and_goes() {

@@ -3,14 +3,12 @@
 //! own; every `open` is a new store with its own pool and listening connection, as another
 //! instance of a service would have.
 
-mod common;
-
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use common::TestSchema;
 use idem_core::Store;
 use idem_core::testkit::Harness;
+use idem_test_support::postgres_store::TestSchema;
 use idem_test_support::servers;
 
 struct PgHarness {

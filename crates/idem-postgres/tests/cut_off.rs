@@ -6,19 +6,18 @@
 //! operator's delete says the run is completing. The store's sessions must end such a transaction
 //! within the store timeout. Through a relay of this test's that cuts one connection so.
 
-mod common;
-
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{TestSchema, chain, through};
 use idem_core::Store;
 use idem_core::UnixMillis;
 use idem_core::store::Begin;
 use idem_core::testkit::{LEASE, acquire, begin, fingerprint, fresh_id};
 use idem_postgres::PostgresStore;
+use idem_test_support::chain;
+use idem_test_support::postgres_store::TestSchema;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::{TcpListener, TcpStream};
@@ -137,9 +136,9 @@ async fn relay(client: TcpStream, server: SocketAddr, shared: Arc<Shared>) {
 async fn a_takeover_cut_off_inside_its_transaction_does_not_lock_the_key_for_good() {
     let schema = TestSchema::new();
     let direct = schema.connect("").await;
-    let (server, _) = through(0, &schema, "");
+    let (server, _) = schema.through(0, "");
     let cutter = Cutter::start(server).await;
-    let (_, url) = through(cutter.port, &schema, "pool_size=1&notify=off&read_first=never");
+    let (_, url) = schema.through(cutter.port, "pool_size=1&notify=off&read_first=never");
     let cut_off = PostgresStore::connect(&url)
         .await
         .unwrap_or_else(|err| panic!("cannot open the PostgreSQL store: {}", chain(&err)));

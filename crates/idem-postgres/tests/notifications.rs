@@ -4,17 +4,15 @@
 //! of it), so a waiter that wakes within 2 s was woken by a notification; a control case shows
 //! that a store with `notify=off` does not.
 
-mod common;
-
 use std::time::Duration;
 
-use common::TestSchema;
 use idem_core::testkit::{DAY, LEASE, acquire, begin, completion, fingerprint, fresh_id};
 use idem_core::{
     Store, UnixMillis,
     store::{Begin, FencingToken, RecordId, Release, WaitOutcome},
 };
 use idem_postgres::PostgresStore;
+use idem_test_support::postgres_store::{TestSchema, base_url};
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, timeout};
 
@@ -30,6 +28,26 @@ async fn start_waiting(waiter: &PostgresStore, id: &RecordId, token: FencingToke
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert!(!task.is_finished(), "the waiter waits while the claim is held");
     task
+}
+
+/// A fresh record claimed by `holder` now, and `waiter` waiting on it ([`start_waiting`]).
+async fn claimed_and_waited_on(
+    holder: &PostgresStore,
+    waiter: &PostgresStore,
+) -> (RecordId, FencingToken, JoinHandle<WaitOutcome>) {
+    let id = fresh_id();
+    let token = acquire(holder, &id, &fingerprint("a"), UnixMillis::now()).await;
+    let task = start_waiting(waiter, &id, token).await;
+    (id, token, task)
+}
+
+/// Completes `id` as the holder of `token`.
+async fn complete(holder: &PostgresStore, id: &RecordId, token: FencingToken) {
+    let now = UnixMillis::now();
+    holder
+        .complete(id, token, completion(b"done", now, DAY, 7 * DAY))
+        .await
+        .expect("complete");
 }
 
 /// Asserts that the waiter returns `Changed` well before its store would poll.
@@ -51,13 +69,8 @@ async fn assert_notified(task: JoinHandle<WaitOutcome>, what: &str) {
 async fn completion_wakes_a_waiter_on_another_store() {
     let schema = TestSchema::new();
     let (holder, waiter) = (schema.connect(SLOW_POLL).await, schema.connect(SLOW_POLL).await);
-    let (id, fp, now) = (fresh_id(), fingerprint("a"), UnixMillis::now());
-    let token = acquire(&holder, &id, &fp, now).await;
-    let task = start_waiting(&waiter, &id, token).await;
-    holder
-        .complete(&id, token, completion(b"done", now, DAY, 7 * DAY))
-        .await
-        .expect("complete");
+    let (id, token, task) = claimed_and_waited_on(&holder, &waiter).await;
+    complete(&holder, &id, token).await;
     assert_notified(task, "complete").await;
 }
 
@@ -66,13 +79,8 @@ async fn a_polling_store_does_not_wake_at_once() {
     let schema = TestSchema::new();
     let holder = schema.connect(SLOW_POLL).await;
     let waiter = schema.connect(&format!("notify=off&{SLOW_POLL}")).await;
-    let (id, fp, now) = (fresh_id(), fingerprint("a"), UnixMillis::now());
-    let token = acquire(&holder, &id, &fp, now).await;
-    let task = start_waiting(&waiter, &id, token).await;
-    holder
-        .complete(&id, token, completion(b"done", now, DAY, 7 * DAY))
-        .await
-        .expect("complete");
+    let (id, token, task) = claimed_and_waited_on(&holder, &waiter).await;
+    complete(&holder, &id, token).await;
     tokio::time::sleep(NOTIFIED_WITHIN).await;
     assert!(
         !task.is_finished(),
@@ -87,15 +95,12 @@ async fn release_and_takeover_wake_waiters() {
     let (holder, waiter) = (schema.connect(SLOW_POLL).await, schema.connect(SLOW_POLL).await);
     let fp = fingerprint("a");
 
-    let (id, now) = (fresh_id(), UnixMillis::now());
-    let token = acquire(&holder, &id, &fp, now).await;
-    let task = start_waiting(&waiter, &id, token).await;
+    let (id, token, task) = claimed_and_waited_on(&holder, &waiter).await;
     holder.release(&id, token, Release::Forget).await.expect("release");
     assert_notified(task, "release (forget)").await;
 
-    let (id, now) = (fresh_id(), UnixMillis::now());
-    let token = acquire(&holder, &id, &fp, now).await;
-    let task = start_waiting(&waiter, &id, token).await;
+    let (id, token, task) = claimed_and_waited_on(&holder, &waiter).await;
+    let now = UnixMillis::now();
     let unknown = Release::Unknown {
         expires_at: now.plus(DAY),
         purge_at: now.plus(DAY),
@@ -148,13 +153,8 @@ async fn stores_recover_when_the_server_drops_their_connections() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 
-    let (id, fp, now) = (fresh_id(), fingerprint("a"), UnixMillis::now());
-    let token = acquire(&holder, &id, &fp, now).await;
-    let task = start_waiting(&waiter, &id, token).await;
-    holder
-        .complete(&id, token, completion(b"done", now, DAY, 7 * DAY))
-        .await
-        .expect("complete");
+    let (id, token, task) = claimed_and_waited_on(&holder, &waiter).await;
+    complete(&holder, &id, token).await;
     assert_notified(task, "complete after reconnecting").await;
 }
 
@@ -166,16 +166,11 @@ async fn changes_made_while_not_listening_are_not_lost() {
     let app = format!("idem_test_{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
     let holder = schema.connect(SLOW_POLL).await;
     let waiter = schema.connect(&format!("{SLOW_POLL}&application_name={app}")).await;
-    let (id, fp, now) = (fresh_id(), fingerprint("a"), UnixMillis::now());
-    let token = acquire(&holder, &id, &fp, now).await;
-    let task = start_waiting(&waiter, &id, token).await;
+    let (id, token, task) = claimed_and_waited_on(&holder, &waiter).await;
 
     // Only the listening connection: the waiter's pool connections stay, so its checks work.
     terminate_listener(&schema.client().await, &app).await;
-    holder
-        .complete(&id, token, completion(b"done", now, DAY, 7 * DAY))
-        .await
-        .expect("complete");
+    complete(&holder, &id, token).await;
     assert_notified(task, "complete while the listener was down").await;
 }
 
@@ -213,7 +208,7 @@ fn payload(id: &RecordId) -> String {
 /// before it has arrived by then.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_changes_someone_waits_on_notify() {
-    let (listening, mut connection) = tokio_postgres::connect(&common::base_url(), tokio_postgres::NoTls)
+    let (listening, mut connection) = tokio_postgres::connect(&base_url(), tokio_postgres::NoTls)
         .await
         .expect("connect (start PostgreSQL: bash .ci/services)");
     let (heard, mut notifications) = tokio::sync::mpsc::unbounded_channel();
@@ -253,13 +248,8 @@ async fn only_changes_someone_waits_on_notify() {
         unwatched.insert(payload(&id));
     }
 
-    let watched = fresh_id();
-    let token = acquire(&holder, &watched, &fp, now).await;
-    let task = start_waiting(&waiter, &watched, token).await;
-    holder
-        .complete(&watched, token, completion(b"done", now, DAY, 7 * DAY))
-        .await
-        .expect("complete");
+    let (watched, token, task) = claimed_and_waited_on(&holder, &waiter).await;
+    complete(&holder, &watched, token).await;
     assert_notified(task, "complete").await;
     loop {
         let payload = timeout(Duration::from_secs(10), notifications.recv())

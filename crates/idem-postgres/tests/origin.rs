@@ -4,13 +4,10 @@
 //! forms of `idem_complete_claim`, and `idem_complete`), paths holding `LIKE`'s special
 //! characters, ties ordered by bytes whatever the columns' collation, and a row that does not read.
 
-mod common;
-
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::TestSchema;
 use idem_core::protocol::{Admission, Decision, InTransaction, Protocol};
 use idem_core::testkit::{DAY, LEASE, acquire, claim, completion, fingerprint, fresh_id, unknown_at};
 use idem_core::trace_context::RunTrace;
@@ -19,6 +16,7 @@ use idem_core::{
     store::{Begin, BeginRequest, Completion, FencingToken, ListQuery, Listed, ListedState, Origin, RecordId},
 };
 use idem_postgres::PostgresStore;
+use idem_test_support::postgres_store::TestSchema;
 
 /// A trace id made of `n`.
 fn trace_id(n: u8) -> RunTrace {

@@ -4,15 +4,14 @@
 //! unavailable; once it is back, the same store object works again and its waiters are woken by
 //! notifications again.
 
-mod common;
-
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{TestSchema, through};
 use idem_core::testkit::{DAY, acquire, completion, fingerprint, fresh_id};
 use idem_core::{Store, StoreError, UnixMillis, store::WaitOutcome};
+use idem_test_support::chain;
+use idem_test_support::postgres_store::TestSchema;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, timeout};
@@ -86,12 +85,12 @@ async fn the_store_comes_back_after_an_outage() {
     let schema = TestSchema::new();
     let app = format!("idem_test_{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
     let options = format!("poll_interval=60s&application_name={app}&connect_timeout=2");
-    let (upstream, _) = through(0, &schema, &options);
+    let (upstream, _) = schema.through(0, &options);
     let proxy = Proxy::start(upstream).await;
-    let (_, url) = through(proxy.port, &schema, &options);
+    let (_, url) = schema.through(proxy.port, &options);
     let store = idem_postgres::PostgresStore::connect(&url)
         .await
-        .unwrap_or_else(|err| panic!("{}", common::chain(&err)));
+        .unwrap_or_else(|err| panic!("{}", chain(&err)));
     // The holder reaches the server directly: it is not part of the outage.
     let holder = schema.connect("").await;
     store.ping().await.expect("ping before the outage");

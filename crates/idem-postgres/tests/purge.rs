@@ -1,45 +1,57 @@
 //! Purging with several instances: one purger at a time per schema, nothing counted twice, and a
 //! purger that finds the lock taken does nothing rather than wait.
 
-mod common;
-
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::TestSchema;
 use idem_core::testkit::{DAY, acquire, completion, fingerprint, fresh_id};
 use idem_core::{
     Store, UnixMillis,
     store::{Purged, RecordId},
 };
 use idem_postgres::PostgresStore;
+use idem_test_support::postgres_store::TestSchema;
 
 const DUE: usize = 120;
 
 /// `DUE` records past their `purge_at` (completed 40 days ago) and a few live ones.
 async fn records(store: &PostgresStore) -> (Vec<RecordId>, Vec<RecordId>) {
-    let (fp, long_ago, now) = (fingerprint("a"), UnixMillis::now().minus(DAY * 40), UnixMillis::now());
-    let mut due = Vec::new();
-    for _ in 0..DUE {
+    let now = UnixMillis::now();
+    (
+        completed(store, DUE, now.minus(DAY * 40)).await,
+        completed(store, 5, now).await,
+    )
+}
+
+/// `n` records completed at `at`, kept a week after their day.
+async fn completed(store: &PostgresStore, n: usize, at: UnixMillis) -> Vec<RecordId> {
+    let mut ids = Vec::new();
+    for _ in 0..n {
         let id = fresh_id();
-        let token = acquire(store, &id, &fp, long_ago).await;
+        let token = acquire(store, &id, &fingerprint("a"), at).await;
         store
-            .complete(&id, token, completion(b"x", long_ago, DAY, 7 * DAY))
+            .complete(&id, token, completion(b"x", at, DAY, 7 * DAY))
             .await
             .expect("complete");
-        due.push(id);
+        ids.push(id);
     }
-    let mut live = Vec::new();
-    for _ in 0..5 {
-        let id = fresh_id();
-        let token = acquire(store, &id, &fp, now).await;
-        store
-            .complete(&id, token, completion(b"x", now, DAY, 7 * DAY))
-            .await
-            .expect("complete");
-        live.push(id);
-    }
-    (due, live)
+    ids
+}
+
+/// A transaction on `client` that holds its schema's purge lock, as another instance in the middle
+/// of a purge does.
+async fn purging(client: &mut tokio_postgres::Client) -> tokio_postgres::Transaction<'_> {
+    let purging = client.transaction().await.unwrap();
+    let locked: bool = purging
+        .query_one(
+            "SELECT pg_try_advisory_xact_lock(1768187245, hashtext(current_schema()))",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(locked);
+    purging
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -86,16 +98,7 @@ async fn a_purger_does_not_wait_for_another() {
 
     // Another instance in the middle of a purge holds the schema's purge lock.
     let mut other = schema.client().await;
-    let purging = other.transaction().await.unwrap();
-    let locked: bool = purging
-        .query_one(
-            "SELECT pg_try_advisory_xact_lock(1768187245, hashtext(current_schema()))",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    assert!(locked);
+    let purging = purging(&mut other).await;
     let started = std::time::Instant::now();
     assert_eq!(
         store.purge(UnixMillis::now(), 1000).await.expect("purge"),
@@ -121,16 +124,7 @@ async fn purge_locks_of_other_schemas_do_not_interfere() {
     let (due, _) = records(&store).await;
 
     let mut other = theirs.client().await;
-    let purging = other.transaction().await.unwrap();
-    let locked: bool = purging
-        .query_one(
-            "SELECT pg_try_advisory_xact_lock(1768187245, hashtext(current_schema()))",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    assert!(locked);
+    let purging = purging(&mut other).await;
     let purged = store.purge(UnixMillis::now(), 1000).await.expect("purge");
     assert_eq!(
         purged.deleted,

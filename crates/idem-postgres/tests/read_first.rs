@@ -2,14 +2,12 @@
 //! losing that connection loses no replay: the store claims on its pool meanwhile and connects
 //! again.
 
-mod common;
-
 use std::time::Duration;
 
-use common::{TestSchema, through};
 use idem_core::testkit::{DAY, acquire, begin, completion, fingerprint, fresh_id};
 use idem_core::{Fingerprint, Store, UnixMillis, store::Begin, store::RecordId};
 use idem_postgres::PostgresStore;
+use idem_test_support::postgres_store::TestSchema;
 use idem_test_support::relay::Relay;
 
 /// The backend of the store's shared read connection (`<application_name> reads`; the newest, if
@@ -188,9 +186,9 @@ async fn a_hung_read_connection_holds_a_replay_up_for_a_second_at_most() {
     let name = format!("rfh{}", std::process::id());
     let options = &format!("read_first=always&read_connections=1&application_name={name}");
     let client = schema.client().await;
-    let (upstream, _) = through(0, &schema, options);
+    let (upstream, _) = schema.through(0, options);
     let relay = Relay::start(upstream).await;
-    let (_, url) = through(relay.addr().port(), &schema, options);
+    let (_, url) = schema.through(relay.addr().port(), options);
     let store = PostgresStore::connect(&url).await.expect("connect through the relay");
     let (fp, now) = (fingerprint("{}"), UnixMillis::now());
     let (hung, other) = (fresh_id(), fresh_id());

@@ -1,16 +1,15 @@
 //! A replay is one read: it takes no row lock and writes nothing on its way, and its count reaches
 //! the row a moment later, in a batch, for every instance to see.
 
-mod common;
-
 use std::time::Duration;
 
-use common::{TestSchema, through};
 use idem_core::testkit::{DAY, acquire, begin, completion, fingerprint, fresh_id};
 use idem_core::{
     Fingerprint, Store, UnixMillis,
     store::{Begin, RecordId},
 };
+use idem_test_support::chain;
+use idem_test_support::postgres_store::TestSchema;
 use idem_test_support::relay::{Fault, Relay};
 
 /// A new record, completed with an answer: its id, its fingerprint and the time of its claim.
@@ -32,14 +31,7 @@ async fn replays_are_answered_while_another_transaction_holds_the_row() {
     let store = schema.connect("").await;
     let (id, fp, now) = completed(&store).await;
 
-    let mut holder = schema.client().await;
-    let tx = holder.transaction().await.unwrap();
-    tx.execute(
-        "SELECT 1 FROM idem_records WHERE scope = $1 AND key = $2 FOR UPDATE",
-        &[&id.scope.as_str(), &id.key.as_str()],
-    )
-    .await
-    .unwrap();
+    let holder = schema.hold_row(&id, "FOR UPDATE").await;
     for replays in 1..=3 {
         // The lock is held until the end of the test: a replay that needed it would never come.
         let replay = tokio::time::timeout(Duration::from_secs(10), begin(&store, &id, &fp, now))
@@ -50,7 +42,7 @@ async fn replays_are_answered_while_another_transaction_holds_the_row() {
             other => panic!("expected the stored answer, got {other:?}"),
         }
     }
-    tx.rollback().await.unwrap();
+    holder.batch_execute("ROLLBACK").await.unwrap();
 }
 
 /// Replays counted by one instance reach the row, where another instance reads them; the counting
@@ -115,12 +107,12 @@ async fn written(client: &tokio_postgres::Client, id: &RecordId) -> i64 {
 async fn replay_counts_outlive_a_reset_while_they_are_written() {
     let schema = TestSchema::new();
     let options = "poll_interval=60s";
-    let (upstream, _) = through(0, &schema, options);
+    let (upstream, _) = schema.through(0, options);
     let relay = Relay::start(upstream).await;
-    let (_, url) = through(relay.addr().port(), &schema, options);
+    let (_, url) = schema.through(relay.addr().port(), options);
     let store = idem_postgres::PostgresStore::connect(&url)
         .await
-        .unwrap_or_else(|err| panic!("{}", common::chain(&err)));
+        .unwrap_or_else(|err| panic!("{}", chain(&err)));
     let (id, fp, now) = completed(&store).await;
     // The batch's statement is prepared on the connection that first runs it: the reset strikes
     // its text on its way to the server.
@@ -165,14 +157,7 @@ async fn a_locked_row_holds_up_no_replay_count() {
     let store = schema.connect("").await;
     let (locked, locked_fp, now) = completed(&store).await;
     let (free, free_fp, _) = completed(&store).await;
-    let mut holder = schema.client().await;
-    let tx = holder.transaction().await.unwrap();
-    tx.execute(
-        "SELECT 1 FROM idem_records WHERE scope = $1 AND key = $2 FOR UPDATE",
-        &[&locked.scope.as_str(), &locked.key.as_str()],
-    )
-    .await
-    .unwrap();
+    let holder = schema.hold_row(&locked, "FOR UPDATE").await;
     begin(&store, &locked, &locked_fp, now).await;
     begin(&store, &free, &free_fp, now).await;
 
@@ -186,6 +171,6 @@ async fn a_locked_row_holds_up_no_replay_count() {
     };
     written_at_last(&free, "the count of a free row waited for another row's lock").await;
     assert_eq!(written(&client, &locked).await, 0, "the locked row was not written");
-    tx.rollback().await.unwrap();
+    holder.batch_execute("ROLLBACK").await.unwrap();
     written_at_last(&locked, "the locked row's count was lost").await;
 }

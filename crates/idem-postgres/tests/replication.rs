@@ -1,10 +1,8 @@
 //! What a failover can lose, read from the test server when a store connects: the test server
 //! has no standby, and a `synchronous_commit` set in the URL is the one the store's commits use.
 
-mod common;
-
-use common::TestSchema;
 use idem_postgres::{Replication, SynchronousCommit};
+use idem_test_support::postgres_store::{TestSchema, raw_client};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_without_standbys_is_standalone() {
@@ -32,7 +30,7 @@ async fn synchronous_commit_off_in_the_url_is_what_the_store_reads() {
         }
     );
     // The store's own sessions commit that way: the setting was read on one of them.
-    let client = common::raw_client(&schema.url("options=-c%20synchronous_commit%3Doff")).await;
+    let client = raw_client(&schema.url("options=-c%20synchronous_commit%3Doff")).await;
     let seen: String = client.query_one("SHOW synchronous_commit", &[]).await.unwrap().get(0);
     assert_eq!(seen, "off");
 }

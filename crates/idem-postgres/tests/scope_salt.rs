@@ -3,13 +3,11 @@
 //! be used. (Many instances asking at once are in the conformance suite, and the salt of an
 //! upgraded database in `setup.rs`.)
 
-mod common;
-
 use std::time::Duration;
 
-use common::TestSchema;
 use idem_core::testkit::{DAY, acquire, completion, fingerprint, fresh_id};
 use idem_core::{Store, StoreError, UnixMillis, store::ScopeSalt};
+use idem_test_support::postgres_store::TestSchema;
 
 /// Two stores in two schemas of one database: each makes its own salt.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

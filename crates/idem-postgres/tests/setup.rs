@@ -2,16 +2,15 @@
 //! an older schema together (and making the scope salt at once), a schema from a newer version of
 //! idem, and the errors of a server that cannot be reached.
 
-mod common;
-
 use bytes::Bytes;
-use common::{TestSchema, base_url};
 use idem_core::testkit::{DAY, LEASE, acquire, begin, completion, fingerprint, fresh_id};
 use idem_core::{
     Store, StoreError, UnixMillis,
     store::{Begin, Checkpoint, FencingToken, ListQuery, Origin, RecordId, RecordState, ScopeSalt},
 };
 use idem_postgres::{PostgresError, PostgresStore};
+use idem_test_support::chain;
+use idem_test_support::postgres_store::{TestSchema, base_url};
 
 /// The versions every migration of this crate records, in order.
 const VERSIONS: [i32; 10] = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10];
@@ -66,6 +65,38 @@ async fn versions(schema: &TestSchema) -> Vec<i32> {
         .collect()
 }
 
+/// `n` instances connecting to `url` at once; their stores, once every one is up. A start that
+/// fails fails the test, saying it was a concurrent `what`.
+async fn start_together(url: &str, n: usize, what: &str) -> Vec<PostgresStore> {
+    let starts: Vec<_> = (0..n)
+        .map(|_| {
+            let url = url.to_owned();
+            tokio::spawn(async move { PostgresStore::connect(&url).await })
+        })
+        .collect();
+    let mut stores = Vec::new();
+    for start in starts {
+        match start.await.expect("task") {
+            Ok(store) => stores.push(store),
+            Err(err) => panic!("a concurrent {what} failed: {}", chain(&err)),
+        }
+    }
+    stores
+}
+
+/// A plain connection to `schema`, which it creates and lays out as the releases `layouts` did.
+async fn old_schema(schema: &TestSchema, layouts: &[&str]) -> tokio_postgres::Client {
+    let client = schema.client().await;
+    client
+        .batch_execute(&format!("CREATE SCHEMA \"{}\"", schema.name))
+        .await
+        .unwrap();
+    for layout in layouts {
+        client.batch_execute(layout).await.unwrap();
+    }
+    client
+}
+
 fn step(name: &str, value: &[u8]) -> Checkpoint {
     Checkpoint {
         name: name.to_owned(),
@@ -76,20 +107,7 @@ fn step(name: &str, value: &[u8]) -> Checkpoint {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn instances_starting_together_migrate_once() {
     let schema = TestSchema::new();
-    let url = schema.url("pool_size=2");
-    let starts: Vec<_> = (0..8)
-        .map(|_| {
-            let url = url.clone();
-            tokio::spawn(async move { PostgresStore::connect(&url).await })
-        })
-        .collect();
-    let mut stores = Vec::new();
-    for start in starts {
-        match start.await.expect("task") {
-            Ok(store) => stores.push(store),
-            Err(err) => panic!("a concurrent start failed: {}", common::chain(&err)),
-        }
-    }
+    let stores = start_together(&schema.url("pool_size=2"), 8, "start").await;
     assert_eq!(versions(&schema).await, VERSIONS, "each migration is applied once");
     let client = schema.client().await;
     let tables: i64 = client
@@ -114,12 +132,7 @@ async fn instances_starting_together_migrate_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn instances_starting_together_upgrade_an_old_schema() {
     let schema = TestSchema::new();
-    let client = schema.client().await;
-    client
-        .batch_execute(&format!("CREATE SCHEMA \"{}\"", schema.name))
-        .await
-        .unwrap();
-    client.batch_execute(SCHEMA_V1).await.unwrap();
+    let client = old_schema(&schema, &[SCHEMA_V1]).await;
     let (fp, now) = (fingerprint("a"), UnixMillis::now());
     let (running, holder) = (fresh_id(), FencingToken::random());
     let released = fresh_id();
@@ -153,20 +166,7 @@ async fn instances_starting_together_upgrade_an_old_schema() {
     insert_v1(&running, "in-flight", Some(holder)).await;
     insert_v1(&released, "unknown", None).await;
 
-    let url = schema.url("pool_size=2");
-    let starts: Vec<_> = (0..4)
-        .map(|_| {
-            let url = url.clone();
-            tokio::spawn(async move { PostgresStore::connect(&url).await })
-        })
-        .collect();
-    let mut stores = Vec::new();
-    for start in starts {
-        match start.await.expect("task") {
-            Ok(store) => stores.push(store),
-            Err(err) => panic!("a concurrent upgrade failed: {}", common::chain(&err)),
-        }
-    }
+    let stores = start_together(&schema.url("pool_size=2"), 4, "upgrade").await;
     assert_eq!(versions(&schema).await, VERSIONS, "each migration is applied once");
     let store = &stores[0];
 
@@ -221,13 +221,7 @@ async fn instances_starting_together_upgrade_an_old_schema() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn instances_starting_together_upgrade_a_version_2_schema_and_make_one_salt() {
     let schema = TestSchema::new();
-    let client = schema.client().await;
-    client
-        .batch_execute(&format!("CREATE SCHEMA \"{}\"", schema.name))
-        .await
-        .unwrap();
-    client.batch_execute(SCHEMA_V1).await.unwrap();
-    client.batch_execute(SCHEMA_V2_OVER_V1).await.unwrap();
+    let client = old_schema(&schema, &[SCHEMA_V1, SCHEMA_V2_OVER_V1]).await;
     let (fp, now) = (fingerprint("a"), UnixMillis::now());
     let insert_v2 = |id: &RecordId, state: &'static str, token: Option<FencingToken>, purge_in: u32| {
         let (client, fp) = (&client, &fp);
@@ -301,7 +295,7 @@ async fn instances_starting_together_upgrade_a_version_2_schema_and_make_one_sal
                 stores.push(store);
                 salts.push(salt);
             }
-            Err(err) => panic!("a concurrent upgrade failed: {}", common::chain(&err)),
+            Err(err) => panic!("a concurrent upgrade failed: {}", chain(&err)),
         }
     }
     assert_eq!(versions(&schema).await, VERSIONS, "each migration is applied once");
@@ -424,7 +418,7 @@ async fn unreachable_servers_are_named_without_the_password() {
         .await
         .expect_err("nothing listens on port 1");
     assert!(matches!(err, PostgresError::Connect { .. }), "{err:?}");
-    let message = common::chain(&err);
+    let message = chain(&err);
     assert!(message.contains("idem@127.0.0.1:1/payments"), "{message}");
     assert!(message.to_lowercase().contains("refused"), "{message}");
     assert!(
@@ -440,7 +434,7 @@ async fn a_missing_database_is_reported() {
     let (server, _) = prefix.rsplit_once('/').expect("the URL names a database");
     let url = format!("{server}/idem_no_such_database");
     let err = PostgresStore::connect(&url).await.expect_err("no such database");
-    let message = common::chain(&err);
+    let message = chain(&err);
     assert!(message.contains("/idem_no_such_database"), "{message}");
     assert!(message.contains("does not exist"), "{message}");
 }
@@ -469,7 +463,7 @@ async fn store_operations_fail_as_unavailable_when_the_server_is_gone() {
         .await
         .expect_err("the table is gone");
     assert!(matches!(err, idem_core::StoreError::Unavailable(_)), "{err:?}");
-    let message = common::chain(&err);
+    let message = chain(&err);
     assert!(
         message.contains("scope_salt") && message.contains("does not exist"),
         "{message}"

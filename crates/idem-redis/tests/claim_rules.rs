@@ -3,11 +3,8 @@
 //! written straight into Redis, claimed at the row's `now`, and the claim must come out as the row
 //! says.
 
-mod common;
-
 use std::time::Duration;
 
-use common::{Server, connect, delete_keys, fresh_prefix};
 use idem_core::store::backend::{ClaimRuleCase, Existing, StoredRecord, claim_rule_cases};
 use idem_core::testkit::{fingerprint, fresh_id};
 use idem_core::{
@@ -15,15 +12,7 @@ use idem_core::{
     store::{Begin, BeginRequest, FencingToken, RecordState},
 };
 use idem_redis::RecordKeys;
-
-/// Deletes the prefix's keys when the test ends, whatever happens.
-struct Cleanup(Server, String);
-
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        delete_keys(self.0, &self.1);
-    }
-}
+use idem_test_support::redis_store::{Server, TestPrefix};
 
 /// Writes `record` as the store keeps one: its fields in the record hash (times as decimal
 /// milliseconds, absent fields left out) with the fingerprint's digest beside them, and the answer,
@@ -98,11 +87,9 @@ fn judged(case: &ClaimRuleCase, begun: Begin) -> Existing {
 /// Every row of the claim rule's table, on one server, each on a key of its own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_begin_script_follows_the_claim_rule_table() {
-    let server = Server::Standalone;
-    let prefix = fresh_prefix();
-    let _cleanup = Cleanup(server, prefix.clone());
-    let store = connect(server, &prefix, "").await;
-    let client = redis::Client::open(server.node_urls()[0].as_str()).expect("client");
+    let prefix = TestPrefix::new(Server::Standalone);
+    let store = prefix.connect("").await;
+    let client = redis::Client::open(Server::Standalone.node_urls()[0].as_str()).expect("client");
     let mut conn = client.get_connection().expect("a connection to the test Redis");
     let another_request = fingerprint("another request");
     let cases = claim_rule_cases();

@@ -2,10 +2,8 @@
 //! default `redis+cluster://127.0.0.1:7001,127.0.0.1:7002,127.0.0.1:7003`; start one with
 //! `crates/idem-redis/scripts/start-cluster.sh`).
 
-mod common;
-
 mod cluster {
-    use super::common::RedisHarness;
+    use idem_test_support::redis_store::RedisHarness;
 
     idem_core::conformance_tests!(RedisHarness::cluster());
 }
@@ -19,7 +17,7 @@ mod salt_node_lost {
     use idem_core::store::{Begin, BeginRequest, FencingToken, ScopeSalt};
     use idem_core::testkit::{claim, fingerprint, fresh_id};
 
-    use super::common::{Server, connect, delete_keys, fresh_prefix};
+    use idem_test_support::redis_store::{Server, connect, delete_keys, fresh_prefix};
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_salt_is_made_again_from_a_copy_a_slot_kept() {

@@ -4,26 +4,15 @@
 //! is stored with its expiry cut to 2^53 ms from now, and its times as given, never refused
 //! with "invalid expire time" (which left the key claimed without an expiry or answered 503).
 
-mod common;
-
-use common::{Server, connect, delete_keys, fresh_prefix};
 use idem_core::testkit::{LEASE, fingerprint, fresh_id};
 use idem_core::{
     Store, UnixMillis,
     store::{Begin, BeginRequest, Completion, FencingToken, RecordState},
 };
+use idem_test_support::redis_store::{Server, TestPrefix};
 
 /// The longest expiry the scripts set: 2^53 ms.
 const MOST_TTL: i64 = 1 << 53;
-
-/// Deletes the prefix's keys when the test ends, whatever happens.
-struct Cleanup(String);
-
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        delete_keys(Server::Standalone, &self.0);
-    }
-}
 
 /// The key's `PTTL` on the standalone test server.
 fn pttl(key: &str) -> i64 {
@@ -37,9 +26,8 @@ fn pttl(key: &str) -> i64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn times_past_what_redis_expires_are_stored_with_an_expiry_it_takes() {
-    let prefix = fresh_prefix();
-    let _cleanup = Cleanup(prefix.clone());
-    let store = connect(Server::Standalone, &prefix, "").await;
+    let prefix = TestPrefix::new(Server::Standalone);
+    let store = prefix.connect("").await;
     let cases = [
         ("the last time RFC 3339 writes", UnixMillis::LAST_RFC3339),
         ("2^53 ms", UnixMillis(1 << 53)),

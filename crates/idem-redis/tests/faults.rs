@@ -6,35 +6,24 @@
 //! Every store under test sets `poll_interval=60s` (the first poll after 15 s), so a waiter that
 //! returns within a few seconds was woken by a notification.
 
-mod common;
-
-use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::{Server, connect, delete_keys, fresh_prefix, with_options};
 use idem_core::testkit::{self, DAY, LEASE, fingerprint, fresh_id};
 use idem_core::{
     Fingerprint, Store, StoreError, UnixMillis,
     store::{Begin, Completion, FencingToken, Record, RecordId, RecordState, Release, ScopeSalt, WaitOutcome},
 };
 use idem_redis::RedisStore;
+use idem_test_support::redis_store::{Server, TestPrefix};
 use idem_test_support::relay::Relay;
+use idem_test_support::servers::{self, with_options};
 use tokio::time::Instant;
 
 const SLOW_POLLING: &str = "poll_interval=60s";
 /// Records with a known answer, each read over and over by its own task.
 const KNOWN_RECORDS: usize = 8;
-
-/// Deletes the prefix's keys when the test ends, whatever happens.
-struct Cleanup(Server, String);
-
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        delete_keys(self.0, &self.1);
-    }
-}
 
 /// A completed record and what any read of it must return.
 struct Known {
@@ -50,35 +39,16 @@ struct Fixture {
     store: Arc<RedisStore>,
     direct: RedisStore,
     known: Arc<Vec<Known>>,
-    _cleanup: Cleanup,
-}
-
-/// The address of the standalone test server, and its URL with `relay` in place of it.
-fn through(relay: SocketAddr) -> (SocketAddr, String) {
-    let base = Server::Standalone.base_url();
-    let (scheme, rest) = base.split_once("://").expect("a URL");
-    let end = rest.find(['/', '?']).unwrap_or(rest.len());
-    let (authority, tail) = rest.split_at(end);
-    let (userinfo, host) = match authority.rsplit_once('@') {
-        Some((userinfo, host)) => (format!("{userinfo}@"), host),
-        None => (String::new(), authority),
-    };
-    let server = host
-        .to_socket_addrs()
-        .ok()
-        .and_then(|mut addrs| addrs.next())
-        .unwrap_or_else(|| panic!("cannot resolve the test Redis at {host}"));
-    (server, format!("{scheme}://{userinfo}{relay}{tail}"))
+    _prefix: TestPrefix,
 }
 
 async fn fixture() -> Fixture {
-    let prefix = fresh_prefix();
-    let cleanup = Cleanup(Server::Standalone, prefix.clone());
-    let direct = connect(Server::Standalone, &prefix, SLOW_POLLING).await;
-    let (server, _) = through(SocketAddr::from(([127, 0, 0, 1], 0)));
-    let relay = Relay::start(server).await;
-    let (_, url) = through(relay.addr());
-    let url = with_options(&with_options(&url, &format!("prefix={prefix}")), SLOW_POLLING);
+    let prefix = TestPrefix::new(Server::Standalone);
+    let direct = prefix.connect(SLOW_POLLING).await;
+    let base = Server::Standalone.base_url();
+    let relay = Relay::start(servers::socket_addr(&base)).await;
+    let url = servers::with_addr(&base, relay.addr());
+    let url = with_options(&with_options(&url, &format!("prefix={}", prefix.name())), SLOW_POLLING);
     let store = RedisStore::connect(&url).await.expect("connect through the relay");
 
     let mut known = Vec::new();
@@ -106,7 +76,7 @@ async fn fixture() -> Fixture {
         store: Arc::new(store),
         direct,
         known: Arc::new(known),
-        _cleanup: cleanup,
+        _prefix: prefix,
     }
 }
 
@@ -301,12 +271,7 @@ async fn a_reset_with_the_resubscription_held_past_the_timeout_never_misroutes_a
         fixture.direct.complete(id, *token, completion).await.expect("complete");
     }
     for (_, wait) in waits {
-        let outcome = tokio::time::timeout(Duration::from_secs(5), wait)
-            .await
-            .expect("a waiter was not woken within 5 s of the completion after the fault")
-            .expect("wait task")
-            .expect("wait");
-        assert_eq!(outcome, WaitOutcome::Changed);
+        assert_woken(wait, "the completion after the fault").await;
     }
 }
 
@@ -390,9 +355,8 @@ async fn a_reply_too_many_while_the_scope_salt_is_made_is_never_acted_on() {
 /// record it waits on, no connection that holds a subscription has just run one of the store's
 /// commands (its scripts, or the `HMGET` that polls used to be).
 async fn subscriptions_live_on_their_own_connection(server: Server) {
-    let prefix = fresh_prefix();
-    let _cleanup = Cleanup(server, prefix.clone());
-    let store = Arc::new(connect(server, &prefix, SLOW_POLLING).await);
+    let prefix = TestPrefix::new(server);
+    let store = Arc::new(prefix.connect(SLOW_POLLING).await);
     let (id, fp) = (fresh_id(), fingerprint("a"));
     let token = claim(&*store, &id, &fp).await;
     let wait = {
@@ -438,12 +402,18 @@ async fn subscriptions_live_on_their_own_connection(server: Server) {
     }
     assert!(subscribed > 0, "the waiter's subscription was found");
     store.release(&id, token, Release::Forget).await.expect("release");
+    assert_woken(wait, "the release").await;
+}
+
+/// Asserts that the waiter `wait` returns `Changed` within 5 s of `what` (long before its store
+/// would poll).
+async fn assert_woken(wait: tokio::task::JoinHandle<Result<WaitOutcome, StoreError>>, what: &str) {
     let outcome = tokio::time::timeout(Duration::from_secs(5), wait)
         .await
-        .expect("woken")
-        .expect("task")
+        .unwrap_or_else(|_| panic!("a waiter was not woken within 5 s of {what}"))
+        .expect("wait task")
         .expect("wait");
-    assert_eq!(outcome, WaitOutcome::Changed);
+    assert_eq!(outcome, WaitOutcome::Changed, "{what}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,12 +7,9 @@
 //!
 //! The servers are the tests' own (`idem_test_support::replicated`), gone with them.
 
-mod common;
-
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{fresh_prefix, with_options};
 use idem_core::protocol::{Admission, Decision, Outcome, Protocol};
 use idem_core::testkit::{claim, fingerprint, fresh_id};
 use idem_core::{
@@ -20,7 +17,9 @@ use idem_core::{
     store::{Begin, FencingToken, RecordState, Release},
 };
 use idem_redis::RedisStore;
+use idem_test_support::redis_store::{connect_url, fresh_prefix};
 use idem_test_support::replicated::ReplicatedRedis;
+use idem_test_support::servers::with_options;
 use tokio::time::Instant;
 
 /// How long a write waits for the replica.
@@ -46,11 +45,7 @@ async fn stallable_with(replica_timeout: Duration) -> (ReplicatedRedis, RedisSto
         replica_timeout.as_millis()
     );
     let url = with_options(&redis.primary_url(), &options);
-    let store = match tokio::time::timeout(Duration::from_secs(20), RedisStore::connect(&url)).await {
-        Ok(Ok(store)) => store,
-        Ok(Err(err)) => panic!("cannot connect to the private primary {url}: {err}"),
-        Err(_) => panic!("connecting to the private primary {url} took more than 20 s"),
-    };
+    let store = connect_url(&url).await;
     // The first write after a full sync waits for the replica's first acknowledgement.
     let (id, fp) = (fresh_id(), fingerprint("{}"));
     store

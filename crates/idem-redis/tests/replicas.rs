@@ -7,32 +7,32 @@
 //! (`isolate`), so every write the primary takes meanwhile is lost when the primary is killed
 //! with `kill -9` and the replica promoted. The servers are the tests' own, gone with them.
 
-mod common;
-
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use common::{fresh_prefix, with_options};
 use idem_core::testkit::{self, DAY, Harness, acquire, claim, completion, fingerprint, fresh_id, stored_response};
 use idem_core::{
     Store, StoreError, UnixMillis,
     store::{Begin, FencingToken, RecordState},
 };
 use idem_redis::RedisStore;
+use idem_test_support::redis_store::{connect_url, fresh_prefix};
 use idem_test_support::replicated::{ReplicatedCluster, ReplicatedRedis};
+use idem_test_support::servers::with_options;
 use tokio::time::Instant;
 
 /// How long a store may take to work again after a failover.
 const BACK_WITHIN: Duration = Duration::from_secs(20);
 
+/// A store on `url` under `prefix`.
 async fn connect(url: &str, prefix: &str) -> RedisStore {
-    let url = with_options(url, &format!("prefix={prefix}"));
-    match tokio::time::timeout(Duration::from_secs(20), RedisStore::connect(&url)).await {
-        Ok(Ok(store)) => store,
-        Ok(Err(err)) => panic!("cannot connect to {url}: {err}"),
-        Err(_) => panic!("connecting to {url} took more than 20 s"),
-    }
+    connect_url(&with_options(url, &format!("prefix={prefix}"))).await
+}
+
+/// A store on `url` under a fresh prefix of its own.
+async fn connect_fresh(url: &str) -> RedisStore {
+    connect(url, &fresh_prefix()).await
 }
 
 /// Opens stores on one URL, each case under a fresh prefix.
@@ -103,8 +103,7 @@ async fn the_conformance_suite_holds_through_sentinel_with_every_write_acknowled
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_no_replica_acknowledges_fails_and_a_failover_loses_nothing_that_counted() {
     let mut redis = ReplicatedRedis::start(1).await;
-    let prefix = fresh_prefix();
-    let store = connect(&redis.endpoint_url(), &prefix).await;
+    let store = connect_fresh(&redis.endpoint_url()).await;
     let (old, replica) = (redis.primary(), redis.replicas()[0]);
     let (now, fp) = (UnixMillis::now(), fingerprint("{}"));
 
@@ -172,8 +171,7 @@ async fn a_write_no_replica_acknowledges_fails_and_a_failover_loses_nothing_that
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_completion_whose_acknowledgement_was_missing_is_confirmed_by_the_next() {
     let mut redis = ReplicatedRedis::start(1).await;
-    let prefix = fresh_prefix();
-    let store = connect(&redis.endpoint_url(), &prefix).await;
+    let store = connect_fresh(&redis.endpoint_url()).await;
     let (primary, replica) = (redis.primary(), redis.replicas()[0]);
     let (id, fp, now) = (fresh_id(), fingerprint("{}"), UnixMillis::now());
     let token = acquire(&store, &id, &fp, now).await;
@@ -203,8 +201,7 @@ async fn a_completion_whose_acknowledgement_was_missing_is_confirmed_by_the_next
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_acknowledgement_a_failover_loses_what_the_primary_took() {
     let mut redis = ReplicatedRedis::start(1).await;
-    let prefix = fresh_prefix();
-    let store = connect(&with_options(&redis.endpoint_url(), "replicas=0"), &prefix).await;
+    let store = connect_fresh(&with_options(&redis.endpoint_url(), "replicas=0")).await;
     let (old, replica) = (redis.primary(), redis.replicas()[0]);
     let (id, fp, now) = (fresh_id(), fingerprint("{}"), UnixMillis::now());
 
@@ -230,8 +227,7 @@ async fn without_acknowledgement_a_failover_loses_what_the_primary_took() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn through_sentinel_the_store_follows_a_failover() {
     let mut redis = ReplicatedRedis::start_with_sentinels(1, 3).await;
-    let prefix = fresh_prefix();
-    let store = connect(&redis.sentinel_url(), &prefix).await;
+    let store = connect_fresh(&redis.sentinel_url()).await;
     let (id, fp, now) = (fresh_id(), fingerprint("{}"), UnixMillis::now());
     let token = acquire(&store, &id, &fp, now).await;
     store
@@ -258,8 +254,7 @@ async fn through_sentinel_the_store_follows_a_failover() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_a_cluster_a_write_to_a_migrating_slot_is_answered_or_unavailable() {
     let cluster = ReplicatedCluster::start().await;
-    let prefix = fresh_prefix();
-    let store = connect(&with_options(&cluster.url(), "replicas=1"), &prefix).await;
+    let store = connect_fresh(&with_options(&cluster.url(), "replicas=1")).await;
     let (id, fp, now) = (fresh_id(), fingerprint("{}"), UnixMillis::now());
     let keys = store.record_keys(&id);
     let slot = cluster.slot_of(&keys.record).await;

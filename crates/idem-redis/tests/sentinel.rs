@@ -4,16 +4,15 @@
 //! replica acknowledging, no promotion loses a claim. They start their own servers
 //! (`idem_test_support::replicated`) where they need any.
 
-mod common;
-
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use common::{fresh_prefix, with_options};
 use idem_core::testkit::{acquire, claim, fingerprint, fresh_id};
 use idem_core::{Store, StoreError, UnixMillis, store::FencingToken};
 use idem_redis::RedisStore;
+use idem_test_support::redis_store::fresh_prefix;
 use idem_test_support::replicated::{ReplicatedRedis, Role};
+use idem_test_support::servers::with_options;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// The error a store URL gets, as `idem serve` would print it.

@@ -37,12 +37,29 @@ impl Db {
         SqliteConnection::connect(&self.url).await.unwrap()
     }
 
+    /// A claim of `key` under the default policy ([`claim`]).
+    async fn claim(&self, key: &str) -> InTransaction {
+        let protocol = Protocol::new(Arc::new(self.store.clone()), Policy::default());
+        claim(&protocol, key).await
+    }
+
     async fn ledger(&self) -> Vec<String> {
         sqlx::query_scalar("SELECT key FROM ledger ORDER BY rowid")
             .fetch_all(&mut self.connect().await)
             .await
             .unwrap()
     }
+}
+
+/// Begins a transaction on `conn` and writes the ledger row `key` in it.
+async fn with_ledger_row<'c>(conn: &'c mut SqliteConnection, key: &str) -> sqlx::Transaction<'c, sqlx::Sqlite> {
+    let mut tx = conn.begin().await.unwrap();
+    sqlx::query("INSERT INTO ledger (key) VALUES ($1)")
+        .bind(key)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx
 }
 
 /// Claims `key` for a `POST /payments` under `protocol`, as the layer does for a keyed handler.
@@ -73,15 +90,10 @@ fn accepted() -> http::Response<Bytes> {
 #[tokio::test]
 async fn a_completion_in_the_callers_transaction_commits_with_it_and_keeps_the_status() {
     let db = db().await;
-    let protocol = Protocol::new(Arc::new(db.store.clone()), Policy::default());
-    let run = claim(&protocol, "in-tx").await;
+    let run = db.claim("in-tx").await;
 
     let mut conn = db.connect().await;
-    let mut tx = conn.begin().await.unwrap();
-    sqlx::query("INSERT INTO ledger (key) VALUES ('in-tx')")
-        .execute(&mut *tx)
-        .await
-        .unwrap();
+    let tx = with_ledger_row(&mut conn, "in-tx").await;
     let mut answer = accepted();
     let tx = db.store.complete_in(tx, &run, &mut answer).await.unwrap();
     tx.commit().await.unwrap();
@@ -106,15 +118,10 @@ async fn a_completion_in_the_callers_transaction_commits_with_it_and_keeps_the_s
 #[tokio::test]
 async fn a_completion_rolled_back_with_its_transaction_leaves_nothing() {
     let db = db().await;
-    let protocol = Protocol::new(Arc::new(db.store.clone()), Policy::default());
-    let run = claim(&protocol, "rolled-back").await;
+    let run = db.claim("rolled-back").await;
 
     let mut conn = db.connect().await;
-    let mut tx = conn.begin().await.unwrap();
-    sqlx::query("INSERT INTO ledger (key) VALUES ('rolled-back')")
-        .execute(&mut *tx)
-        .await
-        .unwrap();
+    let tx = with_ledger_row(&mut conn, "rolled-back").await;
     let tx = db.store.complete_in(tx, &run, &mut accepted()).await.unwrap();
     tx.rollback().await.unwrap();
 
@@ -163,11 +170,7 @@ async fn a_fenced_completion_ends_the_transaction_and_none_of_its_writes_stand()
         }
 
         let mut conn = db.connect().await;
-        let mut tx = conn.begin().await.unwrap();
-        sqlx::query("INSERT INTO ledger (key) VALUES ('before the completion')")
-            .execute(&mut *tx)
-            .await
-            .unwrap();
+        let tx = with_ledger_row(&mut conn, "before the completion").await;
         let mut answer = accepted();
         // Only the error is kept: a transaction handed back would borrow `conn`.
         let failed = db.store.complete_in(tx, &run, &mut answer).await.err();
@@ -191,11 +194,7 @@ async fn a_fenced_completion_ends_the_transaction_and_none_of_its_writes_stand()
 
         // The connection goes on as any other: its next transaction is a new one (a `BEGIN`, not
         // a savepoint inside a transaction sqlx thought was still open), and it commits.
-        let mut next = conn.begin().await.unwrap();
-        sqlx::query("INSERT INTO ledger (key) VALUES ('next')")
-            .execute(&mut *next)
-            .await
-            .unwrap();
+        let next = with_ledger_row(&mut conn, "next").await;
         next.commit().await.unwrap();
         assert_eq!(db.ledger().await, ["next"], "{lost:?}");
     }
@@ -204,15 +203,10 @@ async fn a_fenced_completion_ends_the_transaction_and_none_of_its_writes_stand()
 #[tokio::test]
 async fn a_status_that_is_not_stored_rolls_the_transaction_back() {
     let db = db().await;
-    let protocol = Protocol::new(Arc::new(db.store.clone()), Policy::default());
-    let run = claim(&protocol, "not-stored").await;
+    let run = db.claim("not-stored").await;
 
     let mut conn = db.connect().await;
-    let mut tx = conn.begin().await.unwrap();
-    sqlx::query("INSERT INTO ledger (key) VALUES ('not-stored')")
-        .execute(&mut *tx)
-        .await
-        .unwrap();
+    let tx = with_ledger_row(&mut conn, "not-stored").await;
     let mut answer = http::Response::builder()
         .status(http::StatusCode::SERVICE_UNAVAILABLE)
         .body(Bytes::new())

@@ -7,7 +7,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use idem_core::testkit::{LEASE, begin, claim, fingerprint};
 use idem_core::{
-    IdempotencyKey, Scope, Store, StoreError, UnixMillis,
+    Fingerprint, IdempotencyKey, Scope, Store, StoreError, UnixMillis,
     store::{
         Begin, BeginRequest, Checkpoint, Completion, FencingToken, ListQuery, ListedState, Origin, Purged, RecordId,
         RecordState, Release, ScopeSalt, WaitOutcome,
@@ -39,6 +39,53 @@ async fn temp_store() -> (tempfile::TempDir, SqliteStore) {
     let dir = tempfile::tempdir().unwrap();
     let store = SqliteStore::open(dir.path().join("idem.db")).await.unwrap();
     (dir, store)
+}
+
+/// Releases `id` as unknown (its outcome kept, until `purge_at`).
+async fn release_unknown(store: &SqliteStore, id: &RecordId, token: FencingToken, purge_at: UnixMillis) {
+    let release = Release::Unknown {
+        expires_at: purge_at,
+        purge_at,
+    };
+    store.release(id, token, release).await.unwrap();
+}
+
+/// Writes a claim of `id` as a store before ttls of their own wrote it (no `expires_at`), its lease
+/// from [`T0`].
+fn insert_old_claim(
+    conn: &rusqlite::Connection,
+    id: &RecordId,
+    fp: &Fingerprint,
+    token: FencingToken,
+    purge_at: UnixMillis,
+) {
+    conn.execute(
+        "INSERT INTO idem_records
+             (scope, key, state, fingerprint, digest, token, lease_until, created_at, purge_at)
+         VALUES (?1, ?2, 'in-flight', ?3, ?4, ?5, ?6, ?7, ?8)",
+        rusqlite::params![
+            id.scope.as_str(),
+            id.key.as_str(),
+            fp.encode(),
+            &fp.digest()[..],
+            &token.as_bytes()[..],
+            T0.plus(LEASE).as_i64(),
+            T0.as_i64(),
+            purge_at.as_i64()
+        ],
+    )
+    .unwrap();
+}
+
+/// Opens `path` again and asserts that its schema is still the newest (a fresh file's).
+async fn reopen_unchanged(path: &std::path::Path) -> SqliteStore {
+    let store = SqliteStore::open(path).await.unwrap();
+    assert_eq!(
+        schema_of(path),
+        schema_of(&path.with_file_name("fresh.db")),
+        "still the newest schema"
+    );
+    store
 }
 
 #[tokio::test]
@@ -166,17 +213,7 @@ async fn releases_forget_or_remember_an_unknown_outcome() {
     let unknown = id("unknown");
     let purge_at = T0.plus(Duration::from_secs(3600));
     let (_, token) = begin(&store, &unknown, &fp, T0).await;
-    store
-        .release(
-            &unknown,
-            token,
-            Release::Unknown {
-                expires_at: purge_at,
-                purge_at,
-            },
-        )
-        .await
-        .unwrap();
+    release_unknown(&store, &unknown, token, purge_at).await;
     let record = store.get(&unknown).await.unwrap().unwrap();
     assert!(matches!(record.state, RecordState::Unknown { purge_at: p, .. } if p == purge_at));
     assert_eq!(record.fingerprint, fp);
@@ -189,17 +226,7 @@ async fn releases_forget_or_remember_an_unknown_outcome() {
     // Past its purge time a record is as good as gone, whatever the request.
     let gone = id("gone");
     let (_, token) = begin(&store, &gone, &fp, T0).await;
-    store
-        .release(
-            &gone,
-            token,
-            Release::Unknown {
-                expires_at: purge_at,
-                purge_at,
-            },
-        )
-        .await
-        .unwrap();
+    release_unknown(&store, &gone, token, purge_at).await;
     let other = fingerprint("other");
     let (begun, _) = begin(&store, &gone, &other, purge_at).await;
     assert!(matches!(begun, Begin::Acquired { recovered: false }), "{begun:?}");
@@ -376,17 +403,7 @@ async fn purge_takes_the_checkpoints_with_the_record() {
     };
     store.checkpoint(&id, token, step.clone()).await.unwrap();
     let purge_at = T0.plus(Duration::from_secs(60));
-    store
-        .release(
-            &id,
-            token,
-            Release::Unknown {
-                expires_at: purge_at,
-                purge_at,
-            },
-        )
-        .await
-        .unwrap();
+    release_unknown(&store, &id, token, purge_at).await;
     assert_eq!(
         store.checkpoints(&id).await.unwrap(),
         vec![step],
@@ -505,22 +522,7 @@ async fn a_file_of_schema_version_1_is_upgraded_on_open_and_keeps_its_records() 
         let conn = rusqlite::Connection::open(&path).unwrap();
         conn.pragma_update(None, "journal_mode", "WAL").unwrap();
         conn.execute_batch(SCHEMA_V1).unwrap();
-        conn.execute(
-            "INSERT INTO idem_records
-                 (scope, key, state, fingerprint, digest, token, lease_until, created_at, purge_at)
-             VALUES (?1, ?2, 'in-flight', ?3, ?4, ?5, ?6, ?7, ?8)",
-            rusqlite::params![
-                id.scope.as_str(),
-                id.key.as_str(),
-                fp.encode(),
-                &fp.digest()[..],
-                &token.as_bytes()[..],
-                T0.plus(LEASE).as_i64(),
-                T0.as_i64(),
-                T0.plus(Duration::from_secs(3600)).as_i64()
-            ],
-        )
-        .unwrap();
+        insert_old_claim(&conn, &id, &fp, token, T0.plus(Duration::from_secs(3600)));
     }
     let (version, columns) = schema_of(&path);
     assert_eq!(version, 1);
@@ -542,12 +544,7 @@ async fn a_file_of_schema_version_1_is_upgraded_on_open_and_keeps_its_records() 
 
     // Opening the upgraded file again changes nothing.
     drop((store, other));
-    let store = SqliteStore::open(&path).await.unwrap();
-    assert_eq!(
-        schema_of(&path),
-        schema_of(&path.with_file_name("fresh.db")),
-        "still the newest schema"
-    );
+    let store = reopen_unchanged(&path).await;
     assert_eq!(store.checkpoints(&id).await.unwrap(), vec![step]);
     store.complete(&id, token, completion(T0, b"done")).await.unwrap();
     assert!(store.checkpoints(&id).await.unwrap().is_empty(), "gone on completion");
@@ -609,12 +606,7 @@ async fn a_file_of_schema_version_2_is_upgraded_and_its_salt_says_how_long_its_r
     // Retention takes the older records and leaves the salt; reopening changes nothing either.
     assert_eq!(store.purge(latest, 100).await.unwrap().deleted, kept.len() as u64);
     drop((store, other));
-    let store = SqliteStore::open(&path).await.unwrap();
-    assert_eq!(
-        schema_of(&path),
-        schema_of(&path.with_file_name("fresh.db")),
-        "still the newest schema"
-    );
+    let store = reopen_unchanged(&path).await;
     assert_eq!(store.scope_salt(ScopeSalt::random(latest)).await.unwrap(), salt);
 }
 
@@ -811,22 +803,8 @@ async fn records_written_without_a_ttl_keep_their_old_rules() {
     let insert_old_claim = |key: &str| {
         let conn = rusqlite::Connection::open(dir.path().join("idem.db")).unwrap();
         let id = id(key);
-        conn.execute(
-            "INSERT INTO idem_records
-                 (scope, key, state, fingerprint, digest, token, lease_until, created_at, purge_at)
-             VALUES (?1, ?2, 'in-flight', ?3, ?4, ?5, ?6, ?7, ?8)",
-            rusqlite::params![
-                id.scope.as_str(),
-                id.key.as_str(),
-                fp.encode(),
-                &fp.digest()[..],
-                &FencingToken::random().as_bytes()[..],
-                T0.plus(LEASE).as_i64(),
-                T0.as_i64(),
-                idem_core::store::backend::abandoned_purge_at(T0.plus(LEASE)).as_i64()
-            ],
-        )
-        .unwrap();
+        let purge_at = idem_core::store::backend::abandoned_purge_at(T0.plus(LEASE));
+        insert_old_claim(&conn, &id, &fp, FencingToken::random(), purge_at);
         id
     };
     let day = Duration::from_secs(24 * 3600);

@@ -208,6 +208,53 @@ pub fn drop_postgres_schema(url: &str, schema: &str) {
     let _ = cleanup.join();
 }
 
+/// Cleanup that runs however a test ends: what a test made on a shared server, removed when this
+/// guard is dropped.
+#[derive(Debug)]
+pub enum Cleanup {
+    /// A PostgreSQL schema ([`drop_postgres_schema`]).
+    PostgresSchema {
+        /// The server's URL.
+        url: String,
+        /// The schema.
+        schema: String,
+    },
+    /// The keys under a Redis prefix ([`delete_redis_keys`]).
+    RedisKeys {
+        /// The server's URL (a cluster's names its nodes).
+        url: String,
+        /// The prefix, without its `:`.
+        prefix: String,
+    },
+}
+
+impl Cleanup {
+    /// Drops `schema` on the PostgreSQL server of `url` when dropped.
+    pub fn postgres_schema(url: &str, schema: &str) -> Self {
+        Self::PostgresSchema {
+            url: url.to_owned(),
+            schema: schema.to_owned(),
+        }
+    }
+
+    /// Deletes the keys under `prefix:` on every node of the Redis `url` when dropped.
+    pub fn redis_keys(url: &str, prefix: &str) -> Self {
+        Self::RedisKeys {
+            url: url.to_owned(),
+            prefix: prefix.to_owned(),
+        }
+    }
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        match self {
+            Self::PostgresSchema { url, schema } => drop_postgres_schema(url, schema),
+            Self::RedisKeys { url, prefix } => delete_redis_keys(url, prefix),
+        }
+    }
+}
+
 /// The plain `redis://` URL of every node a Redis URL names (one for a standalone Redis, each
 /// seed node of a cluster), user information kept, for direct connections.
 pub fn redis_nodes(url: &str) -> Vec<String> {

@@ -19,7 +19,7 @@ use idem_core::store::{RecordId, StoreOperation};
 use idem_core::testkit::{CountingStore, counting};
 use idem_postgres::PostgresStore;
 use idem_sqlite::SqliteStore;
-use idem_test_support::servers::{drop_postgres_schema, postgres_url, unique_name, with_options};
+use idem_test_support::postgres_store::{TestSchema, base_url};
 use idem_tower::{CompleteInError, IdempotencyInfo, IdempotencyLayer, InTransaction};
 use tokio::sync::{Mutex, Notify};
 use tower::ServiceExt;
@@ -69,29 +69,22 @@ struct Service {
     _cleanup: Cleanup,
 }
 
+/// What a test's store leaves behind, removed when dropped: a PostgreSQL schema, or the directory
+/// of a SQLite file.
 enum Cleanup {
-    Schema(String, String),
-    Dir(#[allow(dead_code)] tempfile::TempDir),
-}
-
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        if let Self::Schema(url, schema) = self {
-            drop_postgres_schema(url, schema);
-        }
-    }
+    Schema { _schema: TestSchema },
+    Dir { _dir: tempfile::TempDir },
 }
 
 async fn postgres() -> (Db, Arc<dyn Store>, Cleanup) {
-    let url = postgres_url();
-    let schema = unique_name("idem_tx");
-    let store = PostgresStore::connect(&with_options(&url, &format!("schema={schema}")))
-        .await
-        .expect("connect the store");
+    let schema = TestSchema::new();
+    let store = schema.connect("").await;
     // The service's own connections: its default search_path, the ledger named with its schema,
     // so that only the store's function is found through the store's schema.
-    let pool = sqlx::PgPool::connect(&url).await.expect("connect the service's pool");
-    let ledger = format!("\"{schema}\".ledger");
+    let pool = sqlx::PgPool::connect(&base_url())
+        .await
+        .expect("connect the service's pool");
+    let ledger = format!("\"{}\".ledger", schema.name);
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "CREATE TABLE {ledger} (key TEXT PRIMARY KEY)"
     )))
@@ -103,7 +96,7 @@ async fn postgres() -> (Db, Arc<dyn Store>, Cleanup) {
         pool,
         ledger,
     };
-    (db, Arc::new(store), Cleanup::Schema(url, schema))
+    (db, Arc::new(store), Cleanup::Schema { _schema: schema })
 }
 
 async fn sqlite() -> (Db, Arc<dyn Store>, Cleanup) {
@@ -127,7 +120,7 @@ async fn sqlite() -> (Db, Arc<dyn Store>, Cleanup) {
             pool,
         },
         Arc::new(store),
-        Cleanup::Dir(dir),
+        Cleanup::Dir { _dir: dir },
     )
 }
 

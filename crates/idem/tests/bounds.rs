@@ -4,9 +4,9 @@
 //! and made Redis refuse its expiries); values at the bounds start and serve, on SQLite and Redis.
 
 mod common;
-mod servers;
 
 use common::{Gateway, Upstream, config_file, count, new_key, serve_refusing};
+use idem_test_support::redis_store;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_duration_past_its_bound_stops_the_start_naming_flag_and_bound() {
@@ -93,9 +93,9 @@ async fn sqlite_durations_at_their_bounds_serve() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_durations_at_their_bounds_serve() {
-    let store = servers::redis_url();
-    durations_at_their_bounds_serve(&store).await;
+    let store = redis_store::store_url();
     // Records kept ten years are not left on the shared server.
     let (server, prefix) = store.split_once("/?prefix=").expect("a URL with a prefix");
-    idem_test_support::servers::delete_redis_keys(server, prefix);
+    let _cleanup = idem_test_support::servers::Cleanup::redis_keys(server, prefix);
+    durations_at_their_bounds_serve(&store).await;
 }

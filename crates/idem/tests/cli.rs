@@ -5,14 +5,13 @@ mod common;
 
 use std::time::Duration;
 
-use common::{Gateway, Upstream, count, describe, new_key, run_idem, send, store_url_in, wait_for_count};
+use common::{Gateway, count, describe, new_key, run_idem, send, store_url_in, wait_for_count};
 
 const COMMAND_LIMIT: Duration = Duration::from_secs(30);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_admin_listener_answers_health_and_readiness() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &[]).await;
+    let (_upstream, gw, _) = common::start(&[]).await;
 
     let health = send(gw.client.get(format!("{}/healthz", gw.admin))).await;
     assert_eq!(health.status, 200, "{health}");
@@ -22,15 +21,10 @@ async fn the_admin_listener_answers_health_and_readiness() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_lets_in_flight_requests_finish_and_exits_zero() {
-    let upstream = Upstream::start().await;
-    let mut gw = Gateway::start(&upstream.url(), &[]).await;
-    let key = new_key();
+    let (upstream, mut gw, key) = common::start(&[]).await;
 
     let in_flight = {
-        let request = gw
-            .post("/pay?delay=1000", r#"{"amount":1}"#)
-            .header("content-type", "application/json")
-            .header("idempotency-key", key.as_str());
+        let request = gw.keyed("/pay?delay=1000", key.as_str(), r#"{"amount":1}"#);
         tokio::spawn(send(request))
     };
     wait_for_count(&upstream.state.pay, 1, Duration::from_secs(10)).await;
@@ -69,9 +63,7 @@ async fn sigterm_lets_in_flight_requests_finish_and_exits_zero() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inspect_shows_a_record_and_its_replays() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &[]).await;
-    let key = new_key();
+    let (upstream, gw, key) = common::start(&[]).await;
     for _ in 0..3 {
         let reply = gw.post_json("/pay", Some(&key), r#"{"amount":1}"#).await;
         assert_eq!(reply.status, 201, "{reply}");
@@ -97,21 +89,7 @@ async fn a_store_that_cannot_be_opened_stops_serve_with_a_message_naming_it() {
     let path = dir.path().join("missing").join("x").join("idem.db");
     let store = format!("sqlite://{}", path.display());
 
-    let output = run_idem(
-        &[
-            "serve",
-            "--upstream",
-            "http://127.0.0.1:9",
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--store",
-            &store,
-        ],
-        COMMAND_LIMIT,
-    )
-    .await;
+    let output = common::serve_to_end("http://127.0.0.1:9", &store, COMMAND_LIMIT).await;
     assert!(!output.status.success(), "serve must fail:\n{}", describe(&output));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
@@ -179,9 +157,7 @@ async fn migrate_and_purge_succeed_on_a_fresh_store() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn purge_succeeds_on_a_store_in_use() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &[]).await;
-    let key = new_key();
+    let (upstream, gw, key) = common::start(&[]).await;
     let reply = gw.post_json("/pay", Some(&key), r#"{"amount":1}"#).await;
     assert_eq!(reply.status, 201, "{reply}");
 
@@ -210,9 +186,7 @@ async fn inspect_of_an_unknown_key_fails() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inspect_and_delete_find_a_credentials_record_by_its_authorization() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &[]).await;
-    let key = new_key();
+    let (upstream, gw, key) = common::start(&[]).await;
     let pay = || {
         gw.post("/pay", r#"{"amount":1}"#)
             .header("content-type", "application/json")
@@ -278,8 +252,7 @@ async fn inspect_and_delete_find_a_credentials_record_by_its_authorization() {
 /// are all written by the time it exits, and the last line is the last thing it logged.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_request_is_logged_once_by_the_time_the_gateway_exits() {
-    let upstream = Upstream::start().await;
-    let mut gw = Gateway::start(&upstream.url(), &[]).await;
+    let (_upstream, mut gw, _) = common::start(&[]).await;
     let keys: Vec<String> = (0..100).map(|_| new_key()).collect();
     let replies = futures_util::future::join_all(
         keys.iter()
@@ -383,8 +356,7 @@ async fn a_gateway_that_cannot_listen_writes_its_earlier_lines_first() {
 /// reorder what the operator reads; the JSON forms keep the exact values.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn list_and_inspect_escape_terminal_controls_and_json_keeps_them_exact() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &["--scope", "header:X-User-Id"]).await;
+    let (_upstream, gw, _) = common::start(&["--scope", "header:X-User-Id"]).await;
     // Raw UTF-8 in the request target (U+202E, an override) and an escaped one (U+2066, an
     // isolate), and in the scope header U+2066, U+202E, U+009B (the C1 CSI) and a tab: what a
     // hostile caller can send.

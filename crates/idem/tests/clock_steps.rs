@@ -6,12 +6,12 @@
 //! a file the test rewrites (its steady clocks are left alone, as a real step leaves them).
 
 mod common;
-mod servers;
 
 use std::path::Path;
 
 use common::{Gateway, Reply, Upstream, count, new_key, send, skewed_clock};
 use idem_test_support::relay::Relay;
+use idem_test_support::{postgres_store, redis_store};
 use tokio::process::Command;
 
 const BODY: &str = r#"{"amount":700,"currency":"EUR"}"#;
@@ -96,12 +96,12 @@ async fn a_step_of_the_wall_clock_moves_nothing(store: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_step_of_the_wall_clock_moves_nothing_on_postgres() {
-    a_step_of_the_wall_clock_moves_nothing(&servers::postgres_url()).await;
+    a_step_of_the_wall_clock_moves_nothing(&postgres_store::store_url()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_step_of_the_wall_clock_moves_nothing_on_redis() {
-    a_step_of_the_wall_clock_moves_nothing(&servers::redis_url()).await;
+    a_step_of_the_wall_clock_moves_nothing(&redis_store::store_url()).await;
 }
 
 /// A gateway whose wall clock is eight days ahead, started while its store is slow to tell the
@@ -111,7 +111,7 @@ async fn a_step_of_the_wall_clock_moves_nothing_on_redis() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_started_while_its_store_is_slow_to_tell_the_time_judges_on_the_store_clock() {
     let upstream = Upstream::start().await;
-    let direct = servers::redis_url();
+    let direct = redis_store::store_url();
     let steady = Gateway::start_on_store(&upstream.url(), &direct, &[]).await;
     let answered = new_key();
     let first = pay(&steady, &answered).await;
@@ -141,7 +141,7 @@ async fn a_gateway_started_while_its_store_is_slow_to_tell_the_time_judges_on_th
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_that_stays_slow_to_tell_the_time_is_followed_by_its_best_reading() {
     let upstream = Upstream::start().await;
-    let (relay, through_relay) = behind_relay(&servers::redis_url()).await;
+    let (relay, through_relay) = behind_relay(&redis_store::store_url()).await;
     let hold = |millis, secs| {
         relay.hold_replies_after(
             b"TIME",

@@ -231,8 +231,7 @@ async fn the_documented_config_file_works() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tombstone_ttl_no_longer_than_the_ttl_is_warned_of_at_the_start() {
     const WARNING: &str = "tombstone-ttl is not longer than ttl";
-    let upstream = Upstream::start().await;
-    let defaults = Gateway::start(&upstream.url(), &[]).await;
+    let (upstream, defaults, _) = common::start(&[]).await;
     let started = defaults
         .stderr_once("the start", |log| log.contains("idem serve started"))
         .await;

@@ -17,13 +17,11 @@
 //! the figures. The storms of this file run one at a time.
 
 mod common;
-mod servers;
 
 /// The driver, the upstream and the verdict (`tests/contention/`).
 mod contention {
     pub(crate) mod driver;
     pub(crate) mod figures;
-    pub(crate) mod ledger;
     pub(crate) mod locks;
     pub(crate) mod neighbour;
     pub(crate) mod verdict;
@@ -32,13 +30,14 @@ mod contention {
 use std::time::Duration;
 
 use common::Gateway;
+use common::ledger::Ledger;
 use contention::driver::{Phase, PhaseResult, Plan, Target, run_phase};
 use contention::figures::{Figures, table};
-use contention::ledger::Ledger;
-use contention::locks::{self, Watch};
+use contention::locks::Watch;
 use contention::verdict::{self, Evidence};
 use idem_test_support::seed::Seed;
 use idem_test_support::servers as machine;
+use idem_test_support::{postgres_store, redis_store};
 
 /// The storms share two cores: one at a time, or each would measure the others.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -61,10 +60,10 @@ struct Store {
 async fn contention_on_postgres_in_transaction() {
     let _one = ONE_AT_A_TIME.lock().await;
     let plan = Plan::from_env();
-    let url = servers::postgres_url();
+    let url = postgres_store::store_url();
     let (database, schema) = url.split_once("?schema=").expect("a schema option");
     let (database, schema) = (database.to_owned(), schema.to_owned());
-    let _cleanup = DropSchema(database.clone(), schema.clone());
+    let _cleanup = machine::Cleanup::postgres_schema(&database, &schema);
     let application = machine::unique_name("idem_contention");
     let url = format!("{url}&application_name={application}&pool_size={}", plan.pool_size);
     // The gateways only need DML rights: the schema and `idem_complete` come from `idem migrate`.
@@ -84,9 +83,9 @@ async fn contention_on_postgres_in_transaction() {
 async fn contention_on_redis() {
     let _one = ONE_AT_A_TIME.lock().await;
     let plan = Plan::from_env();
-    let url = servers::redis_url();
+    let url = redis_store::store_url();
     let (base, prefix) = url.split_once("/?prefix=").expect("a prefix option");
-    let _keys = DeleteKeys(base.to_owned(), prefix.to_owned());
+    let _keys = machine::Cleanup::redis_keys(base, prefix);
     let (ledger, _ledger_schema) = separate_ledger(&plan).await;
     let store = Store {
         name: "redis",
@@ -189,10 +188,10 @@ async fn sqlite_claims_fail_fast_while_a_neighbour_holds_the_write_lock() {
 
 /// The ledger of a store that is not PostgreSQL, in a PostgreSQL schema of its own (dropped with
 /// the guard).
-async fn separate_ledger(plan: &Plan) -> (Ledger, DropSchema) {
+async fn separate_ledger(plan: &Plan) -> (Ledger, machine::Cleanup) {
     let database = machine::postgres_url();
     let schema = machine::unique_name("contention_ledger");
-    let guard = DropSchema(database.clone(), schema.clone());
+    let guard = machine::Cleanup::postgres_schema(&database, &schema);
     (
         Ledger::start(&database, &schema, plan.upstream_connections, false).await,
         guard,
@@ -303,29 +302,11 @@ async fn cycle(
     if let (Some(watch), Some((database, application))) = (watch, &store.watched) {
         let waits = watch.stop().await;
         evidence.waits = Some(evidence.waits.take().unwrap_or_default().and(waits));
-        let left = locks::left_running(database, application).await;
+        let left = postgres_store::busy_connections(database, application).await;
         evidence.left_running.get_or_insert_with(Vec::new).extend(left);
     }
     let after = run_phase(plan, target, (run, &second), Phase::Baseline, half, rng).await;
     let phases = [before.and(after), storm];
     let figures = phases.iter().map(Figures::of).collect();
     (phases, figures)
-}
-
-/// Drops a PostgreSQL schema at the end, whatever happens.
-struct DropSchema(String, String);
-
-impl Drop for DropSchema {
-    fn drop(&mut self) {
-        machine::drop_postgres_schema(&self.0, &self.1);
-    }
-}
-
-/// Deletes the test's Redis keys at the end, whatever happens.
-struct DeleteKeys(String, String);
-
-impl Drop for DeleteKeys {
-    fn drop(&mut self) {
-        machine::delete_redis_keys(&self.0, &self.1);
-    }
 }

@@ -3,10 +3,10 @@
 //! arithmetic.
 
 mod common;
-mod servers;
 
 use std::time::Duration;
 
+use idem_test_support::{postgres_store, redis_store};
 use serde_json::Value;
 
 /// A small run takes a few seconds; this leaves room for a loaded machine.
@@ -142,7 +142,7 @@ async fn sqlite_shared_store_charges_every_payment_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_shared_store_charges_every_payment_once() {
-    let report = small_demo(Some(&servers::postgres_url()), "0.3").await;
+    let report = small_demo(Some(&postgres_store::store_url()), "0.3").await;
     faults_were_real(&report);
     // Charges committed with their answers: under the same faults and crash, no double charge,
     // and no run reaches the payments service flagged recovered.
@@ -162,12 +162,12 @@ async fn postgres_shared_store_charges_every_payment_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_shared_store_charges_every_payment_once() {
-    faults_were_real(&small_demo(Some(&servers::redis_url()), "0.3").await);
+    faults_were_real(&small_demo(Some(&redis_store::store_url()), "0.3").await);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_cluster_shared_store_charges_every_payment_once() {
-    faults_were_real(&small_demo(Some(&servers::redis_cluster_url()), "0.3").await);
+    faults_were_real(&small_demo(Some(&redis_store::cluster_store_url()), "0.3").await);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -12,7 +12,7 @@ use std::time::Duration;
 use axum::Router;
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
-use common::{Gateway, Upstream, count, new_key, send, try_send};
+use common::{Gateway, count, new_key, send, try_send};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
@@ -44,14 +44,9 @@ async fn metrics(gw: &Gateway) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answer_the_store_refuses_is_held_and_stored_not_run_again() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &["--lease", "3s", "--upstream-timeout", "1s"]).await;
-    let key = new_key();
+    let (upstream, gw, key) = common::start(&["--lease", "3s", "--upstream-timeout", "1s"]).await;
     let first = tokio::spawn({
-        let request = gw
-            .post("/pay?delay=2000", r#"{"amount":100}"#)
-            .header("content-type", "application/json")
-            .header("idempotency-key", key.clone());
+        let request = gw.keyed("/pay?delay=2000", &key, r#"{"amount":100}"#);
         send(request)
     });
     // The claim is made at once; then a neighbour takes the write lock for 45 s: across the
@@ -144,17 +139,11 @@ async fn a_hung_upstream_is_given_up_after_the_run_timeout() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_hangs_up_while_its_claim_is_made_leaves_no_orphan() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &["--wait", "1s"]).await;
-    let key = new_key();
+    let (upstream, gw, key) = common::start(&["--wait", "1s"]).await;
     // The claim cannot be written until the neighbour lets go of the lock, 2 s from now; the
     // client gives up after 500 ms and closes its connection.
     let lock = hold_write_lock(sqlite_path(&gw), Duration::from_secs(2));
-    let impatient = gw
-        .post("/pay", "{}")
-        .header("content-type", "application/json")
-        .header("idempotency-key", key.clone())
-        .timeout(Duration::from_millis(500));
+    let impatient = gw.keyed("/pay", &key, "{}").timeout(Duration::from_millis(500));
     assert!(try_send(impatient).await.is_err(), "the client hung up");
     tokio::task::spawn_blocking(move || lock.join().unwrap()).await.unwrap();
     tokio::time::sleep(Duration::from_millis(500)).await;

@@ -1,11 +1,14 @@
 //! The gateway (`idem serve`) end to end: a real upstream, a real process, a real SQLite store.
-//! Each test asserts something a user of the gateway relies on.
+//! Each test asserts something a user of the gateway relies on. Cases that differ only in their
+//! values are tables: each case runs on an upstream and a gateway of its own, and its name is
+//! printed first, so that a failure names it.
 
 mod common;
 
+use std::sync::atomic::AtomicUsize;
 use std::time::Duration;
 
-use common::{Gateway, Upstream, count, new_key, now_millis, send, uuid_v7_at, wait_for_count};
+use common::{Gateway, Upstream, UpstreamState, count, new_key, now_millis, send, start, uuid_v7_at, wait_for_count};
 
 const PAY_BODY: &str = r#"{"amount":1000,"currency":"EUR"}"#;
 
@@ -23,9 +26,7 @@ fn unquote(value: &str) -> &str {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retry_gets_the_stored_answer_and_the_upstream_runs_once() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &[]).await;
-    let key = new_key();
+    let (upstream, gw, key) = start(&[]).await;
 
     let first = gw.post_json("/pay", Some(&key), PAY_BODY).await;
     assert_eq!(first.status, 201, "{first}");
@@ -61,145 +62,97 @@ async fn a_retry_gets_the_stored_answer_and_the_upstream_runs_once() {
     assert_eq!(count(&upstream.state.pay), 1, "the upstream ran once");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_keyed_patch_is_protected_by_default() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &[]).await;
-    let key = new_key();
-
-    let patch = || {
-        gw.client
-            .patch(gw.url("/pay"))
-            .header("content-type", "application/json")
-            .header("idempotency-key", key.as_str())
-            .body(PAY_BODY)
-    };
-    let first = send(patch()).await;
-    assert_eq!(first.status, 201, "{first}");
-    let second = send(patch()).await;
-    assert!(second.replayed(), "{second}");
-    assert_eq!(second.body, first.body);
-    assert_eq!(count(&upstream.state.pay), 1);
+/// How a request carries its key.
+#[derive(Debug, Clone, Copy)]
+enum Spelling {
+    /// The key as it is.
+    Bare,
+    /// The key as a quoted sf-string.
+    Quoted,
+    /// 255 characters, the longest key.
+    Longest,
 }
 
+/// A retry that says the same request in other words (another method of the protected ones,
+/// another spelling of the key, the body's JSON otherwise serialised, a body that only claims to be
+/// JSON): the first runs, the second is its replay, and the upstream ran once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_quoted_sf_string_key_and_a_bare_key_name_the_same_record() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &[]).await;
-    let key = new_key();
-
-    let first = gw.post_json("/pay", Some(&format!("\"{key}\"")), PAY_BODY).await;
-    assert_eq!(first.status, 201, "{first}");
-    let second = gw.post_json("/pay", Some(&key), PAY_BODY).await;
-    assert_eq!(second.status, 201, "{second}");
-    assert!(second.replayed(), "{second}");
-    assert_eq!(second.body, first.body);
-    assert_eq!(count(&upstream.state.pay), 1);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn json_key_order_and_whitespace_do_not_count() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &[]).await;
-    let key = new_key();
-
-    let first = gw
-        .post_json("/pay", Some(&key), r#"{"amount":1000,"currency":"EUR","tags":[1,2]}"#)
-        .await;
-    assert_eq!(first.status, 201, "{first}");
-    let reordered = "{\n  \"tags\": [1, 2],\n  \"currency\": \"EUR\",\n  \"amount\": 1000\n}\n";
-    let second = gw.post_json("/pay", Some(&key), reordered).await;
-    assert_eq!(
-        second.status, 201,
-        "a re-serialised retry is the same request: {second}"
-    );
-    assert!(second.replayed(), "{second}");
-    assert_eq!(second.body, first.body);
-    assert_eq!(count(&upstream.state.pay), 1);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_body_declared_json_that_does_not_parse_is_passed_on_and_replayed() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &[]).await;
-    let key = new_key();
+async fn a_retry_of_the_same_request_in_other_words_is_replayed() {
     let broken = r#"{"amount": 1000, "currency":"#;
-
-    let first = gw.post_json("/pay", Some(&key), broken).await;
-    assert_eq!(first.status, 201, "the gateway is no JSON validator: {first}");
-    assert_eq!(
-        first.json("received").as_deref(),
-        Some(broken),
-        "the body is passed on as sent"
-    );
-    let second = gw.post_json("/pay", Some(&key), broken).await;
-    assert_eq!(second.status, 201, "{second}");
-    assert!(second.replayed(), "{second}");
-    assert_eq!(second.body, first.body);
-    assert_eq!(count(&upstream.state.pay), 1);
+    let reordered = "{\n  \"tags\": [1, 2],\n  \"currency\": \"EUR\",\n  \"amount\": 1000\n}\n";
+    #[rustfmt::skip]
+    let cases = [
+        ("a keyed PATCH is protected by default", "PATCH", [Spelling::Bare; 2], [PAY_BODY; 2]),
+        ("a quoted key and a bare one name one record", "POST", [Spelling::Quoted, Spelling::Bare], [PAY_BODY; 2]),
+        ("JSON key order and whitespace do not count", "POST", [Spelling::Bare; 2],
+            [r#"{"amount":1000,"currency":"EUR","tags":[1,2]}"#, reordered]),
+        ("a body declared JSON that does not parse is passed on as sent", "POST", [Spelling::Bare; 2], [broken; 2]),
+        ("a key of 255 characters is accepted", "POST", [Spelling::Longest; 2], [PAY_BODY; 2]),
+    ];
+    for (case, method, spellings, bodies) in cases {
+        println!("case: {case}");
+        let (upstream, gw, key) = start(&[]).await;
+        let mut replies = Vec::new();
+        for (spelling, body) in spellings.into_iter().zip(bodies) {
+            let key = match spelling {
+                Spelling::Bare => key.clone(),
+                Spelling::Quoted => format!("\"{key}\""),
+                Spelling::Longest => "k".repeat(255),
+            };
+            let request = gw
+                .client
+                .request(method.parse().expect("a method"), gw.url("/pay"))
+                .header("content-type", "application/json")
+                .header("idempotency-key", key)
+                .body(body);
+            replies.push(send(request).await);
+        }
+        let [first, second] = &replies[..] else { unreachable!() };
+        assert_eq!(first.status, 201, "{case}: {first}");
+        assert_eq!(
+            first.json("received").as_deref(),
+            Some(bodies[0]),
+            "{case}: the body is passed on as sent"
+        );
+        assert_eq!(second.status, 201, "{case}: {second}");
+        assert!(second.replayed(), "{case}: {second}");
+        assert_eq!(second.body, first.body, "{case}");
+        assert_eq!(count(&upstream.state.pay), 1, "{case}");
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
 // Mismatches
 // ---------------------------------------------------------------------------------------------
 
+/// The same key with another request is refused `422 key-mismatch`, the detail naming what
+/// differs, and never reaches the upstream.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_same_key_with_another_body_is_a_mismatch_naming_the_body() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &[]).await;
-    let key = new_key();
-
-    let first = gw.post_json("/pay", Some(&key), PAY_BODY).await;
-    assert_eq!(first.status, 201, "{first}");
-    let other = gw
-        .post_json("/pay", Some(&key), r#"{"amount":2000,"currency":"EUR"}"#)
-        .await;
-    other.assert_problem(422, "key-mismatch");
-    assert!(
-        other.detail().to_lowercase().contains("body"),
-        "the detail names the body: {other}"
-    );
-    assert!(!other.replayed(), "{other}");
-    assert_eq!(count(&upstream.state.pay), 1, "a mismatch never reaches the upstream");
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_same_key_with_another_query_is_a_mismatch_naming_the_query() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &[]).await;
-    let key = new_key();
-
-    let first = gw.post_json("/pay", Some(&key), PAY_BODY).await;
-    assert_eq!(first.status, 201, "{first}");
-    let other = gw.post_json("/pay?delay=1", Some(&key), PAY_BODY).await;
-    other.assert_problem(422, "key-mismatch");
-    assert!(
-        other.detail().to_lowercase().contains("query"),
-        "the detail names the query: {other}"
-    );
-    assert_eq!(count(&upstream.state.pay), 1);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_same_key_on_another_path_is_a_mismatch_naming_the_path() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &[]).await;
-    let key = new_key();
-
-    let first = gw.post_json("/pay", Some(&key), PAY_BODY).await;
-    assert_eq!(first.status, 201, "{first}");
-    let other = gw.post_json("/status/201", Some(&key), PAY_BODY).await;
-    other.assert_problem(422, "key-mismatch");
-    assert!(
-        other.detail().to_lowercase().contains("path"),
-        "the detail names the path: {other}"
-    );
-    assert_eq!(count(&upstream.state.pay), 1);
-    assert_eq!(
-        count(&upstream.state.status),
-        0,
-        "a mismatch never reaches the upstream"
-    );
+async fn the_same_key_with_another_request_is_a_mismatch_naming_what_differs() {
+    let cases = [
+        ("body", "/pay", r#"{"amount":2000,"currency":"EUR"}"#),
+        ("query", "/pay?delay=1", PAY_BODY),
+        ("path", "/status/201", PAY_BODY),
+    ];
+    for (differs, path, body) in cases {
+        println!("case: another {differs}");
+        let (upstream, gw, key) = start(&[]).await;
+        let first = gw.post_json("/pay", Some(&key), PAY_BODY).await;
+        assert_eq!(first.status, 201, "{first}");
+        let other = gw.post_json(path, Some(&key), body).await;
+        other.assert_problem(422, "key-mismatch");
+        assert!(
+            other.detail().to_lowercase().contains(differs),
+            "the detail names the {differs}: {other}"
+        );
+        assert!(!other.replayed(), "{other}");
+        assert_eq!(count(&upstream.state.pay), 1, "another {differs}");
+        assert_eq!(
+            count(&upstream.state.status),
+            0,
+            "a mismatch never reaches the upstream"
+        );
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -208,9 +161,7 @@ async fn the_same_key_on_another_path_is_a_mismatch_naming_the_path() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_concurrent_copy_waits_and_gets_the_replay() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &[]).await;
-    let key = new_key();
+    let (upstream, gw, key) = start(&[]).await;
 
     let (a, b) = tokio::join!(
         gw.post_json("/pay?delay=800", Some(&key), PAY_BODY),
@@ -229,15 +180,10 @@ async fn a_concurrent_copy_waits_and_gets_the_replay() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_copy_waiting_past_the_wait_limit_gets_409_with_retry_after() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &["--wait", "200ms"]).await;
-    let key = new_key();
+    let (upstream, gw, key) = start(&["--wait", "200ms"]).await;
 
     let first = {
-        let request = gw
-            .post("/pay?delay=3000", PAY_BODY)
-            .header("content-type", "application/json")
-            .header("idempotency-key", key.as_str());
+        let request = gw.keyed("/pay?delay=3000", &key, PAY_BODY);
         tokio::spawn(send(request))
     };
     wait_for_count(&upstream.state.pay, 1, Duration::from_secs(10)).await;
@@ -261,32 +207,29 @@ async fn a_copy_waiting_past_the_wait_limit_gets_409_with_retry_after() {
 // Scopes
 // ---------------------------------------------------------------------------------------------
 
+/// Two callers with the same key, told apart by their credential or by the header a scope names:
+/// neither gets the other's answer, and each one's retry gets its own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_credentials_with_the_same_key_never_share_an_answer() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &[]).await;
-    let key = new_key();
-
-    let pay_as = |who: &'static str| {
-        let request = gw
-            .post("/pay", PAY_BODY)
-            .header("content-type", "application/json")
-            .header("authorization", format!("Bearer {who}"))
-            .header("idempotency-key", key.as_str());
-        send(request)
-    };
-    let alice = pay_as("alice").await;
-    let bob = pay_as("bob").await;
-    assert_eq!(alice.status, 201, "{alice}");
-    assert_eq!(bob.status, 201, "{bob}");
-    assert!(!bob.replayed(), "bob never gets alice's answer: {bob}");
-    assert_ne!(alice.charge(), bob.charge(), "two tenants, two charges");
-    assert_eq!(count(&upstream.state.pay), 2);
-
-    let alice_again = pay_as("alice").await;
-    assert!(alice_again.replayed(), "{alice_again}");
-    assert_eq!(alice_again.body, alice.body, "alice's retry gets alice's answer");
-    assert_eq!(count(&upstream.state.pay), 2);
+async fn two_callers_with_the_same_key_never_share_an_answer() {
+    let cases: [(&[&str], &str, [&str; 2]); 2] = [
+        (&[], "authorization", ["Bearer alice", "Bearer bob"]),
+        (&["--scope", "header:X-User-Id"], "x-user-id", ["u1", "u2"]),
+    ];
+    for (flags, header, [a, b]) in cases {
+        println!("case: {header} {a} and {b} ({flags:?})");
+        let (upstream, gw, key) = start(flags).await;
+        let pay_as = |who: &str| send(gw.keyed("/pay", &key, PAY_BODY).header(header, who));
+        let first = pay_as(a).await;
+        let other = pay_as(b).await;
+        assert_eq!((first.status, other.status), (201, 201), "{first}\n{other}");
+        assert!(!other.replayed(), "{b} never gets {a}'s answer: {other}");
+        assert_ne!(first.charge(), other.charge(), "two callers, two charges");
+        assert_eq!(count(&upstream.state.pay), 2);
+        let again = pay_as(a).await;
+        assert!(again.replayed(), "{again}");
+        assert_eq!(again.body, first.body, "{a}'s retry gets {a}'s answer");
+        assert_eq!(count(&upstream.state.pay), 2);
+    }
 }
 
 /// An authentication scheme is case-insensitive and may be followed by more than one space (RFC
@@ -294,9 +237,7 @@ async fn two_credentials_with_the_same_key_never_share_an_answer() {
 /// the credential itself is case-sensitive, and another is another caller.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_spellings_of_one_credential_are_one_caller() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &[]).await;
-    let key = new_key();
+    let (upstream, gw, key) = start(&[]).await;
     let pay_as = |authorization: &'static str| {
         let request = gw
             .post("/pay", PAY_BODY)
@@ -321,57 +262,30 @@ async fn the_spellings_of_one_credential_are_one_caller() {
     assert_eq!(count(&upstream.state.pay), 2);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_header_scope_keeps_users_apart() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &["--scope", "header:X-User-Id"]).await;
-    let key = new_key();
-
-    let pay_as = |who: &'static str| {
-        let request = gw
-            .post("/pay", PAY_BODY)
-            .header("content-type", "application/json")
-            .header("x-user-id", who)
-            .header("idempotency-key", key.as_str());
-        send(request)
-    };
-    let u1 = pay_as("u1").await;
-    let u2 = pay_as("u2").await;
-    assert_eq!(u1.status, 201, "{u1}");
-    assert_eq!(u2.status, 201, "{u2}");
-    assert!(!u2.replayed(), "{u2}");
-    assert_ne!(u1.charge(), u2.charge());
-    assert_eq!(count(&upstream.state.pay), 2);
-
-    let u1_again = pay_as("u1").await;
-    assert!(u1_again.replayed(), "{u1_again}");
-    assert_eq!(u1_again.body, u1.body);
-    assert_eq!(count(&upstream.state.pay), 2);
-}
-
 // ---------------------------------------------------------------------------------------------
 // Keys: missing and invalid
 // ---------------------------------------------------------------------------------------------
 
+/// A keyless request where a key is required (`--missing-key require`, or a grace period that
+/// has ended) is refused `400 key-missing` and never processed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_missing_key_is_refused_when_required() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &["--missing-key", "require"]).await;
-
-    let reply = gw.post_json("/pay", None, PAY_BODY).await;
-    reply.assert_problem(400, "key-missing");
-    assert_eq!(count(&upstream.state.pay), 0);
+async fn a_keyless_request_is_refused_where_a_key_is_required() {
+    for policy in ["require", "grace:2000-01-01T00:00:00Z"] {
+        println!("case: --missing-key {policy}");
+        let (upstream, gw, _) = start(&["--missing-key", policy]).await;
+        gw.post_json("/pay", None, PAY_BODY)
+            .await
+            .assert_problem(400, "key-missing");
+        assert_eq!(count(&upstream.state.pay), 0);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn invalid_keys_are_refused_and_never_processed() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &[]).await;
+    let (upstream, gw, _) = start(&[]).await;
 
     let two_headers = gw
-        .post("/pay", PAY_BODY)
-        .header("content-type", "application/json")
-        .header("idempotency-key", "first-key")
+        .keyed("/pay", "first-key", PAY_BODY)
         .header("idempotency-key", "second-key");
     let reply = send(two_headers).await;
     reply.assert_problem(400, "key-invalid");
@@ -386,22 +300,8 @@ async fn invalid_keys_are_refused_and_never_processed() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_key_of_255_characters_is_accepted() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &[]).await;
-    let key = "k".repeat(255);
-
-    let first = gw.post_json("/pay", Some(&key), PAY_BODY).await;
-    assert_eq!(first.status, 201, "{first}");
-    let second = gw.post_json("/pay", Some(&key), PAY_BODY).await;
-    assert!(second.replayed(), "{second}");
-    assert_eq!(count(&upstream.state.pay), 1);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_keyless_post_passes_through_by_default() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &[]).await;
+    let (upstream, gw, _) = start(&[]).await;
 
     let a = gw.post_json("/pay", None, PAY_BODY).await;
     let b = gw.post_json("/pay", None, PAY_BODY).await;
@@ -417,8 +317,7 @@ async fn a_keyless_post_passes_through_by_default() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_fingerprint_policy_catches_a_keyless_double_tap() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &["--missing-key", "fingerprint:10s"]).await;
+    let (upstream, gw, _) = start(&["--missing-key", "fingerprint:10s"]).await;
     // The double tap of one caller: the same credential, the same body.
     let tap = |body: &'static str| {
         send(
@@ -446,8 +345,7 @@ async fn the_fingerprint_policy_catches_a_keyless_double_tap() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_fingerprint_policy_never_merges_two_anonymous_callers() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &["--missing-key", "fingerprint:10s"]).await;
+    let (upstream, gw, _) = start(&["--missing-key", "fingerprint:10s"]).await;
 
     // Two people without a credential who post the same body: nothing tells them apart, so
     // neither may get the other's answer.
@@ -498,8 +396,7 @@ async fn fingerprint_with_one_shared_scope_is_refused_at_start() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn during_the_grace_period_keyless_requests_pass_with_deprecation_headers() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &["--missing-key", "grace:2099-01-01T00:00:00Z"]).await;
+    let (upstream, gw, _) = start(&["--missing-key", "grace:2099-01-01T00:00:00Z"]).await;
 
     let reply = gw.post_json("/pay", None, PAY_BODY).await;
     assert_eq!(reply.status, 201, "{reply}");
@@ -512,20 +409,8 @@ async fn during_the_grace_period_keyless_requests_pass_with_deprecation_headers(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn after_the_grace_period_a_key_is_required() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &["--missing-key", "grace:2000-01-01T00:00:00Z"]).await;
-
-    let reply = gw.post_json("/pay", None, PAY_BODY).await;
-    reply.assert_problem(400, "key-missing");
-    assert_eq!(count(&upstream.state.pay), 0);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_get_with_a_key_passes_through_untouched() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &[]).await;
-    let key = new_key();
+    let (upstream, gw, key) = start(&[]).await;
 
     for n in 1..=2 {
         let reply = send(gw.client.get(gw.url("/pay")).header("idempotency-key", key.as_str())).await;
@@ -546,76 +431,78 @@ async fn a_get_with_a_key_passes_through_untouched() {
 // What is stored
 // ---------------------------------------------------------------------------------------------
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_5xx_releases_the_key_and_the_retry_runs_again() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &[]).await;
-    let key = new_key();
-
-    let first = gw.post_json("/flaky", Some(&key), "{}").await;
-    assert_eq!(first.status, 500, "the upstream's 500 is passed on: {first}");
-    let second = gw.post_json("/flaky", Some(&key), "{}").await;
-    assert_eq!(second.status, 201, "the retry runs again: {second}");
-    assert!(!second.replayed(), "{second}");
-    let third = gw.post_json("/flaky", Some(&key), "{}").await;
-    assert_eq!(third.status, 201, "{third}");
-    assert!(third.replayed(), "the success is stored: {third}");
-    assert_eq!(third.body, second.body);
-    assert_eq!(count(&upstream.state.flaky), 2);
+/// A keyed request sent again and again to an upstream route that answers one way.
+struct Storing {
+    case: &'static str,
+    flags: &'static [&'static str],
+    path: &'static str,
+    /// Each answer's status and whether it is a replay (of the answer before it).
+    answers: &'static [(u16, bool)],
+    /// The route's counter, and how often the upstream ran it.
+    runs: (fn(&UpstreamState) -> &AtomicUsize, usize),
 }
 
+/// Which answers are stored: a `5xx` releases the key, so the retry runs again, unless
+/// `--store-5xx`; a `4xx` is a final answer; a `429` asks for a retry, which runs again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn with_store_5xx_a_500_is_kept_and_replayed() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &["--store-5xx"]).await;
-    let key = new_key();
-
-    let first = gw.post_json("/flaky", Some(&key), "{}").await;
-    assert_eq!(first.status, 500, "{first}");
-    let second = gw.post_json("/flaky", Some(&key), "{}").await;
-    assert_eq!(second.status, 500, "--store-5xx keeps the 500: {second}");
-    assert!(second.replayed(), "{second}");
-    assert_eq!(second.body, first.body);
-    assert_eq!(count(&upstream.state.flaky), 1);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_4xx_is_stored_and_replayed() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &[]).await;
-    let key = new_key();
-
-    let first = gw.post_json("/status/404", Some(&key), "{}").await;
-    assert_eq!(first.status, 404, "{first}");
-    let second = gw.post_json("/status/404", Some(&key), "{}").await;
-    assert_eq!(second.status, 404, "{second}");
-    assert!(second.replayed(), "a 404 is a final answer: {second}");
-    assert_eq!(second.body, first.body);
-    assert_eq!(count(&upstream.state.status), 1);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_429_is_not_stored() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &[]).await;
-    let key = new_key();
-
-    let first = gw.post_json("/status/429", Some(&key), "{}").await;
-    assert_eq!(first.status, 429, "{first}");
-    let second = gw.post_json("/status/429", Some(&key), "{}").await;
-    assert_eq!(second.status, 429, "{second}");
-    assert!(
-        !second.replayed(),
-        "a 429 asks for a retry, which must run again: {second}"
-    );
-    assert_eq!(count(&upstream.state.status), 2);
+async fn what_is_stored_is_replayed_and_what_is_not_runs_again() {
+    let cases = [
+        Storing {
+            case: "a 5xx releases the key",
+            flags: &[],
+            path: "/flaky",
+            answers: &[(500, false), (201, false), (201, true)],
+            runs: (|state| &*state.flaky, 2),
+        },
+        Storing {
+            case: "--store-5xx keeps the 500",
+            flags: &["--store-5xx"],
+            path: "/flaky",
+            answers: &[(500, false), (500, true)],
+            runs: (|state| &*state.flaky, 1),
+        },
+        Storing {
+            case: "a 404 is a final answer",
+            flags: &[],
+            path: "/status/404",
+            answers: &[(404, false), (404, true)],
+            runs: (|state| &*state.status, 1),
+        },
+        Storing {
+            case: "a 429 asks for a retry, which runs again",
+            flags: &[],
+            path: "/status/429",
+            answers: &[(429, false), (429, false)],
+            runs: (|state| &*state.status, 2),
+        },
+    ];
+    for Storing {
+        case,
+        flags,
+        path,
+        answers,
+        runs: (counter, runs),
+    } in cases
+    {
+        println!("case: {case}");
+        let (upstream, gw, key) = start(flags).await;
+        let mut before: Option<common::Reply> = None;
+        for &(status, replayed) in answers {
+            let reply = gw.post_json(path, Some(&key), "{}").await;
+            assert_eq!((reply.status, reply.replayed()), (status, replayed), "{case}: {reply}");
+            if replayed {
+                let before = before.as_ref().expect("an answer before the replay");
+                assert_eq!(reply.body, before.body, "{case}: the replay is the stored answer");
+            }
+            before = Some(reply);
+        }
+        assert_eq!(count(counter(&upstream.state)), runs, "{case}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_large_answer_is_never_re_run_and_replays_compact() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &["--max-stored-body", "1KiB"]).await;
-    let key = new_key();
+    let (upstream, gw, key) = start(&["--max-stored-body", "1KiB"]).await;
 
     let first = gw.post_json("/big?size=200000", Some(&key), "{}").await;
     assert_eq!(first.status, 201, "{first}");
@@ -640,9 +527,7 @@ async fn a_large_answer_is_never_re_run_and_replays_compact() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_small_chunked_answer_is_stored_whole() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &[]).await;
-    let key = new_key();
+    let (upstream, gw, key) = start(&[]).await;
 
     let first = gw.post_json("/chunked", Some(&key), "{}").await;
     assert_eq!(first.status, 201, "{first}");
@@ -664,9 +549,7 @@ async fn a_small_chunked_answer_is_stored_whole() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_hanging_up_does_not_cancel_the_request() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &[]).await;
-    let key = new_key();
+    let (upstream, gw, key) = start(&[]).await;
 
     let impatient = reqwest::Client::builder()
         .no_proxy()
@@ -692,9 +575,7 @@ async fn a_client_hanging_up_does_not_cancel_the_request() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_the_ttl_the_key_is_expired_not_re_run() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &["--ttl", "1s"]).await;
-    let key = new_key();
+    let (upstream, gw, key) = start(&["--ttl", "1s"]).await;
 
     let first = gw.post_json("/pay", Some(&key), PAY_BODY).await;
     assert_eq!(first.status, 201, "{first}");
@@ -710,8 +591,7 @@ async fn after_the_ttl_the_key_is_expired_not_re_run() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_uuid_v7_key_older_than_the_ttl_is_expired_at_once() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &[]).await;
+    let (upstream, gw, _) = start(&[]).await;
     let two_days = 2 * 24 * 3600 * 1000;
     let key = uuid_v7_at(now_millis() - two_days);
 
@@ -728,9 +608,7 @@ async fn a_uuid_v7_key_older_than_the_ttl_is_expired_at_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_keyed_body_over_the_limit_is_413() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &["--max-body", "1KiB"]).await;
-    let key = new_key();
+    let (upstream, gw, key) = start(&["--max-body", "1KiB"]).await;
     let body = format!(r#"{{"memo":"{}"}}"#, "x".repeat(2048));
 
     let reply = gw.post_json("/pay", Some(&key), &body).await;
@@ -769,14 +647,9 @@ async fn an_unreachable_upstream_releases_the_key() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_lost_mid_answer_is_502_and_the_rerun_is_marked_recovered() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &[]).await;
-    let key = new_key();
+    let (upstream, gw, key) = start(&[]).await;
 
-    let request = gw
-        .post("/break-once", PAY_BODY)
-        .header("content-type", "application/json")
-        .header("idempotency-key", key.as_str());
+    let request = gw.keyed("/break-once", &key, PAY_BODY);
     let broken = common::try_send(request)
         .await
         .unwrap_or_else(|err| panic!("expected a whole 502 upstream-failed answer; {err}"));
@@ -784,15 +657,13 @@ async fn a_connection_lost_mid_answer_is_502_and_the_rerun_is_marked_recovered()
 
     let retry = gw.post_json("/break-once", Some(&key), PAY_BODY).await;
     assert_eq!(retry.status, 201, "{retry}");
-    assert_eq!(count(&upstream.state.break_once), 2);
-    let seen = upstream.state.seen("break_once");
-    assert_eq!(seen[0].recovered, None, "{seen:?}");
     assert_eq!(
-        seen[1].recovered.as_deref(),
-        Some("true"),
-        "the re-run tells the upstream that an earlier run may have happened: {seen:?}"
+        upstream.state.recovered("break_once"),
+        [None, Some("true".to_owned())],
+        "the re-run (and only it) tells the upstream that an earlier run may have happened"
     );
-    assert_eq!(seen[1].key.as_deref().map(unquote), Some(key.as_str()));
+    let rerun = &upstream.state.seen("break_once")[1];
+    assert_eq!(rerun.key.as_deref().map(unquote), Some(key.as_str()));
 
     let replay = gw.post_json("/break-once", Some(&key), PAY_BODY).await;
     assert!(replay.replayed(), "{replay}");
@@ -808,11 +679,7 @@ async fn an_unknown_outcome_survives_a_recovery_that_could_not_reach_the_upstrea
     let upstream = Upstream::start_on(addr).await;
     let gw = Gateway::start(&upstream.url(), &[]).await;
     let key = new_key();
-    let pay = || {
-        gw.post("/break-once", PAY_BODY)
-            .header("content-type", "application/json")
-            .header("idempotency-key", key.as_str())
-    };
+    let pay = || gw.keyed("/break-once", &key, PAY_BODY);
 
     let lost = common::try_send(pay()).await.expect("a whole answer");
     lost.assert_problem(502, "upstream-failed");
@@ -835,14 +702,9 @@ async fn an_unknown_outcome_survives_a_recovery_that_could_not_reach_the_upstrea
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unknown_outcome_past_its_ttl_is_key_expired_until_its_tombstone_ends() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &["--ttl", "1s", "--tombstone-ttl", "1h"]).await;
-    let key = new_key();
+    let (upstream, gw, key) = start(&["--ttl", "1s", "--tombstone-ttl", "1h"]).await;
 
-    let request = gw
-        .post("/break-once", PAY_BODY)
-        .header("content-type", "application/json")
-        .header("idempotency-key", key.as_str());
+    let request = gw.keyed("/break-once", &key, PAY_BODY);
     let broken = common::try_send(request)
         .await
         .unwrap_or_else(|err| panic!("expected a whole 502 upstream-failed answer; {err}"));
@@ -860,9 +722,7 @@ async fn an_unknown_outcome_past_its_ttl_is_key_expired_until_its_tombstone_ends
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_upstream_gets_504_and_its_answer_is_kept_for_the_retry() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &["--upstream-timeout", "300ms"]).await;
-    let key = new_key();
+    let (upstream, gw, key) = start(&["--upstream-timeout", "300ms"]).await;
 
     let slow = gw.post_json("/pay?delay=1500", Some(&key), PAY_BODY).await;
     slow.assert_problem(504, "upstream-timeout");
@@ -883,15 +743,10 @@ async fn a_slow_upstream_gets_504_and_its_answer_is_kept_for_the_retry() {
 /// the connection mid-request and leave its key unknown). Just under the limit, it runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_head_over_the_limit_is_refused_before_it_reaches_the_upstream() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &[]).await;
+    let (upstream, gw, _) = start(&[]).await;
     for size in [401 * 1024, 450 * 1024, 600 * 1024] {
         let key = new_key();
-        let request = gw
-            .post("/pay", PAY_BODY)
-            .header("content-type", "application/json")
-            .header("idempotency-key", key.as_str())
-            .header("x-junk", "j".repeat(size));
+        let request = gw.keyed("/pay", &key, PAY_BODY).header("x-junk", "j".repeat(size));
         match common::try_send(request).await {
             Ok(reply) => assert_eq!(reply.status, 431, "a {size}-byte header: {reply}"),
             // hyper may close instead, when its buffer fills before the head is whole: the client
@@ -926,14 +781,10 @@ async fn a_head_over_the_limit_is_refused_before_it_reaches_the_upstream() {
 /// spans join the client's trace; the record keeps its trace id (`idem inspect`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_trace_context_reaches_the_upstream_and_the_record() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &[]).await;
-    let key = new_key();
+    let (upstream, gw, key) = start(&[]).await;
     let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
     let request = gw
-        .post("/pay", PAY_BODY)
-        .header("content-type", "application/json")
-        .header("idempotency-key", key.as_str())
+        .keyed("/pay", &key, PAY_BODY)
         .header("traceparent", traceparent)
         .header("tracestate", "vendor=opaque");
     assert_eq!(send(request).await.status, 201);
@@ -943,11 +794,6 @@ async fn the_trace_context_reaches_the_upstream_and_the_record() {
         seen.get("tracestate").and_then(|v| v.to_str().ok()),
         Some("vendor=opaque")
     );
-    let inspect = common::run_idem(
-        &["inspect", "--json", "--store", &gw.store, &key],
-        Duration::from_secs(60),
-    )
-    .await;
-    let json: serde_json::Value = serde_json::from_slice(&inspect.stdout).expect("one JSON object");
+    let json = common::inspect_json(&gw.store, &key, None, &[]).await;
     assert_eq!(json["trace_id"], "4bf92f3577b34da6a3ce929d0e0e4736", "{json}");
 }

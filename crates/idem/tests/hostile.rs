@@ -150,21 +150,9 @@ async fn hostile_requests_never_crash_the_gateway_nor_reach_the_upstream_with_an
     }
     let final_key = common::new_key();
     let final_body = r#"{"amount":1,"currency":"EUR"}"#;
-    match try_send(
-        gw.post("/h/0/final", final_body)
-            .header("content-type", "application/json")
-            .header("idempotency-key", &final_key),
-    )
-    .await
-    {
+    match try_send(gw.keyed("/h/0/final", &final_key, final_body)).await {
         Ok(first) if first.status == 201 && !first.replayed() => {
-            match try_send(
-                gw.post("/h/0/final", final_body)
-                    .header("content-type", "application/json")
-                    .header("idempotency-key", &final_key),
-            )
-            .await
-            {
+            match try_send(gw.keyed("/h/0/final", &final_key, final_body)).await {
                 Ok(second) if second.status == 201 && second.replayed() && second.body == first.body => {}
                 other => failures.push(format!("the final retry was not a replay: {other:?}")),
             }

@@ -1,259 +1,73 @@
 //! The gateway and an upstream that completes its runs in its own PostgreSQL transaction: the
 //! upstream receives `Idempotency-Token` and calls `idem_complete(token, status, headers, body)`
 //! beside its business write (a ledger row), so the answer commits with the write or neither does.
-//! Real `idem serve` processes, killed with SIGKILL; the upstream is this test's, on a real socket.
+//! Real `idem serve` processes, killed with SIGKILL; the upstream is the tests' ledger
+//! (`common/ledger.rs`), on a real socket.
 
 mod common;
-mod servers;
 
-use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode};
-use axum::response::{IntoResponse, Response};
-use axum::routing::post;
+use common::ledger::{self, Ledger, Then};
 use common::{Gateway, client, send};
-use tokio::sync::{Mutex, Notify};
+use idem_test_support::postgres_store;
 
-/// What the upstream's next run does after its ledger row and `idem_complete`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Then {
-    /// Commits and answers.
-    Commit,
-    /// Waits until the test says, then commits and answers.
-    WaitThenCommit,
-    /// Rolls back and drops the connection without an answer, as an upstream process that died.
-    Die,
-    /// Rolls back after `idem_complete`, and answers `201` all the same.
-    RollBackAndAnswer,
-    /// Commits, having changed the token's retention to nothing (a token tampered with).
-    CommitExpiringAtOnce,
+/// Calls the store's `idem_complete` with `token` (a `201` JSON answer) in a transaction of its own,
+/// rolled back; the SQLSTATE if it raised.
+async fn complete_with(ledger: &Ledger, token: &str) -> Option<String> {
+    complete_with_headers(ledger, token, r#"{"Content-Type": "application/json"}"#).await
 }
 
-/// One run as the upstream saw it.
-#[derive(Debug, Clone)]
-struct Run {
-    token: Option<String>,
-    recovered: bool,
-    /// What `idem_complete` said: `None` if it completed, the SQLSTATE otherwise.
-    refused: Option<String>,
-}
-
-#[derive(Clone)]
-struct Upstream {
-    /// The base URL of PostgreSQL (no options), and the store's schema.
-    database: String,
-    schema: String,
-    then: Arc<Mutex<Vec<Then>>>,
-    runs: Arc<Mutex<Vec<Run>>>,
-    resume: Arc<Notify>,
-    started: Arc<Notify>,
-}
-
-impl Upstream {
-    async fn start(database: String, schema: String) -> (Self, String) {
-        let (client, connection) = tokio_postgres::connect(&database, tokio_postgres::NoTls)
-            .await
-            .expect("connect to PostgreSQL");
-        tokio::spawn(connection);
-        client
-            .batch_execute(&format!(
-                "CREATE TABLE IF NOT EXISTS \"{schema}\".ledger (id BIGSERIAL PRIMARY KEY, key TEXT NOT NULL)"
-            ))
-            .await
-            .expect("create the ledger");
-        let upstream = Self {
-            database,
-            schema,
-            then: Arc::default(),
-            runs: Arc::default(),
-            resume: Arc::default(),
-            started: Arc::default(),
-        };
-        let app = axum::Router::new()
-            .route("/pay", post(pay))
-            .with_state(upstream.clone());
-        let listener = tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0)))
-            .await
-            .expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        tokio::spawn(async move { axum::serve(listener, app).await });
-        (upstream, format!("http://{addr}"))
-    }
-
-    /// What the next runs do, in order (then `Commit`).
-    async fn plan(&self, then: &[Then]) {
-        *self.then.lock().await = then.iter().rev().copied().collect();
-    }
-
-    async fn runs(&self) -> Vec<Run> {
-        self.runs.lock().await.clone()
-    }
-
-    async fn ledger_rows(&self, key: &str) -> i64 {
-        let (client, connection) = tokio_postgres::connect(&self.database, tokio_postgres::NoTls)
-            .await
-            .expect("connect to PostgreSQL");
-        tokio::spawn(connection);
-        client
-            .query_one(
-                &format!("SELECT count(*) FROM \"{}\".ledger WHERE key = $1", self.schema),
-                &[&key],
-            )
-            .await
-            .expect("count the ledger")
-            .get(0)
-    }
-
-    /// Calls `idem_complete` with `token` in a transaction of its own; the SQLSTATE if it raised.
-    async fn complete_with(&self, token: &str) -> Option<String> {
-        self.complete_with_headers(token, r#"{"Content-Type": "application/json"}"#)
-            .await
-    }
-
-    /// [`complete_with`](Self::complete_with) with these headers (JSON).
-    async fn complete_with_headers(&self, token: &str, headers: &str) -> Option<String> {
-        let (mut client, connection) = tokio_postgres::connect(&self.database, tokio_postgres::NoTls)
-            .await
-            .expect("connect to PostgreSQL");
-        tokio::spawn(connection);
-        let tx = client.transaction().await.expect("begin");
-        let called = tx
-            .execute(
-                &format!("SELECT \"{}\".idem_complete($1, 201, $2::text::jsonb, $3)", self.schema),
-                &[&token, &headers, &&b"{}"[..]],
-            )
-            .await
-            .map(drop)
-            .map_err(|err| {
-                err.code()
-                    .map_or_else(|| err.to_string(), |code| code.code().to_owned())
-            });
-        drop(tx.rollback().await);
-        called.err()
-    }
-
-    /// The `search_path` each of the store's functions runs with.
-    async fn function_search_paths(&self) -> Vec<(String, Vec<String>)> {
-        let (client, connection) = tokio_postgres::connect(&self.database, tokio_postgres::NoTls)
-            .await
-            .expect("connect to PostgreSQL");
-        tokio::spawn(connection);
-        client
-            .query(
-                "SELECT p.proname::text, p.proconfig FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
-                 WHERE n.nspname = $1 AND p.proname LIKE 'idem_complete%' ORDER BY 1",
-                &[&self.schema],
-            )
-            .await
-            .expect("read pg_proc")
-            .iter()
-            .map(|row| (row.get(0), row.get::<_, Option<Vec<String>>>(1).unwrap_or_default()))
-            .collect()
-    }
-}
-
-/// `idem_complete` for a `201` JSON answer; the SQLSTATE if it raised.
-async fn complete(tx: &tokio_postgres::Transaction<'_>, schema: &str, token: &str) -> Result<(), String> {
-    let headers = r#"{"Content-Type": "application/json", "Set-Cookie": "session=secret", "Location": "/charges/1"}"#;
-    tx.execute(
-        &format!("SELECT \"{schema}\".idem_complete($1, 201, $2::text::jsonb, $3)"),
-        &[&token, &headers, &&br#"{"charged":true}"#[..]],
-    )
-    .await
-    .map(drop)
-    .map_err(|err| {
-        err.code()
-            .map_or_else(|| err.to_string(), |code| code.code().to_owned())
-    })
-}
-
-/// `POST /pay`: a ledger row and `idem_complete` in one transaction, then as planned. The run goes
-/// on in a task of its own when its caller goes away, as an upstream process would.
-async fn pay(State(upstream): State<Upstream>, headers: HeaderMap) -> Response {
-    match tokio::spawn(run(upstream, headers)).await {
-        Ok(response) => response,
-        Err(died) => std::panic::resume_unwind(died.into_panic()),
-    }
-}
-
-async fn run(upstream: Upstream, headers: HeaderMap) -> Response {
-    let then = upstream.then.lock().await.pop().unwrap_or(Then::Commit);
-    let token = headers
-        .get("idempotency-token")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_owned);
-    let key = headers
-        .get("idempotency-key")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default()
-        .trim_matches('"')
-        .to_owned();
-    let recovered = headers.get("idempotency-recovered").is_some_and(|v| v == "true");
-    let (mut client, connection) = tokio_postgres::connect(&upstream.database, tokio_postgres::NoTls)
-        .await
-        .expect("connect to PostgreSQL");
-    tokio::spawn(connection);
+/// [`complete_with`] with these headers (JSON).
+async fn complete_with_headers(ledger: &Ledger, token: &str, headers: &str) -> Option<String> {
+    let mut client = ledger::connect(&ledger.database).await;
     let tx = client.transaction().await.expect("begin");
-    tx.execute(
-        &format!("INSERT INTO \"{}\".ledger (key) VALUES ($1)", upstream.schema),
-        &[&key],
-    )
-    .await
-    .expect("the ledger row");
-    if then == Then::WaitThenCommit {
-        let resumed = upstream.resume.notified();
-        upstream.started.notify_one();
-        resumed.await;
-    }
-    let token_used = match (then, &token) {
-        (Then::CommitExpiringAtOnce, Some(token)) => {
-            let mut parts: Vec<&str> = token.split('.').collect();
-            parts[4] = "0";
-            parts[5] = "0";
-            parts.join(".")
-        }
-        _ => token.clone().unwrap_or_default(),
-    };
-    let refused = complete(&tx, &upstream.schema, &token_used).await.err();
-    upstream.runs.lock().await.push(Run {
-        token,
-        recovered,
-        refused: refused.clone(),
-    });
-    if then == Then::Die {
-        drop(tx.rollback().await);
-        panic!("the upstream dies before its commit (this panic is the test's)");
-    }
-    if then == Then::RollBackAndAnswer {
-        drop(tx.rollback().await);
-        return (StatusCode::CREATED, r#"{"charged":true}"#).into_response();
-    }
-    if refused.is_some() {
-        // The transaction is aborted: its commit rolls back.
-        drop(tx.commit().await);
-        return (StatusCode::CONFLICT, "taken over").into_response();
-    }
-    tx.commit().await.expect("commit");
-    (
-        StatusCode::CREATED,
-        [("content-type", "application/json"), ("set-cookie", "session=secret")],
-        r#"{"charged":true}"#,
-    )
-        .into_response()
+    let called = tx
+        .execute(
+            &format!(
+                "SELECT \"{}\".idem_complete($1, 201, $2::text::jsonb, $3)",
+                ledger.schema
+            ),
+            &[&token, &headers, &&b"{}"[..]],
+        )
+        .await
+        .map(drop)
+        .map_err(|err| {
+            err.code()
+                .map_or_else(|| err.to_string(), |code| code.code().to_owned())
+        });
+    drop(tx.rollback().await);
+    called.err()
 }
 
-/// A PostgreSQL store in a schema of its own, and an upstream on its database.
-async fn set_up() -> (String, Upstream, String) {
-    let store = servers::postgres_url();
+/// The `search_path` each of the store's `idem_complete` functions runs with.
+async fn function_search_paths(ledger: &Ledger) -> Vec<(String, Vec<String>)> {
+    ledger::connect(&ledger.database)
+        .await
+        .query(
+            "SELECT p.proname::text, p.proconfig FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+             WHERE n.nspname = $1 AND p.proname LIKE 'idem_complete%' ORDER BY 1",
+            &[&ledger.schema],
+        )
+        .await
+        .expect("read pg_proc")
+        .iter()
+        .map(|row| (row.get(0), row.get::<_, Option<Vec<String>>>(1).unwrap_or_default()))
+        .collect()
+}
+
+/// A PostgreSQL store in a schema of its own, the ledger upstream on its database with its next
+/// runs planned, and a gateway with `flags` before it.
+async fn set_up(flags: &[&str], plan: &[Then]) -> (String, Ledger, Gateway) {
+    let store = postgres_store::store_url();
     let (database, schema) = store.split_once("?schema=").expect("a schema option");
     // The schema and its functions exist once the store migrated: `idem migrate` does it.
     let migrated = common::run_idem(&["migrate", "--store", &store], Duration::from_secs(60)).await;
     assert!(migrated.status.success(), "{}", common::describe(&migrated));
-    let (upstream, url) = Upstream::start(database.to_owned(), schema.to_owned()).await;
-    (store, upstream, url)
+    let upstream = Ledger::start(database, schema, 8, true).await;
+    upstream.plan(plan);
+    let gateway = Gateway::start_on_store(&upstream.url, &store, flags).await;
+    (store, upstream, gateway)
 }
 
 fn pay_request(gateway: &Gateway, key: &str) -> reqwest::RequestBuilder {
@@ -266,11 +80,10 @@ fn pay_request(gateway: &Gateway, key: &str) -> reqwest::RequestBuilder {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_that_completes_in_its_transaction_is_replayed_and_not_stored_again() {
-    let (store, upstream, url) = set_up().await;
-    let gateway = Gateway::start_on_store(&url, &store, &[]).await;
+    let (_, upstream, gateway) = set_up(&[], &[]).await;
     let first = send(pay_request(&gateway, "k1").header("idempotency-token", "forged-by-the-client")).await;
     assert_eq!(first.status, 201, "{first}");
-    let runs = upstream.runs().await;
+    let runs = upstream.completed();
     assert_eq!(runs.len(), 1);
     let token = runs[0].token.clone().expect("the upstream received a token");
     assert!(token.starts_with("idem1."), "the client's header was replaced: {token}");
@@ -281,25 +94,29 @@ async fn an_upstream_that_completes_in_its_transaction_is_replayed_and_not_store
     assert_eq!(replay.status, 201);
     assert_eq!(
         replay.text(),
-        r#"{"charged":true}"#,
+        r#"{"ledger":1,"key":"k1"}"#,
         "the answer the upstream's transaction stored"
     );
     assert_eq!(replay.header("content-type").as_deref(), Some("application/json"));
-    assert_eq!(replay.header("location").as_deref(), Some("/charges/1"));
+    assert_eq!(
+        replay.header("location").as_deref(),
+        Some("/charges/1"),
+        "a header only the stored answer has"
+    );
     assert_eq!(replay.header("set-cookie"), None, "never stored");
-    assert_eq!(upstream.runs().await.len(), 1, "the upstream ran once");
-    assert_eq!(upstream.ledger_rows("k1").await, 1);
+    assert_eq!(upstream.completed().len(), 1, "the upstream ran once");
+    assert_eq!(upstream.rows_of("k1").await, 1);
 
     // The token is this run's only: once used it is stale, and it is no token for another key.
-    assert_eq!(upstream.complete_with(&token).await.as_deref(), Some("IDEM1"));
+    assert_eq!(complete_with(&upstream, &token).await.as_deref(), Some("IDEM1"));
     let other_key = {
         let mut parts: Vec<String> = token.split('.').map(str::to_owned).collect();
         parts[2] = "6b32".to_owned(); // "k2"
         parts.join(".")
     };
     drop(send(pay_request(&gateway, "k2")).await);
-    assert_eq!(upstream.complete_with(&other_key).await.as_deref(), Some("IDEM1"));
-    assert_eq!(upstream.complete_with("idem1.zz").await.as_deref(), Some("IDEM3"));
+    assert_eq!(complete_with(&upstream, &other_key).await.as_deref(), Some("IDEM1"));
+    assert_eq!(complete_with(&upstream, "idem1.zz").await.as_deref(), Some("IDEM3"));
     // Headers are checked before the claim: a value that is not a string never makes an answer.
     for headers in [
         r#"{"Location": null}"#,
@@ -308,115 +125,109 @@ async fn an_upstream_that_completes_in_its_transaction_is_replayed_and_not_store
         r#"{"Location": "/a\r\nSet-Cookie: x"}"#,
     ] {
         assert_eq!(
-            upstream.complete_with_headers(&token, headers).await.as_deref(),
+            complete_with_headers(&upstream, &token, headers).await.as_deref(),
             Some("IDEM2"),
             "{headers}"
         );
     }
     // The functions find the store's tables whoever calls them: their search_path is the schema's.
     let schema = &upstream.schema;
-    for (function, config) in upstream.function_search_paths().await {
+    for (function, config) in function_search_paths(&upstream).await {
         assert_eq!(config, [format!("search_path={schema}, pg_temp")], "{function}");
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_an_in_transaction_route_an_answer_whose_transaction_rolled_back_is_not_stored() {
-    let (store, upstream, url) = set_up().await;
-    let gateway = Gateway::start_on_store(&url, &store, &["--in-transaction"]).await;
-    upstream.plan(&[Then::RollBackAndAnswer]).await;
+    let (_, upstream, gateway) = set_up(&["--in-transaction"], &[Then::RollBackAndAnswer]).await;
     let first = send(pay_request(&gateway, "k1")).await;
     assert_eq!(first.status, 201, "passed on: {first}");
-    assert_eq!(upstream.ledger_rows("k1").await, 0);
+    assert_eq!(upstream.rows_of("k1").await, 0);
     let retry = send(pay_request(&gateway, "k1")).await;
     assert!(
         !retry.replayed(),
         "a success whose writes rolled back is never replayed: {retry}"
     );
-    let runs = upstream.runs().await;
+    let runs = upstream.completed();
     assert_eq!(runs.len(), 2);
     assert!(!runs[1].recovered, "nothing of the first run stood");
-    assert_eq!(upstream.ledger_rows("k1").await, 1);
+    assert_eq!(upstream.rows_of("k1").await, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_token_tampered_to_expire_its_key_at_once_keeps_the_claims_retention() {
-    let (store, upstream, url) = set_up().await;
-    let gateway = Gateway::start_on_store(&url, &store, &[]).await;
-    upstream.plan(&[Then::CommitExpiringAtOnce]).await;
+    let (_, upstream, gateway) = set_up(&[], &[Then::CommitExpiringAtOnce]).await;
     assert_eq!(send(pay_request(&gateway, "k1")).await.status, 201);
-    assert_eq!(upstream.runs().await[0].refused, None);
+    assert_eq!(upstream.completed()[0].refused, None);
     let retry = send(pay_request(&gateway, "k1")).await;
     assert!(retry.replayed(), "still replayed, not run again: {retry}");
-    assert_eq!(upstream.runs().await.len(), 1);
-    assert_eq!(upstream.ledger_rows("k1").await, 1);
+    assert_eq!(upstream.completed().len(), 1);
+    assert_eq!(upstream.rows_of("k1").await, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_that_died_before_its_commit_runs_again_unflagged_on_an_in_transaction_route() {
-    let (store, upstream, url) = set_up().await;
-    let gateway = Gateway::start_on_store(&url, &store, &["--in-transaction"]).await;
-    upstream.plan(&[Then::Die]).await;
+    let (store, upstream, gateway) = set_up(&["--in-transaction"], &[Then::Die]).await;
     let lost = send(pay_request(&gateway, "k1")).await;
     assert_eq!(lost.status, 502, "{lost}");
-    assert_eq!(upstream.ledger_rows("k1").await, 0, "rolled back");
+    assert_eq!(upstream.rows_of("k1").await, 0, "rolled back");
 
     let retry = send(pay_request(&gateway, "k1")).await;
     assert_eq!(retry.status, 201, "{retry}");
-    let runs = upstream.runs().await;
+    let runs = upstream.completed();
     assert_eq!(runs.len(), 2);
     assert!(
         !runs[1].recovered,
         "nothing of the first run stood: the retry is not flagged"
     );
-    assert_eq!(upstream.ledger_rows("k1").await, 1);
+    assert_eq!(upstream.rows_of("k1").await, 1);
 
     // Without the route's declaration, the same loss is flagged, as for any upstream.
-    let gateway = Gateway::start_on_store(&url, &store, &[]).await;
-    upstream.plan(&[Then::Die]).await;
+    let gateway = Gateway::start_on_store(&upstream.url, &store, &[]).await;
+    upstream.plan(&[Then::Die]);
     assert_eq!(send(pay_request(&gateway, "k2")).await.status, 502);
     assert_eq!(send(pay_request(&gateway, "k2")).await.status, 201);
     assert!(
-        upstream.runs().await[3].recovered,
+        upstream.completed()[3].recovered,
         "undeclared: the retry is flagged recovered"
     );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_killed_while_its_upstream_ran_leaves_the_answer_to_the_upstreams_commit() {
-    let (store, upstream, url) = set_up().await;
-    let mut first = Gateway::start_on_store(&url, &store, &["--in-transaction", "--lease", "1s"]).await;
-    upstream.plan(&[Then::WaitThenCommit]).await;
-    let started = upstream.started.notified();
+    let (store, upstream, mut first) = set_up(&["--in-transaction", "--lease", "1s"], &[Then::WaitThenCommit]).await;
+    let started = upstream.waiting();
     let pending = tokio::spawn(pay_request(&first, "k1").send());
     started.await;
     first.kill().await;
     drop(pending.await);
-    upstream.resume.notify_one();
+    upstream.resume();
     // The upstream commits its row and the answer together, though nobody is listening.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while upstream.runs().await.is_empty() {
+    while upstream.completed().is_empty() {
         assert!(
             tokio::time::Instant::now() < deadline,
             "the upstream's run never finished"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert_eq!(upstream.runs().await[0].refused, None);
+    assert_eq!(upstream.completed()[0].refused, None);
 
-    let second = Gateway::start_on_store(&url, &store, &["--in-transaction", "--lease", "1s"]).await;
+    let second = Gateway::start_on_store(&upstream.url, &store, &["--in-transaction", "--lease", "1s"]).await;
     let retry = send(pay_request(&second, "k1")).await;
     assert!(retry.replayed(), "the answer the upstream committed: {retry}");
-    assert_eq!(upstream.runs().await.len(), 1, "no second run");
-    assert_eq!(upstream.ledger_rows("k1").await, 1);
+    assert_eq!(upstream.completed().len(), 1, "no second run");
+    assert_eq!(upstream.rows_of("k1").await, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_killed_before_its_upstream_committed_is_taken_over_unflagged_and_the_old_run_cannot_commit() {
-    let (store, upstream, url) = set_up().await;
-    let mut first = Gateway::start_on_store(&url, &store, &["--in-transaction", "--lease", "1s"]).await;
-    upstream.plan(&[Then::WaitThenCommit, Then::Commit]).await;
-    let started = upstream.started.notified();
+    let (store, upstream, mut first) = set_up(
+        &["--in-transaction", "--lease", "1s"],
+        &[Then::WaitThenCommit, Then::Commit],
+    )
+    .await;
+    let started = upstream.waiting();
     let pending = tokio::spawn(pay_request(&first, "k1").send());
     started.await;
     first.kill().await;
@@ -424,18 +235,18 @@ async fn a_gateway_killed_before_its_upstream_committed_is_taken_over_unflagged_
     // Past the dead gateway's lease, another instance takes the key over while the first run's
     // transaction is still open.
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    let second = Gateway::start_on_store(&url, &store, &["--in-transaction", "--lease", "1s"]).await;
+    let second = Gateway::start_on_store(&upstream.url, &store, &["--in-transaction", "--lease", "1s"]).await;
     let retry = send(pay_request(&second, "k1")).await;
     assert_eq!(retry.status, 201, "{retry}");
     assert!(!retry.replayed());
     // The first run wakes and tries to complete: its claim is gone, its transaction aborts.
-    upstream.resume.notify_one();
+    upstream.resume();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while upstream.runs().await.len() < 2 {
+    while upstream.completed().len() < 2 {
         assert!(tokio::time::Instant::now() < deadline, "the first run never finished");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let runs = upstream.runs().await;
+    let runs = upstream.completed();
     let (takeover, old) = (&runs[0], &runs[1]);
     assert!(
         !takeover.recovered,
@@ -447,7 +258,7 @@ async fn a_gateway_killed_before_its_upstream_committed_is_taken_over_unflagged_
         Some("IDEM1"),
         "the old run's token is no longer current"
     );
-    assert_eq!(upstream.ledger_rows("k1").await, 1, "only the takeover's row committed");
+    assert_eq!(upstream.rows_of("k1").await, 1, "only the takeover's row committed");
     let replay = send(pay_request(&second, "k1")).await;
     assert!(replay.replayed(), "{replay}");
 }
@@ -502,7 +313,7 @@ impl PythonUpstream {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_python_upstream_completes_in_its_transaction_and_twenty_copies_charge_once() {
-    let store = servers::postgres_url();
+    let store = postgres_store::store_url();
     let (database, schema) = store.split_once("?schema=").expect("a schema option");
     let migrated = common::run_idem(&["migrate", "--store", &store], Duration::from_secs(60)).await;
     assert!(migrated.status.success(), "{}", common::describe(&migrated));
@@ -554,7 +365,7 @@ async fn a_python_upstream_completes_in_its_transaction_and_twenty_copies_charge
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idem_bench_writes_the_row_and_the_answer_in_one_transaction() {
-    let store = servers::postgres_url();
+    let store = postgres_store::store_url();
     let args = ["bench", "--store", &store, "--requests", "20", "--concurrency", "4"];
     let output = common::run_idem(
         &[&args[..], &["--write", "in-transaction"]].concat(),

@@ -56,11 +56,7 @@ async fn metrics_are_aggregatable_and_their_labels_stay_bounded() {
 
     // A copy that waits for the first, so the wait histogram has a sample.
     let key = new_key();
-    let request = || {
-        gw.post("/pay?delay=500", "{}")
-            .header("content-type", "application/json")
-            .header("idempotency-key", key.as_str())
-    };
+    let request = || gw.keyed("/pay?delay=500", key.as_str(), "{}");
     let first = tokio::spawn(send(request()));
     wait_for_count(&upstream.state.pay, 1, Duration::from_secs(10)).await;
     let copy = send(request()).await;

@@ -4,11 +4,11 @@
 //! damaged, and the records beside it are listed as ever; never a panic, never a failed listing.
 
 mod common;
-mod servers;
 
 use std::time::Duration;
 
 use common::{Gateway, Upstream, describe, new_key, run_idem};
+use idem_test_support::{postgres_store, redis_store};
 use serde_json::Value;
 
 const COMMAND_LIMIT: Duration = Duration::from_secs(30);
@@ -117,7 +117,7 @@ async fn sqlite_a_record_past_9999_is_shown_damaged() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_record_past_9999_is_shown_damaged() {
-    let store = servers::postgres_url();
+    let store = postgres_store::store_url();
     let (_, schema) = store.split_once("?schema=").expect("a URL with a schema");
     let database = idem_test_support::servers::postgres_url();
     let damage = |key: &str, field: &str, millis: i64| {
@@ -146,7 +146,7 @@ async fn postgres_a_record_past_9999_is_shown_damaged() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_a_record_past_9999_is_shown_damaged() {
-    let store = servers::redis_url();
+    let store = redis_store::store_url();
     let (server, prefix) = store.split_once("/?prefix=").expect("a URL with a prefix");
     let redis_cli = |args: &[&str]| common::redis_cli(server, args);
     let damage = |key: &str, field: &str, millis: i64| {

@@ -4,11 +4,11 @@
 //! store's on PostgreSQL and Redis; SQLite's is the machine's by design, so it is not tried here.
 
 mod common;
-mod servers;
 
 use std::time::Duration;
 
 use common::{Gateway, Upstream, count, describe, json_field, new_key, run_idem_skewed};
+use idem_test_support::{postgres_store, redis_store};
 
 const PAY_BODY: &str = r#"{"amount":1000,"currency":"EUR"}"#;
 const LIMIT: Duration = Duration::from_secs(60);
@@ -50,10 +50,10 @@ async fn commands_on_a_clock_days_ahead_change_nothing(store: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_commands_on_a_clock_days_ahead_change_nothing() {
-    commands_on_a_clock_days_ahead_change_nothing(&servers::postgres_url()).await;
+    commands_on_a_clock_days_ahead_change_nothing(&postgres_store::store_url()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_commands_on_a_clock_days_ahead_change_nothing() {
-    commands_on_a_clock_days_ahead_change_nothing(&servers::redis_url()).await;
+    commands_on_a_clock_days_ahead_change_nothing(&redis_store::store_url()).await;
 }

@@ -14,9 +14,9 @@ use axum::Router;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, Method, Uri};
+use idem_test_support::task::AbortOnDrop;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::task::JoinHandle;
 
 use common::{Gateway, count, new_key};
 
@@ -30,13 +30,7 @@ struct PrefixUpstream {
     addr: SocketAddr,
     payments: Arc<AtomicUsize>,
     flagged: Arc<AtomicUsize>,
-    task: JoinHandle<()>,
-}
-
-impl Drop for PrefixUpstream {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
+    _task: AbortOnDrop,
 }
 
 #[derive(Clone)]
@@ -88,14 +82,12 @@ impl PrefixUpstream {
             flagged: Arc::new(AtomicUsize::new(0)),
         };
         let app = Router::new().fallback(prefix_routed).with_state(counters.clone());
-        let task = tokio::spawn(async move {
-            axum::serve(listener, app).await.expect("the upstream serves");
-        });
+        let _task = AbortOnDrop::serve(listener, app);
         Self {
             addr,
             payments: counters.payments,
             flagged: counters.flagged,
-            task,
+            _task,
         }
     }
 

@@ -5,7 +5,6 @@
 //! `idem_complete` says why it refused (`IDEM1`/`IDEM2`/`IDEM3`), whoever calls it.
 
 mod common;
-mod servers;
 
 use std::net::SocketAddr;
 use std::process::Output;
@@ -265,21 +264,7 @@ fn pay(gateway: &Gateway, path: &str, key: &str) -> reqwest::RequestBuilder {
 
 /// Runs `idem serve` on `store`, expecting it to refuse to start (it must not listen).
 async fn serve_refused(store: &str, upstream: &str) -> Output {
-    run_idem(
-        &[
-            "serve",
-            "--upstream",
-            upstream,
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--store",
-            store,
-        ],
-        COMMAND_LIMIT,
-    )
-    .await
+    common::serve_to_end(upstream, store, COMMAND_LIMIT).await
 }
 
 fn stderr(output: &Output) -> String {

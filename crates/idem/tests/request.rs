@@ -13,8 +13,7 @@ use request_support::{LossyLink, idem, summary};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answer_lost_on_the_way_back_is_replayed_and_the_upstream_runs_once() {
-    let upstream = Upstream::start().await;
-    let gateway = Gateway::start(&upstream.url(), &[]).await;
+    let (upstream, gateway, _) = common::start(&[]).await;
     let link = LossyLink::start(gateway.addr()).await;
     let client = ClientBuilder::new(common::client())
         .with(IdempotencyMiddleware::new().with_base_delay(Duration::from_millis(50)))
@@ -78,8 +77,7 @@ async fn idem_request_shows_the_attempts_and_the_replay_behind_a_slow_upstream()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idem_request_retries_a_flaky_upstream_and_a_second_run_with_the_key_is_a_replay() {
-    let upstream = Upstream::start().await;
-    let gateway = Gateway::start(&upstream.url(), &[]).await;
+    let (upstream, gateway, _) = common::start(&[]).await;
     let url = gateway.url("/flaky");
     let key = "order-7f3a";
 
@@ -102,8 +100,7 @@ async fn idem_request_retries_a_flaky_upstream_and_a_second_run_with_the_key_is_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idem_request_reads_the_body_from_a_file_and_sends_the_method_and_headers_given() {
-    let upstream = Upstream::start().await;
-    let gateway = Gateway::start(&upstream.url(), &[]).await;
+    let (upstream, gateway, _) = common::start(&[]).await;
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("body.json");
     std::fs::write(&file, r#"{"amount":3}"#).unwrap();

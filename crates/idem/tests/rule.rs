@@ -146,14 +146,7 @@ async fn two_instances_on_postgres_keep_the_rule_whatever_the_operators_clock() 
     let schema = servers::unique_name("rule");
     let base = servers::postgres_url();
     let store = servers::with_options(&base, &format!("schema={schema}"));
-    /// Drops the test's schema however the test ends.
-    struct Cleanup(String, String);
-    impl Drop for Cleanup {
-        fn drop(&mut self) {
-            servers::drop_postgres_schema(&self.0, &self.1);
-        }
-    }
-    let _cleanup = Cleanup(base, schema);
+    let _cleanup = servers::Cleanup::postgres_schema(&base, &schema);
     check(Setup {
         name: "two-on-postgres",
         instances: 2,

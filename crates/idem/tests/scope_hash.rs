@@ -7,7 +7,6 @@
 //! * a malformed secret stops the start.
 
 mod common;
-mod servers;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,6 +19,7 @@ use idem_core::{
     store::{Begin, BeginRequest, Completion, FencingToken, RecordId},
 };
 use idem_test_support::raw;
+use idem_test_support::{postgres_store, redis_store};
 use sha2::{Digest, Sha256};
 
 const BODY: &str = r#"{"amount":4200}"#;
@@ -146,59 +146,36 @@ async fn upgrade_keeps_replaying(store: &str, open: Arc<dyn Store>) {
     // The operator finds both records by the caller's credential.
     let env = [("IDEM_SCOPE_SECRET", SECRET)];
     assert_eq!(
-        inspect(store, "TOKEN-OLD-9001", &old_key, &env).await["scope"],
+        common::inspect_json(store, &old_key, Some("TOKEN-OLD-9001"), &env).await["scope"],
         unsalted("Bearer TOKEN-OLD-9001")
     );
-    let found = inspect(store, "TOKEN-NEW-5150", &new, &env).await;
+    let found = common::inspect_json(store, &new, Some("TOKEN-NEW-5150"), &env).await;
     let scope = found["scope"].as_str().expect("a scope");
     assert!(scope.starts_with("cred-mac:"), "{found}");
 }
 
-/// `idem inspect --json` of a record, found by its caller's credential.
-async fn inspect(store: &str, token: &str, key: &str, env: &[(&str, &str)]) -> serde_json::Value {
-    let authorization = format!("Bearer {token}");
-    let args = [
-        "inspect",
-        "--store",
-        store,
-        "--authorization",
-        &authorization,
-        "--json",
-        key,
-    ];
-    let output = common::run_idem_with_env(&args, env, Duration::from_secs(30)).await;
-    assert!(output.status.success(), "{}", common::describe(&output));
-    serde_json::from_slice(&output.stdout).expect("one JSON object")
-}
-
+/// [`upgrade_keeps_replaying`] on every store: its records written as before by a store of its own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sqlite_records_from_before_the_keyed_hash_still_replay() {
+async fn records_from_before_the_keyed_hash_still_replay_on_every_store() {
     let dir = tempfile::tempdir().expect("a temp dir");
-    let store = common::store_url_in(dir.path());
-    let path = store.strip_prefix("sqlite://").unwrap();
-    let open = Arc::new(idem_sqlite::SqliteStore::open(path).await.unwrap());
-    upgrade_keeps_replaying(&store, open).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_records_from_before_the_keyed_hash_still_replay() {
-    let store = servers::postgres_url();
-    let open = Arc::new(idem_postgres::PostgresStore::connect(&store).await.unwrap());
-    upgrade_keeps_replaying(&store, open).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_records_from_before_the_keyed_hash_still_replay() {
-    let store = servers::redis_url();
-    let open = Arc::new(idem_redis::RedisStore::connect(&store).await.unwrap());
-    upgrade_keeps_replaying(&store, open).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_cluster_records_from_before_the_keyed_hash_still_replay() {
-    let store = servers::redis_cluster_url();
-    let open = Arc::new(idem_redis::RedisStore::connect(&store).await.unwrap());
-    upgrade_keeps_replaying(&store, open).await;
+    let sqlite = common::store_url_in(dir.path());
+    let stores = [
+        sqlite,
+        postgres_store::store_url(),
+        redis_store::store_url(),
+        redis_store::cluster_store_url(),
+    ];
+    for store in stores {
+        println!("case: {store}");
+        let open: Arc<dyn Store> = if let Some(path) = store.strip_prefix("sqlite://") {
+            Arc::new(idem_sqlite::SqliteStore::open(path).await.unwrap())
+        } else if store.starts_with("postgres") {
+            Arc::new(idem_postgres::PostgresStore::connect(&store).await.unwrap())
+        } else {
+            Arc::new(idem_redis::RedisStore::connect(&store).await.unwrap())
+        };
+        upgrade_keeps_replaying(&store, open).await;
+    }
 }
 
 /// Setting a secret changes every credential scope: with the one before kept as

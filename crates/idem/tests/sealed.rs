@@ -6,10 +6,10 @@
 //! even under `--fail-open`, and `idem delete --authorization` removes it.
 
 mod common;
-mod servers;
 
 use common::{Gateway, Reply, Upstream, count, new_key, run_idem, send, serve_refusing};
 use idem_test_support::raw;
+use idem_test_support::{postgres_store, redis_store};
 
 const KEY_A: &str = "a:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=";
 const KEY_B: &str = "b:HxwdHhsaGRgXFhUUExIREA8ODQwLCgkIBwYFBAMCAQA=";
@@ -69,40 +69,20 @@ async fn sqlite_holds_no_answer_or_credential_in_clear() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_holds_no_answer_or_credential_in_clear() {
-    let store = servers::postgres_url();
+    let store = postgres_store::store_url();
     sealed_at_rest(&store, || common::store_bytes(&store)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_holds_no_answer_or_credential_in_clear() {
-    let store = servers::redis_url();
+    let store = redis_store::store_url();
     sealed_at_rest(&store, || common::store_bytes(&store)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_cluster_holds_no_answer_or_credential_in_clear() {
-    let store = servers::redis_cluster_url();
+    let store = redis_store::cluster_store_url();
     sealed_at_rest(&store, || common::store_bytes(&store)).await;
-}
-
-/// `idem inspect --json` of a record, as a JSON value.
-async fn inspect(store: &str, token: &str, key: &str) -> serde_json::Value {
-    let authorization = format!("Bearer {token}");
-    let output = run_idem(
-        &[
-            "inspect",
-            "--store",
-            store,
-            "--authorization",
-            &authorization,
-            "--json",
-            key,
-        ],
-        std::time::Duration::from_secs(30),
-    )
-    .await;
-    assert!(output.status.success(), "{}", common::describe(&output));
-    serde_json::from_slice(&output.stdout).expect("one JSON object")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -128,9 +108,12 @@ async fn keys_rotate_and_a_key_that_is_gone_leaves_the_answer_unreadable_not_rer
     );
     assert_eq!(replay.body, sealed_by_a.body);
     pay(&after, &new, "t", "CARD-2").await;
-    assert_eq!(inspect(&store, "t", &old).await["sealed_by"], "a");
     assert_eq!(
-        inspect(&store, "t", &new).await["sealed_by"],
+        common::inspect_json(&store, &old, Some("t"), &[]).await["sealed_by"],
+        "a"
+    );
+    assert_eq!(
+        common::inspect_json(&store, &new, Some("t"), &[]).await["sealed_by"],
         "b",
         "new answers are sealed by the first key"
     );
@@ -261,7 +244,7 @@ async fn sqlite_a_damaged_record_is_refused_until_deleted() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_a_damaged_record_is_refused_until_deleted() {
-    let store = servers::redis_url();
+    let store = redis_store::store_url();
     let (server, prefix) = store.split_once("/?prefix=").expect("a URL with a prefix");
     let redis_cli = |args: &[&str]| common::redis_cli(server, args);
     a_damaged_record_is_refused_until_deleted(&store, |_key| {

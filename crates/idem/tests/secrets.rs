@@ -3,11 +3,11 @@
 //! and command output of real `idem` processes, on success and on failure.
 
 mod common;
-mod servers;
 
 use std::time::Duration;
 
 use common::{Gateway, Upstream, describe, run_idem, run_idem_with_env, serve_refusing};
+use idem_test_support::{postgres_store, redis_store};
 
 /// The password put into every store URL here; it must never come out.
 const PASSWORD: &str = "Sup3r-S3cret-Pw";
@@ -86,12 +86,12 @@ async fn no_command_prints_the_store_password(store: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_no_command_prints_the_store_password() {
-    no_command_prints_the_store_password(&with_password(&servers::postgres_url())).await;
+    no_command_prints_the_store_password(&with_password(&postgres_store::store_url())).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_no_command_prints_the_store_password() {
-    no_command_prints_the_store_password(&with_password(&servers::redis_url())).await;
+    no_command_prints_the_store_password(&with_password(&redis_store::store_url())).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -118,21 +118,7 @@ async fn a_store_that_cannot_be_opened_is_named_without_its_password() {
 
 /// What `idem serve` on `store` (which cannot be opened) printed before it exited.
 async fn serve_refusing_or_failing(store: &str) -> String {
-    let output = run_idem(
-        &[
-            "serve",
-            "--upstream",
-            "http://127.0.0.1:9",
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--store",
-            store,
-        ],
-        LIMIT,
-    )
-    .await;
+    let output = common::serve_to_end("http://127.0.0.1:9", store, LIMIT).await;
     assert!(!output.status.success(), "{store}: {}", describe(&output));
     printed(&output)
 }

@@ -1,98 +1,75 @@
-//! The shared stores behind several `idem serve` processes: PostgreSQL, Redis and Redis Cluster.
-//! Each runs the same scenarios; the outage tests start, kill and restart private servers.
+//! The stores several `idem serve` processes share: PostgreSQL, Redis, Redis Cluster, and one
+//! SQLite file (as pods behind a load balancer on one host). Each scenario of `scenarios/` runs on
+//! every store that supports it, a test each (`crashed_holder_is_taken_over::postgres`, …); the
+//! outage tests start, kill and restart private servers.
 
 mod common;
 mod scenarios;
-mod servers;
 
 use idem_test_support::private::{PrivatePostgres, PrivateRedis};
+use idem_test_support::{postgres_store, redis_store};
 
-const INSTANCES: usize = 3;
-const COPIES: usize = 60;
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_sixty_copies_over_three_instances_run_once() {
-    scenarios::copies_run_once(&servers::postgres_url(), INSTANCES, COPIES).await;
+/// The store of one test's gateways, and the directory its SQLite file lives in (removed with it).
+struct Store {
+    url: String,
+    _dir: Option<tempfile::TempDir>,
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_sixty_copies_over_three_instances_run_once() {
-    scenarios::copies_run_once(&servers::redis_url(), INSTANCES, COPIES).await;
+impl Store {
+    fn postgres() -> Self {
+        Self::shared(postgres_store::store_url())
+    }
+
+    fn redis() -> Self {
+        Self::shared(redis_store::store_url())
+    }
+
+    fn redis_cluster() -> Self {
+        Self::shared(redis_store::cluster_store_url())
+    }
+
+    fn sqlite() -> Self {
+        let dir = tempfile::tempdir().expect("a temp dir");
+        Self {
+            url: common::store_url_in(dir.path()),
+            _dir: Some(dir),
+        }
+    }
+
+    fn shared(url: String) -> Self {
+        Self { url, _dir: None }
+    }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_cluster_sixty_copies_over_three_instances_run_once() {
-    scenarios::copies_run_once(&servers::redis_cluster_url(), INSTANCES, COPIES).await;
+/// A module per scenario, a test in it per store that runs it: `scenarios::$scenario` on a fresh
+/// `Store::$store()`.
+macro_rules! scenarios {
+    ($($scenario:ident: $($store:ident),+;)+) => {
+        $(
+            mod $scenario {
+                $(
+                    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                    async fn $store() {
+                        let store = super::Store::$store();
+                        super::scenarios::$scenario(&store.url).await;
+                    }
+                )+
+            }
+        )+
+    };
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_crashed_holder_is_taken_over() {
-    scenarios::crashed_holder_is_taken_over(&servers::postgres_url()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_crashed_holder_is_taken_over() {
-    scenarios::crashed_holder_is_taken_over(&servers::redis_url()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_cluster_crashed_holder_is_taken_over() {
-    scenarios::crashed_holder_is_taken_over(&servers::redis_cluster_url()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_a_skewed_clock_never_takes_over_a_healthy_run() {
-    scenarios::a_skewed_clock_never_takes_over_a_healthy_run(&servers::postgres_url()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_a_skewed_clock_never_takes_over_a_healthy_run() {
-    scenarios::a_skewed_clock_never_takes_over_a_healthy_run(&servers::redis_url()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_cluster_a_skewed_clock_never_takes_over_a_healthy_run() {
-    scenarios::a_skewed_clock_never_takes_over_a_healthy_run(&servers::redis_cluster_url()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_list_answers_an_investigations_questions() {
-    scenarios::list_answers_an_investigations_questions(&servers::postgres_url()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_list_answers_an_investigations_questions() {
-    scenarios::list_answers_an_investigations_questions(&servers::redis_url()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_cluster_list_answers_an_investigations_questions() {
-    scenarios::list_answers_an_investigations_questions(&servers::redis_cluster_url()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_operator_commands_work() {
-    scenarios::operator_commands_work(&servers::postgres_url()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_operator_commands_work() {
-    scenarios::operator_commands_work(&servers::redis_url()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_cluster_operator_commands_work() {
-    scenarios::operator_commands_work(&servers::redis_cluster_url()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_deleting_a_key_in_flight_marks_the_next_run_recovered() {
-    scenarios::delete_in_flight_marks_the_next_run_recovered(&servers::postgres_url()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_deleting_a_key_in_flight_marks_the_next_run_recovered() {
-    scenarios::delete_in_flight_marks_the_next_run_recovered(&servers::redis_url()).await;
+scenarios! {
+    sixty_copies_over_three_instances_run_once: postgres, redis, redis_cluster;
+    fifty_copies_over_two_instances_run_once: sqlite;
+    crashed_holder_is_taken_over: postgres, redis, redis_cluster, sqlite;
+    a_skewed_clock_never_takes_over_a_healthy_run: postgres, redis, redis_cluster;
+    list_answers_an_investigations_questions: postgres, redis, redis_cluster, sqlite;
+    operator_commands_work: postgres, redis, redis_cluster, sqlite;
+    delete_in_flight_marks_the_next_run_recovered: postgres, redis, sqlite;
+    a_delete_reaches_every_gateways_replay_cache: postgres, redis, redis_cluster, sqlite;
+    a_cached_answer_stops_at_its_expiry: postgres, redis, sqlite;
+    a_stopped_gateway_forgets_what_was_deleted_while_it_slept: postgres, redis, sqlite;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -138,7 +115,7 @@ async fn redis_outage_fails_closed_and_recovers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_start_up_log_says_what_the_server_can_lose() {
     let upstream = common::Upstream::start().await;
-    let off = format!("{}&options=-c%20synchronous_commit%3Doff", servers::postgres_url());
+    let off = format!("{}&options=-c%20synchronous_commit%3Doff", postgres_store::store_url());
     let gateway = common::Gateway::start_on_store(&upstream.url(), &off, &[]).await;
     let log = gateway.stderr();
     let warnings: Vec<&str> = log
@@ -147,7 +124,7 @@ async fn postgres_start_up_log_says_what_the_server_can_lose() {
         .collect();
     assert_eq!(warnings.len(), 1, "one warning about synchronous_commit = off:\n{log}");
 
-    let gateway = common::Gateway::start_on_store(&upstream.url(), &servers::postgres_url(), &[]).await;
+    let gateway = common::Gateway::start_on_store(&upstream.url(), &postgres_store::store_url(), &[]).await;
     let log = gateway.stderr();
     assert!(
         log.lines()
@@ -155,39 +132,4 @@ async fn postgres_start_up_log_says_what_the_server_can_lose() {
         "the start-up log says the server has no standby:\n{log}"
     );
     assert!(!log.contains("synchronous_commit = off"), "{log}");
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_a_delete_reaches_every_gateways_replay_cache() {
-    scenarios::a_delete_reaches_every_gateways_replay_cache(&servers::postgres_url()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_a_delete_reaches_every_gateways_replay_cache() {
-    scenarios::a_delete_reaches_every_gateways_replay_cache(&servers::redis_url()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_cluster_a_delete_reaches_every_gateways_replay_cache() {
-    scenarios::a_delete_reaches_every_gateways_replay_cache(&servers::redis_cluster_url()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_a_cached_answer_stops_at_its_expiry() {
-    scenarios::a_cached_answer_stops_at_its_expiry(&servers::postgres_url()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_a_cached_answer_stops_at_its_expiry() {
-    scenarios::a_cached_answer_stops_at_its_expiry(&servers::redis_url()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_a_stopped_gateway_forgets_what_was_deleted_while_it_slept() {
-    scenarios::a_stopped_gateway_forgets_what_was_deleted_while_it_slept(&servers::redis_url()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_a_stopped_gateway_forgets_what_was_deleted_while_it_slept() {
-    scenarios::a_stopped_gateway_forgets_what_was_deleted_while_it_slept(&servers::postgres_url()).await;
 }

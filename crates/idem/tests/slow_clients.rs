@@ -10,7 +10,7 @@ use std::io::ErrorKind;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use common::{Gateway, Reply, Upstream, count, new_key, send, wait_for_count};
+use common::{Gateway, Reply, count, new_key, send, wait_for_count};
 use idem_test_support::wire;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -55,8 +55,7 @@ async fn read_answer(stream: &mut TcpStream, limit: Duration) -> Result<Reply, S
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clients_that_send_no_head_in_time_are_disconnected_after_the_read_timeout() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &["--read-timeout", "1s"]).await;
+    let (_upstream, gw, _) = common::start(&["--read-timeout", "1s"]).await;
 
     let mut half = connect(gw.addr()).await;
     half.write_all(b"POST /pay HTTP/1.1\r\nHost: idem\r\nContent-Ty")
@@ -95,27 +94,16 @@ async fn clients_that_send_no_head_in_time_are_disconnected_after_the_read_timeo
     }
     // The gateway serves on, and a request waiting for a slow upstream is not a client that
     // stalls: it outlives the read timeout.
-    let reply = send(
-        gw.post("/pay?delay=1500", BODY)
-            .header("content-type", "application/json")
-            .header("idempotency-key", new_key()),
-    )
-    .await;
+    let reply = send(gw.keyed("/pay?delay=1500", &new_key(), BODY)).await;
     assert_eq!(reply.status, 201, "{reply}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_keyed_body_that_stalls_is_400_body_incomplete_and_its_key_stays_unclaimed() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &["--read-timeout", "1s"]).await;
-    let key = new_key();
-
+/// Sends `bytes` (a request whose body stops short) to `gw`, whose read timeout is 1 s, and reads
+/// its answer: `400 body-incomplete`, once the read timeout has passed.
+async fn stall_after(gw: &Gateway, bytes: &str) -> (TcpStream, Reply) {
     let mut client = connect(gw.addr()).await;
     let sent = Instant::now();
-    client
-        .write_all(format!("{}{}", keyed_head(&key), &BODY[..5]).as_bytes())
-        .await
-        .unwrap();
+    client.write_all(bytes.as_bytes()).await.unwrap();
     let answer = read_answer(&mut client, Duration::from_secs(10)).await.unwrap();
     let waited = sent.elapsed();
     answer.assert_problem(400, "body-incomplete");
@@ -123,6 +111,14 @@ async fn a_keyed_body_that_stalls_is_400_body_incomplete_and_its_key_stays_uncla
         waited >= Duration::from_millis(900),
         "answered after {waited:?}, before the read timeout: {answer}"
     );
+    (client, answer)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keyed_body_that_stalls_is_400_body_incomplete_and_its_key_stays_unclaimed() {
+    let (upstream, gw, key) = common::start(&["--read-timeout", "1s"]).await;
+
+    let (mut client, answer) = stall_after(&gw, &format!("{}{}", keyed_head(&key), &BODY[..5])).await;
     assert!(
         answer.detail().contains("read timeout"),
         "the detail says why: {answer}"
@@ -142,9 +138,7 @@ async fn a_keyed_body_that_stalls_is_400_body_incomplete_and_its_key_stays_uncla
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_keyed_body_dripped_slowly_is_cut_off_once_its_waits_add_up_to_the_read_timeout() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &["--read-timeout", "1s"]).await;
-    let key = new_key();
+    let (upstream, gw, key) = common::start(&["--read-timeout", "1s"]).await;
 
     let (mut reader, mut writer) = connect(gw.addr()).await.into_split();
     let sent = Instant::now();
@@ -185,8 +179,7 @@ async fn a_keyed_body_dripped_slowly_is_cut_off_once_its_waits_add_up_to_the_rea
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_beyond_max_connections_wait_until_one_closes() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &["--max-connections", "4", "--read-timeout", "60s"]).await;
+    let (upstream, gw, _) = common::start(&["--max-connections", "4", "--read-timeout", "60s"]).await;
 
     let mut held = Vec::new();
     for _ in 0..4 {
@@ -228,16 +221,10 @@ async fn connections_beyond_max_connections_wait_until_one_closes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_exits_within_the_grace_despite_a_stuck_client_and_keeps_the_running_calls_answer() {
-    let upstream = Upstream::start().await;
-    let mut gw = Gateway::start(&upstream.url(), &["--shutdown-grace", "3s"]).await;
-    let key = new_key();
+    let (upstream, mut gw, key) = common::start(&["--shutdown-grace", "3s"]).await;
 
     // An upstream call that takes 2 s, running when the signal comes.
-    let slow = tokio::spawn(send(
-        gw.post("/pay?delay=2000", BODY)
-            .header("content-type", "application/json")
-            .header("idempotency-key", key.as_str()),
-    ));
+    let slow = tokio::spawn(send(gw.keyed("/pay?delay=2000", key.as_str(), BODY)));
     wait_for_count(&upstream.state.pay, 1, Duration::from_secs(10)).await;
     // A client stuck in the middle of its body (with the default 30 s read timeout).
     let mut stuck = connect(gw.addr()).await;
@@ -279,12 +266,7 @@ async fn sigterm_exits_within_the_grace_despite_a_stuck_client_and_keeps_the_run
 
     // The answer was stored: a gateway on the same store replays it without calling the upstream.
     let gw2 = Gateway::start_on_store(&upstream.url(), &gw.store, &[]).await;
-    let retry = send(
-        gw2.post("/pay?delay=2000", BODY)
-            .header("content-type", "application/json")
-            .header("idempotency-key", key.as_str()),
-    )
-    .await;
+    let retry = send(gw2.keyed("/pay?delay=2000", key.as_str(), BODY)).await;
     assert_eq!(retry.status, 201, "{retry}");
     assert!(retry.replayed(), "the retry is a replay: {retry}");
     assert_eq!(retry.charge(), first.charge(), "the same answer: {retry}");
@@ -304,27 +286,14 @@ async fn zero_limits_are_refused_at_start_naming_the_flag() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unkeyed_body_that_stalls_is_cut_off_as_the_clients_fault_not_the_upstreams() {
-    let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream.url(), &["--read-timeout", "1s"]).await;
+    let (upstream, gw, _) = common::start(&["--read-timeout", "1s"]).await;
 
-    let mut client = connect(gw.addr()).await;
-    let sent = Instant::now();
     let head = format!(
         "POST /pay HTTP/1.1\r\nHost: idem\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
         BODY.len()
     );
-    client
-        .write_all(format!("{head}{}", &BODY[..5]).as_bytes())
-        .await
-        .unwrap();
     // Passed through, the body streams to the upstream: cutting it off must not read as an
     // upstream failure (a 502 would page someone about a healthy upstream).
-    let answer = read_answer(&mut client, Duration::from_secs(10)).await.unwrap();
-    let waited = sent.elapsed();
-    answer.assert_problem(400, "body-incomplete");
-    assert!(
-        waited >= Duration::from_millis(900),
-        "answered after {waited:?}, before the read timeout: {answer}"
-    );
+    let _ = stall_after(&gw, &format!("{head}{}", &BODY[..5])).await;
     assert_eq!(count(&upstream.state.pay), 0, "the upstream did not act on half a body");
 }

@@ -3,171 +3,27 @@
 //! call inside it): the record's row stays locked until it commits. Copies of its key, other keys,
 //! the run's own lease renewals, its release after the run timeout and an operator's delete must
 //! neither queue on that lock nor undo the run. Real `idem serve` and `idem` processes on
-//! PostgreSQL; the upstream is this test's, on a real socket.
+//! PostgreSQL; the upstream is the tests' ledger (`common/ledger.rs`), on a real socket.
 
 mod common;
-mod servers;
 
-use std::net::SocketAddr;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode};
-use axum::response::{IntoResponse, Response};
-use axum::routing::post;
+use common::ledger::{HOLD_HEADER, Ledger};
 use common::{Gateway, Reply, client, describe, run_idem, send};
-use tokio::sync::Notify;
-
-/// How long a run holds its transaction open after `idem_complete`, in milliseconds (`0`: it
-/// commits at once).
-const HOLD: &str = "x-hold-ms";
-
-#[derive(Clone)]
-struct Upstream {
-    database: String,
-    schema: String,
-    /// Runs that started (a ledger row written).
-    runs: Arc<AtomicUsize>,
-    /// Runs whose `idem_complete` was refused.
-    refused: Arc<AtomicUsize>,
-    /// Runs that committed.
-    committed: Arc<AtomicUsize>,
-    /// Notified when a run has called `idem_complete` and holds its transaction open.
-    holding: Arc<Notify>,
-}
-
-impl Upstream {
-    async fn start(database: String, schema: String) -> (Self, String) {
-        let client = connect(&database).await;
-        client
-            .batch_execute(&format!(
-                "CREATE TABLE IF NOT EXISTS \"{schema}\".ledger (id BIGSERIAL PRIMARY KEY, key TEXT NOT NULL)"
-            ))
-            .await
-            .expect("create the ledger");
-        let upstream = Self {
-            database,
-            schema,
-            runs: Arc::default(),
-            refused: Arc::default(),
-            committed: Arc::default(),
-            holding: Arc::default(),
-        };
-        let app = axum::Router::new()
-            .route("/pay", post(serve_pay))
-            .with_state(upstream.clone());
-        let listener = tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0)))
-            .await
-            .expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        tokio::spawn(async move { axum::serve(listener, app).await });
-        (upstream, format!("http://{addr}"))
-    }
-
-    async fn ledger_rows(&self, key: &str) -> i64 {
-        connect(&self.database)
-            .await
-            .query_one(
-                &format!("SELECT count(*) FROM \"{}\".ledger WHERE key = $1", self.schema),
-                &[&key],
-            )
-            .await
-            .expect("count the ledger")
-            .get(0)
-    }
-
-    /// The connections of the gateways (named `application_name`) that wait on a lock or run a
-    /// statement now.
-    async fn busy_store_connections(&self, application_name: &str) -> Vec<String> {
-        connect(&self.database)
-            .await
-            .query(
-                "SELECT state || ' ' || COALESCE(wait_event_type, '-') || ': ' || query FROM pg_stat_activity
-                 WHERE application_name = $1 AND (state = 'active' OR wait_event_type = 'Lock')",
-                &[&application_name],
-            )
-            .await
-            .expect("read pg_stat_activity")
-            .iter()
-            .map(|row| row.get(0))
-            .collect()
-    }
-}
-
-async fn connect(database: &str) -> tokio_postgres::Client {
-    let (client, connection) = tokio_postgres::connect(database, tokio_postgres::NoTls)
-        .await
-        .expect("connect to PostgreSQL");
-    tokio::spawn(connection);
-    client
-}
-
-/// `POST /pay`: a ledger row and `idem_complete` in one transaction, held open as the request's
-/// `x-hold-ms` says, then committed. The run goes on in a task of its own when its caller goes
-/// away, as an upstream process would.
-async fn serve_pay(State(upstream): State<Upstream>, headers: HeaderMap) -> Response {
-    match tokio::spawn(run(upstream, headers)).await {
-        Ok(response) => response,
-        Err(died) => std::panic::resume_unwind(died.into_panic()),
-    }
-}
-
-async fn run(upstream: Upstream, headers: HeaderMap) -> Response {
-    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).unwrap_or_default();
-    let hold = Duration::from_millis(header(HOLD).parse().unwrap_or(0));
-    let (token, key) = (
-        header("idempotency-token").to_owned(),
-        header("idempotency-key").to_owned(),
-    );
-    upstream.runs.fetch_add(1, Ordering::SeqCst);
-    let mut client = connect(&upstream.database).await;
-    let tx = client.transaction().await.expect("begin");
-    tx.execute(
-        &format!("INSERT INTO \"{}\".ledger (key) VALUES ($1)", upstream.schema),
-        &[&key],
-    )
-    .await
-    .expect("the ledger row");
-    let completed = tx
-        .execute(
-            &format!(
-                "SELECT \"{}\".idem_complete($1, 201, '{{\"Content-Type\": \"application/json\"}}'::jsonb, $2)",
-                upstream.schema
-            ),
-            &[&token, &&br#"{"charged":true}"#[..]],
-        )
-        .await;
-    if completed.is_err() {
-        upstream.refused.fetch_add(1, Ordering::SeqCst);
-        drop(tx.rollback().await);
-        return (StatusCode::CONFLICT, "refused").into_response();
-    }
-    if !hold.is_zero() {
-        upstream.holding.notify_one();
-        tokio::time::sleep(hold).await;
-    }
-    tx.commit().await.expect("commit");
-    upstream.committed.fetch_add(1, Ordering::SeqCst);
-    (
-        StatusCode::CREATED,
-        [("content-type", "application/json")],
-        r#"{"charged":true}"#,
-    )
-        .into_response()
-}
+use idem_test_support::postgres_store;
 
 /// A migrated store in a schema of its own (its pooled connections named `application_name`,
 /// `pool_size` of them), and an upstream on its database.
-async fn set_up(pool_size: usize) -> (String, Upstream, String, String) {
-    let store = servers::postgres_url();
+async fn set_up(pool_size: usize) -> (String, Ledger, String, String) {
+    let store = postgres_store::store_url();
     let (database, schema) = store.split_once("?schema=").expect("a schema option");
     let migrated = common::run_idem(&["migrate", "--store", &store], Duration::from_secs(60)).await;
     assert!(migrated.status.success(), "{}", describe(&migrated));
     let application_name = format!("gw_{schema}");
     let store = format!("{store}&pool_size={pool_size}&application_name={application_name}");
-    let (upstream, url) = Upstream::start(database.to_owned(), schema.to_owned()).await;
+    let upstream = Ledger::start(database, schema, 16, true).await;
+    let url = upstream.url.clone();
     (store, upstream, url, application_name)
 }
 
@@ -176,7 +32,7 @@ fn pay(gateway: &Gateway, key: &str, hold: Duration) -> reqwest::RequestBuilder 
         .post(gateway.url("/pay"))
         .header("idempotency-key", key)
         .header("content-type", "application/json")
-        .header(HOLD, hold.as_millis().to_string())
+        .header(HOLD_HEADER, hold.as_millis().to_string())
         .body("{}")
 }
 
@@ -184,11 +40,11 @@ fn pay(gateway: &Gateway, key: &str, hold: Duration) -> reqwest::RequestBuilder 
 /// run has completed the record in that transaction (which is still open).
 async fn start_slow_run(
     gateway: &Gateway,
-    upstream: &Upstream,
+    upstream: &Ledger,
     key: &str,
     hold: Duration,
 ) -> tokio::task::JoinHandle<Reply> {
-    let holding = upstream.holding.notified();
+    let holding = upstream.holding();
     let first = tokio::spawn(send(pay(gateway, key, hold)));
     holding.await;
     first
@@ -230,7 +86,7 @@ async fn one_open_transaction_and_its_copies_stall_no_other_key() {
         );
     }
     assert_eq!(
-        upstream.committed.load(Ordering::SeqCst),
+        upstream.committed(),
         3,
         "the other keys were answered before the slow transaction committed"
     );
@@ -241,10 +97,12 @@ async fn one_open_transaction_and_its_copies_stall_no_other_key() {
         assert_eq!(copy.status, 201, "every copy gets the slow run's answer: {copy}");
         assert!(copy.replayed(), "{copy}");
     }
-    assert_eq!(upstream.runs.load(Ordering::SeqCst), 4, "the slow key ran once");
-    assert_eq!(upstream.ledger_rows("slow").await, 1);
+    assert_eq!(upstream.started(), 4, "the slow key ran once");
+    assert_eq!(upstream.rows_of("slow").await, 1);
     wait_until("no pooled connection left busy", async || {
-        upstream.busy_store_connections(&application_name).await.is_empty()
+        postgres_store::busy_connections(&upstream.database, &application_name)
+            .await
+            .is_empty()
     })
     .await;
 }
@@ -263,8 +121,8 @@ async fn a_copy_of_a_run_alive_in_its_transaction_waits_for_its_answer() {
     assert_eq!(copy.status, 201, "{copy}");
     assert!(copy.replayed(), "{copy}");
     assert_eq!(first.await.expect("the first request").status, 201);
-    assert_eq!(upstream.runs.load(Ordering::SeqCst), 1, "never taken over");
-    assert_eq!(upstream.ledger_rows("k1").await, 1);
+    assert_eq!(upstream.started(), 1, "never taken over");
+    assert_eq!(upstream.rows_of("k1").await, 1);
 }
 
 /// The issue's third case: `idem delete` on a key whose run is completing in its transaction
@@ -285,8 +143,8 @@ async fn idem_delete_never_waits_on_a_run_nor_undoes_it() {
     assert_eq!(first.await.expect("the first request").status, 201);
     let retry = send(pay(&gateway, "k1", Duration::ZERO)).await;
     assert!(retry.replayed(), "the answer its transaction committed: {retry}");
-    assert_eq!(upstream.runs.load(Ordering::SeqCst), 1);
-    assert_eq!(upstream.ledger_rows("k1").await, 1, "no second ledger row");
+    assert_eq!(upstream.started(), 1);
+    assert_eq!(upstream.rows_of("k1").await, 1, "no second ledger row");
 }
 
 /// The issue's fourth case: a run given up at its run timeout while its transaction is still
@@ -303,12 +161,9 @@ async fn a_run_given_up_while_its_transaction_is_open_says_so() {
         detail.contains("its transaction was still open") && !detail.contains("nothing of it stands"),
         "{detail}"
     );
-    wait_until("the slow transaction committed", async || {
-        upstream.committed.load(Ordering::SeqCst) == 1
-    })
-    .await;
+    wait_until("the slow transaction committed", async || upstream.committed() == 1).await;
     let retry = send(pay(&gateway, "k1", Duration::ZERO)).await;
     assert!(retry.replayed(), "the answer its transaction committed: {retry}");
-    assert_eq!(upstream.runs.load(Ordering::SeqCst), 1);
-    assert_eq!(upstream.ledger_rows("k1").await, 1);
+    assert_eq!(upstream.started(), 1);
+    assert_eq!(upstream.rows_of("k1").await, 1);
 }

@@ -13,6 +13,7 @@ use axum::Router;
 use axum::extract::State;
 use axum::http::{Method, Uri};
 use common::{Gateway, config_file, new_key};
+use idem_test_support::task::AbortOnDrop;
 use idem_test_support::wire::{self, Answer, Raw};
 use tokio::net::TcpListener;
 
@@ -24,13 +25,7 @@ type Seen = Arc<Mutex<Vec<(String, String)>>>;
 struct Counting {
     addr: SocketAddr,
     seen: Seen,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Drop for Counting {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
+    _task: AbortOnDrop,
 }
 
 impl Counting {
@@ -45,8 +40,8 @@ impl Counting {
                 (axum::http::StatusCode::CREATED, format!("{{\"call\":{}}}", seen.len()))
             })
             .with_state(seen.clone());
-        let task = tokio::spawn(async move { axum::serve(listener, app).await.expect("the upstream serves") });
-        Self { addr, seen, task }
+        let _task = AbortOnDrop::serve(listener, app);
+        Self { addr, seen, _task }
     }
 
     fn url(&self) -> String {

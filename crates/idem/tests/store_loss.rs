@@ -5,10 +5,10 @@
 //! * no instance replays from its memory an answer the store no longer holds.
 
 mod common;
-mod servers;
 
 use common::{Gateway, Reply, Upstream, count, lose_store_data, new_key, send};
 use idem_core::replay_cache::IDENTITY_CHECK;
+use idem_test_support::{postgres_store, redis_store};
 
 const BODY: &str = r#"{"amount":4200}"#;
 
@@ -110,7 +110,7 @@ macro_rules! on_every_store {
 
 on_every_store! {
     sqlite => common::store_url_in,
-    postgres => |_| servers::postgres_url(),
-    redis => |_| servers::redis_url(),
-    redis_cluster => |_| servers::redis_cluster_url(),
+    postgres => |_| postgres_store::store_url(),
+    redis => |_| redis_store::store_url(),
+    redis_cluster => |_| redis_store::cluster_store_url(),
 }

@@ -51,7 +51,7 @@ const SQLITE_STORM: Duration = Duration::from_secs(30);
 async fn storm_on_postgres() {
     let base = servers::postgres_url();
     let schema = servers::unique_name("idem_test");
-    let _cleanup = DropSchema(base.clone(), schema.clone());
+    let _cleanup = servers::Cleanup::postgres_schema(&base, &schema);
     let relay = Relay::start(servers::socket_addr(&base)).await;
     // Every `begin` reads first on the shared read connections, which the faults strike too; a
     // new key then claims on the pool, so both paths are in the storm.
@@ -72,7 +72,7 @@ async fn storm_on_postgres() {
 async fn storm_on_redis() {
     let base = servers::redis_url();
     let prefix = servers::unique_name("idem-storm");
-    let _cleanup = DeleteKeys(base.clone(), prefix.clone());
+    let _cleanup = servers::Cleanup::redis_keys(&base, &prefix);
     let relay = Relay::start(servers::socket_addr(&base)).await;
     let store = servers::with_options(&servers::with_addr(&base, relay.addr()), &format!("prefix={prefix}"));
     let relay = &relay;
@@ -107,24 +107,6 @@ async fn storm_on_sqlite() {
         (holds.total(), holds.to_string())
     })
     .await;
-}
-
-/// Drops the test's PostgreSQL schema at the end, whatever happens.
-struct DropSchema(String, String);
-
-impl Drop for DropSchema {
-    fn drop(&mut self) {
-        servers::drop_postgres_schema(&self.0, &self.1);
-    }
-}
-
-/// Deletes the test's Redis keys at the end, whatever happens.
-struct DeleteKeys(String, String);
-
-impl Drop for DeleteKeys {
-    fn drop(&mut self) {
-        servers::delete_redis_keys(&self.0, &self.1);
-    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -19,9 +19,9 @@ use axum::response::Response;
 use axum::routing::post;
 use common::{Gateway, Reply, describe, new_key, send};
 use hyper_util::rt::{TokioExecutor, TokioIo};
+use idem_test_support::task::AbortOnDrop;
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose};
 use tokio::net::TcpListener;
-use tokio::task::JoinHandle;
 use tokio_rustls::TlsAcceptor;
 use tower::ServiceExt as _;
 
@@ -161,13 +161,7 @@ impl Counts {
 struct TestUpstream {
     addr: SocketAddr,
     counts: Arc<Counts>,
-    task: JoinHandle<()>,
-}
-
-impl Drop for TestUpstream {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
+    _task: AbortOnDrop,
 }
 
 impl TestUpstream {
@@ -179,7 +173,7 @@ impl TestUpstream {
             .route("/pay", post(pay).get(read))
             .route("/chunked", post(chunked))
             .with_state(counts.clone());
-        let task = tokio::spawn(async move {
+        let _task = AbortOnDrop::spawn(async move {
             loop {
                 let Ok((stream, _)) = listener.accept().await else {
                     continue;
@@ -201,7 +195,7 @@ impl TestUpstream {
                 });
             }
         });
-        Self { addr, counts, task }
+        Self { addr, counts, _task }
     }
 
     fn http_url(&self) -> String {
@@ -618,69 +612,32 @@ async fn settings_that_cannot_work_exit_2_naming_the_flag() {
     std::fs::write(&not_pem, "not a certificate\n").unwrap();
     let missing = pki.dir.path().join("missing.pem");
 
-    // Both or neither, from flags or from the environment.
-    refused(&[&plain[..], &["--tls-cert", cert]].concat(), &[], "tls-key", &[]).await;
-    refused(&[&plain[..], &["--tls-key", key]].concat(), &[], "tls-cert", &[]).await;
-    refused(&plain, &[("IDEM_TLS_CERT", cert)], "tls-key", &[]).await;
-    // Files that cannot be read or hold no PEM, named.
-    refused(
-        &[&plain[..], &["--tls-cert", text(&missing), "--tls-key", key]].concat(),
-        &[],
-        "tls-cert",
-        &["missing.pem"],
-    )
-    .await;
-    refused(
-        &[&plain[..], &["--tls-cert", text(&not_pem), "--tls-key", key]].concat(),
-        &[],
-        "tls-cert",
-        &["notes.txt"],
-    )
-    .await;
-    refused(
-        &[&plain[..], &["--tls-cert", cert, "--tls-key", text(&not_pem)]].concat(),
-        &[],
-        "tls-key",
-        &["notes.txt"],
-    )
-    .await;
-    // A key that is not the certificate's.
-    refused(
-        &[&plain[..], &["--tls-cert", cert, "--tls-key", text(&other.key)]].concat(),
-        &[],
-        "tls-key",
-        &["other.key"],
-    )
-    .await;
-    refused(
-        &[&https[..], &["--upstream-ca", text(&not_pem)]].concat(),
-        &[],
-        "upstream-ca",
-        &["notes.txt"],
-    )
-    .await;
-    refused(
-        &https,
-        &[("IDEM_UPSTREAM_CA", text(&missing))],
-        "upstream-ca",
-        &["missing.pem"],
-    )
-    .await;
-    // Combinations that mean nothing.
-    refused(
-        &[&plain[..], &["--upstream-ca", text(&ca)]].concat(),
-        &[],
-        "upstream-ca",
-        &[],
-    )
-    .await;
-    refused(
-        &[&https[..], &["--upstream-http2"]].concat(),
-        &[],
-        "upstream-http2",
-        &[],
-    )
-    .await;
-    refused(&https, &[("IDEM_UPSTREAM_HTTP2", "true")], "upstream-http2", &[]).await;
-    refused(&["--upstream", "ftp://127.0.0.1:9"], &[], "upstream", &[]).await;
+    fn flags<'a>(base: &[&'a str], more: &[&'a str]) -> Vec<&'a str> {
+        [base, more].concat()
+    }
+    let (missing, not_pem, other_key, ca) = (text(&missing), text(&not_pem), text(&other.key), text(&ca));
+    // What is given, and the flag (and the files) the refusal names.
+    #[rustfmt::skip]
+    let cases = [
+        // Both or neither, from flags or from the environment.
+        (flags(&plain, &["--tls-cert", cert]), vec![], "tls-key", vec![]),
+        (flags(&plain, &["--tls-key", key]), vec![], "tls-cert", vec![]),
+        (plain.to_vec(), vec![("IDEM_TLS_CERT", cert)], "tls-key", vec![]),
+        // Files that cannot be read or hold no PEM, named.
+        (flags(&plain, &["--tls-cert", missing, "--tls-key", key]), vec![], "tls-cert", vec!["missing.pem"]),
+        (flags(&plain, &["--tls-cert", not_pem, "--tls-key", key]), vec![], "tls-cert", vec!["notes.txt"]),
+        (flags(&plain, &["--tls-cert", cert, "--tls-key", not_pem]), vec![], "tls-key", vec!["notes.txt"]),
+        // A key that is not the certificate's.
+        (flags(&plain, &["--tls-cert", cert, "--tls-key", other_key]), vec![], "tls-key", vec!["other.key"]),
+        (flags(&https, &["--upstream-ca", not_pem]), vec![], "upstream-ca", vec!["notes.txt"]),
+        (https.to_vec(), vec![("IDEM_UPSTREAM_CA", missing)], "upstream-ca", vec!["missing.pem"]),
+        // Combinations that mean nothing.
+        (flags(&plain, &["--upstream-ca", ca]), vec![], "upstream-ca", vec![]),
+        (flags(&https, &["--upstream-http2"]), vec![], "upstream-http2", vec![]),
+        (https.to_vec(), vec![("IDEM_UPSTREAM_HTTP2", "true")], "upstream-http2", vec![]),
+        (vec!["--upstream", "ftp://127.0.0.1:9"], vec![], "upstream", vec![]),
+    ];
+    for (args, env, flag, mentions) in cases {
+        refused(&args, &env, flag, &mentions).await;
+    }
 }

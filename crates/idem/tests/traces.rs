@@ -128,11 +128,7 @@ async fn a_payment_is_one_trace_and_every_replay_links_to_its_run() {
     let a = Gateway::start_with_env(&upstream, &[], &env(&a_env)).await;
     let b = Gateway::start_on_store_with_env(&upstream, &a.store, &[], &env(&b_env)).await;
     let key = new_key();
-    let payment = |gw: &Gateway| {
-        gw.post("/pay", PAY_BODY)
-            .header("content-type", "application/json")
-            .header("idempotency-key", key.as_str())
-    };
+    let payment = |gw: &Gateway| gw.keyed("/pay", key.as_str(), PAY_BODY);
 
     // The payment, in the caller's trace.
     let first = send(
@@ -316,10 +312,7 @@ async fn an_https_endpoint_is_spoken_to_over_tls_and_a_failed_export_is_logged()
     ];
     let gw = Gateway::start_with_env(&upstream.url(), &[], &env).await;
     let key = new_key();
-    let payment = gw
-        .post("/pay", PAY_BODY)
-        .header("content-type", "application/json")
-        .header("idempotency-key", key.as_str());
+    let payment = gw.keyed("/pay", key.as_str(), PAY_BODY);
     assert_eq!(send(payment).await.status, 201);
     let (mut connection, _) = tokio::time::timeout(Duration::from_secs(20), listener.accept())
         .await
@@ -362,10 +355,7 @@ async fn a_password_in_the_endpoint_is_masked_in_the_exporters_own_lines() {
             ("IDEM_LOG_FORMAT", format),
         ];
         let gw = Gateway::start_with_env(&upstream.url(), &[], &env).await;
-        let payment = gw
-            .post("/pay", PAY_BODY)
-            .header("content-type", "application/json")
-            .header("idempotency-key", new_key().as_str());
+        let payment = gw.keyed("/pay", new_key().as_str(), PAY_BODY);
         assert_eq!(send(payment).await.status, 201);
         let stderr = gw
             .stderr_once("the exporter's failed export", |stderr| {
@@ -406,11 +396,7 @@ async fn a_receiver_that_hangs_neither_stops_the_payments_nor_holds_the_exit() {
     let mut gw = Gateway::start_with_env(&upstream.url(), &["--shutdown-grace", "1s"], &env).await;
     for _ in 0..20 {
         let key = new_key();
-        let payment = || {
-            gw.post("/pay", PAY_BODY)
-                .header("content-type", "application/json")
-                .header("idempotency-key", key.as_str())
-        };
+        let payment = || gw.keyed("/pay", key.as_str(), PAY_BODY);
         let first = send(payment()).await;
         assert_eq!((first.status, first.replayed()), (201, false), "{}", first.text());
         let copy = send(payment()).await;

@@ -2,8 +2,6 @@
 //! script and records when each request arrived and which key it carried, and one that reads a
 //! request and hangs up without answering.
 
-#![allow(dead_code)]
-
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -11,15 +9,15 @@ use std::time::Duration;
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
-use axum::http::{Method, StatusCode};
+use axum::http::StatusCode;
 use axum::response::Response;
 use idem_client::reqwest_middleware::{ClientBuilder, ClientWithMiddleware};
 use idem_client::{IdempotencyKey, IdempotencyMiddleware, RetryClassifier};
 use idem_test_support::servers::free_port;
+use idem_test_support::task::AbortOnDrop;
 use idem_test_support::wire::read_head;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpListener;
-use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 /// One request as the server received it.
@@ -27,8 +25,6 @@ use tokio::time::Instant;
 pub(crate) struct Hit {
     /// When it arrived (its head and body read).
     pub(crate) at: Instant,
-    /// Its method.
-    pub(crate) method: Method,
     /// Its `Idempotency-Key` header, raw.
     pub(crate) key: Option<String>,
     /// Its body.
@@ -55,13 +51,7 @@ pub(crate) struct Scripted {
     /// Where it listens.
     pub(crate) addr: SocketAddr,
     shared: Arc<Shared>,
-    task: JoinHandle<()>,
-}
-
-impl Drop for Scripted {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
+    _task: AbortOnDrop,
 }
 
 async fn answer(State(shared): State<Arc<Shared>>, request: Request) -> Response {
@@ -75,7 +65,6 @@ async fn answer(State(shared): State<Arc<Shared>>, request: Request) -> Response
         let mut hits = shared.hits.lock().unwrap();
         hits.push(Hit {
             at: Instant::now(),
-            method: parts.method,
             key,
             body,
         });
@@ -99,10 +88,8 @@ impl Scripted {
             script: Box::new(script),
         });
         let app = Router::new().fallback(answer).with_state(shared.clone());
-        let task = tokio::spawn(async move {
-            axum::serve(listener, app).await.unwrap();
-        });
-        Self { addr, shared, task }
+        let _task = AbortOnDrop::serve(listener, app);
+        Self { addr, shared, _task }
     }
 
     /// `http://127.0.0.1:PORT/path`.
@@ -144,13 +131,7 @@ pub(crate) struct HangUp {
     /// Where it listens.
     pub(crate) addr: SocketAddr,
     received: Arc<Mutex<usize>>,
-    task: JoinHandle<()>,
-}
-
-impl Drop for HangUp {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
+    _task: AbortOnDrop,
 }
 
 impl HangUp {
@@ -160,7 +141,7 @@ impl HangUp {
         let addr = listener.local_addr().unwrap();
         let received = Arc::new(Mutex::new(0));
         let counter = received.clone();
-        let task = tokio::spawn(async move {
+        let _task = AbortOnDrop::spawn(async move {
             loop {
                 let Ok((mut socket, _)) = listener.accept().await else {
                     return;
@@ -176,7 +157,7 @@ impl HangUp {
                 });
             }
         });
-        Self { addr, received, task }
+        Self { addr, received, _task }
     }
 
     /// `http://127.0.0.1:PORT/path`.

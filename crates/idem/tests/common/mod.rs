@@ -3,8 +3,13 @@
 //!
 //! Every test starts its own upstream, its own gateway and its own temporary SQLite file, so the tests
 //! are independent and can run in parallel.
+//!
+//! Each of the gateway's ~30 test binaries uses another part of it, hence the one `dead_code`
+//! allowance among idem's test modules.
 
 #![allow(dead_code)]
+
+pub(crate) mod ledger;
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
@@ -21,10 +26,10 @@ use axum::extract::{Path as UrlPath, Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::Response;
 use axum::routing::post;
+use idem_test_support::task::AbortOnDrop;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::net::TcpListener;
 use tokio::process::{Child, Command};
-use tokio::task::JoinHandle;
 
 /// The path of the binary under test.
 pub(crate) const IDEM: &str = env!("CARGO_BIN_EXE_idem");
@@ -94,6 +99,11 @@ impl UpstreamState {
         self.last_headers.lock().unwrap().get(route).cloned()
     }
 
+    /// The `Idempotency-Recovered` header of each request on `route`, in order of arrival.
+    pub(crate) fn recovered(&self, route: &str) -> Vec<Option<String>> {
+        self.seen(route).into_iter().map(|seen| seen.recovered).collect()
+    }
+
     /// Every request on `route`, in order of arrival.
     pub(crate) fn seen(&self, route: &str) -> Vec<Seen> {
         self.seen
@@ -113,13 +123,7 @@ pub(crate) struct Upstream {
     pub(crate) addr: SocketAddr,
     /// Its counters.
     pub(crate) state: Arc<UpstreamState>,
-    task: JoinHandle<()>,
-}
-
-impl Drop for Upstream {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
+    _task: AbortOnDrop,
 }
 
 impl Upstream {
@@ -149,16 +153,22 @@ impl Upstream {
             .route("/chunked", post(chunked))
             .route("/orders/{*rest}", post(order))
             .with_state(state.clone());
-        let task = tokio::spawn(async move {
-            axum::serve(listener, app).await.expect("the upstream serves");
-        });
-        Self { addr, state, task }
+        let _task = AbortOnDrop::serve(listener, app);
+        Self { addr, state, _task }
     }
 
     /// `http://127.0.0.1:PORT`.
     pub(crate) fn url(&self) -> String {
         format!("http://{}", self.addr)
     }
+}
+
+/// An upstream, a gateway in front of it with `flags` (on a fresh SQLite store), and a fresh key:
+/// where most tests start.
+pub(crate) async fn start(flags: &[&str]) -> (Upstream, Gateway, String) {
+    let upstream = Upstream::start().await;
+    let gateway = Gateway::start(&upstream.url(), flags).await;
+    (upstream, gateway, new_key())
 }
 
 /// A port on 127.0.0.1 that was free a moment ago and on which nothing listens now.
@@ -589,14 +599,22 @@ impl Gateway {
         self.client.post(self.url(path)).body(body)
     }
 
-    /// A keyed JSON `POST` to `path`, sent.
+    /// A JSON `POST` of `body` to `path` with `Idempotency-Key: key`, to send (more headers may
+    /// follow).
+    pub(crate) fn keyed(&self, path: &str, key: &str, body: impl Into<reqwest::Body>) -> reqwest::RequestBuilder {
+        self.post(path, body)
+            .header("content-type", "application/json")
+            .header("idempotency-key", key)
+    }
+
+    /// A JSON `POST` to `path`, keyed if `key` is given, sent.
     pub(crate) async fn post_json(&self, path: &str, key: Option<&str>, body: &str) -> Reply {
-        let mut request = self
-            .post(path, body.to_owned())
-            .header("content-type", "application/json");
-        if let Some(key) = key {
-            request = request.header("idempotency-key", key);
-        }
+        let request = match key {
+            Some(key) => self.keyed(path, key, body.to_owned()),
+            None => self
+                .post(path, body.to_owned())
+                .header("content-type", "application/json"),
+        };
         send(request).await
     }
 
@@ -680,7 +698,18 @@ fn parse_listening_line(line: &str) -> Option<(String, String)> {
 /// preloaded into idem itself, not through the `faketime` wrapper, which would run idem as a
 /// child of its own that outlives the wrapper when the test kills it.
 pub(crate) fn skewed_clock(offset: &str) -> [(&'static str, String); 3] {
-    let library = [
+    let library = faketime_library();
+    [
+        ("LD_PRELOAD", library.display().to_string()),
+        ("FAKETIME", offset.to_owned()),
+        ("FAKETIME_DONT_FAKE_MONOTONIC", "1".to_owned()),
+    ]
+}
+
+/// The libfaketime library, to preload into idem itself (not through the `faketime` wrapper, whose
+/// child would outlive a kill -9 of the wrapper).
+pub(crate) fn faketime_library() -> PathBuf {
+    [
         "/usr/lib/x86_64-linux-gnu/faketime",
         "/usr/lib/aarch64-linux-gnu/faketime",
         "/usr/lib/faketime",
@@ -691,14 +720,9 @@ pub(crate) fn skewed_clock(offset: &str) -> [(&'static str, String); 3] {
     .unwrap_or_else(|| {
         panic!(
             "this test runs idem on a skewed clock with libfaketime, which is not installed: \
-                 run `bash .ci/services` (or `apt-get install faketime`)"
+             run `bash .ci/services` (or `apt-get install faketime`)"
         )
-    });
-    [
-        ("LD_PRELOAD", library.display().to_string()),
-        ("FAKETIME", offset.to_owned()),
-        ("FAKETIME_DONT_FAKE_MONOTONIC", "1".to_owned()),
-    ]
+    })
 }
 
 /// Runs `idem ARGS` to completion (at most `limit`) with its wall clock skewed by `offset`
@@ -716,9 +740,16 @@ pub(crate) async fn run_idem(args: &[&str], limit: Duration) -> Output {
 
 /// [`run_idem`] with `env` set.
 pub(crate) async fn run_idem_with_env(args: &[&str], env: &[(&str, &str)], limit: Duration) -> Output {
-    let child = Command::new(IDEM)
+    let mut command = Command::new(IDEM);
+    command.envs(env.iter().copied());
+    run_to_end(&mut command, args, limit).await
+}
+
+/// Runs `command` (idem, its environment set) with `args` to completion (at most `limit`), its
+/// output captured.
+pub(crate) async fn run_to_end(command: &mut Command, args: &[&str], limit: Duration) -> Output {
+    let child = command
         .args(args)
-        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -729,6 +760,35 @@ pub(crate) async fn run_idem_with_env(args: &[&str], env: &[(&str, &str)], limit
         Ok(output) => output.expect("wait for idem"),
         Err(_) => panic!("`idem {}` did not finish within {limit:?}", args.join(" ")),
     }
+}
+
+/// `idem inspect --json` of `key` in `store` (found by the caller's `Bearer` token, if any, and
+/// with `env` set): the one JSON object it prints.
+pub(crate) async fn inspect_json(
+    store: &str,
+    key: &str,
+    bearer: Option<&str>,
+    env: &[(&str, &str)],
+) -> serde_json::Value {
+    let mut args = vec!["inspect", "--json", "--store", store];
+    let authorization = bearer.map(|token| format!("Bearer {token}"));
+    if let Some(authorization) = &authorization {
+        args.extend(["--authorization", authorization]);
+    }
+    args.push(key);
+    let output = run_idem_with_env(&args, env, Duration::from_secs(60)).await;
+    assert!(output.status.success(), "inspect --json:\n{}", describe(&output));
+    let text = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(text.lines().count(), 1, "one line:\n{text}");
+    serde_json::from_str(&text).unwrap_or_else(|err| panic!("inspect --json prints JSON ({err}):\n{text}"))
+}
+
+/// Runs `idem serve` on ephemeral ports before `upstream`, on `store`, to completion (at most
+/// `limit`): a `serve` that is expected to stop rather than serve.
+pub(crate) async fn serve_to_end(upstream: &str, store: &str, limit: Duration) -> Output {
+    let ports = ["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"];
+    let args = [&["serve", "--upstream", upstream][..], &ports, &["--store", store]].concat();
+    run_idem(&args, limit).await
 }
 
 /// Runs `idem serve` (ephemeral ports, a fresh SQLite store, then `args`, with `env` set) and

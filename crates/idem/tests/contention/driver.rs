@@ -12,7 +12,7 @@ use idem_test_support::seed::Rng;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-use super::ledger::HOLD_HEADER;
+use crate::common::ledger::HOLD_HEADER;
 
 /// The numbers of one run.
 #[derive(Debug, Clone)]
@@ -62,20 +62,19 @@ impl Plan {
         }
     }
 
-    /// The benchmark's: the design's figures, slow transactions of 3–15 s, some past the wait.
+    /// The benchmark's: the design's figures, slow transactions of 3–15 s, some past the wait
+    /// (the short plan's rates of payments, slow ones and copies).
     pub(crate) fn long() -> Self {
         Self {
             name: "long",
             phase: Duration::from_secs(60),
             steady_rate: 40.0,
-            payment_rate: 10.0,
-            slow_every: 10,
             hold: (Duration::from_secs(3), Duration::from_secs(15)),
-            copies: (10, 20),
             copies_after: (Duration::from_millis(200), Duration::from_millis(2000)),
             gateway_args: &["--lease", "5s", "--wait", "10s"],
             pool_size: 16,
             upstream_connections: 32,
+            ..Self::short()
         }
     }
 

@@ -8,7 +8,7 @@ use std::time::Duration;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-use super::ledger::connect;
+use crate::common::ledger::connect;
 
 /// How often `pg_stat_activity` is read.
 const EVERY: Duration = Duration::from_millis(200);
@@ -98,22 +98,4 @@ impl Watch {
         let _ = self.stop.send(());
         self.task.await.expect("the lock watch")
     }
-}
-
-/// idem's connections that are still running a statement or waiting on a lock, as
-/// `state wait_event_type: query`.
-pub(crate) async fn left_running(database: &str, application: &str) -> Vec<String> {
-    connect(database)
-        .await
-        .query(
-            "SELECT state || ' ' || coalesce(wait_event_type, '-') || ': ' || left(regexp_replace(query, '\\s+', ' ', 'g'), 70)
-             FROM pg_stat_activity
-             WHERE application_name = $1 AND (state = 'active' OR wait_event_type = 'Lock')",
-            &[&application],
-        )
-        .await
-        .expect("read pg_stat_activity")
-        .iter()
-        .map(|row| row.get(0))
-        .collect()
 }

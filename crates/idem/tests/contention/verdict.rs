@@ -7,8 +7,8 @@ use std::collections::{BTreeMap, HashMap};
 
 use super::driver::{PhaseResult, Sent};
 use super::figures::Figures;
-use super::ledger::Runs;
 use super::locks::Waits;
+use crate::common::ledger::Runs;
 
 /// The storm's p99 of unrelated keys may be at most this many times the baseline's.
 pub(crate) const P99_RATIO: f64 = 2.0;

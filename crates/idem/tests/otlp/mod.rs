@@ -12,11 +12,11 @@ use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
+use idem_test_support::task::AbortOnDrop;
 use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse};
 use opentelemetry_proto::tonic::common::v1::{KeyValue, any_value};
 use opentelemetry_proto::tonic::trace::v1::Span;
 use prost::Message;
-use tokio::task::JoinHandle;
 
 /// A span as received, with the service that sent it.
 #[derive(Debug, Clone)]
@@ -75,13 +75,7 @@ pub(crate) fn hex(bytes: &[u8]) -> String {
 pub(crate) struct Receiver {
     pub(crate) addr: SocketAddr,
     spans: Arc<Mutex<Vec<Received>>>,
-    task: JoinHandle<()>,
-}
-
-impl Drop for Receiver {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
+    _task: AbortOnDrop,
 }
 
 impl Receiver {
@@ -94,10 +88,8 @@ impl Receiver {
         let app = Router::new()
             .route("/v1/traces", post(export))
             .with_state(spans.clone());
-        let task = tokio::spawn(async move {
-            axum::serve(listener, app).await.expect("the receiver serves");
-        });
-        Self { addr, spans, task }
+        let _task = AbortOnDrop::serve(listener, app);
+        Self { addr, spans, _task }
     }
 
     /// `http://127.0.0.1:PORT`: what `OTEL_EXPORTER_OTLP_ENDPOINT` names.

@@ -3,15 +3,15 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::process::{Output, Stdio};
+use std::process::Output;
 use std::time::Duration;
 
+use idem_test_support::task::AbortOnDrop;
 use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::process::Command;
-use tokio::task::JoinHandle;
 
-use crate::common::{IDEM, describe};
+use crate::common::{IDEM, describe, run_to_end};
 
 /// A TCP link in front of `target` that loses the first answer: on its first connection it
 /// forwards the request, waits until the answer starts to come back (so the request was
@@ -20,13 +20,7 @@ use crate::common::{IDEM, describe};
 pub(crate) struct LossyLink {
     /// Where it listens.
     pub(crate) addr: SocketAddr,
-    task: JoinHandle<()>,
-}
-
-impl Drop for LossyLink {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
+    _task: AbortOnDrop,
 }
 
 impl LossyLink {
@@ -34,7 +28,7 @@ impl LossyLink {
     pub(crate) async fn start(target: SocketAddr) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let task = tokio::spawn(async move {
+        let _task = AbortOnDrop::spawn(async move {
             let mut first = true;
             while let Ok((client, _)) = listener.accept().await {
                 let lose = std::mem::replace(&mut first, false);
@@ -51,7 +45,7 @@ impl LossyLink {
                 });
             }
         });
-        Self { addr, task }
+        Self { addr, _task }
     }
 
     /// The URL of `path` through the link.
@@ -75,21 +69,12 @@ async fn lose_the_answer(client: TcpStream, server: TcpStream) {
 /// Runs `idem ARGS` to completion (at most a minute), with the `IDEM_*` retry settings of the
 /// environment unset so that only the arguments count.
 pub(crate) async fn idem(args: &[&str]) -> Output {
-    let child = Command::new(IDEM)
-        .args(args)
+    let mut command = Command::new(IDEM);
+    command
         .env_remove("IDEM_RETRIES")
         .env_remove("IDEM_TIMEOUT")
-        .env_remove("IDEM_DEADLINE")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("spawn idem");
-    tokio::time::timeout(Duration::from_secs(60), child.wait_with_output())
-        .await
-        .unwrap_or_else(|_| panic!("`idem {}` did not finish within a minute", args.join(" ")))
-        .expect("wait for idem")
+        .env_remove("IDEM_DEADLINE");
+    run_to_end(&mut command, args, Duration::from_secs(60)).await
 }
 
 /// The summary line `idem request` printed (the last line of stderr), as `name=value` pairs.

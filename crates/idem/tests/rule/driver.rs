@@ -2,7 +2,7 @@
 //! the real processes, then hands what the upstream saw and what each client got to the oracle.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use idem_test_support::seed::Rng;
@@ -12,7 +12,7 @@ use super::oracle::{Model, Outcome, Record, RecordId, Shape, judge_own_answer};
 use super::routes::{CONFIG, Protection};
 use super::upstream::{self, Arrival, Upstream};
 use super::wire::{self, Answer, Reading};
-use crate::common::{Gateway, lose_store_data, run_idem_with_env};
+use crate::common::{Gateway, faketime_library, lose_store_data, run_idem_with_env};
 use idem_core::replay_cache::IDENTITY_CHECK;
 
 /// How long the driver waits for a hung run to end and its record to settle.
@@ -93,22 +93,6 @@ impl std::fmt::Debug for Driver {
             .field("setup", &self.setup)
             .finish_non_exhaustive()
     }
-}
-
-/// The libfaketime library, preloaded into idem itself (not through the `faketime` wrapper, whose
-/// child would outlive a kill -9 of the wrapper).
-fn faketime_library() -> PathBuf {
-    [
-        "/usr/lib/x86_64-linux-gnu/faketime",
-        "/usr/lib/aarch64-linux-gnu/faketime",
-        "/usr/lib/faketime",
-    ]
-    .iter()
-    .map(|dir| Path::new(dir).join("libfaketimeMT.so.1"))
-    .find(|path| path.exists())
-    .unwrap_or_else(|| {
-        panic!("the rule test moves idem's clock with libfaketime, which is not installed: run `bash .ci/services` (or `apt-get install faketime`)")
-    })
 }
 
 impl Driver {

@@ -10,10 +10,10 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use idem_test_support::task::AbortOnDrop;
 use idem_test_support::wire::read_request;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::task::JoinHandle;
 
 /// The header a test request carries to say what the upstream does with it.
 pub(crate) const DO: &str = "x-rule-do";
@@ -94,13 +94,7 @@ struct Log {
 pub(crate) struct Upstream {
     addr: SocketAddr,
     log: Arc<Log>,
-    task: JoinHandle<()>,
-}
-
-impl Drop for Upstream {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
+    task: AbortOnDrop,
 }
 
 static RUNS: AtomicU64 = AtomicU64::new(1);
@@ -117,9 +111,7 @@ impl Upstream {
 
     /// Closes the listening socket: connections are refused until [`Self::listen_again`].
     pub(crate) async fn stop_listening(&mut self) {
-        self.task.abort();
-        // The listener is closed once the aborted task is dropped.
-        let _ = (&mut self.task).await;
+        self.task.stop().await;
     }
 
     /// Listens again on the same address.
@@ -160,8 +152,8 @@ impl Upstream {
     }
 }
 
-fn accept(listener: TcpListener, log: Arc<Log>) -> JoinHandle<()> {
-    tokio::spawn(async move {
+fn accept(listener: TcpListener, log: Arc<Log>) -> AbortOnDrop {
+    AbortOnDrop::spawn(async move {
         loop {
             let Ok((stream, _)) = listener.accept().await else {
                 continue;

@@ -1,20 +1,29 @@
 //! Scenarios every store must pass behind several `idem serve` processes, written once and run per
-//! store: concurrent copies spread over instances, a crashed holder taken over, an outage of the
-//! store in the middle of traffic, and the operator's commands.
-
-#![allow(dead_code)]
+//! store (`shared_stores.rs`): concurrent copies spread over instances, a crashed holder taken
+//! over, an outage of the store in the middle of traffic, and the operator's commands.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use crate::common::{
-    Gateway, Reply, Upstream, count, describe, new_key, random_u64, run_idem, send, try_send, wait_for_count,
+    Gateway, Reply, Upstream, count, describe, inspect_json, new_key, random_u64, run_idem, send, try_send,
+    wait_for_count,
 };
+
+/// [`copies_run_once`] with 60 copies over three instances.
+pub(crate) async fn sixty_copies_over_three_instances_run_once(store: &str) {
+    copies_run_once(store, 3, 60).await;
+}
+
+/// [`copies_run_once`] with 50 copies over two instances (on one SQLite file).
+pub(crate) async fn fifty_copies_over_two_instances_run_once(store: &str) {
+    copies_run_once(store, 2, 50).await;
+}
 
 /// `copies` simultaneous copies of one keyed request, spread round-robin over `instances`
 /// gateways sharing `store`: the upstream runs once and every client gets the same 2xx body.
-pub(crate) async fn copies_run_once(store: &str, instances: usize, copies: usize) {
+async fn copies_run_once(store: &str, instances: usize, copies: usize) {
     let upstream = Upstream::start().await;
     let mut gateways = Vec::with_capacity(instances);
     for _ in 0..instances {
@@ -24,10 +33,7 @@ pub(crate) async fn copies_run_once(store: &str, instances: usize, copies: usize
     let body = r#"{"amount":4200,"currency":"EUR"}"#;
     let tasks: Vec<_> = (0..copies)
         .map(|i| {
-            let request = gateways[i % instances]
-                .post("/pay?delay=300", body)
-                .header("content-type", "application/json")
-                .header("idempotency-key", key.as_str());
+            let request = gateways[i % instances].keyed("/pay?delay=300", key.as_str(), body);
             tokio::spawn(send(request))
         })
         .collect();
@@ -51,11 +57,7 @@ pub(crate) async fn crashed_holder_is_taken_over(store: &str) {
     let mut a = Gateway::start_on_store(&upstream.url(), store, &["--lease", "1s"]).await;
     let b = Gateway::start_on_store(&upstream.url(), store, &["--lease", "1s"]).await;
     let key = new_key();
-    let request = |gw: &Gateway| {
-        gw.post("/pay?delay=2000", r#"{"amount":7}"#)
-            .header("content-type", "application/json")
-            .header("idempotency-key", key.as_str())
-    };
+    let request = |gw: &Gateway| gw.keyed("/pay?delay=2000", key.as_str(), r#"{"amount":7}"#);
 
     let lost = tokio::spawn(try_send(request(&a)));
     wait_for_count(&upstream.state.pay, 1, Duration::from_secs(10)).await;
@@ -69,13 +71,10 @@ pub(crate) async fn crashed_holder_is_taken_over(store: &str) {
     let retry = send(request(&b)).await;
     assert_eq!(retry.status, 201, "{retry}");
     assert!(!retry.replayed(), "{retry}");
-    assert_eq!(count(&upstream.state.pay), 2);
-    let seen = upstream.state.seen("pay");
-    assert_eq!(seen[0].recovered, None, "{seen:?}");
     assert_eq!(
-        seen[1].recovered.as_deref(),
-        Some("true"),
-        "the re-run is marked recovered: {seen:?}"
+        upstream.state.recovered("pay"),
+        [None, Some("true".to_owned())],
+        "two runs, the re-run (and only it) marked recovered"
     );
 
     let replay = send(request(&b)).await;
@@ -97,11 +96,7 @@ pub(crate) async fn a_skewed_clock_never_takes_over_a_healthy_run(store: &str) {
     let a = Gateway::start_on_store(&upstream.url(), store, &args).await;
     let ahead = Gateway::start_skewed(&upstream.url(), store, "+45s", &args).await;
     let key = new_key();
-    let request = |gw: &Gateway| {
-        gw.post("/pay?delay=4000", r#"{"amount":9}"#)
-            .header("content-type", "application/json")
-            .header("idempotency-key", key.as_str())
-    };
+    let request = |gw: &Gateway| gw.keyed("/pay?delay=4000", key.as_str(), r#"{"amount":9}"#);
     let first = tokio::spawn(send(request(&a)));
     wait_for_count(&upstream.state.pay, 1, Duration::from_secs(10)).await;
     tokio::time::sleep(Duration::from_millis(1000)).await;
@@ -195,10 +190,7 @@ pub(crate) async fn outage_fails_closed_and_recovers(
 }
 
 fn pay(gateway: &Gateway, key: &str) -> reqwest::RequestBuilder {
-    gateway
-        .post("/pay", r#"{"amount":1}"#)
-        .header("content-type", "application/json")
-        .header("idempotency-key", key)
+    gateway.keyed("/pay", key, r#"{"amount":1}"#)
 }
 
 /// `idem list` answers an investigation's questions on the store, from another process, on the
@@ -209,12 +201,8 @@ pub(crate) async fn list_answers_an_investigations_questions(store: &str) {
     let upstream = Upstream::start().await;
     let gateway = Gateway::start_on_store(&upstream.url(), store, &[]).await;
     let route = format!("/orders/{:016x}", random_u64());
-    let order = |name: &str, then: &str, key: &str| {
-        gateway
-            .post(&format!("{route}/{name}{then}"), r#"{"amount":1}"#)
-            .header("content-type", "application/json")
-            .header("idempotency-key", key)
-    };
+    let order =
+        |name: &str, then: &str, key: &str| gateway.keyed(&format!("{route}/{name}{then}"), key, r#"{"amount":1}"#);
     let (completed, unknown, recovered, stuck) = (new_key(), new_key(), new_key(), new_key());
     assert_eq!(send(order("completed", "", &completed)).await.status, 201);
     send(order("unknown", "?then=break", &unknown))
@@ -379,7 +367,7 @@ pub(crate) async fn operator_commands_work(store: &str) {
         assert!(text.contains(expected), "inspect shows {expected:?}:\n{text}");
     }
 
-    let json = inspect_json(store, &key).await;
+    let json = inspect_json(store, &key, None, &[]).await;
     for (field, expected) in [
         ("scope", serde_json::json!("anonymous")),
         ("key", serde_json::json!(key)),
@@ -448,15 +436,10 @@ pub(crate) async fn operator_commands_work(store: &str) {
     // An in-flight record: its run's answer is not stored, and a retry runs again, marked recovered
     // (the key was left unknown, not freed).
     let running = new_key();
-    let slow = |gateway: &Gateway| {
-        gateway
-            .post("/pay?delay=1500", r#"{"amount":2}"#)
-            .header("content-type", "application/json")
-            .header("idempotency-key", running.as_str())
-    };
+    let slow = |gateway: &Gateway| gateway.keyed("/pay?delay=1500", running.as_str(), r#"{"amount":2}"#);
     let in_flight = tokio::spawn(send(slow(&gateway)));
     wait_for_count(&upstream.state.pay, 3, Duration::from_secs(10)).await;
-    let json = inspect_json(store, &running).await;
+    let json = inspect_json(store, &running, None, &[]).await;
     assert_eq!(json["state"], "in-flight", "{json}");
     assert!(json["lease_until"].is_string(), "{json}");
     assert!(json["status"].is_null() && json["answer"].is_null(), "{json}");
@@ -478,15 +461,6 @@ pub(crate) async fn operator_commands_work(store: &str) {
     }
 }
 
-/// `idem inspect --json KEY`, which must succeed with one JSON object on one line.
-async fn inspect_json(store: &str, key: &str) -> serde_json::Value {
-    let output = run_idem(&["inspect", "--json", "--store", store, key], Duration::from_secs(60)).await;
-    assert!(output.status.success(), "inspect --json:\n{}", describe(&output));
-    let text = String::from_utf8_lossy(&output.stdout);
-    assert_eq!(text.lines().count(), 1, "one line:\n{text}");
-    serde_json::from_str(&text).unwrap_or_else(|err| panic!("inspect --json prints JSON ({err}):\n{text}"))
-}
-
 /// `idem delete` of a key in flight while a copy of the request waits for it: the holder is
 /// fenced and the key left unknown, so the copy's run (the upstream's second) carries
 /// `Idempotency-Recovered: true`, and a third copy is the replay of that run.
@@ -494,12 +468,7 @@ pub(crate) async fn delete_in_flight_marks_the_next_run_recovered(store: &str) {
     let upstream = Upstream::start().await;
     let gateway = Gateway::start_on_store(&upstream.url(), store, &["--wait", "20s"]).await;
     let key = new_key();
-    let request = || {
-        gateway
-            .post("/pay?delay=3000", r#"{"amount":3}"#)
-            .header("content-type", "application/json")
-            .header("idempotency-key", key.as_str())
-    };
+    let request = || gateway.keyed("/pay?delay=3000", key.as_str(), r#"{"amount":3}"#);
     let first = tokio::spawn(send(request()));
     wait_for_count(&upstream.state.pay, 1, Duration::from_secs(10)).await;
     let waiting = tokio::spawn(send(request()));
@@ -581,13 +550,7 @@ pub(crate) async fn a_delete_reaches_every_gateways_replay_cache(store: &str) {
         // The first replay on each gateway reads the store (a run's own answer is not kept), the
         // rest are answered from memory (unless a stall of the machine emptied it meanwhile).
         assert!(cache_answers(gateway).await >= 1, "replays are answered from the cache");
-        let other = send(
-            gateway
-                .post("/pay", r#"{"amount":2}"#)
-                .header("content-type", "application/json")
-                .header("idempotency-key", key.as_str()),
-        )
-        .await;
+        let other = send(gateway.keyed("/pay", key.as_str(), r#"{"amount":2}"#)).await;
         assert_eq!(other.status, 422, "another body with the key: {other}");
     }
     assert_eq!(count(&upstream.state.pay), 1, "the upstream ran once");
