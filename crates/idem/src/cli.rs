@@ -7,7 +7,6 @@ use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 use idem_core::store::ListedState;
 
-use crate::config;
 use crate::settings::ServeSettings;
 
 /// idem: make HTTP requests safe to retry.
@@ -23,6 +22,17 @@ pub(crate) fn parse() -> Cli {
     let matches = command().get_matches();
     Cli::from_arg_matches(&matches).unwrap_or_else(|err| err.exit())
 }
+
+// The variables that hold secrets: read from the environment only (a flag's value shows in `ps`),
+// and listed in `idem serve --help`.
+
+/// The environment variable of the sealing keys.
+pub(crate) const ENCRYPTION_KEYS: &str = "IDEM_ENCRYPTION_KEYS";
+/// The environment variable of the secret mixed into the hash of credential scopes.
+pub(crate) const SCOPE_SECRET: &str = "IDEM_SCOPE_SECRET";
+/// The environment variable of the secret used before `IDEM_SCOPE_SECRET` (`none`: there was
+/// none), kept for one retention after a change so that keys used before it still replay.
+pub(crate) const SCOPE_SECRET_PREVIOUS: &str = "IDEM_SCOPE_SECRET_PREVIOUS";
 
 /// The command, with `idem serve`'s defaults in its help (its flags have none of their own, so
 /// that the config file can come between them and the defaults) and, after its flags, the
@@ -46,7 +56,7 @@ fn command() -> clap::Command {
 /// out the flags above them. The secrets are among them because a flag's value shows in the
 /// process list (`ps`) to every user of the machine.
 fn serve_environment() -> String {
-    let scope_secret = config::SCOPE_SECRET;
+    let scope_secret = SCOPE_SECRET;
     let variables: [(&str, String); 6] = [
         (
             scope_secret,
@@ -57,14 +67,14 @@ fn serve_environment() -> String {
             ),
         ),
         (
-            config::SCOPE_SECRET_PREVIOUS,
+            SCOPE_SECRET_PREVIOUS,
             format!(
                 "The secret {scope_secret} held before a change (`none` if there was none), kept for one retention \
                  so that the keys used before it still replay"
             ),
         ),
         (
-            config::ENCRYPTION_KEYS,
+            ENCRYPTION_KEYS,
             "The secret keys that seal stored answers: `ID:BASE64` entries of 32-byte keys, comma-separated \
              (`k2026:…,k2025:…`); the first seals, every one listed opens"
                 .into(),
@@ -320,9 +330,9 @@ mod tests {
             .split_once("\nEnvironment")
             .expect("an Environment section after the flags");
         for name in [
-            config::SCOPE_SECRET,
-            config::SCOPE_SECRET_PREVIOUS,
-            config::ENCRYPTION_KEYS,
+            SCOPE_SECRET,
+            SCOPE_SECRET_PREVIOUS,
+            ENCRYPTION_KEYS,
             "IDEM_LOG",
             "IDEM_LOG_FORMAT",
         ] {

@@ -13,7 +13,7 @@ use std::time::Duration;
 use idem_core::replay_cache::ReplayCacheConfig;
 use idem_core::{Keyring, Policy, RouteError, RoutePattern, RouteRule, Routes, ScopeSecret, ScopeSecrets, ScopeSource};
 
-use crate::cli::ServeArgs;
+use crate::cli::{ENCRYPTION_KEYS, SCOPE_SECRET, SCOPE_SECRET_PREVIOUS, ServeArgs};
 use crate::misconfigured::Misconfigured;
 use crate::settings::{Resolved, RouteSettings, ServeSettings};
 
@@ -89,14 +89,6 @@ pub(crate) fn keyring_from_env() -> Result<Option<Keyring>, Misconfigured> {
     }
 }
 
-/// The environment variable of the sealing keys.
-pub(crate) const ENCRYPTION_KEYS: &str = "IDEM_ENCRYPTION_KEYS";
-
-/// The environment variable of the secret mixed into the hash of credential scopes.
-pub(crate) const SCOPE_SECRET: &str = "IDEM_SCOPE_SECRET";
-/// The environment variable of the secret used before `IDEM_SCOPE_SECRET` (`none`: there was
-/// none), kept for one retention after a change so that keys used before it still replay.
-pub(crate) const SCOPE_SECRET_PREVIOUS: &str = "IDEM_SCOPE_SECRET_PREVIOUS";
 
 /// How credential scopes are hashed, from `IDEM_SCOPE_SECRET` and `IDEM_SCOPE_SECRET_PREVIOUS`
 /// (the environment only, like the sealing keys). A secret is taken as its exact bytes.
