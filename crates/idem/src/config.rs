@@ -89,7 +89,6 @@ pub(crate) fn keyring_from_env() -> Result<Option<Keyring>, Misconfigured> {
     }
 }
 
-
 /// How credential scopes are hashed, from `IDEM_SCOPE_SECRET` and `IDEM_SCOPE_SECRET_PREVIOUS`
 /// (the environment only, like the sealing keys). A secret is taken as its exact bytes.
 pub(crate) fn scope_secrets_from_env() -> Result<ScopeSecrets, Misconfigured> {
