@@ -35,8 +35,10 @@ const GATEWAY_ARGS: &[&str] = &["--lease", "15s", "--wait", "3s"];
 const PAYMENT_LIMIT: Duration = Duration::from_secs(75);
 /// A directory to keep the gateways' logs in (they are deleted with the test otherwise).
 const LOGS_VAR: &str = "IDEM_STORM_LOGS";
-/// How long an instance may take to be ready again once the faults stop.
-const READY_WITHIN: Duration = Duration::from_secs(15);
+/// How long an instance may take to be ready again once the faults stop. The storms and the
+/// replicated failovers share this binary and run side by side on two cores: a cluster's
+/// reconnection then took more than 15 s under load; what is checked is that it comes back.
+const READY_WITHIN: Duration = Duration::from_secs(45);
 
 // ---------------------------------------------------------------------------------------------
 // The scenario, written once
