@@ -266,12 +266,7 @@ async fn exported_by_gateways() -> Exported {
 
     // A copy that waits its whole --wait (1 s) for a run of 2 s: 409 key-in-flight.
     let key = new_key();
-    let slow = tokio::spawn(send(
-        gateway
-            .post("/pay?delay=2000", r#"{"amount":3}"#)
-            .header("content-type", "application/json")
-            .header("idempotency-key", key.as_str()),
-    ));
+    let slow = tokio::spawn(send(gateway.keyed("/pay?delay=2000", &key, r#"{"amount":3}"#)));
     wait_for_count(&upstream.state.pay, 2, Duration::from_secs(10)).await;
     let copy = gateway
         .post_json("/pay?delay=2000", Some(&key), r#"{"amount":3}"#)
@@ -301,12 +296,7 @@ async fn exported_by_gateways() -> Exported {
 
     // An operator deletes a key while its run is in flight: its answer is refused when it comes.
     let key = new_key();
-    let running = tokio::spawn(send(
-        gateway
-            .post("/pay?delay=3000", r#"{"amount":4}"#)
-            .header("content-type", "application/json")
-            .header("idempotency-key", key.as_str()),
-    ));
+    let running = tokio::spawn(send(gateway.keyed("/pay?delay=3000", &key, r#"{"amount":4}"#)));
     wait_for_count(&upstream.state.pay, 3, Duration::from_secs(10)).await;
     let deleted = run_idem(&["delete", "--store", &store, &key], COMMAND_LIMIT).await;
     assert!(deleted.status.success(), "idem delete: {}", describe(&deleted));
