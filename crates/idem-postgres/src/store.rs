@@ -28,6 +28,7 @@
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::time::Instant;
 
 use async_trait::async_trait;
 use deadpool_postgres::{Hook, HookError, Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
@@ -752,12 +753,7 @@ impl Store for PostgresStore {
         unless_held(|| self.delete_once(id)).await
     }
 
-    async fn wait(
-        &self,
-        id: &RecordId,
-        token: FencingToken,
-        deadline: tokio::time::Instant,
-    ) -> Result<WaitOutcome, StoreError> {
+    async fn wait(&self, id: &RecordId, token: FencingToken, deadline: Instant) -> Result<WaitOutcome, StoreError> {
         let subscription = self
             .inner
             .listener

@@ -7,6 +7,7 @@ use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
+use tokio::time::Instant;
 
 use async_trait::async_trait;
 use idem_core::store::Invalidations;
@@ -771,12 +772,7 @@ impl Store for RedisStore {
         }
     }
 
-    async fn wait(
-        &self,
-        id: &RecordId,
-        token: FencingToken,
-        deadline: tokio::time::Instant,
-    ) -> Result<WaitOutcome, StoreError> {
+    async fn wait(&self, id: &RecordId, token: FencingToken, deadline: Instant) -> Result<WaitOutcome, StoreError> {
         let keys = self.record_keys(id);
         // Subscribed before the first check: a change made after it still wakes us.
         let mut watch = self.inner.subscriptions.watch(&keys.channel);

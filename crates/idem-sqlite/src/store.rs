@@ -11,6 +11,7 @@ use std::fmt;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::time::Instant;
 
 use async_trait::async_trait;
 use idem_core::store::Invalidations;
@@ -328,12 +329,7 @@ impl Store for SqliteStore {
         self.replays.deleted(id, record)
     }
 
-    async fn wait(
-        &self,
-        id: &RecordId,
-        token: FencingToken,
-        deadline: tokio::time::Instant,
-    ) -> Result<WaitOutcome, StoreError> {
+    async fn wait(&self, id: &RecordId, token: FencingToken, deadline: Instant) -> Result<WaitOutcome, StoreError> {
         let subscription = Subscription::new(self.conns.database(), id);
         wait_for_change(Some(subscription.notify()), deadline, POLL_FIRST, POLL_MAX, || async {
             Ok(self.read_claim_state(id, token).await? == ClaimState::Current)
@@ -818,7 +814,7 @@ mod tests {
             scope: idem_core::Scope::shared(),
             key: idem_core::IdempotencyKey::new("registry").unwrap(),
         };
-        let deadline = tokio::time::Instant::now() + Duration::from_millis(20);
+        let deadline = Instant::now() + Duration::from_millis(20);
         let (a, b) = tokio::join!(
             store.wait(&id, FencingToken::random(), deadline),
             store.wait(&id, FencingToken::random(), deadline)

@@ -16,6 +16,7 @@ pub use observed::{Observed, Observer, StoreOperation};
 use std::error::Error as StdError;
 use std::fmt;
 use std::sync::Arc;
+use tokio::time::Instant;
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -566,12 +567,7 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
 
     /// Waits until the claim `token` on the record is no longer current, or until `deadline`.
     /// Subscribes to changes before it checks, so that a change in between is not lost.
-    async fn wait(
-        &self,
-        id: &RecordId,
-        token: FencingToken,
-        deadline: tokio::time::Instant,
-    ) -> Result<WaitOutcome, StoreError>;
+    async fn wait(&self, id: &RecordId, token: FencingToken, deadline: Instant) -> Result<WaitOutcome, StoreError>;
 
     /// One batch of retention work: deletes up to `batch` records past their `purge_at` and drops
     /// the answers of up to `batch` completed records past their `expires_at`. Safe to run from
@@ -658,12 +654,7 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     async fn delete(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         (**self).delete(id).await
     }
-    async fn wait(
-        &self,
-        id: &RecordId,
-        token: FencingToken,
-        deadline: tokio::time::Instant,
-    ) -> Result<WaitOutcome, StoreError> {
+    async fn wait(&self, id: &RecordId, token: FencingToken, deadline: Instant) -> Result<WaitOutcome, StoreError> {
         (**self).wait(id, token, deadline).await
     }
     async fn purge(&self, now: UnixMillis, batch: usize) -> Result<Purged, StoreError> {

@@ -3,7 +3,8 @@
 //! observers of this one wrapper, so no forwarding impl of [`Store`] is written twice.
 
 use std::fmt;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use async_trait::async_trait;
 
@@ -186,7 +187,7 @@ impl<S: Store, O: Observer> Observed<S, O> {
         operation: StoreOperation,
         work: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
-        let started = Instant::now();
+        let started = std::time::Instant::now();
         let result = work.await;
         let failed = matches!(&result, Err(err) if !matches!(err, StoreError::Fenced));
         self.observer.observe(operation, started.elapsed(), failed);
@@ -242,12 +243,7 @@ impl<S: Store, O: Observer> Store for Observed<S, O> {
     async fn delete(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         self.measure(StoreOperation::Delete, self.inner.delete(id)).await
     }
-    async fn wait(
-        &self,
-        id: &RecordId,
-        token: FencingToken,
-        deadline: tokio::time::Instant,
-    ) -> Result<WaitOutcome, StoreError> {
+    async fn wait(&self, id: &RecordId, token: FencingToken, deadline: Instant) -> Result<WaitOutcome, StoreError> {
         self.measure(StoreOperation::Wait, self.inner.wait(id, token, deadline))
             .await
     }
