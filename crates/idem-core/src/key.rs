@@ -14,7 +14,7 @@ pub const MAX_KEY_LEN: usize = 255;
 /// A valid idempotency key: 1 to 255 visible ASCII characters.
 ///
 /// Parse, don't validate: a value of this type is always valid.
-#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct IdempotencyKey(Box<str>);
 
 /// Why a key header was refused.
@@ -206,12 +206,6 @@ fn ulid_millis(key: &str) -> Option<UnixMillis> {
         return None;
     }
     Some(UnixMillis((value >> 80) as u64))
-}
-
-impl fmt::Debug for IdempotencyKey {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_tuple("IdempotencyKey").field(&self.0).finish()
-    }
 }
 
 impl fmt::Display for IdempotencyKey {

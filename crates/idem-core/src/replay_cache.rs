@@ -464,10 +464,7 @@ mod tests {
     use crate::{Fingerprint, IdempotencyKey, Scope};
 
     fn id(key: &str) -> RecordId {
-        RecordId {
-            scope: Scope::from_stored("s"),
-            key: IdempotencyKey::new(key).unwrap(),
-        }
+        RecordId::new(Scope::from_stored("s"), IdempotencyKey::new(key).unwrap())
     }
 
     fn completed(key: &str, body: usize, expires_at: u64) -> Record {

@@ -15,16 +15,9 @@ use crate::length_prefixed::{Reader, put_bytes};
 pub struct HeaderAllowList(Vec<HeaderName>);
 
 impl Default for HeaderAllowList {
+    /// [`HeaderAllowList::DESCRIBING_THE_BODY`].
     fn default() -> Self {
-        Self(vec![
-            header::CONTENT_TYPE,
-            header::CONTENT_ENCODING,
-            header::VARY,
-            header::LOCATION,
-            header::CONTENT_LOCATION,
-            header::ETAG,
-            header::LINK,
-        ])
+        Self(Self::DESCRIBING_THE_BODY.to_vec())
     }
 }
 
@@ -56,6 +49,18 @@ fn never_stored(name: &HeaderName) -> bool {
 }
 
 impl HeaderAllowList {
+    /// What the default list keeps: the headers that describe the body or point at what the
+    /// request made, so a replay reads as the first answer did.
+    pub const DESCRIBING_THE_BODY: [HeaderName; 7] = [
+        header::CONTENT_TYPE,
+        header::CONTENT_ENCODING,
+        header::VARY,
+        header::LOCATION,
+        header::CONTENT_LOCATION,
+        header::ETAG,
+        header::LINK,
+    ];
+
     /// Adds a header to keep; `Set-Cookie`, hop-by-hop headers and `Content-Length` are ignored.
     pub fn with(mut self, name: HeaderName) -> Self {
         if !never_stored(&name) && !self.0.contains(&name) {
@@ -349,16 +354,11 @@ mod tests {
     #[test]
     fn the_default_allow_list_keeps_what_describes_the_body() {
         let allow = HeaderAllowList::default();
-        for name in [
-            header::CONTENT_TYPE,
-            header::CONTENT_ENCODING,
-            header::VARY,
-            header::LOCATION,
-            header::CONTENT_LOCATION,
-            header::ETAG,
-            header::LINK,
-        ] {
+        for name in HeaderAllowList::DESCRIBING_THE_BODY {
             assert!(allow.allows(&name), "{name}");
+        }
+        for name in [header::DATE, header::SERVER, header::SET_COOKIE, header::CONTENT_LENGTH] {
+            assert!(!allow.allows(&name), "{name} describes one answer, not the body");
         }
     }
 

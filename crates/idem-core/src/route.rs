@@ -712,6 +712,13 @@ impl Routes {
 mod tests {
     use super::*;
 
+    /// Routes of `(pattern, rule)` rows, in order, each accepted.
+    fn routes<const N: usize>(rows: [(&str, RouteRule); N]) -> Routes {
+        rows.into_iter().fold(Routes::new(), |routes, (pattern, rule)| {
+            routes.with(pattern, rule).unwrap()
+        })
+    }
+
     /// The route a `POST` to `path` gets, under the default policy.
     fn pick(routes: &Routes, path: &str) -> Result<Option<usize>, PathAmbiguous> {
         routes.choose(&http::Method::POST, path, &Policy::default())
@@ -800,10 +807,7 @@ mod tests {
         ];
         for (first, second) in shadowed {
             assert!(pattern(first).covers(&pattern(second)), "{first} covers {second}");
-            let refused = Routes::new()
-                .with(first, RouteRule::PassThrough)
-                .unwrap()
-                .with(second, RouteRule::PassThrough);
+            let refused = routes([(first, RouteRule::PassThrough)]).with(second, RouteRule::PassThrough);
             assert!(
                 matches!(refused, Err(RouteError::Shadowed { .. })),
                 "{first} then {second}"
@@ -827,11 +831,10 @@ mod tests {
 
     #[test]
     fn the_first_matching_route_wins_and_policies_are_checked() {
-        let routes = Routes::new()
-            .with("/payments/refunds", RouteRule::PassThrough)
-            .unwrap()
-            .with("/payments/*", RouteRule::Protect(Policy::default()))
-            .unwrap();
+        let routes = routes([
+            ("/payments/refunds", RouteRule::PassThrough),
+            ("/payments/*", RouteRule::Protect(Policy::default())),
+        ]);
         assert_eq!(pick(&routes, "/payments/refunds"), Ok(Some(0)));
         assert_eq!(pick(&routes, "/payments/p1"), Ok(Some(1)));
         assert_eq!(pick(&routes, "/other"), Ok(None));
@@ -893,15 +896,12 @@ mod tests {
             missing_key: crate::MissingKeyPolicy::Require,
             ..Policy::default()
         };
-        Routes::new()
-            .with("/payments/{id}", RouteRule::Protect(require))
-            .unwrap()
-            .with("/payments/*", RouteRule::PassThrough)
-            .unwrap()
-            .with("/webhooks/*", RouteRule::PassThrough)
-            .unwrap()
-            .with("/orders/*", RouteRule::Protect(Policy::default()))
-            .unwrap()
+        routes([
+            ("/payments/{id}", RouteRule::Protect(require)),
+            ("/payments/*", RouteRule::PassThrough),
+            ("/webhooks/*", RouteRule::PassThrough),
+            ("/orders/*", RouteRule::Protect(Policy::default())),
+        ])
     }
 
     #[test]
@@ -978,11 +978,10 @@ mod tests {
 
     #[test]
     fn a_dot_segment_or_a_backslash_never_walks_a_path_out_of_its_protection() {
-        let routes = Routes::new()
-            .with("/payments/*", RouteRule::Protect(Policy::default()))
-            .unwrap()
-            .with("/webhooks/*", RouteRule::PassThrough)
-            .unwrap();
+        let routes = routes([
+            ("/payments/*", RouteRule::Protect(Policy::default())),
+            ("/webhooks/*", RouteRule::PassThrough),
+        ]);
         // Read literally (Express, Node's http), these are under /payments/*; resolved, under the
         // pass-through route. Protection wins.
         for path in [
@@ -1006,11 +1005,10 @@ mod tests {
             methods: vec![http::Method::POST],
             ..Policy::default()
         };
-        let routes = Routes::new()
-            .with("/orders/{id}", RouteRule::Protect(post_only))
-            .unwrap()
-            .with("/*", RouteRule::Protect(Policy::default()))
-            .unwrap();
+        let routes = routes([
+            ("/orders/{id}", RouteRule::Protect(post_only)),
+            ("/*", RouteRule::Protect(Policy::default())),
+        ]);
         let patch = |path| routes.choose(&http::Method::PATCH, path, &Policy::default());
         // Read as sent, `//orders/7` is the catch-all's (which protects PATCH); normalised, it is
         // /orders/{id}, which does not: the protection wins.
@@ -1026,11 +1024,10 @@ mod tests {
 
     #[test]
     fn the_asterisk_form_gets_the_catch_all() {
-        let catch_all = Routes::new()
-            .with("/pay", RouteRule::PassThrough)
-            .unwrap()
-            .with("/*", RouteRule::Protect(Policy::default()))
-            .unwrap();
+        let catch_all = routes([
+            ("/pay", RouteRule::PassThrough),
+            ("/*", RouteRule::Protect(Policy::default())),
+        ]);
         assert_eq!(pick(&catch_all, "*"), Ok(Some(1)));
         let passing = Routes::new().with("/*", RouteRule::PassThrough).unwrap();
         assert_eq!(pick(&passing, "*"), Ok(Some(0)));
@@ -1039,12 +1036,8 @@ mod tests {
 
     #[test]
     fn the_settings_add_what_the_upstream_reads() {
-        let pay = |readings| {
-            Routes::new()
-                .with("/Payments/{id}", RouteRule::Protect(Policy::default()))
-                .unwrap()
-                .with_readings(readings)
-        };
+        let pay =
+            |readings| routes([("/Payments/{id}", RouteRule::Protect(Policy::default()))]).with_readings(readings);
         let standard = pay(PathReadings::default());
         assert_eq!(pick(&standard, "/payments/1"), Ok(None));
         assert_eq!(

@@ -12,7 +12,7 @@ use http::request::Parts;
 ///
 /// Values are prefixed by their source (`cred-mac:`, `header:`, `app:`) so that two sources can
 /// never produce the same scope.
-#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Scope(Box<str>);
 
 impl Scope {
@@ -57,12 +57,6 @@ impl Scope {
             Ok(text) => Self(format!("header:{text}").into()),
             Err(_) => Self(format!("header-bytes:{}", hex(value)).into()),
         }
-    }
-}
-
-impl fmt::Debug for Scope {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_tuple("Scope").field(&self.0).finish()
     }
 }
 

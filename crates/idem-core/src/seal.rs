@@ -233,10 +233,7 @@ mod tests {
     const B: &str = "b:HxwdHhsaGRgXFhUUExIREA8ODQwLCgkIBwYFBAMCAQA=";
 
     fn record(key: &str) -> RecordId {
-        RecordId {
-            scope: Scope::application("tenant"),
-            key: IdempotencyKey::new(key).unwrap(),
-        }
+        RecordId::new(Scope::application("tenant"), IdempotencyKey::new(key).unwrap())
     }
 
     #[test]

@@ -492,6 +492,11 @@ mod tests {
 
     const FORGET: Keep = Keep::Release(Release::Forget);
 
+    /// How a run that ended so is settled at `NOW_MS`.
+    fn settle(policy: &Policy, run: Run, end: RunEnd<'_>) -> Settlement {
+        decide(policy, UnixMillis::from_i64(NOW_MS), run, end)
+    }
+
     #[test]
     fn every_ending_of_a_run_is_settled_as_the_table_says() {
         let policy = Policy::default();
@@ -527,7 +532,7 @@ mod tests {
             (RunEnd::CallerLeft, FORGET, None),
         ];
         for (end, keep, status) in table {
-            let settled = decide(&policy, UnixMillis::from_i64(NOW_MS), run(false, false), end);
+            let settled = settle(&policy, run(false, false), end);
             assert_eq!(settled.keep, keep, "{end:?}");
             assert_eq!(settled.status.map(|s| s.as_u16()), status, "{end:?}");
             match (&settled.reply, status) {
@@ -551,7 +556,7 @@ mod tests {
                 RunEnd::NoAnswer(&not_sent),
                 RunEnd::CallerLeft,
             ] {
-                let settled = decide(&policy, UnixMillis::from_i64(NOW_MS), run(recovered, stepped), end);
+                let settled = settle(&policy, run(recovered, stepped), end);
                 assert_eq!(
                     settled.keep,
                     unknown(&policy),
@@ -559,12 +564,7 @@ mod tests {
                 );
             }
             // What is stored is stored, whatever came before.
-            let settled = decide(
-                &policy,
-                UnixMillis::from_i64(NOW_MS),
-                run(recovered, stepped),
-                answered(200, Some(1)),
-            );
+            let settled = settle(&policy, run(recovered, stepped), answered(200, Some(1)));
             assert_eq!(settled.keep, Keep::Store);
         }
     }
@@ -586,13 +586,13 @@ mod tests {
                 in_transaction: true,
                 ..run(false, false)
             };
-            let settled = decide(&policy, UnixMillis::from_i64(NOW_MS), in_transaction, end);
+            let settled = settle(&policy, in_transaction, end);
             assert_eq!(settled.keep, FORGET, "{end:?}: its transaction committed nothing");
             let stepped = Run {
                 in_transaction: true,
                 ..run(false, true)
             };
-            let settled = decide(&policy, UnixMillis::from_i64(NOW_MS), stepped, end);
+            let settled = settle(&policy, stepped, end);
             assert_eq!(settled.keep, unknown(&policy), "{end:?}: a recorded step stands");
         }
     }
@@ -603,12 +603,7 @@ mod tests {
             store_5xx: true,
             ..Policy::default()
         };
-        let settled = decide(
-            &policy,
-            UnixMillis::from_i64(NOW_MS),
-            run(false, false),
-            answered(500, Some(3)),
-        );
+        let settled = settle(&policy, run(false, false), answered(500, Some(3)));
         assert_eq!(settled.keep, Keep::Store);
     }
 

@@ -497,10 +497,7 @@ mod tests {
     #[test]
     fn the_records_of_the_claim_rules_are_well_formed() {
         for case in claim_rule_cases() {
-            let id = RecordId {
-                scope: crate::Scope::shared(),
-                key: crate::IdempotencyKey::new("rule").unwrap(),
-            };
+            let id = RecordId::new(crate::Scope::shared(), crate::IdempotencyKey::new("rule").unwrap());
             let record = case.record.clone().into_record(id);
             assert!(record.is_ok(), "{}: {record:?}", case.why);
         }
@@ -508,10 +505,7 @@ mod tests {
 
     #[test]
     fn an_unknown_record_without_expires_at_expires_at_its_purge_at() {
-        let id = RecordId {
-            scope: crate::Scope::shared(),
-            key: crate::IdempotencyKey::new("old").unwrap(),
-        };
+        let id = RecordId::new(crate::Scope::shared(), crate::IdempotencyKey::new("old").unwrap());
         let fingerprint = Fingerprint::of(
             &http::Method::POST,
             &"/pay".parse().unwrap(),

@@ -393,34 +393,23 @@ mod tests {
     fn states_are_judged_at_now() {
         let at = UnixMillis::from_i64;
         let now = at(100);
-        assert_eq!(
-            ListedState::at("in-flight", Some(at(50)), Some(at(200)), false, now),
-            Some(ListedState::InFlight)
-        );
-        assert_eq!(
-            ListedState::at("completed", Some(at(150)), Some(at(200)), true, now),
-            Some(ListedState::Completed)
-        );
-        assert_eq!(
-            ListedState::at("completed", Some(at(100)), Some(at(200)), true, now),
-            Some(ListedState::Tombstone)
-        );
-        assert_eq!(
-            ListedState::at("completed", Some(at(150)), Some(at(200)), false, now),
-            Some(ListedState::Tombstone)
-        );
-        assert_eq!(
-            ListedState::at("unknown", Some(at(150)), Some(at(200)), false, now),
-            Some(ListedState::Unknown)
-        );
-        assert_eq!(
-            ListedState::at("unknown", None, Some(at(200)), false, now),
-            Some(ListedState::Unknown)
-        );
-        assert_eq!(
-            ListedState::at("unknown", Some(at(90)), Some(at(200)), false, now),
-            Some(ListedState::Tombstone)
-        );
+        // (stored state, expires_at, has an answer) -> what a listing shows at 100, purge_at 200
+        let cases = [
+            (("in-flight", Some(50), false), ListedState::InFlight),
+            (("completed", Some(150), true), ListedState::Completed),
+            (("completed", Some(100), true), ListedState::Tombstone),
+            (("completed", Some(150), false), ListedState::Tombstone),
+            (("unknown", Some(150), false), ListedState::Unknown),
+            (("unknown", None, false), ListedState::Unknown),
+            (("unknown", Some(90), false), ListedState::Tombstone),
+        ];
+        for ((state, expires_at, has_answer), shown) in cases {
+            assert_eq!(
+                ListedState::at(state, expires_at.map(at), Some(at(200)), has_answer, now),
+                Some(shown),
+                "{state}, expiring at {expires_at:?}, with an answer: {has_answer}"
+            );
+        }
         assert_eq!(ListedState::at("bogus", None, None, false, now), None);
         assert_eq!("tombstone".parse::<ListedState>(), Ok(ListedState::Tombstone));
         assert!(

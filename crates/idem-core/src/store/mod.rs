@@ -38,6 +38,11 @@ pub struct RecordId {
 }
 
 impl RecordId {
+    /// The record of `key` in `scope`.
+    pub fn new(scope: Scope, key: IdempotencyKey) -> Self {
+        Self { scope, key }
+    }
+
     /// The first 16 bytes of a SHA-256 of the scope (length-prefixed) and the key: short, stable
     /// across instances and versions, unambiguous, and it reveals neither.
     pub fn digest(&self) -> RecordDigest {

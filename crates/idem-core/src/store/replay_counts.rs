@@ -129,10 +129,7 @@ mod tests {
     use crate::{IdempotencyKey, Scope};
 
     fn id(key: &str) -> RecordId {
-        RecordId {
-            scope: Scope::from_stored("s"),
-            key: IdempotencyKey::new(key).unwrap(),
-        }
+        RecordId::new(Scope::from_stored("s"), IdempotencyKey::new(key).unwrap())
     }
 
     #[test]
