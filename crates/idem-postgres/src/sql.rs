@@ -58,18 +58,19 @@ macro_rules! locked_first {
 }
 
 /// A record past its `purge_at` is claimed anew, as if it were absent: nothing of it is kept,
-/// its checkpoints, origin, recovery and status included.
+/// its checkpoints, origin, recovery and status included. The new claim is $1 to $12, as for
+/// [`CLAIM`]; $13 is the notice to its waiters.
 pub(crate) const REPLACE: &str = "
 WITH replaced AS (
     UPDATE idem_records
     SET state = 'in-flight', fingerprint = $3, digest = $4, token = $5, lease_until = $6,
-        response = NULL, created_at = $7, completed_at = NULL, expires_at = $10,
+        response = NULL, created_at = $7, completed_at = NULL, expires_at = $9,
         purge_at = $8, replays = 0, checkpoint_names = '{}', checkpoint_values = '{}',
-        method = $11, path = $12, trace_id = $13, recovered = false, status = NULL
+        method = $10, path = $11, trace_id = $12, recovered = false, status = NULL
     WHERE scope = $1 AND key = $2
     RETURNING waiters
 )
-SELECT (SELECT pg_notify('idem_records', $9) WHERE replaced.waiters > 0) FROM replaced";
+SELECT (SELECT pg_notify('idem_records', $13) WHERE replaced.waiters > 0) FROM replaced";
 
 /// The checkpoints stay: the new run resumes from them. The new run has a ttl of its own, and the
 /// record names it: its trace id ($8) and whether it is recovered ($9). The method, path and

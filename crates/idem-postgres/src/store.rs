@@ -439,31 +439,29 @@ impl PostgresStore {
         let trace_id = request.origin.trace.map(|trace| trace.to_string());
         let identity = request.identity.map(|identity| identity.as_bytes().to_vec());
         let notice = payload(id);
+        // The new claim, as the insert (`CLAIM`, whose $13 is the identity the caller knows) and a
+        // replacement (`REPLACE`, whose $13 is the notice to its waiters) write it: $1 to $12.
+        let new_claim: [&(dyn ToSql + Sync); 12] = [
+            &scope,
+            &key,
+            &fingerprint,
+            &digest,
+            &token,
+            &lease_until,
+            &now,
+            &purge_at,
+            &expires_at,
+            &method,
+            &path,
+            &trace_id,
+        ];
+        let identity: &(dyn ToSql + Sync) = &identity;
+        let claim_params = [&new_claim[..], &[identity]].concat();
         for _ in 0..BEGIN_ATTEMPTS {
             // A new key and a replay, the common cases, are this one statement. No transaction
             // around it: it is atomic by itself, and a replay changes nothing but a count.
             let claim = client.prepare_cached(sql::CLAIM).await.map_err(db)?;
-            let row = client
-                .query_one(
-                    &claim,
-                    &[
-                        &scope,
-                        &key,
-                        &fingerprint,
-                        &digest,
-                        &token,
-                        &lease_until,
-                        &now,
-                        &purge_at,
-                        &expires_at,
-                        &method,
-                        &path,
-                        &trace_id,
-                        &identity,
-                    ],
-                )
-                .await
-                .map_err(db)?;
+            let row = client.query_one(&claim, &claim_params).await.map_err(db)?;
             if !row.try_get::<_, bool>(17).map_err(db)? {
                 return Err(StoreError::IdentityChanged);
             }
@@ -510,26 +508,9 @@ impl PostgresStore {
             let action = row.stored.on_begin(row.digest.as_slice() == digest, now);
             let begun = if action == Existing::Replace {
                 let replace = tx.prepare_cached(sql::REPLACE).await.map_err(db)?;
-                tx.query(
-                    &replace,
-                    &[
-                        &scope,
-                        &key,
-                        &fingerprint,
-                        &digest,
-                        &token,
-                        &lease_until,
-                        &now,
-                        &purge_at,
-                        &notice,
-                        &expires_at,
-                        &method,
-                        &path,
-                        &trace_id,
-                    ],
-                )
-                .await
-                .map_err(db)?;
+                tx.query(&replace, &[&new_claim[..], &[&notice]].concat())
+                    .await
+                    .map_err(db)?;
                 Begin::Acquired { recovered: false }
             } else {
                 if action == Existing::TakeOver {
