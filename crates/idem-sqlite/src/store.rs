@@ -25,7 +25,7 @@ use idem_core::{
         RecordId, Release, ScopeSalt, StoreIdentity, WaitOutcome,
     },
 };
-use rusqlite::{Connection, OptionalExtension, Transaction, params};
+use rusqlite::{Connection, OptionalExtension, ToSql, Transaction, params};
 
 use crate::conn::{Connections, db_error};
 use crate::decode::{self, StoredRow};
@@ -178,22 +178,14 @@ impl Store for SqliteStore {
         let owned = id.clone();
         self.conns
             .write(move |tx| {
-                let changed = tx
-                    .prepare_cached(sql::COMPLETE)
-                    .and_then(|mut stmt| {
-                        stmt.execute(params![
-                            owned.scope.as_str(),
-                            owned.key.as_str(),
-                            &token.as_bytes()[..],
-                            &completion.response[..],
-                            completion.completed_at.as_i64(),
-                            completion.expires_at.as_i64(),
-                            completion.purge_at.as_i64(),
-                            completion.status
-                        ])
-                    })
-                    .map_err(db_error)?;
-                fenced(changed)
+                let after_claim = params![
+                    &completion.response[..],
+                    completion.completed_at.as_i64(),
+                    completion.expires_at.as_i64(),
+                    completion.purge_at.as_i64(),
+                    completion.status
+                ];
+                change_claim(tx, sql::COMPLETE, &owned, token, after_claim)
             })
             .await?;
         self.wake(id);
@@ -217,20 +209,12 @@ impl Store for SqliteStore {
     async fn release(&self, id: &RecordId, token: FencingToken, release: Release) -> Result<(), StoreError> {
         let owned = id.clone();
         self.conns
-            .write(move |tx| {
-                let (scope, key, token) = (owned.scope.as_str(), owned.key.as_str(), &token.as_bytes()[..]);
-                let changed = match release {
-                    Release::Forget => tx
-                        .prepare_cached(sql::FORGET)
-                        .and_then(|mut stmt| stmt.execute(params![scope, key, token])),
-                    Release::Unknown { expires_at, purge_at } => {
-                        tx.prepare_cached(sql::RELEASE_UNKNOWN).and_then(|mut stmt| {
-                            stmt.execute(params![scope, key, token, expires_at.as_i64(), purge_at.as_i64()])
-                        })
-                    }
+            .write(move |tx| match release {
+                Release::Forget => change_claim(tx, sql::FORGET, &owned, token, params![]),
+                Release::Unknown { expires_at, purge_at } => {
+                    let after_claim = params![expires_at.as_i64(), purge_at.as_i64()];
+                    change_claim(tx, sql::RELEASE_UNKNOWN, &owned, token, after_claim)
                 }
-                .map_err(db_error)?;
-                fenced(changed)
             })
             .await?;
         self.wake(id);
@@ -241,19 +225,8 @@ impl Store for SqliteStore {
         let id = id.clone();
         self.conns
             .write(move |tx| {
-                let changed = tx
-                    .prepare_cached(sql::RENEW)
-                    .and_then(|mut stmt| {
-                        stmt.execute(params![
-                            id.scope.as_str(),
-                            id.key.as_str(),
-                            &token.as_bytes()[..],
-                            lease_until.as_i64(),
-                            abandoned_purge_at(lease_until)
-                        ])
-                    })
-                    .map_err(db_error)?;
-                fenced(changed)
+                let after_claim = params![lease_until.as_i64(), abandoned_purge_at(lease_until)];
+                change_claim(tx, sql::RENEW, &id, token, after_claim)
             })
             .await
     }
@@ -431,6 +404,25 @@ async fn write_replays(conns: Option<Arc<Connections>>, counts: HashMap<RecordId
 /// A compare-and-set that changed nothing lost its claim.
 fn fenced(changed: usize) -> Result<(), StoreError> {
     if changed == 0 { Err(StoreError::Fenced) } else { Ok(()) }
+}
+
+/// Runs `sql`, a compare-and-set on the claim `token` of `id` (its scope, key and token are `?1`
+/// to `?3`, `after_claim` the parameters from `?4` on), in `tx`: fenced if it changed nothing.
+fn change_claim(
+    tx: &Transaction<'_>,
+    sql: &str,
+    id: &RecordId,
+    token: FencingToken,
+    after_claim: &[&dyn ToSql],
+) -> Result<(), StoreError> {
+    let (scope, key, token) = (id.scope.as_str(), id.key.as_str(), &token.as_bytes()[..]);
+    let mut params: Vec<&dyn ToSql> = vec![&scope, &key, &token];
+    params.extend_from_slice(after_claim);
+    let changed = tx
+        .prepare_cached(sql)
+        .and_then(|mut stmt| stmt.execute(&*params))
+        .map_err(db_error)?;
+    fenced(changed)
 }
 
 fn abandoned_purge_at(lease_until: UnixMillis) -> i64 {
