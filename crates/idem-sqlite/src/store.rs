@@ -462,28 +462,25 @@ fn begin_in(tx: &Transaction<'_>, id: RecordId, request: OwnedBegin) -> Result<(
     let (scope, key) = (id.scope.as_str(), id.key.as_str());
     let purge_at = claim_purge_at(purge_at, lease_until).as_i64();
     let expires_at = expires_at.as_i64();
+    // The new claim, as the insert and a replacement write it.
+    let (claim_token, claim_lease_until, created_at) = (token.as_bytes(), lease_until.as_i64(), now.as_i64());
+    let new_claim = params![
+        scope,
+        key,
+        fingerprint,
+        &digest[..],
+        &claim_token[..],
+        claim_lease_until,
+        created_at,
+        purge_at,
+        expires_at,
+        method,
+        path,
+        trace_id
+    ];
     let inserted = tx
         .prepare_cached(sql::CLAIM)
-        .and_then(|mut stmt| {
-            stmt.query_row(
-                params![
-                    scope,
-                    key,
-                    fingerprint,
-                    &digest[..],
-                    &token.as_bytes()[..],
-                    lease_until.as_i64(),
-                    now.as_i64(),
-                    purge_at,
-                    expires_at,
-                    method,
-                    path,
-                    trace_id
-                ],
-                |_| Ok(()),
-            )
-            .optional()
-        })
+        .and_then(|mut stmt| stmt.query_row(new_claim, |_| Ok(())).optional())
         .map_err(db_error)?;
     if inserted.is_some() {
         return Ok((Begin::Acquired { recovered: false }, false));
@@ -495,22 +492,7 @@ fn begin_in(tx: &Transaction<'_>, id: RecordId, request: OwnedBegin) -> Result<(
     let action = row.stored.on_begin(row.digest.as_slice() == digest.as_slice(), now);
     if action == Existing::Replace {
         tx.prepare_cached(sql::REPLACE)
-            .and_then(|mut stmt| {
-                stmt.execute(params![
-                    scope,
-                    key,
-                    fingerprint,
-                    &digest[..],
-                    &token.as_bytes()[..],
-                    lease_until.as_i64(),
-                    now,
-                    purge_at,
-                    expires_at,
-                    method,
-                    path,
-                    trace_id
-                ])
-            })
+            .and_then(|mut stmt| stmt.execute(new_claim))
             .map_err(db_error)?;
         return Ok((Begin::Acquired { recovered: false }, true));
     }
