@@ -624,6 +624,14 @@ mod tests {
     use bytes::Bytes;
     use idem_core::Fingerprint;
 
+    /// The record of `key` in the shared scope.
+    fn shared_id(key: &str) -> RecordId {
+        RecordId {
+            scope: idem_core::Scope::shared(),
+            key: idem_core::IdempotencyKey::new(key).unwrap(),
+        }
+    }
+
     fn plan(conn: &Connection, sql: &str) -> String {
         plan_with(conn, sql, params![0, 10])
     }
@@ -683,10 +691,7 @@ mod tests {
             SqliteStore::open(&path).await.unwrap(),
             SqliteStore::open(&path).await.unwrap(),
         );
-        let id = RecordId {
-            scope: idem_core::Scope::shared(),
-            key: idem_core::IdempotencyKey::new("wake").unwrap(),
-        };
+        let id = shared_id("wake");
         let fingerprint = Fingerprint::of(
             &http::Method::POST,
             &"/pay".parse().unwrap(),
@@ -744,10 +749,7 @@ mod tests {
     #[tokio::test]
     async fn a_corrupt_record_is_deleted_all_the_same() {
         let store = SqliteStore::open(":memory:").await.unwrap();
-        let id = RecordId {
-            scope: idem_core::Scope::shared(),
-            key: idem_core::IdempotencyKey::new("corrupt").unwrap(),
-        };
+        let id = shared_id("corrupt");
         store
             .conns
             .writer()
@@ -784,10 +786,7 @@ mod tests {
     #[tokio::test]
     async fn waiters_leave_no_registry_entries() {
         let store = SqliteStore::open(":memory:").await.unwrap();
-        let id = RecordId {
-            scope: idem_core::Scope::shared(),
-            key: idem_core::IdempotencyKey::new("registry").unwrap(),
-        };
+        let id = shared_id("registry");
         let deadline = Instant::now() + Duration::from_millis(20);
         let (a, b) = tokio::join!(
             store.wait(&id, FencingToken::random(), deadline),
