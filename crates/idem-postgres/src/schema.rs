@@ -687,3 +687,41 @@ async fn migrate(pool: &Pool, target: &str, schema: Option<&str>) -> Result<(), 
     tx.commit().await.map_err(failed("committing the migration"))?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use sha2::{Digest, Sha256};
+
+    use super::MIGRATIONS;
+
+    /// A released migration never changes, though its text is assembled from pieces that later
+    /// migrations share: a database that ran version N has exactly what a fresh one gets.
+    #[test]
+    fn released_migrations_never_change() {
+        // The SHA-256 of each version's text as released.
+        let released: &[(i32, &str)] = &[
+            (1, "04416637b14c78a3ec3f97d840b0a2f8724e5f9155941174be9abebad9925c5c"),
+            (2, "640ec4b6b62cfcfcad7e988ee546bb9d3266e2220871e16b7d2ac541a571184f"),
+            (3, "0ce1c4ad8fa2bafcfb6bcb8f0b68a0eaaa1d028ebac5e2c1e92dee1a44ee90c2"),
+            (4, "bffaeef50a0602192ef3bc28502495cfa530c49d09449806284002457f96649b"),
+            (5, "42878489eeb180280fa3a5c6935c5108934afa236c4b209f6e8f3e25d319986e"),
+            (6, "a9ec8e85db380fd6d9a5b7ca6988407af56a1085fd985bc67d5341639205b3d7"),
+            (7, "cbfb2aa4c5df5297e5d1374e1ce3c1db9060d2a138dd8b8d6d9a796b3c41538f"),
+            (8, "a03166c98ab92a11826aa5348b88b23e049f912f7bb2d2329498b7d2dd07dec8"),
+            (9, "c09563ea556105849cfe540eac454cfeea3c5d7bf471b7075ffb911d81bf8910"),
+            (10, "7c790d2f373d4cfb49d93e398a16befc179c4198c64d0119c14c7bb5f3b9e5da"),
+        ];
+        let texts: Vec<(i32, String)> = MIGRATIONS
+            .iter()
+            .map(|&(version, sql)| {
+                let digest = Sha256::digest(sql.as_bytes());
+                (version, digest.iter().map(|byte| format!("{byte:02x}")).collect())
+            })
+            .collect();
+        let released: Vec<(i32, String)> = released.iter().map(|&(v, d)| (v, d.to_owned())).collect();
+        assert_eq!(
+            texts, released,
+            "a released migration's text changed: add a new migration instead"
+        );
+    }
+}
