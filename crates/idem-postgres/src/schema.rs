@@ -12,6 +12,211 @@ use crate::{PostgresError, privileges};
 /// for the whole database: migrations are rare and short, and schemas are created under it too.
 const MIGRATION_LOCK: i64 = 0x6964_656d_0000_0001;
 
+// The texts that several migrations write alike, each once. A released migration never changes:
+// these pieces are what the migrations were released with, and each migration's text is the one
+// it was (version 10's first `idem_complete_claim` aside, whose `SET` is laid out as the others').
+
+/// The `ALTER FUNCTION` that pins `$function`'s `search_path` to the schema that holds the tables
+/// now (not to a `search_path` whose `"$user"` would be the caller's own schema), then `pg_temp`,
+/// so that no caller's objects stand in for them.
+macro_rules! pin {
+    ($function:literal) => {
+        concat!(
+            "DO $pin$ BEGIN
+    EXECUTE format(
+        'ALTER FUNCTION ",
+            $function,
+            " SET search_path = %I, pg_temp',
+        current_schema()
+    );
+END $pin$;
+"
+        )
+    };
+}
+
+/// `idem_complete_claim`, made with `$create` (`"CREATE"` or `"CREATE OR REPLACE"`): the eight
+/// arguments of version 5 (`without status`), or with the answer's status as a ninth (`with
+/// status`, version 7). A claim that is not current runs `$lost`: [`claim_not_current!`] until
+/// version 10, `idem_claim_lost` since.
+macro_rules! complete_claim {
+    (@ $create:literal, $status_parameter:literal, $status_set:literal, $lost:expr) => {
+        concat!(
+            $create,
+            " FUNCTION idem_complete_claim(
+    p_scope TEXT, p_key TEXT, p_token BYTEA, p_response BYTEA,
+    p_completed_at BIGINT, p_expires_at BIGINT, p_purge_at BIGINT, p_notice TEXT",
+            $status_parameter,
+            "
+) RETURNS void
+LANGUAGE plpgsql
+AS $fn$
+DECLARE
+    woken INTEGER;
+BEGIN
+    IF p_response IS NULL OR p_completed_at IS NULL OR p_expires_at IS NULL OR p_purge_at IS NULL THEN
+        RAISE EXCEPTION 'idem: a completion needs an answer and its times' USING ERRCODE = 'IDEM2';
+    END IF;
+    -- Never kept for less than the claim itself promised (its ttl and tombstone from the claim).
+    UPDATE idem_records
+    SET state = 'completed', lease_until = NULL, response = p_response,",
+            $status_set,
+            "
+        completed_at = p_completed_at, expires_at = GREATEST(p_expires_at, expires_at),
+        purge_at = GREATEST(p_purge_at, purge_at), checkpoint_names = '{}', checkpoint_values = '{}'
+    WHERE scope = p_scope AND key = p_key AND token = p_token AND state = 'in-flight'
+    RETURNING waiters INTO woken;
+    IF NOT FOUND THEN
+        ",
+            $lost,
+            "
+    END IF;
+    IF woken > 0 THEN
+        PERFORM pg_notify('idem_records', p_notice);
+    END IF;
+END
+$fn$;
+"
+        )
+    };
+    ($create:literal, without status, $lost:expr) => {
+        complete_claim!(@ $create, "", "", $lost)
+    };
+    ($create:literal, with status, $lost:expr) => {
+        complete_claim!(@ $create, ", p_status INTEGER", " status = p_status,", $lost)
+    };
+}
+
+/// What `idem_complete_claim` did with a claim that is not current before version 10: one
+/// `IDEM1` for every cause.
+macro_rules! claim_not_current {
+    () => {
+        "RAISE EXCEPTION 'idem: the claim on this record is no longer current (its lease ran out and another run took the key, or it was deleted)'
+            USING ERRCODE = 'IDEM1',
+                  HINT = 'this transaction must not commit: the run that holds the key now answers the client';"
+    };
+}
+
+/// The variables of `idem_complete` (`jsonb` headers) that every version declares: the token's
+/// fields, the database's clock, and the stored headers with their count.
+macro_rules! complete_variables {
+    () => {
+        r"    parts   TEXT[] := string_to_array(p_token, '.');
+    v_scope TEXT;
+    v_key   TEXT;
+    v_token BYTEA;
+    v_ttl   BIGINT;
+    v_keep  BIGINT;
+    v_now   BIGINT := (extract(epoch FROM clock_timestamp()) * 1000)::bigint;
+    v_heads BYTEA := '\x'::bytea;
+    v_count INTEGER := 0;
+"
+    };
+}
+
+/// `idem_complete` refuses the statuses that are not stored (`IDEM2`).
+macro_rules! complete_status_check {
+    () => {
+        "    IF p_status IS NULL OR p_status < 200 OR p_status > 499 OR p_status IN (408, 409, 425, 429) THEN
+        RAISE EXCEPTION 'idem: a % answer is not stored (a retry runs the request again); do not complete with it', p_status
+            USING ERRCODE = 'IDEM2';
+    END IF;
+"
+    };
+}
+
+/// The start of `idem_complete`'s loop over the headers of the default allow-list, one value at a
+/// time, refusing a value that is not a string or not a valid header value (`IDEM2`).
+macro_rules! complete_headers_loop {
+    () => {
+        r"    FOR h IN
+        SELECT lower(e.key) AS name, v.value #>> '{}' AS value, jsonb_typeof(v.value) AS kind
+        FROM jsonb_each(COALESCE(p_headers, '{}'::jsonb)) AS e,
+             LATERAL jsonb_array_elements(
+                 CASE jsonb_typeof(e.value) WHEN 'array' THEN e.value ELSE jsonb_build_array(e.value) END
+             ) AS v(value)
+        WHERE lower(e.key) IN ('content-type', 'content-encoding', 'vary', 'location', 'content-location', 'etag', 'link')
+    LOOP
+        IF h.kind <> 'string' THEN
+            RAISE EXCEPTION 'idem: the value of header % must be a string (or an array of strings), not %', h.name, h.kind
+                USING ERRCODE = 'IDEM2';
+        END IF;
+        IF h.value ~ '[\x01-\x08\x0a-\x1f\x7f]' THEN
+            RAISE EXCEPTION 'idem: the value of header % is not a valid header value', h.name USING ERRCODE = 'IDEM2';
+        END IF;
+"
+    };
+}
+
+/// The end of `idem_complete`: the header appended in idem's stored form, then the record
+/// completed through `idem_complete_claim` with the answer in that form, on the database's clock
+/// (with the status as its last argument, `$status`, since version 7).
+macro_rules! complete_the_claim {
+    ($status:literal) => {
+        concat!(
+            r"        v_heads := v_heads
+            || int4send(octet_length(h.name)) || convert_to(h.name, 'UTF8')
+            || int4send(octet_length(convert_to(h.value, 'UTF8'))) || convert_to(h.value, 'UTF8');
+        v_count := v_count + 1;
+    END LOOP;
+    PERFORM idem_complete_claim(
+        v_scope, v_key, v_token,
+        '\x4944523100'::bytea || int2send(p_status::smallint) || int2send(v_count::smallint) || v_heads
+            || COALESCE(p_body, '\x'::bytea),
+        v_now, v_now + v_ttl, v_now + v_keep,
+        encode(substr(sha256(int8send(octet_length(v_scope)::bigint) || convert_to(v_scope, 'UTF8')
+            || convert_to(v_key, 'UTF8')), 1, 16), 'hex')",
+            $status,
+            "
+    );
+END
+$fn$;
+"
+        )
+    };
+}
+
+/// `idem_complete` (`jsonb` headers) as versions 6 and 7 made it (`$create`): a token that does not
+/// read is one `IDEM3`, and `$status` as in [`complete_the_claim!`].
+macro_rules! complete_before_10 {
+    ($create:literal, $status:literal) => {
+        concat!(
+            $create,
+            " FUNCTION idem_complete(p_token TEXT, p_status INTEGER, p_headers JSONB, p_body BYTEA)
+RETURNS void
+LANGUAGE plpgsql
+AS $fn$
+DECLARE
+",
+            complete_variables!(),
+            "    h       RECORD;
+BEGIN
+    IF p_token IS NULL OR cardinality(parts) <> 6 OR parts[1] <> 'idem1' THEN
+        RAISE EXCEPTION 'idem: this is not an Idempotency-Token' USING ERRCODE = 'IDEM3';
+    END IF;
+    BEGIN
+        v_scope := convert_from(decode(parts[2], 'hex'), 'UTF8');
+        v_key := convert_from(decode(parts[3], 'hex'), 'UTF8');
+        v_token := decode(parts[4], 'hex');
+        v_ttl := parts[5]::bigint;
+        v_keep := parts[6]::bigint;
+    EXCEPTION WHEN OTHERS THEN
+        RAISE EXCEPTION 'idem: this is not an Idempotency-Token' USING ERRCODE = 'IDEM3';
+    END;
+",
+            complete_status_check!(),
+            "    IF p_headers IS NOT NULL AND jsonb_typeof(p_headers) <> 'object' THEN
+        RAISE EXCEPTION 'idem: headers must be a JSON object of names to a value or an array of values'
+            USING ERRCODE = 'IDEM2';
+    END IF;
+",
+            complete_headers_loop!(),
+            complete_the_claim!($status),
+            pin!("idem_complete(TEXT, INTEGER, JSONB, BYTEA)"),
+        )
+    };
+}
+
 /// The migrations, in order. A released migration never changes: a change is a new one.
 ///
 /// 1. `idem_records`, with its indexes on the two retention deadlines.
@@ -125,122 +330,18 @@ ALTER TABLE idem_records ADD COLUMN waiters INTEGER NOT NULL DEFAULT 0;
     ),
     (
         5,
-        "
-CREATE FUNCTION idem_complete_claim(
-    p_scope TEXT, p_key TEXT, p_token BYTEA, p_response BYTEA,
-    p_completed_at BIGINT, p_expires_at BIGINT, p_purge_at BIGINT, p_notice TEXT
-) RETURNS void
-LANGUAGE plpgsql
-AS $fn$
-DECLARE
-    woken INTEGER;
-BEGIN
-    IF p_response IS NULL OR p_completed_at IS NULL OR p_expires_at IS NULL OR p_purge_at IS NULL THEN
-        RAISE EXCEPTION 'idem: a completion needs an answer and its times' USING ERRCODE = 'IDEM2';
-    END IF;
-    -- Never kept for less than the claim itself promised (its ttl and tombstone from the claim).
-    UPDATE idem_records
-    SET state = 'completed', lease_until = NULL, response = p_response,
-        completed_at = p_completed_at, expires_at = GREATEST(p_expires_at, expires_at),
-        purge_at = GREATEST(p_purge_at, purge_at), checkpoint_names = '{}', checkpoint_values = '{}'
-    WHERE scope = p_scope AND key = p_key AND token = p_token AND state = 'in-flight'
-    RETURNING waiters INTO woken;
-    IF NOT FOUND THEN
-        RAISE EXCEPTION 'idem: the claim on this record is no longer current (its lease ran out and another run took the key, or it was deleted)'
-            USING ERRCODE = 'IDEM1',
-                  HINT = 'this transaction must not commit: the run that holds the key now answers the client';
-    END IF;
-    IF woken > 0 THEN
-        PERFORM pg_notify('idem_records', p_notice);
-    END IF;
-END
-$fn$;
--- Pinned to the schema that holds the tables now (not to a search_path whose \"$user\" would be
+        concat!(
+            "\n",
+            complete_claim!("CREATE", without status, claim_not_current!()),
+            "-- Pinned to the schema that holds the tables now (not to a search_path whose \"$user\" would be
 -- the caller's own schema), then pg_temp, so that no caller's objects stand in for them.
-DO $pin$ BEGIN
-    EXECUTE format(
-        'ALTER FUNCTION idem_complete_claim(TEXT, TEXT, BYTEA, BYTEA, BIGINT, BIGINT, BIGINT, TEXT) SET search_path = %I, pg_temp',
-        current_schema()
-    );
-END $pin$;
 ",
+            pin!("idem_complete_claim(TEXT, TEXT, BYTEA, BYTEA, BIGINT, BIGINT, BIGINT, TEXT)"),
+        ),
     ),
     (
         6,
-        r#"
-CREATE FUNCTION idem_complete(p_token TEXT, p_status INTEGER, p_headers JSONB, p_body BYTEA)
-RETURNS void
-LANGUAGE plpgsql
-AS $fn$
-DECLARE
-    parts   TEXT[] := string_to_array(p_token, '.');
-    v_scope TEXT;
-    v_key   TEXT;
-    v_token BYTEA;
-    v_ttl   BIGINT;
-    v_keep  BIGINT;
-    v_now   BIGINT := (extract(epoch FROM clock_timestamp()) * 1000)::bigint;
-    v_heads BYTEA := '\x'::bytea;
-    v_count INTEGER := 0;
-    h       RECORD;
-BEGIN
-    IF p_token IS NULL OR cardinality(parts) <> 6 OR parts[1] <> 'idem1' THEN
-        RAISE EXCEPTION 'idem: this is not an Idempotency-Token' USING ERRCODE = 'IDEM3';
-    END IF;
-    BEGIN
-        v_scope := convert_from(decode(parts[2], 'hex'), 'UTF8');
-        v_key := convert_from(decode(parts[3], 'hex'), 'UTF8');
-        v_token := decode(parts[4], 'hex');
-        v_ttl := parts[5]::bigint;
-        v_keep := parts[6]::bigint;
-    EXCEPTION WHEN OTHERS THEN
-        RAISE EXCEPTION 'idem: this is not an Idempotency-Token' USING ERRCODE = 'IDEM3';
-    END;
-    IF p_status IS NULL OR p_status < 200 OR p_status > 499 OR p_status IN (408, 409, 425, 429) THEN
-        RAISE EXCEPTION 'idem: a % answer is not stored (a retry runs the request again); do not complete with it', p_status
-            USING ERRCODE = 'IDEM2';
-    END IF;
-    IF p_headers IS NOT NULL AND jsonb_typeof(p_headers) <> 'object' THEN
-        RAISE EXCEPTION 'idem: headers must be a JSON object of names to a value or an array of values'
-            USING ERRCODE = 'IDEM2';
-    END IF;
-    FOR h IN
-        SELECT lower(e.key) AS name, v.value #>> '{}' AS value, jsonb_typeof(v.value) AS kind
-        FROM jsonb_each(COALESCE(p_headers, '{}'::jsonb)) AS e,
-             LATERAL jsonb_array_elements(
-                 CASE jsonb_typeof(e.value) WHEN 'array' THEN e.value ELSE jsonb_build_array(e.value) END
-             ) AS v(value)
-        WHERE lower(e.key) IN ('content-type', 'content-encoding', 'vary', 'location', 'content-location', 'etag', 'link')
-    LOOP
-        IF h.kind <> 'string' THEN
-            RAISE EXCEPTION 'idem: the value of header % must be a string (or an array of strings), not %', h.name, h.kind
-                USING ERRCODE = 'IDEM2';
-        END IF;
-        IF h.value ~ '[\x01-\x08\x0a-\x1f\x7f]' THEN
-            RAISE EXCEPTION 'idem: the value of header % is not a valid header value', h.name USING ERRCODE = 'IDEM2';
-        END IF;
-        v_heads := v_heads
-            || int4send(octet_length(h.name)) || convert_to(h.name, 'UTF8')
-            || int4send(octet_length(convert_to(h.value, 'UTF8'))) || convert_to(h.value, 'UTF8');
-        v_count := v_count + 1;
-    END LOOP;
-    PERFORM idem_complete_claim(
-        v_scope, v_key, v_token,
-        '\x4944523100'::bytea || int2send(p_status::smallint) || int2send(v_count::smallint) || v_heads
-            || COALESCE(p_body, '\x'::bytea),
-        v_now, v_now + v_ttl, v_now + v_keep,
-        encode(substr(sha256(int8send(octet_length(v_scope)::bigint) || convert_to(v_scope, 'UTF8')
-            || convert_to(v_key, 'UTF8')), 1, 16), 'hex')
-    );
-END
-$fn$;
-DO $pin$ BEGIN
-    EXECUTE format(
-        'ALTER FUNCTION idem_complete(TEXT, INTEGER, JSONB, BYTEA) SET search_path = %I, pg_temp',
-        current_schema()
-    );
-END $pin$;
-"#,
+        concat!("\n", complete_before_10!("CREATE", "")),
     ),
     (
         7,
@@ -250,7 +351,8 @@ END $pin$;
         // CONCURRENTLY idem_records_created_at ON idem_records (created_at)`, and this skips it.
         // `CREATE OR REPLACE` keeps `idem_complete`'s grants, and drops its pinned `search_path`,
         // which is pinned again.
-        r#"
+        concat!(
+            "
 ALTER TABLE idem_records
     ADD COLUMN method    TEXT    NOT NULL DEFAULT '',
     ADD COLUMN path      TEXT    NOT NULL DEFAULT '',
@@ -258,36 +360,9 @@ ALTER TABLE idem_records
     ADD COLUMN recovered BOOLEAN NOT NULL DEFAULT false,
     ADD COLUMN status    INTEGER;
 CREATE INDEX IF NOT EXISTS idem_records_created_at ON idem_records (created_at);
-CREATE FUNCTION idem_complete_claim(
-    p_scope TEXT, p_key TEXT, p_token BYTEA, p_response BYTEA,
-    p_completed_at BIGINT, p_expires_at BIGINT, p_purge_at BIGINT, p_notice TEXT, p_status INTEGER
-) RETURNS void
-LANGUAGE plpgsql
-AS $fn$
-DECLARE
-    woken INTEGER;
-BEGIN
-    IF p_response IS NULL OR p_completed_at IS NULL OR p_expires_at IS NULL OR p_purge_at IS NULL THEN
-        RAISE EXCEPTION 'idem: a completion needs an answer and its times' USING ERRCODE = 'IDEM2';
-    END IF;
-    -- Never kept for less than the claim itself promised (its ttl and tombstone from the claim).
-    UPDATE idem_records
-    SET state = 'completed', lease_until = NULL, response = p_response, status = p_status,
-        completed_at = p_completed_at, expires_at = GREATEST(p_expires_at, expires_at),
-        purge_at = GREATEST(p_purge_at, purge_at), checkpoint_names = '{}', checkpoint_values = '{}'
-    WHERE scope = p_scope AND key = p_key AND token = p_token AND state = 'in-flight'
-    RETURNING waiters INTO woken;
-    IF NOT FOUND THEN
-        RAISE EXCEPTION 'idem: the claim on this record is no longer current (its lease ran out and another run took the key, or it was deleted)'
-            USING ERRCODE = 'IDEM1',
-                  HINT = 'this transaction must not commit: the run that holds the key now answers the client';
-    END IF;
-    IF woken > 0 THEN
-        PERFORM pg_notify('idem_records', p_notice);
-    END IF;
-END
-$fn$;
-DO $pin$
+",
+            complete_claim!("CREATE", with status, claim_not_current!()),
+            "DO $pin$
 DECLARE
     grantee TEXT;
 BEGIN
@@ -313,80 +388,9 @@ BEGIN
         );
     END LOOP;
 END $pin$;
-CREATE OR REPLACE FUNCTION idem_complete(p_token TEXT, p_status INTEGER, p_headers JSONB, p_body BYTEA)
-RETURNS void
-LANGUAGE plpgsql
-AS $fn$
-DECLARE
-    parts   TEXT[] := string_to_array(p_token, '.');
-    v_scope TEXT;
-    v_key   TEXT;
-    v_token BYTEA;
-    v_ttl   BIGINT;
-    v_keep  BIGINT;
-    v_now   BIGINT := (extract(epoch FROM clock_timestamp()) * 1000)::bigint;
-    v_heads BYTEA := '\x'::bytea;
-    v_count INTEGER := 0;
-    h       RECORD;
-BEGIN
-    IF p_token IS NULL OR cardinality(parts) <> 6 OR parts[1] <> 'idem1' THEN
-        RAISE EXCEPTION 'idem: this is not an Idempotency-Token' USING ERRCODE = 'IDEM3';
-    END IF;
-    BEGIN
-        v_scope := convert_from(decode(parts[2], 'hex'), 'UTF8');
-        v_key := convert_from(decode(parts[3], 'hex'), 'UTF8');
-        v_token := decode(parts[4], 'hex');
-        v_ttl := parts[5]::bigint;
-        v_keep := parts[6]::bigint;
-    EXCEPTION WHEN OTHERS THEN
-        RAISE EXCEPTION 'idem: this is not an Idempotency-Token' USING ERRCODE = 'IDEM3';
-    END;
-    IF p_status IS NULL OR p_status < 200 OR p_status > 499 OR p_status IN (408, 409, 425, 429) THEN
-        RAISE EXCEPTION 'idem: a % answer is not stored (a retry runs the request again); do not complete with it', p_status
-            USING ERRCODE = 'IDEM2';
-    END IF;
-    IF p_headers IS NOT NULL AND jsonb_typeof(p_headers) <> 'object' THEN
-        RAISE EXCEPTION 'idem: headers must be a JSON object of names to a value or an array of values'
-            USING ERRCODE = 'IDEM2';
-    END IF;
-    FOR h IN
-        SELECT lower(e.key) AS name, v.value #>> '{}' AS value, jsonb_typeof(v.value) AS kind
-        FROM jsonb_each(COALESCE(p_headers, '{}'::jsonb)) AS e,
-             LATERAL jsonb_array_elements(
-                 CASE jsonb_typeof(e.value) WHEN 'array' THEN e.value ELSE jsonb_build_array(e.value) END
-             ) AS v(value)
-        WHERE lower(e.key) IN ('content-type', 'content-encoding', 'vary', 'location', 'content-location', 'etag', 'link')
-    LOOP
-        IF h.kind <> 'string' THEN
-            RAISE EXCEPTION 'idem: the value of header % must be a string (or an array of strings), not %', h.name, h.kind
-                USING ERRCODE = 'IDEM2';
-        END IF;
-        IF h.value ~ '[\x01-\x08\x0a-\x1f\x7f]' THEN
-            RAISE EXCEPTION 'idem: the value of header % is not a valid header value', h.name USING ERRCODE = 'IDEM2';
-        END IF;
-        v_heads := v_heads
-            || int4send(octet_length(h.name)) || convert_to(h.name, 'UTF8')
-            || int4send(octet_length(convert_to(h.value, 'UTF8'))) || convert_to(h.value, 'UTF8');
-        v_count := v_count + 1;
-    END LOOP;
-    PERFORM idem_complete_claim(
-        v_scope, v_key, v_token,
-        '\x4944523100'::bytea || int2send(p_status::smallint) || int2send(v_count::smallint) || v_heads
-            || COALESCE(p_body, '\x'::bytea),
-        v_now, v_now + v_ttl, v_now + v_keep,
-        encode(substr(sha256(int8send(octet_length(v_scope)::bigint) || convert_to(v_scope, 'UTF8')
-            || convert_to(v_key, 'UTF8')), 1, 16), 'hex'),
-        p_status
-    );
-END
-$fn$;
-DO $pin$ BEGIN
-    EXECUTE format(
-        'ALTER FUNCTION idem_complete(TEXT, INTEGER, JSONB, BYTEA) SET search_path = %I, pg_temp',
-        current_schema()
-    );
-END $pin$;
-"#,
+",
+            complete_before_10!("CREATE OR REPLACE", ",\n        p_status"),
+        ),
     ),
     (
         8,
@@ -418,7 +422,8 @@ UPDATE idem_scope_salt SET identity = decode(md5(random()::text || clock_timesta
     ),
     (
         10,
-        r#"
+        concat!(
+            r#"
 -- Raises the IDEM1 of a claim that is not current, naming why: called by idem_complete_claim
 -- when its update found no record in flight under the token.
 CREATE FUNCTION idem_claim_lost(p_scope TEXT, p_key TEXT, p_token BYTEA) RETURNS void
@@ -455,75 +460,18 @@ BEGIN
 END
 $fn$;
 GRANT EXECUTE ON FUNCTION idem_claim_lost(TEXT, TEXT, BYTEA) TO PUBLIC;
-CREATE OR REPLACE FUNCTION idem_complete_claim(
-    p_scope TEXT, p_key TEXT, p_token BYTEA, p_response BYTEA,
-    p_completed_at BIGINT, p_expires_at BIGINT, p_purge_at BIGINT, p_notice TEXT
-) RETURNS void
-LANGUAGE plpgsql
-AS $fn$
-DECLARE
-    woken INTEGER;
-BEGIN
-    IF p_response IS NULL OR p_completed_at IS NULL OR p_expires_at IS NULL OR p_purge_at IS NULL THEN
-        RAISE EXCEPTION 'idem: a completion needs an answer and its times' USING ERRCODE = 'IDEM2';
-    END IF;
-    -- Never kept for less than the claim itself promised (its ttl and tombstone from the claim).
-    UPDATE idem_records
-    SET state = 'completed', lease_until = NULL, response = p_response, completed_at = p_completed_at, expires_at = GREATEST(p_expires_at, expires_at),
-        purge_at = GREATEST(p_purge_at, purge_at), checkpoint_names = '{}', checkpoint_values = '{}'
-    WHERE scope = p_scope AND key = p_key AND token = p_token AND state = 'in-flight'
-    RETURNING waiters INTO woken;
-    IF NOT FOUND THEN
-        PERFORM idem_claim_lost(p_scope, p_key, p_token);
-    END IF;
-    IF woken > 0 THEN
-        PERFORM pg_notify('idem_records', p_notice);
-    END IF;
-END
-$fn$;
-CREATE OR REPLACE FUNCTION idem_complete_claim(
-    p_scope TEXT, p_key TEXT, p_token BYTEA, p_response BYTEA,
-    p_completed_at BIGINT, p_expires_at BIGINT, p_purge_at BIGINT, p_notice TEXT, p_status INTEGER
-) RETURNS void
-LANGUAGE plpgsql
-AS $fn$
-DECLARE
-    woken INTEGER;
-BEGIN
-    IF p_response IS NULL OR p_completed_at IS NULL OR p_expires_at IS NULL OR p_purge_at IS NULL THEN
-        RAISE EXCEPTION 'idem: a completion needs an answer and its times' USING ERRCODE = 'IDEM2';
-    END IF;
-    -- Never kept for less than the claim itself promised (its ttl and tombstone from the claim).
-    UPDATE idem_records
-    SET state = 'completed', lease_until = NULL, response = p_response, status = p_status,
-        completed_at = p_completed_at, expires_at = GREATEST(p_expires_at, expires_at),
-        purge_at = GREATEST(p_purge_at, purge_at), checkpoint_names = '{}', checkpoint_values = '{}'
-    WHERE scope = p_scope AND key = p_key AND token = p_token AND state = 'in-flight'
-    RETURNING waiters INTO woken;
-    IF NOT FOUND THEN
-        PERFORM idem_claim_lost(p_scope, p_key, p_token);
-    END IF;
-    IF woken > 0 THEN
-        PERFORM pg_notify('idem_records', p_notice);
-    END IF;
-END
-$fn$;
-CREATE OR REPLACE FUNCTION idem_complete(p_token TEXT, p_status INTEGER, p_headers JSONB, p_body BYTEA)
+"#,
+            complete_claim!("CREATE OR REPLACE", without status, "PERFORM idem_claim_lost(p_scope, p_key, p_token);"),
+            complete_claim!("CREATE OR REPLACE", with status, "PERFORM idem_claim_lost(p_scope, p_key, p_token);"),
+            r"CREATE OR REPLACE FUNCTION idem_complete(p_token TEXT, p_status INTEGER, p_headers JSONB, p_body BYTEA)
 RETURNS void
 LANGUAGE plpgsql
 SECURITY DEFINER
 AS $fn$
 DECLARE
-    parts   TEXT[] := string_to_array(p_token, '.');
-    v_scope TEXT;
-    v_key   TEXT;
-    v_token BYTEA;
-    v_ttl   BIGINT;
-    v_keep  BIGINT;
-    v_now   BIGINT := (extract(epoch FROM clock_timestamp()) * 1000)::bigint;
-    v_heads BYTEA := '\x'::bytea;
-    v_count INTEGER := 0;
-    v_field TEXT;
+",
+            complete_variables!(),
+            r"    v_field TEXT;
     h       RECORD;
 BEGIN
     IF p_token IS NULL OR cardinality(parts) <> 6 OR parts[1] <> 'idem1' THEN
@@ -555,49 +503,20 @@ BEGIN
         RAISE EXCEPTION 'idem: the Idempotency-Token''s tombstone retention (its sixth field), % ms, is out of range', v_keep
             USING ERRCODE = 'IDEM3';
     END IF;
-    IF p_status IS NULL OR p_status < 200 OR p_status > 499 OR p_status IN (408, 409, 425, 429) THEN
-        RAISE EXCEPTION 'idem: a % answer is not stored (a retry runs the request again); do not complete with it', p_status
-            USING ERRCODE = 'IDEM2';
-    END IF;
-    IF p_headers IS NOT NULL AND jsonb_typeof(p_headers) <> 'object' THEN
+",
+            complete_status_check!(),
+            r"    IF p_headers IS NOT NULL AND jsonb_typeof(p_headers) <> 'object' THEN
         RAISE EXCEPTION 'idem: headers must be a JSON object of names to a value or an array of values, not a JSON %', jsonb_typeof(p_headers)
             USING ERRCODE = 'IDEM2';
     END IF;
-    FOR h IN
-        SELECT lower(e.key) AS name, v.value #>> '{}' AS value, jsonb_typeof(v.value) AS kind
-        FROM jsonb_each(COALESCE(p_headers, '{}'::jsonb)) AS e,
-             LATERAL jsonb_array_elements(
-                 CASE jsonb_typeof(e.value) WHEN 'array' THEN e.value ELSE jsonb_build_array(e.value) END
-             ) AS v(value)
-        WHERE lower(e.key) IN ('content-type', 'content-encoding', 'vary', 'location', 'content-location', 'etag', 'link')
-    LOOP
-        IF h.kind <> 'string' THEN
-            RAISE EXCEPTION 'idem: the value of header % must be a string (or an array of strings), not %', h.name, h.kind
-                USING ERRCODE = 'IDEM2';
-        END IF;
-        IF h.value ~ '[\x01-\x08\x0a-\x1f\x7f]' THEN
-            RAISE EXCEPTION 'idem: the value of header % is not a valid header value', h.name USING ERRCODE = 'IDEM2';
-        END IF;
-        IF v_count = 32767 THEN
+",
+            complete_headers_loop!(),
+            r"        IF v_count = 32767 THEN
             RAISE EXCEPTION 'idem: too many header values (at most 32767 are stored)' USING ERRCODE = 'IDEM2';
         END IF;
-        v_heads := v_heads
-            || int4send(octet_length(h.name)) || convert_to(h.name, 'UTF8')
-            || int4send(octet_length(convert_to(h.value, 'UTF8'))) || convert_to(h.value, 'UTF8');
-        v_count := v_count + 1;
-    END LOOP;
-    PERFORM idem_complete_claim(
-        v_scope, v_key, v_token,
-        '\x4944523100'::bytea || int2send(p_status::smallint) || int2send(v_count::smallint) || v_heads
-            || COALESCE(p_body, '\x'::bytea),
-        v_now, v_now + v_ttl, v_now + v_keep,
-        encode(substr(sha256(int8send(octet_length(v_scope)::bigint) || convert_to(v_scope, 'UTF8')
-            || convert_to(v_key, 'UTF8')), 1, 16), 'hex'),
-        p_status
-    );
-END
-$fn$;
--- The headers as text (what a caller's untyped parameter or literal is): headers that are not
+",
+            complete_the_claim!(",\n        p_status"),
+            r#"-- The headers as text (what a caller's untyped parameter or literal is): headers that are not
 -- JSON are IDEM2, rather than the cast's error in the caller's statement.
 CREATE FUNCTION idem_complete(p_token TEXT, p_status INTEGER, p_headers TEXT, p_body BYTEA)
 RETURNS void
@@ -643,6 +562,7 @@ BEGIN
     REVOKE EXECUTE ON FUNCTION idem_complete(TEXT, INTEGER, TEXT, BYTEA) FROM PUBLIC;
 END $pin$;
 "#,
+        ),
     ),
 ];
 
@@ -766,4 +686,42 @@ async fn migrate(pool: &Pool, target: &str, schema: Option<&str>) -> Result<(), 
     }
     tx.commit().await.map_err(failed("committing the migration"))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use sha2::{Digest, Sha256};
+
+    use super::MIGRATIONS;
+
+    /// A released migration never changes, though its text is assembled from pieces that later
+    /// migrations share: a database that ran version N has exactly what a fresh one gets.
+    #[test]
+    fn released_migrations_never_change() {
+        // The SHA-256 of each version's text as released.
+        let released: &[(i32, &str)] = &[
+            (1, "04416637b14c78a3ec3f97d840b0a2f8724e5f9155941174be9abebad9925c5c"),
+            (2, "640ec4b6b62cfcfcad7e988ee546bb9d3266e2220871e16b7d2ac541a571184f"),
+            (3, "0ce1c4ad8fa2bafcfb6bcb8f0b68a0eaaa1d028ebac5e2c1e92dee1a44ee90c2"),
+            (4, "bffaeef50a0602192ef3bc28502495cfa530c49d09449806284002457f96649b"),
+            (5, "42878489eeb180280fa3a5c6935c5108934afa236c4b209f6e8f3e25d319986e"),
+            (6, "a9ec8e85db380fd6d9a5b7ca6988407af56a1085fd985bc67d5341639205b3d7"),
+            (7, "cbfb2aa4c5df5297e5d1374e1ce3c1db9060d2a138dd8b8d6d9a796b3c41538f"),
+            (8, "a03166c98ab92a11826aa5348b88b23e049f912f7bb2d2329498b7d2dd07dec8"),
+            (9, "c09563ea556105849cfe540eac454cfeea3c5d7bf471b7075ffb911d81bf8910"),
+            (10, "7c790d2f373d4cfb49d93e398a16befc179c4198c64d0119c14c7bb5f3b9e5da"),
+        ];
+        let texts: Vec<(i32, String)> = MIGRATIONS
+            .iter()
+            .map(|&(version, sql)| {
+                let digest = Sha256::digest(sql.as_bytes());
+                (version, digest.iter().map(|byte| format!("{byte:02x}")).collect())
+            })
+            .collect();
+        let released: Vec<(i32, String)> = released.iter().map(|&(v, d)| (v, d.to_owned())).collect();
+        assert_eq!(
+            texts, released,
+            "a released migration's text changed: add a new migration instead"
+        );
+    }
 }

@@ -57,47 +57,67 @@ macro_rules! locked_first {
     };
 }
 
+/// `$change`, a change of the record (`UPDATE` or `DELETE`) named `$name` in the statement, and
+/// the `NOTIFY` (its payload `$notice`) that wakes the record's waiters if the change found any:
+/// the end of a statement whose `WITH` comes before, or (`WITH` first) the whole statement.
+macro_rules! waking_waiters {
+    (WITH $name:literal, $change:literal, $notice:literal) => {
+        concat!("\nWITH ", waking_waiters!($name, $change, $notice))
+    };
+    ($name:literal, $change:literal, $notice:literal) => {
+        concat!(
+            $name,
+            " AS (\n",
+            $change,
+            "\n    RETURNING waiters\n)\nSELECT (SELECT pg_notify('idem_records', ",
+            $notice,
+            ") WHERE ",
+            $name,
+            ".waiters > 0) FROM ",
+            $name
+        )
+    };
+}
+
 /// A record past its `purge_at` is claimed anew, as if it were absent: nothing of it is kept,
-/// its checkpoints, origin, recovery and status included.
-pub(crate) const REPLACE: &str = "
-WITH replaced AS (
-    UPDATE idem_records
+/// its checkpoints, origin, recovery and status included. The new claim is $1 to $12, as for
+/// [`CLAIM`]; $13 is the notice to its waiters.
+pub(crate) const REPLACE: &str = waking_waiters!(
+    WITH "replaced",
+    "    UPDATE idem_records
     SET state = 'in-flight', fingerprint = $3, digest = $4, token = $5, lease_until = $6,
-        response = NULL, created_at = $7, completed_at = NULL, expires_at = $10,
+        response = NULL, created_at = $7, completed_at = NULL, expires_at = $9,
         purge_at = $8, replays = 0, checkpoint_names = '{}', checkpoint_values = '{}',
-        method = $11, path = $12, trace_id = $13, recovered = false, status = NULL
-    WHERE scope = $1 AND key = $2
-    RETURNING waiters
-)
-SELECT (SELECT pg_notify('idem_records', $9) WHERE replaced.waiters > 0) FROM replaced";
+        method = $10, path = $11, trace_id = $12, recovered = false, status = NULL
+    WHERE scope = $1 AND key = $2",
+    "$13"
+);
 
 /// The checkpoints stay: the new run resumes from them. The new run has a ttl of its own, and the
 /// record names it: its trace id ($8) and whether it is recovered ($9). The method, path and
 /// creation time stay the first claim's.
-pub(crate) const TAKE_OVER: &str = "
-WITH taken AS (
-    UPDATE idem_records
+pub(crate) const TAKE_OVER: &str = waking_waiters!(
+    WITH "taken",
+    "    UPDATE idem_records
     SET state = 'in-flight', token = $3, lease_until = $4, purge_at = $5, expires_at = $7, trace_id = $8,
         recovered = $9
-    WHERE scope = $1 AND key = $2
-    RETURNING waiters
-)
-SELECT (SELECT pg_notify('idem_records', $6) WHERE taken.waiters > 0) FROM taken";
+    WHERE scope = $1 AND key = $2",
+    "$6"
+);
 
 /// The run is over, and so are its checkpoints. The token stays, as the claim that completed the
 /// record ([`CLAIM_STATE`]), and so does the recovery of the run that answered. The answer's
 /// status ($9) is kept beside it, readable without the answer. `idem_complete_claim` (schema.rs)
 /// is the same change, made in a handler's own transaction.
-pub(crate) const COMPLETE: &str = "
-WITH completed AS (
-    UPDATE idem_records
+pub(crate) const COMPLETE: &str = waking_waiters!(
+    WITH "completed",
+    "    UPDATE idem_records
     SET state = 'completed', lease_until = NULL, response = $4, status = $9,
         completed_at = $5, expires_at = $6, purge_at = $7,
         checkpoint_names = '{}', checkpoint_values = '{}'
-    WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in-flight'
-    RETURNING waiters
-)
-SELECT (SELECT pg_notify('idem_records', $8) WHERE completed.waiters > 0) FROM completed";
+    WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in-flight'",
+    "$8"
+);
 
 /// Where the claim `$3` stands: the record's state and whether `$3` is its token (the current
 /// claim's when in flight, the completing claim's when completed); no row without a record. A
@@ -111,25 +131,27 @@ pub(crate) const HAS_CHECKPOINTS: &str =
 
 pub(crate) const FORGET: &str = concat!(
     locked_first!(),
-    ", forgotten AS (
-    DELETE FROM idem_records
-    WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in-flight' AND EXISTS (SELECT 1 FROM locked)
-    RETURNING waiters
-)
-SELECT (SELECT pg_notify('idem_records', $4) WHERE forgotten.waiters > 0) FROM forgotten"
+    ", ",
+    waking_waiters!(
+        "forgotten",
+        "    DELETE FROM idem_records
+    WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in-flight' AND EXISTS (SELECT 1 FROM locked)",
+        "$4"
+    )
 );
 
 /// The fingerprint stays: only the same request may take the record over. So do the
 /// checkpoints, for the run that takes it over, and the origin and recovery of the run released.
 pub(crate) const RELEASE_UNKNOWN: &str = concat!(
     locked_first!(),
-    ", released AS (
-    UPDATE idem_records
+    ", ",
+    waking_waiters!(
+        "released",
+        "    UPDATE idem_records
     SET state = 'unknown', token = NULL, lease_until = NULL, purge_at = $4, expires_at = $6
-    WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in-flight' AND EXISTS (SELECT 1 FROM locked)
-    RETURNING waiters
-)
-SELECT (SELECT pg_notify('idem_records', $5) WHERE released.waiters > 0) FROM released"
+    WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in-flight' AND EXISTS (SELECT 1 FROM locked)",
+        "$5"
+    )
 );
 
 /// Returns the record as it was and, as `Store::delete` says, deletes it, or, for a claim in

@@ -43,8 +43,8 @@ use idem_core::{
         Record, RecordId, Release, ScopeSalt, StoreIdentity, WaitOutcome,
     },
 };
-use tokio_postgres::NoTls;
-use tokio_postgres::types::Type;
+use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::{NoTls, Row};
 
 use crate::decode::{StoredRow, checkpoints_from_row, identity_from_row, listed_from_row, scope_salt_from_row};
 use crate::error::{Failure, lock_not_available};
@@ -298,6 +298,48 @@ impl PostgresStore {
         }
     }
 
+    /// The row `sql` (prepared, and cached on the connection) returns with `params`, if any, read
+    /// on a pooled connection for `operation`.
+    async fn query_opt(
+        &self,
+        operation: &'static str,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Option<Row>, StoreError> {
+        let db = self.db(operation);
+        self.with_client(operation, async |client| {
+            let stmt = client.prepare_cached(sql).await.map_err(db)?;
+            client.query_opt(&stmt, params).await.map_err(db)
+        })
+        .await
+    }
+
+    /// Runs `sql`, a compare-and-set on the claim `token` of `id` (its scope, key and token are
+    /// `$1` to `$3`, `after_claim` the parameters from `$4` on), on a pooled connection for
+    /// `operation`, its failure mapped by `failed` ([`PostgresStore::db`], or
+    /// [`PostgresStore::db_nowait`] for a statement that does not wait for the row lock): fenced if
+    /// it changed nothing.
+    async fn change_claim(
+        &self,
+        operation: &'static str,
+        sql: &str,
+        id: &RecordId,
+        token: FencingToken,
+        after_claim: &[&(dyn ToSql + Sync)],
+        failed: impl Fn(tokio_postgres::Error) -> StoreError,
+    ) -> Result<(), StoreError> {
+        let db = self.db(operation);
+        let (scope, key, token) = (id.scope.as_str(), id.key.as_str(), &token.as_bytes()[..]);
+        let mut params: Vec<&(dyn ToSql + Sync)> = vec![&scope, &key, &token];
+        params.extend_from_slice(after_claim);
+        self.with_client(operation, async |client| {
+            let stmt = client.prepare_cached(sql).await.map_err(db)?;
+            let changed = client.execute(&stmt, &params).await.map_err(failed)?;
+            fenced(usize::try_from(changed).unwrap_or(usize::MAX))
+        })
+        .await
+    }
+
     /// Where the claim `token` on the record stands, read for `operation` (`claim_state`, or a
     /// waiter's check that the claim is still current).
     async fn read_claim_state(
@@ -307,21 +349,20 @@ impl PostgresStore {
         token: FencingToken,
     ) -> Result<ClaimState, StoreError> {
         let db = self.db(operation);
-        self.with_client(operation, async |client| {
-            let stmt = client.prepare_cached(sql::CLAIM_STATE).await.map_err(db)?;
-            let row = client
-                .query_opt(&stmt, &[&id.scope.as_str(), &id.key.as_str(), &&token.as_bytes()[..]])
-                .await
-                .map_err(db)?;
-            match row {
-                None => Ok(ClaimState::Ended),
-                Some(row) => Ok(claim_state(
-                    &row.try_get::<_, String>(0).map_err(db)?,
-                    row.try_get(1).map_err(db)?,
-                )),
-            }
-        })
-        .await
+        let row = self
+            .query_opt(
+                operation,
+                sql::CLAIM_STATE,
+                &[&id.scope.as_str(), &id.key.as_str(), &&token.as_bytes()[..]],
+            )
+            .await?;
+        match row {
+            None => Ok(ClaimState::Ended),
+            Some(row) => Ok(claim_state(
+                &row.try_get::<_, String>(0).map_err(db)?,
+                row.try_get(1).map_err(db)?,
+            )),
+        }
     }
 
     /// A `begin` answered with the record as read: counted as a replay (`Replay`), or as it
@@ -337,26 +378,18 @@ impl PostgresStore {
     /// One try of `renew`: the row locked first without waiting ([`StoreError::Locked`]).
     /// One try of `release`: the row locked first without waiting ([`StoreError::Locked`]).
     async fn release_once(&self, id: &RecordId, token: FencingToken, release: Release) -> Result<(), StoreError> {
-        let db = self.db("release");
-        let (scope, key, token, notice) = (id.scope.as_str(), id.key.as_str(), &token.as_bytes()[..], payload(id));
-        self.with_client("release", async |client| {
-            let rows = match release {
-                Release::Forget => {
-                    let stmt = client.prepare_cached(sql::FORGET).await.map_err(db)?;
-                    client.query(&stmt, &[&scope, &key, &token, &notice]).await
-                }
-                Release::Unknown { expires_at, purge_at } => {
-                    let stmt = client.prepare_cached(sql::RELEASE_UNKNOWN).await.map_err(db)?;
-                    let (expires_at, purge_at) = (expires_at.as_i64(), purge_at.as_i64());
-                    client
-                        .query(&stmt, &[&scope, &key, &token, &purge_at, &notice, &expires_at])
-                        .await
-                }
+        let (notice, failed) = (payload(id), self.db_nowait("release"));
+        match release {
+            Release::Forget => {
+                self.change_claim("release", sql::FORGET, id, token, &[&notice], failed)
+                    .await
             }
-            .map_err(self.db_nowait("release"))?;
-            fenced(rows.len())
-        })
-        .await
+            Release::Unknown { expires_at, purge_at } => {
+                let after_claim: [&(dyn ToSql + Sync); 3] = [&purge_at.as_i64(), &notice, &expires_at.as_i64()];
+                self.change_claim("release", sql::RELEASE_UNKNOWN, id, token, &after_claim, failed)
+                    .await
+            }
+        }
     }
 
     /// One try of `delete`: the row locked as it is read, without waiting ([`StoreError::Locked`]).
@@ -364,11 +397,10 @@ impl PostgresStore {
         let db = self.db("delete");
         self.with_client("delete", async |client| {
             let stmt = client.prepare_cached(sql::DELETE).await.map_err(db)?;
+            let params: [&(dyn ToSql + Sync); 4] =
+                [&id.scope.as_str(), &id.key.as_str(), &payload(id), &deleted_payload(id)];
             let row = client
-                .query_opt(
-                    &stmt,
-                    &[&id.scope.as_str(), &id.key.as_str(), &payload(id), &deleted_payload(id)],
-                )
+                .query_opt(&stmt, &params)
                 .await
                 .map_err(self.db_nowait("delete"))?;
             let record = row
@@ -380,25 +412,9 @@ impl PostgresStore {
     }
 
     async fn renew_once(&self, id: &RecordId, token: FencingToken, lease_until: UnixMillis) -> Result<(), StoreError> {
-        let db = self.db("renew");
-        self.with_client("renew", async |client| {
-            let stmt = client.prepare_cached(sql::RENEW).await.map_err(db)?;
-            let changed = client
-                .execute(
-                    &stmt,
-                    &[
-                        &id.scope.as_str(),
-                        &id.key.as_str(),
-                        &&token.as_bytes()[..],
-                        &lease_until.as_i64(),
-                        &abandoned_purge_at(lease_until),
-                    ],
-                )
-                .await
-                .map_err(self.db_nowait("renew"))?;
-            fenced(usize::try_from(changed).unwrap_or(usize::MAX))
-        })
-        .await
+        let after_claim: [&(dyn ToSql + Sync); 2] = [&lease_until.as_i64(), &abandoned_purge_at(lease_until)];
+        self.change_claim("renew", sql::RENEW, id, token, &after_claim, self.db_nowait("renew"))
+            .await
     }
 
     /// `begin` on the pool: a new key's claim, or the record as it stands, in one statement
@@ -423,31 +439,29 @@ impl PostgresStore {
         let trace_id = request.origin.trace.map(|trace| trace.to_string());
         let identity = request.identity.map(|identity| identity.as_bytes().to_vec());
         let notice = payload(id);
+        // The new claim, as the insert (`CLAIM`, whose $13 is the identity the caller knows) and a
+        // replacement (`REPLACE`, whose $13 is the notice to its waiters) write it: $1 to $12.
+        let new_claim: [&(dyn ToSql + Sync); 12] = [
+            &scope,
+            &key,
+            &fingerprint,
+            &digest,
+            &token,
+            &lease_until,
+            &now,
+            &purge_at,
+            &expires_at,
+            &method,
+            &path,
+            &trace_id,
+        ];
+        let identity: &(dyn ToSql + Sync) = &identity;
+        let claim_params = [&new_claim[..], &[identity]].concat();
         for _ in 0..BEGIN_ATTEMPTS {
             // A new key and a replay, the common cases, are this one statement. No transaction
             // around it: it is atomic by itself, and a replay changes nothing but a count.
             let claim = client.prepare_cached(sql::CLAIM).await.map_err(db)?;
-            let row = client
-                .query_one(
-                    &claim,
-                    &[
-                        &scope,
-                        &key,
-                        &fingerprint,
-                        &digest,
-                        &token,
-                        &lease_until,
-                        &now,
-                        &purge_at,
-                        &expires_at,
-                        &method,
-                        &path,
-                        &trace_id,
-                        &identity,
-                    ],
-                )
-                .await
-                .map_err(db)?;
+            let row = client.query_one(&claim, &claim_params).await.map_err(db)?;
             if !row.try_get::<_, bool>(17).map_err(db)? {
                 return Err(StoreError::IdentityChanged);
             }
@@ -494,26 +508,9 @@ impl PostgresStore {
             let action = row.stored.on_begin(row.digest.as_slice() == digest, now);
             let begun = if action == Existing::Replace {
                 let replace = tx.prepare_cached(sql::REPLACE).await.map_err(db)?;
-                tx.query(
-                    &replace,
-                    &[
-                        &scope,
-                        &key,
-                        &fingerprint,
-                        &digest,
-                        &token,
-                        &lease_until,
-                        &now,
-                        &purge_at,
-                        &notice,
-                        &expires_at,
-                        &method,
-                        &path,
-                        &trace_id,
-                    ],
-                )
-                .await
-                .map_err(db)?;
+                tx.query(&replace, &[&new_claim[..], &[&notice]].concat())
+                    .await
+                    .map_err(db)?;
                 Begin::Acquired { recovered: false }
             } else {
                 if action == Existing::TakeOver {
@@ -585,30 +582,17 @@ impl Store for PostgresStore {
     }
 
     async fn complete(&self, id: &RecordId, token: FencingToken, completion: Completion) -> Result<(), StoreError> {
-        let db = self.db("complete");
-        self.with_client("complete", async |client| {
-            let stmt = client.prepare_cached(sql::COMPLETE).await.map_err(db)?;
-            let response: &[u8] = &completion.response;
-            let rows = client
-                .query(
-                    &stmt,
-                    &[
-                        &id.scope.as_str(),
-                        &id.key.as_str(),
-                        &&token.as_bytes()[..],
-                        &response,
-                        &completion.completed_at.as_i64(),
-                        &completion.expires_at.as_i64(),
-                        &completion.purge_at.as_i64(),
-                        &payload(id),
-                        &i32::from(completion.status),
-                    ],
-                )
-                .await
-                .map_err(db)?;
-            fenced(rows.len())
-        })
-        .await
+        let response: &[u8] = &completion.response;
+        let after_claim: [&(dyn ToSql + Sync); 6] = [
+            &response,
+            &completion.completed_at.as_i64(),
+            &completion.expires_at.as_i64(),
+            &completion.purge_at.as_i64(),
+            &payload(id),
+            &i32::from(completion.status),
+        ];
+        self.change_claim("complete", sql::COMPLETE, id, token, &after_claim, self.db("complete"))
+            .await
     }
 
     async fn claim_state(&self, id: &RecordId, token: FencingToken) -> Result<ClaimState, StoreError> {
@@ -641,39 +625,24 @@ impl Store for PostgresStore {
 
     /// One compare-and-set statement: a holder that lost its claim changes nothing.
     async fn checkpoint(&self, id: &RecordId, token: FencingToken, checkpoint: Checkpoint) -> Result<(), StoreError> {
-        let db = self.db("checkpoint");
-        self.with_client("checkpoint", async |client| {
-            let stmt = client.prepare_cached(sql::CHECKPOINT).await.map_err(db)?;
-            let value: &[u8] = &checkpoint.value;
-            let changed = client
-                .execute(
-                    &stmt,
-                    &[
-                        &id.scope.as_str(),
-                        &id.key.as_str(),
-                        &&token.as_bytes()[..],
-                        &checkpoint.name.as_str(),
-                        &value,
-                    ],
-                )
-                .await
-                .map_err(db)?;
-            fenced(usize::try_from(changed).unwrap_or(usize::MAX))
-        })
+        let value: &[u8] = &checkpoint.value;
+        let after_claim: [&(dyn ToSql + Sync); 2] = [&checkpoint.name.as_str(), &value];
+        self.change_claim(
+            "checkpoint",
+            sql::CHECKPOINT,
+            id,
+            token,
+            &after_claim,
+            self.db("checkpoint"),
+        )
         .await
     }
 
     async fn checkpoints(&self, id: &RecordId) -> Result<Vec<Checkpoint>, StoreError> {
-        let db = self.db("checkpoints");
-        self.with_client("checkpoints", async |client| {
-            let stmt = client.prepare_cached(sql::CHECKPOINTS).await.map_err(db)?;
-            let row = client
-                .query_opt(&stmt, &[&id.scope.as_str(), &id.key.as_str()])
-                .await
-                .map_err(db)?;
-            row.map_or_else(|| Ok(Vec::new()), |row| checkpoints_from_row(&row, id))
-        })
-        .await
+        let row = self
+            .query_opt("checkpoints", sql::CHECKPOINTS, &[&id.scope.as_str(), &id.key.as_str()])
+            .await?;
+        row.map_or_else(|| Ok(Vec::new()), |row| checkpoints_from_row(&row, id))
     }
 
     /// Two statements without a transaction around them: the insert waits for a concurrent one to
@@ -720,31 +689,20 @@ impl Store for PostgresStore {
     }
 
     async fn identity(&self) -> Result<Option<StoreIdentity>, StoreError> {
-        let db = self.db("identity");
-        self.with_client("identity", async |client| {
-            let stmt = client.prepare_cached(sql::IDENTITY).await.map_err(db)?;
-            match client.query_opt(&stmt, &[]).await.map_err(db)? {
-                Some(row) => identity_from_row(&row, 0),
-                None => Ok(None),
-            }
-        })
-        .await
+        match self.query_opt("identity", sql::IDENTITY, &[]).await? {
+            Some(row) => identity_from_row(&row, 0),
+            None => Ok(None),
+        }
     }
 
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
-        let db = self.db("get");
-        self.with_client("get", async |client| {
-            let stmt = client.prepare_cached(sql::SELECT).await.map_err(db)?;
-            let row = client
-                .query_opt(&stmt, &[&id.scope.as_str(), &id.key.as_str()])
-                .await
-                .map_err(db)?;
-            let record = row
-                .map(|row| StoredRow::from_row(&row, id)?.into_record(id.clone()))
-                .transpose()?;
-            Ok(record.map(|record| self.inner.replays.with_pending(record)))
-        })
-        .await
+        let row = self
+            .query_opt("get", sql::SELECT, &[&id.scope.as_str(), &id.key.as_str()])
+            .await?;
+        let record = row
+            .map(|row| StoredRow::from_row(&row, id)?.into_record(id.clone()))
+            .transpose()?;
+        Ok(record.map(|record| self.inner.replays.with_pending(record)))
     }
 
     /// One statement: the row is gone when it is read, so a row that cannot be read is deleted

@@ -65,13 +65,24 @@ async fn assert_notified(task: JoinHandle<WaitOutcome>, what: &str) {
     );
 }
 
+/// A fresh record claimed by `holder` and waited on by `waiter`, then completed: asserts that the
+/// waiter is woken by the notification (`what`, in the failure message).
+async fn assert_completion_notified(holder: &PostgresStore, waiter: &PostgresStore, what: &str) {
+    let (id, token, task) = claimed_and_waited_on(holder, waiter).await;
+    complete(holder, &id, token).await;
+    assert_notified(task, what).await;
+}
+
+/// An `application_name` of its own, to find a store's connections by.
+fn fresh_application_name() -> String {
+    format!("idem_test_{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn completion_wakes_a_waiter_on_another_store() {
     let schema = TestSchema::new();
     let (holder, waiter) = (schema.connect(SLOW_POLL).await, schema.connect(SLOW_POLL).await);
-    let (id, token, task) = claimed_and_waited_on(&holder, &waiter).await;
-    complete(&holder, &id, token).await;
-    assert_notified(task, "complete").await;
+    assert_completion_notified(&holder, &waiter, "complete").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -122,7 +133,7 @@ async fn release_and_takeover_wake_waiters() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stores_recover_when_the_server_drops_their_connections() {
     let schema = TestSchema::new();
-    let app = format!("idem_test_{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+    let app = fresh_application_name();
     let options = format!("{SLOW_POLL}&application_name={app}");
     let (holder, waiter) = (schema.connect(&options).await, schema.connect(&options).await);
     holder.ping().await.expect("ping");
@@ -153,9 +164,7 @@ async fn stores_recover_when_the_server_drops_their_connections() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 
-    let (id, token, task) = claimed_and_waited_on(&holder, &waiter).await;
-    complete(&holder, &id, token).await;
-    assert_notified(task, "complete after reconnecting").await;
+    assert_completion_notified(&holder, &waiter, "complete after reconnecting").await;
 }
 
 /// A waiter that is already waiting when the listening connection drops is woken once it is
@@ -163,7 +172,7 @@ async fn stores_recover_when_the_server_drops_their_connections() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn changes_made_while_not_listening_are_not_lost() {
     let schema = TestSchema::new();
-    let app = format!("idem_test_{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+    let app = fresh_application_name();
     let holder = schema.connect(SLOW_POLL).await;
     let waiter = schema.connect(&format!("{SLOW_POLL}&application_name={app}")).await;
     let (id, token, task) = claimed_and_waited_on(&holder, &waiter).await;
@@ -268,7 +277,7 @@ async fn only_changes_someone_waits_on_notify() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_delete_while_not_listening_is_not_missed_by_the_replay_cache() {
     let schema = TestSchema::new();
-    let app = format!("idem_test_{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+    let app = fresh_application_name();
     let here = schema.connect(&format!("application_name={app}")).await;
     let there = schema.connect("").await;
     let admin = schema.client().await;

@@ -24,6 +24,16 @@ async fn reads_backend(client: &tokio_postgres::Client, name: &str) -> Option<(i
         .map(|row| (row.get(0), row.get(1)))
 }
 
+/// A store on a new schema with `options`, its connections named `<prefix><process id>` (the name,
+/// returned), and a plain client to watch its backends with.
+async fn named_store(prefix: &str, options: &str) -> (TestSchema, String, PostgresStore, tokio_postgres::Client) {
+    let schema = TestSchema::new();
+    let name = format!("{prefix}{}", std::process::id());
+    let store = schema.connect(&format!("{options}&application_name={name}")).await;
+    let client = schema.client().await;
+    (schema, name, store, client)
+}
+
 /// A new record, completed with an answer.
 async fn completed(store: &dyn Store, id: &RecordId, fp: &Fingerprint, now: UnixMillis) {
     let token = acquire(store, id, fp, now).await;
@@ -35,12 +45,7 @@ async fn completed(store: &dyn Store, id: &RecordId, fp: &Fingerprint, now: Unix
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replays_are_read_on_the_shared_connection_and_outlive_losing_it() {
-    let schema = TestSchema::new();
-    let name = format!("rf{}", std::process::id());
-    let store = schema
-        .connect(&format!("read_first=always&read_connections=1&application_name={name}"))
-        .await;
-    let client = schema.client().await;
+    let (_schema, name, store, client) = named_store("rf", "read_first=always&read_connections=1").await;
     let (id, fp, now) = (fresh_id(), fingerprint("{}"), UnixMillis::now());
     completed(&store, &id, &fp, now).await;
     let replay = || async {
@@ -115,12 +120,7 @@ async fn replays_are_read_on_the_shared_connection_and_outlive_losing_it() {
 /// most of its recent `begin`s, and claims first again once new keys are.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn read_connections_open_when_replays_are_most_of_the_traffic() {
-    let schema = TestSchema::new();
-    let name = format!("rfa{}", std::process::id());
-    let store = schema
-        .connect(&format!("application_name={name}&read_connections=1"))
-        .await;
-    let client = schema.client().await;
+    let (_schema, name, store, client) = named_store("rfa", "read_connections=1").await;
     let (fp, now) = (fingerprint("{}"), UnixMillis::now());
     let mut ids = Vec::new();
     for _ in 0..20 {

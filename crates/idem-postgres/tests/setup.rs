@@ -5,12 +5,13 @@
 use bytes::Bytes;
 use idem_core::testkit::{DAY, LEASE, acquire, begin, completion, fingerprint, fresh_id};
 use idem_core::{
-    Store, StoreError, UnixMillis,
+    Fingerprint, Store, StoreError, UnixMillis,
     store::{Begin, Checkpoint, FencingToken, ListQuery, Origin, RecordId, RecordState, ScopeSalt},
 };
 use idem_postgres::{PostgresError, PostgresStore};
 use idem_test_support::chain;
 use idem_test_support::postgres_store::{TestSchema, base_url};
+use tokio_postgres::types::ToSql;
 
 /// The versions every migration of this crate records, in order.
 const VERSIONS: [i32; 10] = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10];
@@ -97,6 +98,69 @@ async fn old_schema(schema: &TestSchema, layouts: &[&str]) -> tokio_postgres::Cl
     client
 }
 
+/// Writes records into a schema of an older version, as its release wrote them: created at `now`
+/// with fingerprint `fp`; the columns of version 2 (`checkpoints`) only if the schema has them.
+struct OldRecords<'a> {
+    client: &'a tokio_postgres::Client,
+    fp: &'a Fingerprint,
+    now: UnixMillis,
+    checkpoints: bool,
+}
+
+impl OldRecords<'_> {
+    /// A record of `id` in `state`, held by `token` (for a lease) if it has one, purged `purge_in`
+    /// days from now. A completed one holds the answer `ok`, kept a day; one in flight holds the
+    /// checkpoint `charged` when the schema has checkpoints.
+    async fn insert(&self, id: &RecordId, state: &str, token: Option<FencingToken>, purge_in: u32) {
+        let (fp, now) = (self.fp, self.now);
+        let (scope, key) = (id.scope.as_str(), id.key.as_str());
+        let completed = state == "completed";
+        let token = token.map(|token| token.as_bytes().to_vec());
+        let lease_until = token.as_ref().map(|_| now.plus(LEASE).as_i64());
+        let response = completed.then(|| b"ok".to_vec());
+        let (completed_at, expires_at) = if completed {
+            (Some(now.as_i64()), Some(now.plus(DAY).as_i64()))
+        } else {
+            (None, None)
+        };
+        let (names, values) = if state == "in-flight" {
+            (vec!["charged".to_owned()], vec![b"ch_1".to_vec()])
+        } else {
+            (Vec::new(), Vec::new())
+        };
+        let (fingerprint, digest) = (fp.encode(), fp.digest());
+        let digest = &digest[..];
+        let (created_at, purge_at) = (now.as_i64(), now.plus(DAY * purge_in).as_i64());
+        let mut params: Vec<&(dyn ToSql + Sync)> = vec![
+            &scope,
+            &key,
+            &state,
+            &fingerprint,
+            &digest,
+            &token,
+            &lease_until,
+            &response,
+            &created_at,
+            &completed_at,
+            &expires_at,
+            &purge_at,
+        ];
+        let sql = if self.checkpoints {
+            params.extend([&names as &(dyn ToSql + Sync), &values]);
+            "INSERT INTO idem_records
+                 (scope, key, state, fingerprint, digest, token, lease_until, response, created_at,
+                  completed_at, expires_at, purge_at, checkpoint_names, checkpoint_values)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)"
+        } else {
+            "INSERT INTO idem_records
+                 (scope, key, state, fingerprint, digest, token, lease_until, response, created_at,
+                  completed_at, expires_at, purge_at)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"
+        };
+        self.client.execute(sql, &params).await.unwrap();
+    }
+}
+
 fn step(name: &str, value: &[u8]) -> Checkpoint {
     Checkpoint {
         name: name.to_owned(),
@@ -136,35 +200,14 @@ async fn instances_starting_together_upgrade_an_old_schema() {
     let (fp, now) = (fingerprint("a"), UnixMillis::now());
     let (running, holder) = (fresh_id(), FencingToken::random());
     let released = fresh_id();
-    let insert_v1 = |id: &RecordId, state: &'static str, token: Option<FencingToken>| {
-        let (client, fp) = (&client, &fp);
-        let (scope, key) = (id.scope.as_str().to_owned(), id.key.as_str().to_owned());
-        async move {
-            let token = token.map(|token| token.as_bytes().to_vec());
-            let lease_until = token.as_ref().map(|_| now.plus(LEASE).as_i64());
-            client
-                .execute(
-                    "INSERT INTO idem_records
-                         (scope, key, state, fingerprint, digest, token, lease_until, created_at, purge_at)
-                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
-                    &[
-                        &scope,
-                        &key,
-                        &state,
-                        &fp.encode(),
-                        &&fp.digest()[..],
-                        &token,
-                        &lease_until,
-                        &now.as_i64(),
-                        &now.plus(DAY).as_i64(),
-                    ],
-                )
-                .await
-                .unwrap();
-        }
+    let old = OldRecords {
+        client: &client,
+        fp: &fp,
+        now,
+        checkpoints: false,
     };
-    insert_v1(&running, "in-flight", Some(holder)).await;
-    insert_v1(&released, "unknown", None).await;
+    old.insert(&running, "in-flight", Some(holder), 1).await;
+    old.insert(&released, "unknown", None, 1).await;
 
     let stores = start_together(&schema.url("pool_size=2"), 4, "upgrade").await;
     assert_eq!(versions(&schema).await, VERSIONS, "each migration is applied once");
@@ -223,57 +266,18 @@ async fn instances_starting_together_upgrade_a_version_2_schema_and_make_one_sal
     let schema = TestSchema::new();
     let client = old_schema(&schema, &[SCHEMA_V1, SCHEMA_V2_OVER_V1]).await;
     let (fp, now) = (fingerprint("a"), UnixMillis::now());
-    let insert_v2 = |id: &RecordId, state: &'static str, token: Option<FencingToken>, purge_in: u32| {
-        let (client, fp) = (&client, &fp);
-        let (scope, key) = (id.scope.as_str().to_owned(), id.key.as_str().to_owned());
-        async move {
-            let completed = state == "completed";
-            let token = token.map(|token| token.as_bytes().to_vec());
-            let lease_until = token.as_ref().map(|_| now.plus(LEASE).as_i64());
-            let response = completed.then(|| b"ok".to_vec());
-            let (completed_at, expires_at) = if completed {
-                (Some(now.as_i64()), Some(now.plus(DAY).as_i64()))
-            } else {
-                (None, None)
-            };
-            let (names, values) = if state == "in-flight" {
-                (vec!["charged".to_owned()], vec![b"ch_1".to_vec()])
-            } else {
-                (Vec::new(), Vec::new())
-            };
-            client
-                .execute(
-                    "INSERT INTO idem_records
-                         (scope, key, state, fingerprint, digest, token, lease_until, response, created_at,
-                          completed_at, expires_at, purge_at, checkpoint_names, checkpoint_values)
-                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
-                    &[
-                        &scope,
-                        &key,
-                        &state,
-                        &fp.encode(),
-                        &&fp.digest()[..],
-                        &token,
-                        &lease_until,
-                        &response,
-                        &now.as_i64(),
-                        &completed_at,
-                        &expires_at,
-                        &now.plus(DAY * purge_in).as_i64(),
-                        &names,
-                        &values,
-                    ],
-                )
-                .await
-                .unwrap();
-        }
+    let old = OldRecords {
+        client: &client,
+        fp: &fp,
+        now,
+        checkpoints: true,
     };
     let (running, holder) = (fresh_id(), FencingToken::random());
     let (done, latest, released) = (fresh_id(), fresh_id(), fresh_id());
-    insert_v2(&running, "in-flight", Some(holder), 7).await;
-    insert_v2(&done, "completed", None, 3).await;
-    insert_v2(&latest, "completed", None, 11).await;
-    insert_v2(&released, "unknown", None, 5).await;
+    old.insert(&running, "in-flight", Some(holder), 7).await;
+    old.insert(&done, "completed", None, 3).await;
+    old.insert(&latest, "completed", None, 11).await;
+    old.insert(&released, "unknown", None, 5).await;
 
     let url = schema.url("pool_size=2");
     let candidates: Vec<ScopeSalt> = (0..4).map(|_| ScopeSalt::random(now)).collect();

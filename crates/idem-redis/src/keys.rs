@@ -137,18 +137,19 @@ pub(crate) fn record_pattern(prefix: &str) -> String {
     format!("{}:{{*}}:rec", escape_glob(prefix))
 }
 
+/// The record of `key` in the scope stored as `scope`, for the crate's unit tests.
+#[cfg(test)]
+pub(crate) fn test_id(scope: &str, key: &str) -> RecordId {
+    RecordId {
+        scope: idem_core::Scope::from_stored(scope),
+        key: idem_core::IdempotencyKey::new(key).unwrap(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use idem_core::{IdempotencyKey, Scope};
-
+    use super::test_id as id;
     use super::*;
-
-    fn id(scope: &str, key: &str) -> RecordId {
-        RecordId {
-            scope: Scope::from_stored(scope),
-            key: IdempotencyKey::new(key).unwrap(),
-        }
-    }
 
     #[test]
     fn layout() {

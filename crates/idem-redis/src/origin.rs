@@ -61,16 +61,8 @@ fn part<'a>(bytes: &mut &'a [u8]) -> Option<&'a str> {
 
 #[cfg(test)]
 mod tests {
-    use idem_core::{IdempotencyKey, Scope};
-
     use super::*;
-
-    fn id(scope: &str, key: &str) -> RecordId {
-        RecordId {
-            scope: Scope::from_stored(scope),
-            key: IdempotencyKey::new(key).unwrap(),
-        }
-    }
+    use crate::keys::test_id as id;
 
     #[test]
     fn an_origin_reads_back_whatever_its_parts_hold() {

@@ -23,7 +23,7 @@ use redis::{Cmd, Pipeline, Value};
 use tokio::sync::Notify;
 
 use crate::ack::Acknowledgement;
-use crate::call::Call;
+use crate::call::{Call, Written};
 use crate::conn::{Commands, Conn, Node, follow_sentinels};
 use crate::decode::{
     Claimed, Found, LISTED_FIELDS, StoredHash, parse_begin, parse_checkpoints, parse_identity, parse_listed,
@@ -40,7 +40,7 @@ use crate::scripts::{
 };
 use crate::timeouts::RESPONSE_TIMEOUT;
 use crate::url::Target;
-use crate::write::{Durability, run_script, run_write};
+use crate::write::{Durability, run_script};
 use crate::{RedisError, origin, url};
 
 /// An idempotency store in Redis: one server (`redis://`) or a Redis Cluster
@@ -206,27 +206,14 @@ impl RedisStore {
         args: impl FnOnce(&mut Cmd),
     ) -> Result<std::vec::IntoIter<Value>, StoreError> {
         let keys = [keys.record.as_str(), &keys.body, &keys.checkpoints];
-        run_script(&self.inner.commands, durability, what, script, &keys, args).await
+        run_script(&self.inner.commands, durability, what, script, &keys, args)
+            .await?
+            .into_payload()
     }
 
     /// What a call that writes must reach: the replicas the store waits for.
     fn writes(&self) -> Durability<'_> {
         Durability::Replicas(&self.inner.ack)
-    }
-
-    /// Runs a script whose payload is one integer.
-    async fn run_flag(
-        &self,
-        durability: Durability<'_>,
-        what: &'static str,
-        script: &StoreScript,
-        keys: &RecordKeys,
-        args: impl FnOnce(&mut Cmd),
-    ) -> Result<i64, StoreError> {
-        match self.run(durability, what, script, keys, args).await?.next() {
-            Some(Value::Int(flag)) => Ok(flag),
-            other => Err(StoreError::Corrupt(format!("unexpected reply of {what}: {other:?}"))),
-        }
     }
 
     /// Where the claim `token` on the record stands, read for `what` (`claim_state`, or a
@@ -237,12 +224,12 @@ impl RedisStore {
         keys: &RecordKeys,
         token: FencingToken,
     ) -> Result<ClaimState, StoreError> {
-        let flag = self
-            .run_flag(Durability::Primary, what, &CLAIM_STATE_SCRIPT, keys, |script| {
+        let reply = self
+            .run(Durability::Primary, what, &CLAIM_STATE_SCRIPT, keys, |script| {
                 script.arg(&token.as_bytes()[..]);
             })
             .await?;
-        Ok(match flag {
+        Ok(match flag(what, reply)? {
             2 => ClaimState::Current,
             1 => ClaimState::Completed,
             _ => ClaimState::Ended,
@@ -369,7 +356,7 @@ impl RedisStore {
         let claim_purge_at = claim_purge_at(request.purge_at, request.lease_until);
         let identity = request.identity.map(|identity| identity.to_hex()).unwrap_or_default();
         let names = [keys.record.as_str(), &keys.body, &keys.checkpoints, identity_key];
-        let written = run_write(
+        let written = run_script(
             &self.inner.commands,
             self.writes(),
             "begin",
@@ -427,7 +414,7 @@ impl RedisStore {
     /// fenced, a no-op).
     async fn forget_unacknowledged(&self, request: &BeginRequest<'_>, keys: &RecordKeys) {
         let forgotten = self
-            .run_flag(Durability::Primary, "release", &RELEASE_SCRIPT, keys, |script| {
+            .run(Durability::Primary, "release", &RELEASE_SCRIPT, keys, |script| {
                 script
                     .arg(&request.token.as_bytes()[..])
                     .arg("forget")
@@ -436,7 +423,8 @@ impl RedisStore {
                     .arg(self.inner.publish)
                     .arg(0);
             })
-            .await;
+            .await
+            .and_then(|reply| flag("release", reply));
         match forgotten {
             Ok(1) => tracing::debug!(record = %keys.record, "forgot a new claim that no replica acknowledged"),
             Ok(_) => {}
@@ -471,6 +459,7 @@ impl RedisStore {
             },
         )
         .await?
+        .into_payload()?
         .next();
         match reply {
             Some(Value::Int(copied)) => Ok(copied == 1),
@@ -506,15 +495,42 @@ impl RedisStore {
         Ok(copy)
     }
 
-    /// Runs a compare-and-set script, which writes: 1 done, 0 fenced.
+    /// Runs the scope salt's script on `key`, as a write, with `args` (the candidate's identity to
+    /// read the salt, and the candidate's salt with it to make one): the salt the key holds
+    /// afterwards, if any.
+    async fn run_scope_salt_script(
+        &self,
+        key: &str,
+        args: impl FnOnce(&mut Cmd),
+    ) -> Result<Option<ScopeSalt>, StoreError> {
+        let reply = run_script(
+            &self.inner.commands,
+            self.writes(),
+            "scope_salt",
+            &SCOPE_SALT_SCRIPT,
+            &[key],
+            args,
+        )
+        .await?
+        .into_payload()?;
+        parse_scope_salt(reply, key)
+    }
+
+    /// Runs a compare-and-set script on the claim `token`, its first argument (`args` come after
+    /// it), which writes: 1 done, 0 fenced.
     async fn compare_and_set(
         &self,
         what: &'static str,
         script: &StoreScript,
         keys: &RecordKeys,
+        token: FencingToken,
         args: impl FnOnce(&mut Cmd),
     ) -> Result<(), StoreError> {
-        match self.run_flag(self.writes(), what, script, keys, args).await? {
+        let args = |script: &mut Cmd| {
+            script.arg(&token.as_bytes()[..]);
+            args(script);
+        };
+        match flag(what, self.run(self.writes(), what, script, keys, args).await?)? {
             1 => Ok(()),
             0 => Err(StoreError::Fenced),
             other => Err(StoreError::Corrupt(format!("unexpected reply of {what}: {other}"))),
@@ -565,9 +581,8 @@ impl Store for RedisStore {
             .unwrap_or_else(PoisonError::into_inner)
             .contains(&unseen);
         let stored = self
-            .compare_and_set("complete", &COMPLETE_SCRIPT, &keys, |script| {
+            .compare_and_set("complete", &COMPLETE_SCRIPT, &keys, token, |script| {
                 script
-                    .arg(&token.as_bytes()[..])
                     .arg(&completion.response[..])
                     .arg(millis_arg(completion.completed_at))
                     .arg(millis_arg(completion.expires_at))
@@ -598,9 +613,8 @@ impl Store for RedisStore {
             Release::Forget => ("forget", UnixMillis(0), UnixMillis(0)),
             Release::Unknown { expires_at, purge_at } => ("unknown", expires_at, purge_at),
         };
-        self.compare_and_set("release", &RELEASE_SCRIPT, &keys, |script| {
+        self.compare_and_set("release", &RELEASE_SCRIPT, &keys, token, |script| {
             script
-                .arg(&token.as_bytes()[..])
                 .arg(mode)
                 .arg(millis_arg(purge_at))
                 .arg(&keys.channel)
@@ -612,9 +626,8 @@ impl Store for RedisStore {
 
     async fn renew(&self, id: &RecordId, token: FencingToken, lease_until: UnixMillis) -> Result<(), StoreError> {
         let keys = self.record_keys(id);
-        self.compare_and_set("renew", &RENEW_SCRIPT, &keys, |script| {
+        self.compare_and_set("renew", &RENEW_SCRIPT, &keys, token, |script| {
             script
-                .arg(&token.as_bytes()[..])
                 .arg(millis_arg(lease_until))
                 .arg(millis_arg(abandoned_purge_at(lease_until)));
         })
@@ -625,11 +638,8 @@ impl Store for RedisStore {
     /// nothing. The checkpoints hash expires with the record.
     async fn checkpoint(&self, id: &RecordId, token: FencingToken, checkpoint: Checkpoint) -> Result<(), StoreError> {
         let keys = self.record_keys(id);
-        self.compare_and_set("checkpoint", &CHECKPOINT_SCRIPT, &keys, |script| {
-            script
-                .arg(&token.as_bytes()[..])
-                .arg(checkpoint.name.as_bytes())
-                .arg(&checkpoint.value[..]);
+        self.compare_and_set("checkpoint", &CHECKPOINT_SCRIPT, &keys, token, |script| {
+            script.arg(checkpoint.name.as_bytes()).arg(&checkpoint.value[..]);
         })
         .await
     }
@@ -701,19 +711,12 @@ impl Store for RedisStore {
     /// deletes it.
     async fn scope_salt(&self, candidate: ScopeSalt) -> Result<ScopeSalt, StoreError> {
         let key = scope_salt_key(&self.inner.prefix);
-        let commands = &self.inner.commands;
-        let read = run_script(
-            commands,
-            self.writes(),
-            "scope_salt",
-            &SCOPE_SALT_SCRIPT,
-            &[&key],
-            |script| {
+        let read = self
+            .run_scope_salt_script(&key, |script| {
                 script.arg(candidate.identity.to_hex());
-            },
-        )
-        .await?;
-        if let Some(salt) = parse_scope_salt(read, &key)? {
+            })
+            .await?;
+        if let Some(salt) = read {
             return Ok(salt);
         }
         let surviving = match self.is_cluster() {
@@ -727,13 +730,8 @@ impl Store for RedisStore {
             }
             None => (candidate, self.latest_purge_at(&key).await?),
         };
-        let made = run_script(
-            commands,
-            self.writes(),
-            "scope_salt",
-            &SCOPE_SALT_SCRIPT,
-            &[&key],
-            |script| {
+        let made = self
+            .run_scope_salt_script(&key, |script| {
                 script
                     .arg(candidate.identity.to_hex())
                     .arg(&candidate.salt[..])
@@ -743,11 +741,9 @@ impl Store for RedisStore {
                             .map(|at| millis_arg(at).to_string())
                             .unwrap_or_default(),
                     );
-            },
-        )
-        .await?;
-        parse_scope_salt(made, &key)?
-            .ok_or_else(|| StoreError::Corrupt(format!("the scope salt {key} is missing right after it was made")))
+            })
+            .await?;
+        made.ok_or_else(|| StoreError::Corrupt(format!("the scope salt {key} is missing right after it was made")))
     }
 
     /// The salt hash's `identity` field, read on its node (none: no salt).
@@ -762,6 +758,7 @@ impl Store for RedisStore {
             |_| {},
         )
         .await?
+        .into_payload()?
         .next();
         match reply {
             None | Some(Value::Nil | Value::Boolean(false)) => Ok(None),
@@ -913,7 +910,8 @@ async fn write_replays(
                     script.arg(n);
                 },
             )
-            .await;
+            .await
+            .and_then(Written::into_payload);
             (id, n, written.err())
         }
     });
@@ -935,6 +933,14 @@ async fn write_replays(
         tracing::warn!(error = %err, records = unwritten.len(), "could not write replay counts; trying again");
     }
     unwritten
+}
+
+/// The payload of the script `what`, one integer.
+fn flag(what: &str, mut reply: std::vec::IntoIter<Value>) -> Result<i64, StoreError> {
+    match reply.next() {
+        Some(Value::Int(flag)) => Ok(flag),
+        other => Err(StoreError::Corrupt(format!("unexpected reply of {what}: {other:?}"))),
+    }
 }
 
 fn millis_arg(at: UnixMillis) -> i64 {

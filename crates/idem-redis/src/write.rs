@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use idem_core::StoreError;
-use redis::{Cmd, Value};
+use redis::Cmd;
 
 use crate::ack::Acknowledgement;
 use crate::acknowledged;
@@ -34,24 +34,10 @@ const COMMAND_BYTES: usize = 768;
 
 /// Runs `script` (the operation `what`) on `keys` with a fresh nonce and `args`; returns the reply
 /// after the nonce it names. A reply that names another call, or is not a script's
-/// reply at all, is an error, and the connection it came on is replaced. A call that
-/// [`Durability::Replicas`] fails as unavailable unless the replicas its rule wants acknowledge it.
+/// reply at all, is an error, and the connection it came on is replaced. The reply of a call that
+/// [`Durability::Replicas`] is returned even if too few replicas acknowledged it, with that failure
+/// beside it ([`Written::into_payload`] fails then): the caller may have to undo what it wrote.
 pub(crate) async fn run_script(
-    commands: &Arc<Commands>,
-    durability: Durability<'_>,
-    what: &'static str,
-    script: &StoreScript,
-    keys: &[&str],
-    args: impl FnOnce(&mut Cmd),
-) -> Result<std::vec::IntoIter<Value>, StoreError> {
-    run_write(commands, durability, what, script, keys, args)
-        .await?
-        .into_payload()
-}
-
-/// As [`run_script`], but the reply of a script that ran is returned even if too few replicas
-/// acknowledged it, with that failure beside it: the caller may have to undo what it wrote.
-pub(crate) async fn run_write(
     commands: &Arc<Commands>,
     durability: Durability<'_>,
     what: &'static str,

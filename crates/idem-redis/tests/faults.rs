@@ -107,6 +107,23 @@ impl Tally {
         self.errors.extend(other.errors);
         self.wrong.extend(other.wrong);
     }
+
+    /// How many reads were right, errors and wrong, for the test's log.
+    fn counts(&self) -> String {
+        format!(
+            "{} right, {} errors, {} wrong",
+            self.right,
+            self.errors.len(),
+            self.wrong.len()
+        )
+    }
+}
+
+impl Fixture {
+    /// Reads every known record through the store under test ([`read_known_records`]) until `until`.
+    fn read_known(&self, until: Instant) -> impl Future<Output = Tally> + Send + 'static {
+        read_known_records(Arc::clone(&self.store), Arc::clone(&self.known), until)
+    }
 }
 
 /// Whether `record` is the known record with its own fingerprint and answer.
@@ -173,12 +190,7 @@ async fn read_known_records(store: Arc<RedisStore>, known: Arc<Vec<Known>>, unti
 async fn reads_right_again(fixture: &Fixture, within: Duration) {
     let until = Instant::now() + within;
     loop {
-        let tally = read_known_records(
-            Arc::clone(&fixture.store),
-            Arc::clone(&fixture.known),
-            Instant::now() + Duration::from_millis(50),
-        )
-        .await;
+        let tally = fixture.read_known(Instant::now() + Duration::from_millis(50)).await;
         assert!(
             tally.wrong.is_empty(),
             "wrong answers after the fault: {:#?}",
@@ -228,11 +240,7 @@ async fn a_reset_with_the_resubscription_held_past_the_timeout_never_misroutes_a
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(waits.iter().all(|(_, wait)| !wait.is_finished()), "the waiters wait");
 
-    let reads = tokio::spawn(read_known_records(
-        Arc::clone(&fixture.store),
-        Arc::clone(&fixture.known),
-        Instant::now() + Duration::from_secs(8),
-    ));
+    let reads = tokio::spawn(fixture.read_known(Instant::now() + Duration::from_secs(8)));
     tokio::time::sleep(Duration::from_millis(300)).await;
     fixture
         .relay
@@ -240,10 +248,8 @@ async fn a_reset_with_the_resubscription_held_past_the_timeout_never_misroutes_a
     fixture.relay.reset_all();
     let tally = reads.await.expect("reads");
     eprintln!(
-        "{} right, {} errors, {} wrong; {} connections, {} held",
-        tally.right,
-        tally.errors.len(),
-        tally.wrong.len(),
+        "{}; {} connections, {} held",
+        tally.counts(),
         fixture.relay.accepted(),
         fixture.relay.holds()
     );
@@ -281,21 +287,11 @@ async fn a_reset_with_the_resubscription_held_past_the_timeout_never_misroutes_a
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reply_too_many_is_detected_and_never_acted_on() {
     let fixture = fixture().await;
-    let reads = tokio::spawn(read_known_records(
-        Arc::clone(&fixture.store),
-        Arc::clone(&fixture.known),
-        Instant::now() + Duration::from_secs(4),
-    ));
+    let reads = tokio::spawn(fixture.read_known(Instant::now() + Duration::from_secs(4)));
     tokio::time::sleep(Duration::from_millis(500)).await;
     fixture.relay.inject_reply_after(b"EVALSHA", b"+OK\r\n");
     let tally = reads.await.expect("reads");
-    eprintln!(
-        "{} right, {} errors, {} wrong; first error: {:?}",
-        tally.right,
-        tally.errors.len(),
-        tally.wrong.len(),
-        tally.errors.first()
-    );
+    eprintln!("{}; first error: {:?}", tally.counts(), tally.errors.first());
     assert_eq!(fixture.relay.injections(), 1, "a reply too many was sent");
     assert_nothing_wrong(&tally);
     assert!(!tally.errors.is_empty(), "the shifted replies were reported as errors");

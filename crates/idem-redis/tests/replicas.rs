@@ -14,7 +14,7 @@ use async_trait::async_trait;
 use idem_core::testkit::{self, DAY, Harness, acquire, claim, completion, fingerprint, fresh_id, stored_response};
 use idem_core::{
     Store, StoreError, UnixMillis,
-    store::{Begin, FencingToken, RecordState},
+    store::{Begin, Completion, FencingToken, RecordId, RecordState},
 };
 use idem_redis::RedisStore;
 use idem_test_support::redis_store::{connect_url, fresh_prefix};
@@ -90,6 +90,17 @@ fn is_unacknowledged(result: &Result<impl std::fmt::Debug, StoreError>) -> bool 
     matches!(result, Err(StoreError::Unavailable(err)) if err.to_string().contains("acknowledged"))
 }
 
+/// The answer `body` completed at `now`, kept a day (its key a week).
+fn completion_of(body: &'static [u8], now: UnixMillis) -> Completion {
+    completion(body, now, DAY, 7 * DAY)
+}
+
+/// Asserts that the store holds `id`'s record, answered with `body`.
+async fn assert_answered(store: &RedisStore, id: &RecordId, body: &[u8]) {
+    let record = store.get(id).await.expect("get").expect("the record");
+    assert_eq!(stored_response(&record).as_deref(), Some(body), "{id:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_conformance_suite_holds_through_sentinel_with_every_write_acknowledged() {
     let redis = ReplicatedRedis::start_with_sentinels(1, 3).await;
@@ -110,7 +121,7 @@ async fn a_write_no_replica_acknowledges_fails_and_a_failover_loses_nothing_that
     let (answered, in_flight, refused) = (fresh_id(), fresh_id(), fresh_id());
     let token = acquire(&store, &answered, &fp, now).await;
     store
-        .complete(&answered, token, completion(b"acknowledged", now, DAY, 7 * DAY))
+        .complete(&answered, token, completion_of(b"acknowledged", now))
         .await
         .expect("a replica acknowledges the answer");
     let running = acquire(&store, &in_flight, &fp, now).await;
@@ -125,9 +136,7 @@ async fn a_write_no_replica_acknowledges_fails_and_a_failover_loses_nothing_that
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let begun = store.begin(claim(&refused, &fp, now, FencingToken::random())).await;
     assert!(is_unacknowledged(&begun), "a claim no replica has: {begun:?}");
-    let answer = store
-        .complete(&in_flight, running, completion(b"unseen", now, DAY, 7 * DAY))
-        .await;
+    let answer = store.complete(&in_flight, running, completion_of(b"unseen", now)).await;
     assert!(is_unacknowledged(&answer), "an answer no replica has: {answer:?}");
 
     redis.kill(old);
@@ -137,12 +146,7 @@ async fn a_write_no_replica_acknowledges_fails_and_a_failover_loses_nothing_that
     redis.restart_as_replica_of(old, replica).await;
     until_back(&store).await;
 
-    let record = store
-        .get(&answered)
-        .await
-        .expect("get")
-        .expect("the acknowledged answer");
-    assert_eq!(stored_response(&record).as_deref(), Some(b"acknowledged".as_slice()));
+    assert_answered(&store, &answered, b"acknowledged").await;
     let record = store
         .get(&in_flight)
         .await
@@ -158,11 +162,10 @@ async fn a_write_no_replica_acknowledges_fails_and_a_failover_loses_nothing_that
     );
     // The holder stores its held answer again, on the new primary.
     store
-        .complete(&in_flight, running, completion(b"held", now, DAY, 7 * DAY))
+        .complete(&in_flight, running, completion_of(b"held", now))
         .await
         .expect("the held answer is stored once a replica acknowledges");
-    let record = store.get(&in_flight).await.expect("get").expect("record");
-    assert_eq!(stored_response(&record).as_deref(), Some(b"held".as_slice()));
+    assert_answered(&store, &in_flight, b"held").await;
 }
 
 /// A `complete` that the primary took but no replica acknowledged, then tried again by its holder
@@ -177,19 +180,16 @@ async fn a_completion_whose_acknowledgement_was_missing_is_confirmed_by_the_next
     let token = acquire(&store, &id, &fp, now).await;
 
     redis.isolate(replica).await;
-    let first = store
-        .complete(&id, token, completion(b"first", now, DAY, 7 * DAY))
-        .await;
+    let first = store.complete(&id, token, completion_of(b"first", now)).await;
     assert!(is_unacknowledged(&first), "{first:?}");
     redis.thaw(replica);
     redis.follow(replica, primary).await;
 
     store
-        .complete(&id, token, completion(b"again", now, DAY, 7 * DAY))
+        .complete(&id, token, completion_of(b"again", now))
         .await
         .expect("the claim's own answer, acknowledged now");
-    let record = store.get(&id).await.expect("get").expect("record");
-    assert_eq!(stored_response(&record).as_deref(), Some(b"first".as_slice()));
+    assert_answered(&store, &id, b"first").await;
     let stranger = store
         .complete(&id, FencingToken::random(), completion(b"x", now, DAY, DAY))
         .await;
@@ -208,7 +208,7 @@ async fn without_acknowledgement_a_failover_loses_what_the_primary_took() {
     redis.isolate(replica).await;
     let token = acquire(&store, &id, &fp, now).await;
     store
-        .complete(&id, token, completion(b"lost", now, DAY, 7 * DAY))
+        .complete(&id, token, completion_of(b"lost", now))
         .await
         .expect("the primary alone takes it");
     redis.kill(old);
@@ -231,7 +231,7 @@ async fn through_sentinel_the_store_follows_a_failover() {
     let (id, fp, now) = (fresh_id(), fingerprint("{}"), UnixMillis::now());
     let token = acquire(&store, &id, &fp, now).await;
     store
-        .complete(&id, token, completion(b"kept", now, DAY, 7 * DAY))
+        .complete(&id, token, completion_of(b"kept", now))
         .await
         .expect("complete");
 
@@ -269,19 +269,16 @@ async fn on_a_cluster_a_write_to_a_migrating_slot_is_answered_or_unavailable() {
     let token = acquire(&store, &id, &fp, now).await;
     cluster.begin_slot_migration(slot, from, to).await;
     assert!(cluster.migrate_slot_keys(slot, from, to).await > 0, "the record moved");
-    let during = store
-        .complete(&id, token, completion(b"migrated", now, DAY, 7 * DAY))
-        .await;
+    let during = store.complete(&id, token, completion_of(b"migrated", now)).await;
     assert!(
         matches!(during, Ok(()) | Err(StoreError::Unavailable(_))),
         "a write during the migration: {during:?}"
     );
     cluster.finish_slot_migration(slot, from, to).await;
     store
-        .complete(&id, token, completion(b"migrated", now, DAY, 7 * DAY))
+        .complete(&id, token, completion_of(b"migrated", now))
         .await
         .expect("the holder's retry, on the slot's new owner");
-    let record = store.get(&id).await.expect("get").expect("record");
-    assert_eq!(stored_response(&record).as_deref(), Some(b"migrated".as_slice()));
+    assert_answered(&store, &id, b"migrated").await;
     assert_eq!(cluster.primary_of_slot(slot).await, to);
 }

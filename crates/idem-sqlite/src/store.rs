@@ -25,7 +25,7 @@ use idem_core::{
         RecordId, Release, ScopeSalt, StoreIdentity, WaitOutcome,
     },
 };
-use rusqlite::{Connection, OptionalExtension, Transaction, params};
+use rusqlite::{Connection, OptionalExtension, ToSql, Transaction, params};
 
 use crate::conn::{Connections, db_error};
 use crate::decode::{self, StoredRow};
@@ -178,22 +178,14 @@ impl Store for SqliteStore {
         let owned = id.clone();
         self.conns
             .write(move |tx| {
-                let changed = tx
-                    .prepare_cached(sql::COMPLETE)
-                    .and_then(|mut stmt| {
-                        stmt.execute(params![
-                            owned.scope.as_str(),
-                            owned.key.as_str(),
-                            &token.as_bytes()[..],
-                            &completion.response[..],
-                            completion.completed_at.as_i64(),
-                            completion.expires_at.as_i64(),
-                            completion.purge_at.as_i64(),
-                            completion.status
-                        ])
-                    })
-                    .map_err(db_error)?;
-                fenced(changed)
+                let after_claim = params![
+                    &completion.response[..],
+                    completion.completed_at.as_i64(),
+                    completion.expires_at.as_i64(),
+                    completion.purge_at.as_i64(),
+                    completion.status
+                ];
+                change_claim(tx, sql::COMPLETE, &owned, token, after_claim)
             })
             .await?;
         self.wake(id);
@@ -217,20 +209,12 @@ impl Store for SqliteStore {
     async fn release(&self, id: &RecordId, token: FencingToken, release: Release) -> Result<(), StoreError> {
         let owned = id.clone();
         self.conns
-            .write(move |tx| {
-                let (scope, key, token) = (owned.scope.as_str(), owned.key.as_str(), &token.as_bytes()[..]);
-                let changed = match release {
-                    Release::Forget => tx
-                        .prepare_cached(sql::FORGET)
-                        .and_then(|mut stmt| stmt.execute(params![scope, key, token])),
-                    Release::Unknown { expires_at, purge_at } => {
-                        tx.prepare_cached(sql::RELEASE_UNKNOWN).and_then(|mut stmt| {
-                            stmt.execute(params![scope, key, token, expires_at.as_i64(), purge_at.as_i64()])
-                        })
-                    }
+            .write(move |tx| match release {
+                Release::Forget => change_claim(tx, sql::FORGET, &owned, token, params![]),
+                Release::Unknown { expires_at, purge_at } => {
+                    let after_claim = params![expires_at.as_i64(), purge_at.as_i64()];
+                    change_claim(tx, sql::RELEASE_UNKNOWN, &owned, token, after_claim)
                 }
-                .map_err(db_error)?;
-                fenced(changed)
             })
             .await?;
         self.wake(id);
@@ -241,19 +225,8 @@ impl Store for SqliteStore {
         let id = id.clone();
         self.conns
             .write(move |tx| {
-                let changed = tx
-                    .prepare_cached(sql::RENEW)
-                    .and_then(|mut stmt| {
-                        stmt.execute(params![
-                            id.scope.as_str(),
-                            id.key.as_str(),
-                            &token.as_bytes()[..],
-                            lease_until.as_i64(),
-                            abandoned_purge_at(lease_until)
-                        ])
-                    })
-                    .map_err(db_error)?;
-                fenced(changed)
+                let after_claim = params![lease_until.as_i64(), abandoned_purge_at(lease_until)];
+                change_claim(tx, sql::RENEW, &id, token, after_claim)
             })
             .await
     }
@@ -433,6 +406,25 @@ fn fenced(changed: usize) -> Result<(), StoreError> {
     if changed == 0 { Err(StoreError::Fenced) } else { Ok(()) }
 }
 
+/// Runs `sql`, a compare-and-set on the claim `token` of `id` (its scope, key and token are `?1`
+/// to `?3`, `after_claim` the parameters from `?4` on), in `tx`: fenced if it changed nothing.
+fn change_claim(
+    tx: &Transaction<'_>,
+    sql: &str,
+    id: &RecordId,
+    token: FencingToken,
+    after_claim: &[&dyn ToSql],
+) -> Result<(), StoreError> {
+    let (scope, key, token) = (id.scope.as_str(), id.key.as_str(), &token.as_bytes()[..]);
+    let mut params: Vec<&dyn ToSql> = vec![&scope, &key, &token];
+    params.extend_from_slice(after_claim);
+    let changed = tx
+        .prepare_cached(sql)
+        .and_then(|mut stmt| stmt.execute(&*params))
+        .map_err(db_error)?;
+    fenced(changed)
+}
+
 fn abandoned_purge_at(lease_until: UnixMillis) -> i64 {
     idem_core::store::backend::abandoned_purge_at(lease_until).as_i64()
 }
@@ -470,28 +462,25 @@ fn begin_in(tx: &Transaction<'_>, id: RecordId, request: OwnedBegin) -> Result<(
     let (scope, key) = (id.scope.as_str(), id.key.as_str());
     let purge_at = claim_purge_at(purge_at, lease_until).as_i64();
     let expires_at = expires_at.as_i64();
+    // The new claim, as the insert and a replacement write it.
+    let (claim_token, claim_lease_until, created_at) = (token.as_bytes(), lease_until.as_i64(), now.as_i64());
+    let new_claim = params![
+        scope,
+        key,
+        fingerprint,
+        &digest[..],
+        &claim_token[..],
+        claim_lease_until,
+        created_at,
+        purge_at,
+        expires_at,
+        method,
+        path,
+        trace_id
+    ];
     let inserted = tx
         .prepare_cached(sql::CLAIM)
-        .and_then(|mut stmt| {
-            stmt.query_row(
-                params![
-                    scope,
-                    key,
-                    fingerprint,
-                    &digest[..],
-                    &token.as_bytes()[..],
-                    lease_until.as_i64(),
-                    now.as_i64(),
-                    purge_at,
-                    expires_at,
-                    method,
-                    path,
-                    trace_id
-                ],
-                |_| Ok(()),
-            )
-            .optional()
-        })
+        .and_then(|mut stmt| stmt.query_row(new_claim, |_| Ok(())).optional())
         .map_err(db_error)?;
     if inserted.is_some() {
         return Ok((Begin::Acquired { recovered: false }, false));
@@ -503,22 +492,7 @@ fn begin_in(tx: &Transaction<'_>, id: RecordId, request: OwnedBegin) -> Result<(
     let action = row.stored.on_begin(row.digest.as_slice() == digest.as_slice(), now);
     if action == Existing::Replace {
         tx.prepare_cached(sql::REPLACE)
-            .and_then(|mut stmt| {
-                stmt.execute(params![
-                    scope,
-                    key,
-                    fingerprint,
-                    &digest[..],
-                    &token.as_bytes()[..],
-                    lease_until.as_i64(),
-                    now,
-                    purge_at,
-                    expires_at,
-                    method,
-                    path,
-                    trace_id
-                ])
-            })
+            .and_then(|mut stmt| stmt.execute(new_claim))
             .map_err(db_error)?;
         return Ok((Begin::Acquired { recovered: false }, true));
     }
@@ -650,6 +624,14 @@ mod tests {
     use bytes::Bytes;
     use idem_core::Fingerprint;
 
+    /// The record of `key` in the shared scope.
+    fn shared_id(key: &str) -> RecordId {
+        RecordId {
+            scope: idem_core::Scope::shared(),
+            key: idem_core::IdempotencyKey::new(key).unwrap(),
+        }
+    }
+
     fn plan(conn: &Connection, sql: &str) -> String {
         plan_with(conn, sql, params![0, 10])
     }
@@ -709,10 +691,7 @@ mod tests {
             SqliteStore::open(&path).await.unwrap(),
             SqliteStore::open(&path).await.unwrap(),
         );
-        let id = RecordId {
-            scope: idem_core::Scope::shared(),
-            key: idem_core::IdempotencyKey::new("wake").unwrap(),
-        };
+        let id = shared_id("wake");
         let fingerprint = Fingerprint::of(
             &http::Method::POST,
             &"/pay".parse().unwrap(),
@@ -770,10 +749,7 @@ mod tests {
     #[tokio::test]
     async fn a_corrupt_record_is_deleted_all_the_same() {
         let store = SqliteStore::open(":memory:").await.unwrap();
-        let id = RecordId {
-            scope: idem_core::Scope::shared(),
-            key: idem_core::IdempotencyKey::new("corrupt").unwrap(),
-        };
+        let id = shared_id("corrupt");
         store
             .conns
             .writer()
@@ -810,10 +786,7 @@ mod tests {
     #[tokio::test]
     async fn waiters_leave_no_registry_entries() {
         let store = SqliteStore::open(":memory:").await.unwrap();
-        let id = RecordId {
-            scope: idem_core::Scope::shared(),
-            key: idem_core::IdempotencyKey::new("registry").unwrap(),
-        };
+        let id = shared_id("registry");
         let deadline = Instant::now() + Duration::from_millis(20);
         let (a, b) = tokio::join!(
             store.wait(&id, FencingToken::random(), deadline),

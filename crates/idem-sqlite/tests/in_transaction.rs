@@ -51,6 +51,14 @@ impl Db {
     }
 }
 
+/// A new file with `key` claimed in it ([`Db::claim`]), and a connection of the handler's to it.
+async fn claimed(key: &str) -> (Db, InTransaction, SqliteConnection) {
+    let db = db().await;
+    let run = db.claim(key).await;
+    let conn = db.connect().await;
+    (db, run, conn)
+}
+
 /// Begins a transaction on `conn` and writes the ledger row `key` in it.
 async fn with_ledger_row<'c>(conn: &'c mut SqliteConnection, key: &str) -> sqlx::Transaction<'c, sqlx::Sqlite> {
     let mut tx = conn.begin().await.unwrap();
@@ -89,10 +97,7 @@ fn accepted() -> http::Response<Bytes> {
 
 #[tokio::test]
 async fn a_completion_in_the_callers_transaction_commits_with_it_and_keeps_the_status() {
-    let db = db().await;
-    let run = db.claim("in-tx").await;
-
-    let mut conn = db.connect().await;
+    let (db, run, mut conn) = claimed("in-tx").await;
     let tx = with_ledger_row(&mut conn, "in-tx").await;
     let mut answer = accepted();
     let tx = db.store.complete_in(tx, &run, &mut answer).await.unwrap();
@@ -117,10 +122,7 @@ async fn a_completion_in_the_callers_transaction_commits_with_it_and_keeps_the_s
 
 #[tokio::test]
 async fn a_completion_rolled_back_with_its_transaction_leaves_nothing() {
-    let db = db().await;
-    let run = db.claim("rolled-back").await;
-
-    let mut conn = db.connect().await;
+    let (db, run, mut conn) = claimed("rolled-back").await;
     let tx = with_ledger_row(&mut conn, "rolled-back").await;
     let tx = db.store.complete_in(tx, &run, &mut accepted()).await.unwrap();
     tx.rollback().await.unwrap();
@@ -202,10 +204,7 @@ async fn a_fenced_completion_ends_the_transaction_and_none_of_its_writes_stand()
 
 #[tokio::test]
 async fn a_status_that_is_not_stored_rolls_the_transaction_back() {
-    let db = db().await;
-    let run = db.claim("not-stored").await;
-
-    let mut conn = db.connect().await;
+    let (db, run, mut conn) = claimed("not-stored").await;
     let tx = with_ledger_row(&mut conn, "not-stored").await;
     let mut answer = http::Response::builder()
         .status(http::StatusCode::SERVICE_UNAVAILABLE)

@@ -41,6 +41,31 @@ async fn temp_store() -> (tempfile::TempDir, SqliteStore) {
     (dir, store)
 }
 
+/// Starts `store` waiting on `token` (for 10 s at most) in a task, and checks that it still waits
+/// 300 ms later, while the claim is held.
+async fn start_waiting(
+    store: SqliteStore,
+    id: &RecordId,
+    token: FencingToken,
+) -> tokio::task::JoinHandle<Result<WaitOutcome, StoreError>> {
+    let id = id.clone();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let waiter = tokio::spawn(async move { store.wait(&id, token, deadline).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!waiter.is_finished(), "the claim is still held");
+    waiter
+}
+
+/// Asserts that `waiter` returns `Changed` within 2 s: `what` woke it.
+async fn assert_woken(waiter: tokio::task::JoinHandle<Result<WaitOutcome, StoreError>>, what: &str) {
+    let outcome = tokio::time::timeout(Duration::from_secs(2), waiter)
+        .await
+        .expect(what)
+        .unwrap()
+        .unwrap();
+    assert_eq!(outcome, WaitOutcome::Changed, "{what}");
+}
+
 /// Releases `id` as unknown (its outcome kept, until `purge_at`).
 async fn release_unknown(store: &SqliteStore, id: &RecordId, token: FencingToken, purge_at: UnixMillis) {
     let release = Release::Unknown {
@@ -279,20 +304,9 @@ async fn a_waiter_is_woken_by_complete_on_another_store_object() {
     let (id, fp) = (id("wait"), fingerprint("body"));
     let (_, token) = begin(&holder, &id, &fp, T0).await;
 
-    let started = Instant::now();
-    let waiter = {
-        let id = id.clone();
-        tokio::spawn(async move { watcher.wait(&id, token, started + Duration::from_secs(10)).await })
-    };
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(!waiter.is_finished(), "the claim is still held");
+    let waiter = start_waiting(watcher, &id, token).await;
     holder.complete(&id, token, completion(T0, b"answer")).await.unwrap();
-    let outcome = tokio::time::timeout(Duration::from_secs(2), waiter)
-        .await
-        .expect("complete wakes the waiter")
-        .unwrap()
-        .unwrap();
-    assert_eq!(outcome, WaitOutcome::Changed);
+    assert_woken(waiter, "complete wakes the waiter").await;
 
     // A claim that is not current (or a record that is gone) does not wait at all.
     let outcome = holder
@@ -324,12 +338,7 @@ async fn a_waiter_notices_a_change_made_by_another_process() {
     let (dir, store) = temp_store().await;
     let (id, fp) = (id("elsewhere"), fingerprint("body"));
     let (_, token) = begin(&store, &id, &fp, T0).await;
-    let waiter = {
-        let (store, id) = (store.clone(), id.clone());
-        tokio::spawn(async move { store.wait(&id, token, Instant::now() + Duration::from_secs(10)).await })
-    };
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(!waiter.is_finished());
+    let waiter = start_waiting(store.clone(), &id, token).await;
     let conn = rusqlite::Connection::open(dir.path().join("idem.db")).unwrap();
     conn.busy_timeout(Duration::from_secs(10)).unwrap();
     let deleted = conn
@@ -337,12 +346,7 @@ async fn a_waiter_notices_a_change_made_by_another_process() {
         .unwrap();
     assert_eq!(deleted, 1);
     let changed = Instant::now();
-    let outcome = tokio::time::timeout(Duration::from_secs(2), waiter)
-        .await
-        .expect("polling notices the change")
-        .unwrap()
-        .unwrap();
-    assert_eq!(outcome, WaitOutcome::Changed);
+    assert_woken(waiter, "polling notices the change").await;
     assert!(
         changed.elapsed() < Duration::from_millis(500),
         "{:?}",
