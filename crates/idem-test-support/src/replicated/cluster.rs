@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use super::{Nodes, Process, Role, START_TIMEOUT, log_tail, must, query, replication};
+use super::{Nodes, Process, Role, START_TIMEOUT, log_tail, must, query, replication, with_diskless_sync};
 use crate::cluster::{BUS_OFFSET, FORMATION, form, node_port, start_node};
 
 /// How many primaries, and replicas (one per primary).
@@ -55,20 +55,14 @@ pub struct ReplicatedCluster {
 
 /// The options every node starts with (besides those of [`start_node`]), again on a restart.
 fn node_options(log: &Path) -> Vec<String> {
-    [
+    with_diskless_sync(&[
         "--cluster-node-timeout",
         "1000",
         "--cluster-allow-replica-migration",
         "no",
-        "--repl-diskless-sync",
-        "yes",
-        "--repl-diskless-sync-delay",
-        "0",
         "--logfile",
         &log.display().to_string(),
-    ]
-    .map(str::to_owned)
-    .to_vec()
+    ])
 }
 
 fn as_strs(args: &[String]) -> Vec<&str> {

@@ -218,6 +218,16 @@ macro_rules! deref_to_nodes {
 
 deref_to_nodes!(ReplicatedRedis, ReplicatedCluster);
 
+/// `options` after the ones every replicated node starts with: fast diskless full syncs (a
+/// primary streams its copy to a new replica at once, without writing it to disk first).
+fn with_diskless_sync(options: &[&str]) -> Vec<String> {
+    ["--repl-diskless-sync", "yes", "--repl-diskless-sync-delay", "0"]
+        .iter()
+        .chain(options)
+        .map(|option| (*option).to_owned())
+        .collect()
+}
+
 /// Starts `redis-server` on `port` with `args` and waits until it answers.
 fn spawn(port: u16, log: &Path, args: &[String]) -> Child {
     let mut child = Command::new("redis-server")

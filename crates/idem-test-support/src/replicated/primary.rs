@@ -4,7 +4,9 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use super::{Nodes, Process, Replication, Role, START_TIMEOUT, query, replicaof, replication, wait_for_link};
+use super::{
+    Nodes, Process, Replication, Role, START_TIMEOUT, query, replicaof, replication, wait_for_link, with_diskless_sync,
+};
 use crate::relay::Relay;
 use crate::servers::free_port;
 
@@ -27,22 +29,16 @@ pub struct ReplicatedRedis {
 /// The options every node starts with: no persistence, fast diskless full syncs, and a replica
 /// that notices a dead link (or a primary a frozen replica) within seconds.
 fn node_args(dir: &std::path::Path) -> Vec<String> {
-    [
+    with_diskless_sync(&[
         "--save",
         "",
         "--appendonly",
         "no",
-        "--repl-diskless-sync",
-        "yes",
-        "--repl-diskless-sync-delay",
-        "0",
         "--repl-timeout",
         "5",
         "--dir",
         &dir.display().to_string(),
-    ]
-    .map(str::to_owned)
-    .to_vec()
+    ])
 }
 
 impl ReplicatedRedis {
