@@ -97,6 +97,21 @@ async fn send(router: &Router, request: Request<AxumBody>) -> (StatusCode, bool,
     (status, replayed, String::from_utf8_lossy(&body).into_owned())
 }
 
+/// Sends each row's request in turn: each must be answered 201 with the row's body, replayed or
+/// not as the row says. A row is `(what it shows, request, replayed, body)`; a failure names it.
+async fn expect_created<'a>(
+    router: &Router,
+    rows: impl IntoIterator<Item = (&'a str, Request<AxumBody>, bool, &'a str)>,
+) {
+    for (row, request, replayed, body) in rows {
+        assert_eq!(
+            send(router, request).await,
+            (StatusCode::CREATED, replayed, body.to_owned()),
+            "{row}"
+        );
+    }
+}
+
 fn pay_as(key: &str, credential: &'static str) -> Request<AxumBody> {
     let mut request = pay(key, "");
     request
@@ -260,18 +275,15 @@ async fn scopes_can_come_from_the_application() {
         request.extensions_mut().insert(Scope::application(tenant));
         request
     };
-    assert_eq!(
-        send(&app.router, as_tenant("acme")).await,
-        (StatusCode::CREATED, false, "run 1".into())
-    );
-    assert_eq!(
-        send(&app.router, as_tenant("globex")).await,
-        (StatusCode::CREATED, false, "run 2".into())
-    );
-    assert_eq!(
-        send(&app.router, as_tenant("acme")).await,
-        (StatusCode::CREATED, true, "run 1".into())
-    );
+    expect_created(
+        &app.router,
+        [
+            ("the first tenant runs", as_tenant("acme"), false, "run 1"),
+            ("another tenant's same key runs", as_tenant("globex"), false, "run 2"),
+            ("the first tenant's key replays", as_tenant("acme"), true, "run 1"),
+        ],
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -301,13 +313,9 @@ async fn answers_expire_to_tombstones_then_disappear() {
     );
 }
 
-/// A key whose run ended without an answer (a panic: outcome unknown) expires at its ttl as an
-/// answered key does: past it the retry is `422 key-expired` until the tombstone's end, never a
-/// run without `recovered`.
-#[tokio::test]
-async fn an_unknown_outcome_expires_at_its_ttl_and_keeps_a_tombstone() {
-    let (store, dir) = sqlite().await;
-    let clock = ManualClock::starting_now();
+/// `POST /pay` behind `layer`: the first run panics after it may have acted; later ones answer 201
+/// `run <n> recovered=<flag>`. Also the count of runs.
+fn first_run_panics(layer: IdempotencyLayer) -> (Router, Arc<AtomicUsize>) {
     let runs = Arc::new(AtomicUsize::new(0));
     let counter = runs.clone();
     let router = Router::new()
@@ -322,12 +330,23 @@ async fn an_unknown_outcome_expires_at_its_ttl_and_keeps_a_tombstone() {
                 }
             }),
         )
-        .layer(
-            IdempotencyLayer::new(store)
-                .with_clock(Arc::new(clock.clone()))
-                .with_ttl(Duration::from_secs(3600))
-                .with_tombstone_ttl(Duration::from_secs(7200)),
-        );
+        .layer(layer);
+    (router, runs)
+}
+
+/// A key whose run ended without an answer (a panic: outcome unknown) expires at its ttl as an
+/// answered key does: past it the retry is `422 key-expired` until the tombstone's end, never a
+/// run without `recovered`.
+#[tokio::test]
+async fn an_unknown_outcome_expires_at_its_ttl_and_keeps_a_tombstone() {
+    let (store, dir) = sqlite().await;
+    let clock = ManualClock::starting_now();
+    let (router, runs) = first_run_panics(
+        IdempotencyLayer::new(store)
+            .with_clock(Arc::new(clock.clone()))
+            .with_ttl(Duration::from_secs(3600))
+            .with_tombstone_ttl(Duration::from_secs(7200)),
+    );
 
     let (status, _, body) = send(&router, pay("k", "")).await;
     assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{body}");
@@ -399,45 +418,45 @@ async fn provisional_keys_dedupe_a_double_tap_and_leave_no_tombstone() {
             .body(AxumBody::from("amount=10"))
             .expect("request")
     };
-
-    assert_eq!(
-        send(&app.router, tap()).await,
-        (StatusCode::CREATED, false, "run 1".into())
-    );
-    assert_eq!(
-        send(&app.router, tap()).await,
-        (StatusCode::CREATED, true, "run 1".into()),
-        "the double tap is caught"
-    );
     let other = Request::post("/pay")
         .header("authorization", "Bearer alice")
         .body(AxumBody::from("amount=11"))
         .expect("request");
-    assert_eq!(
-        send(&app.router, other).await,
-        (StatusCode::CREATED, false, "run 2".into())
-    );
+    expect_created(
+        &app.router,
+        [
+            ("the first tap runs", tap(), false, "run 1"),
+            ("the double tap is caught", tap(), true, "run 1"),
+            ("another body runs", other, false, "run 2"),
+        ],
+    )
+    .await;
     clock.advance(Duration::from_secs(6));
-    assert_eq!(
-        send(&app.router, tap()).await,
-        (StatusCode::CREATED, false, "run 3".into()),
-        "after the window the same body is a new request, not key-expired"
-    );
     // Without a credential nothing tells two callers apart: their requests pass through.
     let anonymous = || {
         Request::post("/pay")
             .body(AxumBody::from("amount=12"))
             .expect("request")
     };
-    assert_eq!(
-        send(&app.router, anonymous()).await,
-        (StatusCode::CREATED, false, "run 4".into())
-    );
-    assert_eq!(
-        send(&app.router, anonymous()).await,
-        (StatusCode::CREATED, false, "run 5".into()),
-        "two anonymous callers never share an answer"
-    );
+    expect_created(
+        &app.router,
+        [
+            (
+                "after the window the same body is a new request, not key-expired",
+                tap(),
+                false,
+                "run 3",
+            ),
+            ("an anonymous caller runs", anonymous(), false, "run 4"),
+            (
+                "two anonymous callers never share an answer",
+                anonymous(),
+                false,
+                "run 5",
+            ),
+        ],
+    )
+    .await;
 }
 
 /// A store whose server cannot be reached: every operation fails.
@@ -537,21 +556,7 @@ fn problem_type(body: &str) -> Option<String> {
 #[tokio::test]
 async fn a_panicking_handler_is_a_problem_and_its_retry_runs_marked_recovered() {
     let (store, dir) = sqlite().await;
-    let runs = Arc::new(AtomicUsize::new(0));
-    let counter = runs.clone();
-    let router = Router::new()
-        .route(
-            "/pay",
-            post(move |info: axum::Extension<idem_tower::IdempotencyInfo>| {
-                let counter = counter.clone();
-                async move {
-                    let run = counter.fetch_add(1, Ordering::SeqCst) + 1;
-                    assert!(run > 1, "the handler's first run panics after it may have acted");
-                    (StatusCode::CREATED, format!("run {run} recovered={}", info.recovered))
-                }
-            }),
-        )
-        .layer(IdempotencyLayer::new(store));
+    let (router, runs) = first_run_panics(IdempotencyLayer::new(store));
 
     let (status, replayed, body) = send(&router, pay("k", "")).await;
     assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{body}");
@@ -868,14 +873,14 @@ async fn routes_give_paths_their_own_policy_or_let_them_pass_untouched() {
     let keyless = |path: &str| Request::post(path).body(AxumBody::empty()).expect("request");
 
     // A pass-through route: the same key twice runs twice, and the store is never asked.
-    assert_eq!(
-        send(&router, keyed("/webhooks/github")).await,
-        (StatusCode::CREATED, false, "run 1".into())
-    );
-    assert_eq!(
-        send(&router, keyed("/webhooks/github")).await,
-        (StatusCode::CREATED, false, "run 2".into())
-    );
+    expect_created(
+        &router,
+        [
+            ("a pass-through route runs", keyed("/webhooks/github"), false, "run 1"),
+            ("and runs the same key again", keyed("/webhooks/github"), false, "run 2"),
+        ],
+    )
+    .await;
     assert_eq!(store.total(), 0, "a pass-through route never touches the store");
 
     // The route's own policy: keys are required there, and only there.
@@ -889,14 +894,19 @@ async fn routes_give_paths_their_own_policy_or_let_them_pass_untouched() {
     assert_eq!(send(&router, keyless("/pay")).await.0, StatusCode::CREATED);
 
     // Protected paths still replay, under their route's policy or the default.
-    assert_eq!(
-        send(&router, keyed("/exports/7")).await,
-        (StatusCode::CREATED, false, "run 4".into())
-    );
-    assert_eq!(
-        send(&router, keyed("/exports/7")).await,
-        (StatusCode::CREATED, true, "run 4".into())
-    );
+    expect_created(
+        &router,
+        [
+            (
+                "a key on a route of its own policy runs",
+                keyed("/exports/7"),
+                false,
+                "run 4",
+            ),
+            ("and replays", keyed("/exports/7"), true, "run 4"),
+        ],
+    )
+    .await;
     assert_eq!(runs.load(Ordering::SeqCst), 4);
 }
 
@@ -1102,11 +1112,13 @@ async fn a_layer_under_a_prefix_refuses_a_path_that_climbs_out_of_it() {
     assert_eq!(runs.load(Ordering::SeqCst), 0, "no climbing path reached the service");
     assert_eq!(store.total(), 0, "nothing was claimed for a climbing path");
 
-    let inside = request("POST", "/a/../pay", Some("inside"));
-    assert_eq!(
-        send(&router, inside).await,
-        (StatusCode::CREATED, false, "run 1".into())
-    );
-    let again = request("POST", "/a/../pay", Some("inside"));
-    assert_eq!(send(&router, again).await, (StatusCode::CREATED, true, "run 1".into()));
+    let inside = || request("POST", "/a/../pay", Some("inside"));
+    expect_created(
+        &router,
+        [
+            ("a `..` that stays inside is served", inside(), false, "run 1"),
+            ("and replayed", inside(), true, "run 1"),
+        ],
+    )
+    .await;
 }
