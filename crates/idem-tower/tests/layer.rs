@@ -12,7 +12,7 @@ use axum::http::{Request, StatusCode};
 use axum::routing::post;
 use http_body_util::BodyExt;
 use idem_core::store::StoreOperation as Operation;
-use idem_core::testkit::counting;
+use idem_core::testkit::{CountingStore, counting};
 use idem_core::{
     ManualClock, MissingKeyPolicy, Policy, RouteRule, Routes, Scope, ScopeSource, Store, StoreError, UnixMillis,
     store::{
@@ -36,6 +36,12 @@ async fn sqlite() -> (SqliteStore, tempfile::TempDir) {
         .await
         .expect("open sqlite");
     (store, dir)
+}
+
+/// A SQLite store that counts its operations (shared, to read the counts), and its folder.
+async fn counted_sqlite() -> (Arc<CountingStore<SqliteStore>>, tempfile::TempDir) {
+    let (store, dir) = sqlite().await;
+    (Arc::new(counting(store)), dir)
 }
 
 /// Deletes the scope salt of the SQLite file at `path`, as a store written by a version before
@@ -125,8 +131,7 @@ fn pay_as(key: &str, credential: &'static str) -> Request<AxumBody> {
 /// hash costs one read more, to find a record stored under the unsalted scope, which replays.
 #[tokio::test]
 async fn credential_scopes_read_the_salt_once_and_look_up_older_records_only_after_an_upgrade() {
-    let (store, dir) = sqlite().await;
-    let store = Arc::new(counting(store));
+    let (store, dir) = counted_sqlite().await;
     let layer = IdempotencyLayer::from_shared(store.clone());
     let fresh = app(layer.clone(), dir);
     let mut salt_reads = Vec::new();
@@ -145,8 +150,7 @@ async fn credential_scopes_read_the_salt_once_and_look_up_older_records_only_aft
     assert_eq!(salt_reads, [1, 0, 0, 0], "read once, at the first request");
 
     // A store with a record from before the salt: the previous version's unsalted scope.
-    let (old, dir) = sqlite().await;
-    let old = Arc::new(counting(old));
+    let (old, dir) = counted_sqlite().await;
     let unsalted = {
         use sha2::Digest;
         let digest = sha2::Sha256::digest(b"Bearer alice");
@@ -189,8 +193,7 @@ async fn credential_scopes_read_the_salt_once_and_look_up_older_records_only_aft
 
 #[tokio::test]
 async fn a_new_request_costs_two_store_operations_and_a_replay_one() {
-    let (store, dir) = sqlite().await;
-    let store = Arc::new(counting(store));
+    let (store, dir) = counted_sqlite().await;
     let app = app(IdempotencyLayer::from_shared(store.clone()), dir);
 
     assert_eq!(
@@ -222,8 +225,7 @@ async fn a_new_request_costs_two_store_operations_and_a_replay_one() {
 
 #[tokio::test]
 async fn a_slow_handler_keeps_its_lease() {
-    let (store, dir) = sqlite().await;
-    let store = Arc::new(counting(store));
+    let (store, dir) = counted_sqlite().await;
     let layer = IdempotencyLayer::from_shared(store.clone()).with_lease(Duration::from_millis(300));
     let app = app(layer, dir);
 
@@ -837,8 +839,7 @@ async fn a_handler_past_the_run_timeout_is_given_up_and_its_retry_runs_recovered
 
 #[tokio::test]
 async fn routes_give_paths_their_own_policy_or_let_them_pass_untouched() {
-    let (store, _dir) = sqlite().await;
-    let store = Arc::new(counting(store));
+    let (store, _dir) = counted_sqlite().await;
     let runs = Arc::new(AtomicUsize::new(0));
     let handler = {
         let runs = runs.clone();
@@ -938,8 +939,7 @@ fn stepped_app(layer: IdempotencyLayer, charges: Arc<AtomicUsize>, failures: Arc
 
 #[tokio::test]
 async fn a_recovered_run_resumes_after_the_steps_recorded_before_it() {
-    let (store, _dir) = sqlite().await;
-    let store = Arc::new(counting(store));
+    let (store, _dir) = counted_sqlite().await;
     let (charges, failures) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
     let router = stepped_app(IdempotencyLayer::from_shared(store.clone()), charges.clone(), failures);
     let request = || {
@@ -1063,8 +1063,7 @@ async fn durations_past_the_bounds_never_panic_a_request() {
 /// or run. A `..` that stays inside is served, and replayed, as any path.
 #[tokio::test]
 async fn a_layer_under_a_prefix_refuses_a_path_that_climbs_out_of_it() {
-    let (store, _dir) = sqlite().await;
-    let store = Arc::new(counting(store));
+    let (store, _dir) = counted_sqlite().await;
     let runs = Arc::new(AtomicUsize::new(0));
     let handler = {
         let runs = runs.clone();
