@@ -315,9 +315,18 @@ async fn answers_expire_to_tombstones_then_disappear() {
     );
 }
 
-/// `POST /pay` behind `layer`: the first run panics after it may have acted; later ones answer 201
+/// How the handler's first run ends.
+#[derive(Debug, Clone, Copy)]
+enum FirstRun {
+    /// It panics after it may have acted (outcome unknown).
+    Panics,
+    /// It hangs, as an upstream that never answers.
+    Hangs,
+}
+
+/// `POST /pay` behind `layer`: its first run ends as `first` says; later ones answer 201
 /// `run <n> recovered=<flag>`. Also the count of runs.
-fn first_run_panics(layer: IdempotencyLayer) -> (Router, Arc<AtomicUsize>) {
+fn first_run(first: FirstRun, layer: IdempotencyLayer) -> (Router, Arc<AtomicUsize>) {
     let runs = Arc::new(AtomicUsize::new(0));
     let counter = runs.clone();
     let router = Router::new()
@@ -327,7 +336,12 @@ fn first_run_panics(layer: IdempotencyLayer) -> (Router, Arc<AtomicUsize>) {
                 let counter = counter.clone();
                 async move {
                     let run = counter.fetch_add(1, Ordering::SeqCst) + 1;
-                    assert!(run > 1, "the handler's first run panics after it may have acted");
+                    if run == 1 {
+                        match first {
+                            FirstRun::Panics => panic!("the handler's first run panics after it may have acted"),
+                            FirstRun::Hangs => std::future::pending::<()>().await,
+                        }
+                    }
                     (StatusCode::CREATED, format!("run {run} recovered={}", info.recovered))
                 }
             }),
@@ -343,7 +357,8 @@ fn first_run_panics(layer: IdempotencyLayer) -> (Router, Arc<AtomicUsize>) {
 async fn an_unknown_outcome_expires_at_its_ttl_and_keeps_a_tombstone() {
     let (store, dir) = sqlite().await;
     let clock = ManualClock::starting_now();
-    let (router, runs) = first_run_panics(
+    let (router, runs) = first_run(
+        FirstRun::Panics,
         IdempotencyLayer::new(store)
             .with_clock(Arc::new(clock.clone()))
             .with_ttl(Duration::from_secs(3600))
@@ -558,7 +573,7 @@ fn problem_type(body: &str) -> Option<String> {
 #[tokio::test]
 async fn a_panicking_handler_is_a_problem_and_its_retry_runs_marked_recovered() {
     let (store, dir) = sqlite().await;
-    let (router, runs) = first_run_panics(IdempotencyLayer::new(store));
+    let (router, runs) = first_run(FirstRun::Panics, IdempotencyLayer::new(store));
 
     let (status, replayed, body) = send(&router, pay("k", "")).await;
     assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{body}");
@@ -763,31 +778,15 @@ async fn a_store_that_hangs_is_a_503_and_a_claim_it_makes_late_is_released() {
     assert_eq!(retry, (StatusCode::CREATED, false, "run 1".into()));
 }
 
-/// `POST /pay` behind the layer on `store` (lease 1 s, run timeout 300 ms): the first run hangs,
-/// as an upstream that never answers; later ones answer 201 `recovered=<flag>`. Also the count of
-/// runs.
+/// `POST /pay` behind the layer on `store` (lease 1 s, run timeout 300 ms): the first run hangs
+/// ([`first_run`]).
 fn first_run_hangs(store: impl Store) -> (Router, Arc<AtomicUsize>) {
-    let runs = Arc::new(AtomicUsize::new(0));
-    let counter = runs.clone();
-    let router = Router::new()
-        .route(
-            "/pay",
-            post(move |info: axum::Extension<idem_tower::IdempotencyInfo>| {
-                let counter = counter.clone();
-                async move {
-                    if counter.fetch_add(1, Ordering::SeqCst) == 0 {
-                        std::future::pending::<()>().await;
-                    }
-                    (StatusCode::CREATED, format!("recovered={}", info.recovered))
-                }
-            }),
-        )
-        .layer(
-            IdempotencyLayer::new(store)
-                .with_lease(Duration::from_secs(1))
-                .with_run_timeout(Duration::from_millis(300)),
-        );
-    (router, runs)
+    first_run(
+        FirstRun::Hangs,
+        IdempotencyLayer::new(store)
+            .with_lease(Duration::from_secs(1))
+            .with_run_timeout(Duration::from_millis(300)),
+    )
 }
 
 /// A `begin` that took over a run whose outcome is unknown, and whose reply was lost (a reset
@@ -815,7 +814,7 @@ async fn a_takeover_whose_reply_was_lost_leaves_the_next_run_marked_recovered() 
     tokio::time::sleep(Duration::from_millis(300)).await;
 
     let retry = send(&router, pay("k", "")).await;
-    assert_eq!(retry, (StatusCode::CREATED, false, "recovered=true".into()));
+    assert_eq!(retry, (StatusCode::CREATED, false, "run 2 recovered=true".into()));
     assert_eq!(runs.load(Ordering::SeqCst), 2, "the lost takeover ran nothing");
 }
 
@@ -833,7 +832,7 @@ async fn a_handler_past_the_run_timeout_is_given_up_and_its_retry_runs_recovered
     );
     // Its lease is still being renewed nowhere, and the key is not wedged: the retry runs at once.
     let retry = send(&router, pay("k", "")).await;
-    assert_eq!(retry, (StatusCode::CREATED, false, "recovered=true".into()));
+    assert_eq!(retry, (StatusCode::CREATED, false, "run 2 recovered=true".into()));
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
 
