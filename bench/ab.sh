@@ -25,6 +25,8 @@ PORT_BASE=${PORT_BASE:-19200}
 RUN="ab-$(date +%s)-$$"
 EXTRA=${EXTRA:-}
 die() { printf 'ab.sh: %s\n' "$*" >&2; exit 1; }
+# shellcheck source=bench/warm.sh
+source "$HERE/warm.sh"
 case "$MODE" in new | replay) ;; *) die "MODE must be new or replay, not $MODE" ;; esac
 
 PIDS=()
@@ -66,17 +68,9 @@ tower)
 esac
 
 for port in $((PORT_BASE + 1)) $((PORT_BASE + 2)); do
-    for _ in $(seq 1 150); do
-        curl -s -o /dev/null "http://127.0.0.1:$port/" && break
-        sleep 0.1
-    done
+    wait_for_port "$port"
     # The replays' keys, completed once (pay.lua's RUN-r-0 .. RUN-r-63).
-    for i in $(seq 0 63); do
-        code=$(curl -s -o /dev/null -w '%{http_code}' -X POST -H 'Content-Type: application/json' \
-            -H 'Authorization: Bearer bench' -H "Idempotency-Key: $RUN-r-$i" \
-            -d '{"amount":100,"currency":"EUR","customer":"cus_bench"}' "http://127.0.0.1:$port/pay")
-        [ "$code" = 201 ] || die "port $port answered $code to a warming request (logs in $LOGS)"
-    done
+    warm_replays "$port" "$RUN-r"
 done
 
 # cpu PID: the process's user + system CPU time so far, in clock ticks.

@@ -26,6 +26,8 @@ PORT_BASE=${PORT_BASE:-19300}
 IDEM="$ROOT/target/release/idem"
 RUN="split-$(date +%s)-$$"
 die() { printf 'split_threads.sh: %s\n' "$*" >&2; exit 1; }
+# shellcheck source=bench/warm.sh
+source "$HERE/warm.sh"
 [ -x "$IDEM" ] && [ -x "$HERE/target/release/bare" ] \
     || die "build first: cargo build --release -p idem; (cd bench && cargo build --release --ignore-rust-version)"
 redis-cli -u "$REDIS_URL" ping 2>/dev/null | grep -q PONG || die "Redis does not answer at $REDIS_URL"
@@ -54,17 +56,9 @@ SPLIT_A=$(gateway $((PORT_BASE + 2)) TOKIO_WORKER_THREADS=1)
 SPLIT_B=$(gateway $((PORT_BASE + 3)) TOKIO_WORKER_THREADS=1)
 PIDS+=("$ONE" "$SPLIT_A" "$SPLIT_B")
 for port in $((PORT_BASE + 1)) $((PORT_BASE + 2)) $((PORT_BASE + 3)); do
-    for _ in $(seq 1 150); do
-        curl -s -o /dev/null "http://127.0.0.1:$port/" && break
-        sleep 0.1
-    done
+    wait_for_port "$port"
     kill -0 "$ONE" "$SPLIT_A" "$SPLIT_B" 2>/dev/null || die "a gateway exited at start: $(tail -qn1 "$LOGS"/[0-9]*)"
-    for i in $(seq 0 63); do
-        code=$(curl -s -o /dev/null -w '%{http_code}' -X POST -H 'Content-Type: application/json' \
-            -H 'Authorization: Bearer bench' -H "Idempotency-Key: $RUN-$port-r-$i" \
-            -d '{"amount":100,"currency":"EUR","customer":"cus_bench"}' "http://127.0.0.1:$port/pay")
-        [ "$code" = 201 ] || die "port $port answered $code to a warming request (logs in $LOGS)"
-    done
+    warm_replays "$port" "$RUN-$port-r"
 done
 
 # Seconds of CPU so far: of processes (user + system, summed), and of Redis.

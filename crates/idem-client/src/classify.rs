@@ -120,26 +120,22 @@ mod tests {
 
     #[test]
     fn only_the_key_in_flight_conflict_is_retried() {
-        assert_eq!(
-            classify(409, Some("urn:idem:problem:key-in-flight")),
-            Retryable::Transient
-        );
-        assert_eq!(
-            classify(409, Some("https://example.com/problems/key-in-flight/")),
-            Retryable::Transient
-        );
-        assert_eq!(classify(409, Some("urn:idem:problem:key-mismatch")), Retryable::Fatal);
-        // A processed request whose stored answer cannot be read: every repeat gets the same.
-        assert_eq!(
-            classify(500, Some("urn:idem:problem:answer-unreadable")),
-            Retryable::Fatal
-        );
-        assert_eq!(
-            classify(500, Some("urn:idem:problem:internal-error")),
-            Retryable::Transient
-        );
-        assert_eq!(classify(409, Some("about:blank")), Retryable::Fatal);
-        assert_eq!(classify(422, Some("urn:idem:problem:key-in-flight")), Retryable::Fatal);
+        for (status, problem_type, expected) in [
+            (409, "urn:idem:problem:key-in-flight", Retryable::Transient),
+            (409, "https://example.com/problems/key-in-flight/", Retryable::Transient),
+            (409, "urn:idem:problem:key-mismatch", Retryable::Fatal),
+            // A processed request whose stored answer cannot be read: every repeat gets the same.
+            (500, "urn:idem:problem:answer-unreadable", Retryable::Fatal),
+            (500, "urn:idem:problem:internal-error", Retryable::Transient),
+            (409, "about:blank", Retryable::Fatal),
+            (422, "urn:idem:problem:key-in-flight", Retryable::Fatal),
+        ] {
+            assert_eq!(
+                classify(status, Some(problem_type)),
+                expected,
+                "{status} {problem_type}"
+            );
+        }
     }
 
     #[test]

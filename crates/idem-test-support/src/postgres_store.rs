@@ -160,37 +160,27 @@ pub async fn busy_connections(url: &str, application_name: &str) -> Vec<String> 
 /// this is cleanup). Runs on a thread of its own: a `Drop` inside the test's runtime cannot block
 /// on it.
 fn drop_stale_schemas(url: String) {
-    let cleanup = std::thread::spawn(move || {
-        let Ok(runtime) = tokio::runtime::Builder::new_current_thread().enable_all().build() else {
+    servers::clean_up_postgres(url.clone(), |client| async move {
+        let Ok(rows) = client
+            .query(
+                "SELECT nspname FROM pg_namespace WHERE nspname LIKE 'idem\\_test\\_%'",
+                &[],
+            )
+            .await
+        else {
             return;
         };
-        runtime.block_on(async move {
-            let Ok((client, connection)) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await else {
-                return;
-            };
-            tokio::spawn(connection);
-            let Ok(rows) = client
-                .query(
-                    "SELECT nspname FROM pg_namespace WHERE nspname LIKE 'idem\\_test\\_%'",
-                    &[],
-                )
-                .await
-            else {
-                return;
-            };
-            let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
-            let oldest = now.saturating_sub(STALE_AFTER.as_secs());
-            for row in rows {
-                let stale: String = row.get(0);
-                let created = stale
-                    .strip_prefix("idem_test_")
-                    .and_then(|rest| rest.split('_').next())
-                    .and_then(|secs| secs.parse::<u64>().ok());
-                if created.is_some_and(|secs| secs < oldest) {
-                    servers::drop_postgres_schema(&url, &stale);
-                }
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let oldest = now.saturating_sub(STALE_AFTER.as_secs());
+        for row in rows {
+            let stale: String = row.get(0);
+            let created = stale
+                .strip_prefix("idem_test_")
+                .and_then(|rest| rest.split('_').next())
+                .and_then(|secs| secs.parse::<u64>().ok());
+            if created.is_some_and(|secs| secs < oldest) {
+                servers::drop_postgres_schema(&url, &stale);
             }
-        });
+        }
     });
-    let _ = cleanup.join();
 }

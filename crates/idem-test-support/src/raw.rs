@@ -83,23 +83,22 @@ pub fn redis_bytes(nodes: &[String], prefix: &str) -> Vec<u8> {
         for key in keys {
             bytes.extend_from_slice(&key);
             let kind: String = redis::cmd("TYPE").arg(&key).query(&mut conn).expect("TYPE");
-            let values: Vec<Vec<u8>> = match kind.as_str() {
-                "string" => vec![redis::cmd("GET").arg(&key).query(&mut conn).expect("GET")],
-                "hash" => redis::cmd("HGETALL").arg(&key).query(&mut conn).expect("HGETALL"),
-                "list" => redis::cmd("LRANGE")
+            // The command that reads a collection of this type whole, and its arguments after the key.
+            let whole: Option<(&str, &[i64])> = match kind.as_str() {
+                "hash" => Some(("HGETALL", &[])),
+                "list" => Some(("LRANGE", &[0, -1])),
+                "set" => Some(("SMEMBERS", &[])),
+                "zset" => Some(("ZRANGE", &[0, -1])),
+                _ => None,
+            };
+            let values: Vec<Vec<u8>> = match (kind.as_str(), whole) {
+                ("string", _) => vec![redis::cmd("GET").arg(&key).query(&mut conn).expect("GET")],
+                (_, Some((command, args))) => redis::cmd(command)
                     .arg(&key)
-                    .arg(0)
-                    .arg(-1)
+                    .arg(args)
                     .query(&mut conn)
-                    .expect("LRANGE"),
-                "set" => redis::cmd("SMEMBERS").arg(&key).query(&mut conn).expect("SMEMBERS"),
-                "zset" => redis::cmd("ZRANGE")
-                    .arg(&key)
-                    .arg(0)
-                    .arg(-1)
-                    .query(&mut conn)
-                    .expect("ZRANGE"),
-                _ => Vec::new(),
+                    .unwrap_or_else(|err| panic!("{command}: {err}")),
+                (_, None) => Vec::new(),
             };
             values.into_iter().for_each(|value| bytes.extend(value));
         }

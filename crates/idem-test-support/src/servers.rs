@@ -189,23 +189,36 @@ pub fn free_port() -> u16 {
 /// `Drop`.
 pub fn drop_postgres_schema(url: &str, schema: &str) {
     let (base, _) = url.split_once('?').unwrap_or((url, ""));
-    let (base, schema) = (base.to_owned(), schema.replace('"', ""));
-    let cleanup = std::thread::spawn(move || {
+    let schema = schema.replace('"', "");
+    clean_up_postgres(base.to_owned(), |client| async move {
+        let _ = client.batch_execute("SET lock_timeout = '10s'").await;
+        let _ = client
+            .batch_execute(&format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"))
+            .await;
+    });
+}
+
+/// Runs `cleanup` with a client of the PostgreSQL server at `url`, on a thread and a runtime of
+/// its own (so that it may be called from a test's runtime or a `Drop`), and waits until it is
+/// done. A server that cannot be reached is left alone: this is cleanup.
+pub(crate) fn clean_up_postgres<F, Fut>(url: String, cleanup: F)
+where
+    F: FnOnce(tokio_postgres::Client) -> Fut + Send + 'static,
+    Fut: Future<Output = ()>,
+{
+    let thread = std::thread::spawn(move || {
         let Ok(runtime) = tokio::runtime::Builder::new_current_thread().enable_all().build() else {
             return;
         };
         runtime.block_on(async move {
-            let Ok((client, connection)) = tokio_postgres::connect(&base, tokio_postgres::NoTls).await else {
+            let Ok((client, connection)) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await else {
                 return;
             };
             tokio::spawn(connection);
-            let _ = client.batch_execute("SET lock_timeout = '10s'").await;
-            let _ = client
-                .batch_execute(&format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"))
-                .await;
+            cleanup(client).await;
         });
     });
-    let _ = cleanup.join();
+    let _ = thread.join();
 }
 
 /// Cleanup that runs however a test ends: what a test made on a shared server, removed when this

@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use idem_test_support::replicated::{ReplicatedCluster, ReplicatedRedis, Role};
+use idem_test_support::replicated::{Nodes, ReplicatedCluster, ReplicatedRedis, Role};
 
 const ACKS: Duration = Duration::from_secs(5);
 
@@ -14,6 +14,11 @@ fn set(key: &str, value: &str) -> redis::Cmd {
 
 fn get(key: &str) -> redis::Cmd {
     redis::cmd("GET").arg(key).clone()
+}
+
+/// The value of `key` on `node`, read directly.
+async fn read_value(nodes: &Nodes, node: usize, key: &str) -> Option<String> {
+    nodes.command(node, &get(key)).await
 }
 
 #[tokio::test]
@@ -26,10 +31,7 @@ async fn a_write_on_the_primary_reaches_every_replica() {
     redis.command::<()>(0, &set("k", "v")).await;
     redis.wait_until_replicated(2, ACKS).await;
     for replica in redis.replicas() {
-        assert_eq!(
-            redis.command::<Option<String>>(replica, &get("k")).await.as_deref(),
-            Some("v")
-        );
+        assert_eq!(read_value(&redis, replica, "k").await.as_deref(), Some("v"));
         assert!(redis.replication_offset(replica).await >= redis.replication_offset(0).await);
     }
     let through_endpoint = redis::Client::open(redis.endpoint_url()).unwrap();
@@ -68,10 +70,7 @@ async fn a_frozen_replica_falls_behind_then_catches_up() {
         assert!(Instant::now() < deadline, "the thawed replica acknowledged everything");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert_eq!(
-        redis.command::<Option<String>>(1, &get("during9")).await.as_deref(),
-        Some("1")
-    );
+    assert_eq!(read_value(&redis, 1, "during9").await.as_deref(), Some("1"));
 }
 
 #[tokio::test]
@@ -89,14 +88,8 @@ async fn a_manual_promotion_moves_the_primary_the_replicas_and_the_endpoint() {
     assert_eq!(redis.role(1).await, Some(Role::Primary));
     redis.command::<()>(1, &set("b", "2")).await;
     redis.wait_until_replicated(1, ACKS).await;
-    assert_eq!(
-        redis.command::<Option<String>>(2, &get("a")).await.as_deref(),
-        Some("1")
-    );
-    assert_eq!(
-        redis.command::<Option<String>>(2, &get("b")).await.as_deref(),
-        Some("2")
-    );
+    assert_eq!(read_value(&redis, 2, "a").await.as_deref(), Some("1"));
+    assert_eq!(read_value(&redis, 2, "b").await.as_deref(), Some("2"));
 
     redis.point_endpoint_at(1);
     let through_endpoint = redis::Client::open(redis.endpoint_url()).unwrap();
@@ -106,10 +99,7 @@ async fn a_manual_promotion_moves_the_primary_the_replicas_and_the_endpoint() {
     redis.restart_as_replica_of(0, 1).await;
     redis.wait_until_replicated(2, ACKS).await;
     assert_eq!(redis.role(0).await, Some(Role::Replica));
-    assert_eq!(
-        redis.command::<Option<String>>(0, &get("c")).await.as_deref(),
-        Some("3")
-    );
+    assert_eq!(read_value(&redis, 0, "c").await.as_deref(), Some("3"));
 }
 
 #[tokio::test]
@@ -124,12 +114,9 @@ async fn an_isolated_replica_promoted_after_its_primary_died_has_lost_what_it_mi
     redis.thaw(1);
     redis.promote(1).await;
 
+    assert_eq!(read_value(&redis, 1, "before").await.as_deref(), Some("1"));
     assert_eq!(
-        redis.command::<Option<String>>(1, &get("before")).await.as_deref(),
-        Some("1")
-    );
-    assert_eq!(
-        redis.command::<Option<String>>(1, &get("during")).await,
+        read_value(&redis, 1, "during").await,
         None,
         "the write the primary acknowledged while the replica was cut off is gone"
     );
@@ -154,10 +141,7 @@ async fn sentinels_fail_over_a_killed_primary_within_seconds() {
     assert_ne!(new, 0);
     assert_eq!(redis.primary(), new);
     assert_eq!(redis.role(new).await, Some(Role::Primary));
-    assert_eq!(
-        redis.command::<Option<String>>(new, &get("k")).await.as_deref(),
-        Some("v")
-    );
+    assert_eq!(read_value(&redis, new, "k").await.as_deref(), Some("v"));
     redis.command::<()>(new, &set("after", "1")).await;
 
     redis.point_endpoint_at(new);
@@ -195,15 +179,9 @@ async fn a_cluster_takeover_by_an_isolated_replica_loses_what_it_missed() {
     assert_eq!(cluster.primary_of_slot(slot).await, replica);
     assert!(cluster.primaries().await.contains(&replica));
     assert!(!cluster.primaries().await.contains(&primary));
+    assert_eq!(read_value(&cluster, replica, "{t}before").await.as_deref(), Some("1"));
     assert_eq!(
-        cluster
-            .command::<Option<String>>(replica, &get("{t}before"))
-            .await
-            .as_deref(),
-        Some("1")
-    );
-    assert_eq!(
-        cluster.command::<Option<String>>(replica, &get("{t}during")).await,
+        read_value(&cluster, replica, "{t}during").await,
         None,
         "the write the old primary acknowledged while its replica was cut off is gone"
     );
@@ -220,7 +198,7 @@ async fn a_cluster_slot_can_be_held_half_migrated() {
 
     cluster.begin_slot_migration(slot, from, to).await;
     assert_eq!(
-        cluster.command::<Option<String>>(from, &get("{m}a")).await.as_deref(),
+        read_value(&cluster, from, "{m}a").await.as_deref(),
         Some("1"),
         "a key not yet moved is still served where it was"
     );
@@ -231,10 +209,7 @@ async fn a_cluster_slot_can_be_held_half_migrated() {
     assert_eq!(cluster.migrate_slot_keys(slot, from, to).await, 2);
     cluster.finish_slot_migration(slot, from, to).await;
     assert_eq!(cluster.primary_of_slot(slot).await, to);
-    assert_eq!(
-        cluster.command::<Option<String>>(to, &get("{m}b")).await.as_deref(),
-        Some("2")
-    );
+    assert_eq!(read_value(&cluster, to, "{m}b").await.as_deref(), Some("2"));
     let moved = cluster.try_command::<Option<String>>(from, &get("{m}a")).await;
     assert_eq!(moved.expect_err("the slot moved").code(), Some("MOVED"));
     cluster.wait_until_ok(Duration::from_secs(10)).await;

@@ -12,7 +12,7 @@ use axum::http::{Request, StatusCode};
 use axum::routing::post;
 use http_body_util::BodyExt;
 use idem_core::store::StoreOperation as Operation;
-use idem_core::testkit::counting;
+use idem_core::testkit::{CountingStore, counting};
 use idem_core::{
     ManualClock, MissingKeyPolicy, Policy, RouteRule, Routes, Scope, ScopeSource, Store, StoreError, UnixMillis,
     store::{
@@ -36,6 +36,12 @@ async fn sqlite() -> (SqliteStore, tempfile::TempDir) {
         .await
         .expect("open sqlite");
     (store, dir)
+}
+
+/// A SQLite store that counts its operations (shared, to read the counts), and its folder.
+async fn counted_sqlite() -> (Arc<CountingStore<SqliteStore>>, tempfile::TempDir) {
+    let (store, dir) = sqlite().await;
+    (Arc::new(counting(store)), dir)
 }
 
 /// Deletes the scope salt of the SQLite file at `path`, as a store written by a version before
@@ -97,6 +103,21 @@ async fn send(router: &Router, request: Request<AxumBody>) -> (StatusCode, bool,
     (status, replayed, String::from_utf8_lossy(&body).into_owned())
 }
 
+/// Sends each row's request in turn: each must be answered 201 with the row's body, replayed or
+/// not as the row says. A row is `(what it shows, request, replayed, body)`; a failure names it.
+async fn expect_created<'a>(
+    router: &Router,
+    rows: impl IntoIterator<Item = (&'a str, Request<AxumBody>, bool, &'a str)>,
+) {
+    for (row, request, replayed, body) in rows {
+        assert_eq!(
+            send(router, request).await,
+            (StatusCode::CREATED, replayed, body.to_owned()),
+            "{row}"
+        );
+    }
+}
+
 fn pay_as(key: &str, credential: &'static str) -> Request<AxumBody> {
     let mut request = pay(key, "");
     request
@@ -110,8 +131,7 @@ fn pay_as(key: &str, credential: &'static str) -> Request<AxumBody> {
 /// hash costs one read more, to find a record stored under the unsalted scope, which replays.
 #[tokio::test]
 async fn credential_scopes_read_the_salt_once_and_look_up_older_records_only_after_an_upgrade() {
-    let (store, dir) = sqlite().await;
-    let store = Arc::new(counting(store));
+    let (store, dir) = counted_sqlite().await;
     let layer = IdempotencyLayer::from_shared(store.clone());
     let fresh = app(layer.clone(), dir);
     let mut salt_reads = Vec::new();
@@ -130,8 +150,7 @@ async fn credential_scopes_read_the_salt_once_and_look_up_older_records_only_aft
     assert_eq!(salt_reads, [1, 0, 0, 0], "read once, at the first request");
 
     // A store with a record from before the salt: the previous version's unsalted scope.
-    let (old, dir) = sqlite().await;
-    let old = Arc::new(counting(old));
+    let (old, dir) = counted_sqlite().await;
     let unsalted = {
         use sha2::Digest;
         let digest = sha2::Sha256::digest(b"Bearer alice");
@@ -174,8 +193,7 @@ async fn credential_scopes_read_the_salt_once_and_look_up_older_records_only_aft
 
 #[tokio::test]
 async fn a_new_request_costs_two_store_operations_and_a_replay_one() {
-    let (store, dir) = sqlite().await;
-    let store = Arc::new(counting(store));
+    let (store, dir) = counted_sqlite().await;
     let app = app(IdempotencyLayer::from_shared(store.clone()), dir);
 
     assert_eq!(
@@ -207,8 +225,7 @@ async fn a_new_request_costs_two_store_operations_and_a_replay_one() {
 
 #[tokio::test]
 async fn a_slow_handler_keeps_its_lease() {
-    let (store, dir) = sqlite().await;
-    let store = Arc::new(counting(store));
+    let (store, dir) = counted_sqlite().await;
     let layer = IdempotencyLayer::from_shared(store.clone()).with_lease(Duration::from_millis(300));
     let app = app(layer, dir);
 
@@ -260,18 +277,15 @@ async fn scopes_can_come_from_the_application() {
         request.extensions_mut().insert(Scope::application(tenant));
         request
     };
-    assert_eq!(
-        send(&app.router, as_tenant("acme")).await,
-        (StatusCode::CREATED, false, "run 1".into())
-    );
-    assert_eq!(
-        send(&app.router, as_tenant("globex")).await,
-        (StatusCode::CREATED, false, "run 2".into())
-    );
-    assert_eq!(
-        send(&app.router, as_tenant("acme")).await,
-        (StatusCode::CREATED, true, "run 1".into())
-    );
+    expect_created(
+        &app.router,
+        [
+            ("the first tenant runs", as_tenant("acme"), false, "run 1"),
+            ("another tenant's same key runs", as_tenant("globex"), false, "run 2"),
+            ("the first tenant's key replays", as_tenant("acme"), true, "run 1"),
+        ],
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -301,13 +315,18 @@ async fn answers_expire_to_tombstones_then_disappear() {
     );
 }
 
-/// A key whose run ended without an answer (a panic: outcome unknown) expires at its ttl as an
-/// answered key does: past it the retry is `422 key-expired` until the tombstone's end, never a
-/// run without `recovered`.
-#[tokio::test]
-async fn an_unknown_outcome_expires_at_its_ttl_and_keeps_a_tombstone() {
-    let (store, dir) = sqlite().await;
-    let clock = ManualClock::starting_now();
+/// How the handler's first run ends.
+#[derive(Debug, Clone, Copy)]
+enum FirstRun {
+    /// It panics after it may have acted (outcome unknown).
+    Panics,
+    /// It hangs, as an upstream that never answers.
+    Hangs,
+}
+
+/// `POST /pay` behind `layer`: its first run ends as `first` says; later ones answer 201
+/// `run <n> recovered=<flag>`. Also the count of runs.
+fn first_run(first: FirstRun, layer: IdempotencyLayer) -> (Router, Arc<AtomicUsize>) {
     let runs = Arc::new(AtomicUsize::new(0));
     let counter = runs.clone();
     let router = Router::new()
@@ -317,17 +336,34 @@ async fn an_unknown_outcome_expires_at_its_ttl_and_keeps_a_tombstone() {
                 let counter = counter.clone();
                 async move {
                     let run = counter.fetch_add(1, Ordering::SeqCst) + 1;
-                    assert!(run > 1, "the handler's first run panics after it may have acted");
+                    if run == 1 {
+                        match first {
+                            FirstRun::Panics => panic!("the handler's first run panics after it may have acted"),
+                            FirstRun::Hangs => std::future::pending::<()>().await,
+                        }
+                    }
                     (StatusCode::CREATED, format!("run {run} recovered={}", info.recovered))
                 }
             }),
         )
-        .layer(
-            IdempotencyLayer::new(store)
-                .with_clock(Arc::new(clock.clone()))
-                .with_ttl(Duration::from_secs(3600))
-                .with_tombstone_ttl(Duration::from_secs(7200)),
-        );
+        .layer(layer);
+    (router, runs)
+}
+
+/// A key whose run ended without an answer (a panic: outcome unknown) expires at its ttl as an
+/// answered key does: past it the retry is `422 key-expired` until the tombstone's end, never a
+/// run without `recovered`.
+#[tokio::test]
+async fn an_unknown_outcome_expires_at_its_ttl_and_keeps_a_tombstone() {
+    let (store, dir) = sqlite().await;
+    let clock = ManualClock::starting_now();
+    let (router, runs) = first_run(
+        FirstRun::Panics,
+        IdempotencyLayer::new(store)
+            .with_clock(Arc::new(clock.clone()))
+            .with_ttl(Duration::from_secs(3600))
+            .with_tombstone_ttl(Duration::from_secs(7200)),
+    );
 
     let (status, _, body) = send(&router, pay("k", "")).await;
     assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{body}");
@@ -399,45 +435,45 @@ async fn provisional_keys_dedupe_a_double_tap_and_leave_no_tombstone() {
             .body(AxumBody::from("amount=10"))
             .expect("request")
     };
-
-    assert_eq!(
-        send(&app.router, tap()).await,
-        (StatusCode::CREATED, false, "run 1".into())
-    );
-    assert_eq!(
-        send(&app.router, tap()).await,
-        (StatusCode::CREATED, true, "run 1".into()),
-        "the double tap is caught"
-    );
     let other = Request::post("/pay")
         .header("authorization", "Bearer alice")
         .body(AxumBody::from("amount=11"))
         .expect("request");
-    assert_eq!(
-        send(&app.router, other).await,
-        (StatusCode::CREATED, false, "run 2".into())
-    );
+    expect_created(
+        &app.router,
+        [
+            ("the first tap runs", tap(), false, "run 1"),
+            ("the double tap is caught", tap(), true, "run 1"),
+            ("another body runs", other, false, "run 2"),
+        ],
+    )
+    .await;
     clock.advance(Duration::from_secs(6));
-    assert_eq!(
-        send(&app.router, tap()).await,
-        (StatusCode::CREATED, false, "run 3".into()),
-        "after the window the same body is a new request, not key-expired"
-    );
     // Without a credential nothing tells two callers apart: their requests pass through.
     let anonymous = || {
         Request::post("/pay")
             .body(AxumBody::from("amount=12"))
             .expect("request")
     };
-    assert_eq!(
-        send(&app.router, anonymous()).await,
-        (StatusCode::CREATED, false, "run 4".into())
-    );
-    assert_eq!(
-        send(&app.router, anonymous()).await,
-        (StatusCode::CREATED, false, "run 5".into()),
-        "two anonymous callers never share an answer"
-    );
+    expect_created(
+        &app.router,
+        [
+            (
+                "after the window the same body is a new request, not key-expired",
+                tap(),
+                false,
+                "run 3",
+            ),
+            ("an anonymous caller runs", anonymous(), false, "run 4"),
+            (
+                "two anonymous callers never share an answer",
+                anonymous(),
+                false,
+                "run 5",
+            ),
+        ],
+    )
+    .await;
 }
 
 /// A store whose server cannot be reached: every operation fails.
@@ -537,21 +573,7 @@ fn problem_type(body: &str) -> Option<String> {
 #[tokio::test]
 async fn a_panicking_handler_is_a_problem_and_its_retry_runs_marked_recovered() {
     let (store, dir) = sqlite().await;
-    let runs = Arc::new(AtomicUsize::new(0));
-    let counter = runs.clone();
-    let router = Router::new()
-        .route(
-            "/pay",
-            post(move |info: axum::Extension<idem_tower::IdempotencyInfo>| {
-                let counter = counter.clone();
-                async move {
-                    let run = counter.fetch_add(1, Ordering::SeqCst) + 1;
-                    assert!(run > 1, "the handler's first run panics after it may have acted");
-                    (StatusCode::CREATED, format!("run {run} recovered={}", info.recovered))
-                }
-            }),
-        )
-        .layer(IdempotencyLayer::new(store));
+    let (router, runs) = first_run(FirstRun::Panics, IdempotencyLayer::new(store));
 
     let (status, replayed, body) = send(&router, pay("k", "")).await;
     assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{body}");
@@ -756,31 +778,15 @@ async fn a_store_that_hangs_is_a_503_and_a_claim_it_makes_late_is_released() {
     assert_eq!(retry, (StatusCode::CREATED, false, "run 1".into()));
 }
 
-/// `POST /pay` behind the layer on `store` (lease 1 s, run timeout 300 ms): the first run hangs,
-/// as an upstream that never answers; later ones answer 201 `recovered=<flag>`. Also the count of
-/// runs.
+/// `POST /pay` behind the layer on `store` (lease 1 s, run timeout 300 ms): the first run hangs
+/// ([`first_run`]).
 fn first_run_hangs(store: impl Store) -> (Router, Arc<AtomicUsize>) {
-    let runs = Arc::new(AtomicUsize::new(0));
-    let counter = runs.clone();
-    let router = Router::new()
-        .route(
-            "/pay",
-            post(move |info: axum::Extension<idem_tower::IdempotencyInfo>| {
-                let counter = counter.clone();
-                async move {
-                    if counter.fetch_add(1, Ordering::SeqCst) == 0 {
-                        std::future::pending::<()>().await;
-                    }
-                    (StatusCode::CREATED, format!("recovered={}", info.recovered))
-                }
-            }),
-        )
-        .layer(
-            IdempotencyLayer::new(store)
-                .with_lease(Duration::from_secs(1))
-                .with_run_timeout(Duration::from_millis(300)),
-        );
-    (router, runs)
+    first_run(
+        FirstRun::Hangs,
+        IdempotencyLayer::new(store)
+            .with_lease(Duration::from_secs(1))
+            .with_run_timeout(Duration::from_millis(300)),
+    )
 }
 
 /// A `begin` that took over a run whose outcome is unknown, and whose reply was lost (a reset
@@ -808,7 +814,7 @@ async fn a_takeover_whose_reply_was_lost_leaves_the_next_run_marked_recovered() 
     tokio::time::sleep(Duration::from_millis(300)).await;
 
     let retry = send(&router, pay("k", "")).await;
-    assert_eq!(retry, (StatusCode::CREATED, false, "recovered=true".into()));
+    assert_eq!(retry, (StatusCode::CREATED, false, "run 2 recovered=true".into()));
     assert_eq!(runs.load(Ordering::SeqCst), 2, "the lost takeover ran nothing");
 }
 
@@ -826,14 +832,13 @@ async fn a_handler_past_the_run_timeout_is_given_up_and_its_retry_runs_recovered
     );
     // Its lease is still being renewed nowhere, and the key is not wedged: the retry runs at once.
     let retry = send(&router, pay("k", "")).await;
-    assert_eq!(retry, (StatusCode::CREATED, false, "recovered=true".into()));
+    assert_eq!(retry, (StatusCode::CREATED, false, "run 2 recovered=true".into()));
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
 
 #[tokio::test]
 async fn routes_give_paths_their_own_policy_or_let_them_pass_untouched() {
-    let (store, _dir) = sqlite().await;
-    let store = Arc::new(counting(store));
+    let (store, _dir) = counted_sqlite().await;
     let runs = Arc::new(AtomicUsize::new(0));
     let handler = {
         let runs = runs.clone();
@@ -868,14 +873,14 @@ async fn routes_give_paths_their_own_policy_or_let_them_pass_untouched() {
     let keyless = |path: &str| Request::post(path).body(AxumBody::empty()).expect("request");
 
     // A pass-through route: the same key twice runs twice, and the store is never asked.
-    assert_eq!(
-        send(&router, keyed("/webhooks/github")).await,
-        (StatusCode::CREATED, false, "run 1".into())
-    );
-    assert_eq!(
-        send(&router, keyed("/webhooks/github")).await,
-        (StatusCode::CREATED, false, "run 2".into())
-    );
+    expect_created(
+        &router,
+        [
+            ("a pass-through route runs", keyed("/webhooks/github"), false, "run 1"),
+            ("and runs the same key again", keyed("/webhooks/github"), false, "run 2"),
+        ],
+    )
+    .await;
     assert_eq!(store.total(), 0, "a pass-through route never touches the store");
 
     // The route's own policy: keys are required there, and only there.
@@ -889,14 +894,19 @@ async fn routes_give_paths_their_own_policy_or_let_them_pass_untouched() {
     assert_eq!(send(&router, keyless("/pay")).await.0, StatusCode::CREATED);
 
     // Protected paths still replay, under their route's policy or the default.
-    assert_eq!(
-        send(&router, keyed("/exports/7")).await,
-        (StatusCode::CREATED, false, "run 4".into())
-    );
-    assert_eq!(
-        send(&router, keyed("/exports/7")).await,
-        (StatusCode::CREATED, true, "run 4".into())
-    );
+    expect_created(
+        &router,
+        [
+            (
+                "a key on a route of its own policy runs",
+                keyed("/exports/7"),
+                false,
+                "run 4",
+            ),
+            ("and replays", keyed("/exports/7"), true, "run 4"),
+        ],
+    )
+    .await;
     assert_eq!(runs.load(Ordering::SeqCst), 4);
 }
 
@@ -928,8 +938,7 @@ fn stepped_app(layer: IdempotencyLayer, charges: Arc<AtomicUsize>, failures: Arc
 
 #[tokio::test]
 async fn a_recovered_run_resumes_after_the_steps_recorded_before_it() {
-    let (store, _dir) = sqlite().await;
-    let store = Arc::new(counting(store));
+    let (store, _dir) = counted_sqlite().await;
     let (charges, failures) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
     let router = stepped_app(IdempotencyLayer::from_shared(store.clone()), charges.clone(), failures);
     let request = || {
@@ -1053,8 +1062,7 @@ async fn durations_past_the_bounds_never_panic_a_request() {
 /// or run. A `..` that stays inside is served, and replayed, as any path.
 #[tokio::test]
 async fn a_layer_under_a_prefix_refuses_a_path_that_climbs_out_of_it() {
-    let (store, _dir) = sqlite().await;
-    let store = Arc::new(counting(store));
+    let (store, _dir) = counted_sqlite().await;
     let runs = Arc::new(AtomicUsize::new(0));
     let handler = {
         let runs = runs.clone();
@@ -1102,11 +1110,13 @@ async fn a_layer_under_a_prefix_refuses_a_path_that_climbs_out_of_it() {
     assert_eq!(runs.load(Ordering::SeqCst), 0, "no climbing path reached the service");
     assert_eq!(store.total(), 0, "nothing was claimed for a climbing path");
 
-    let inside = request("POST", "/a/../pay", Some("inside"));
-    assert_eq!(
-        send(&router, inside).await,
-        (StatusCode::CREATED, false, "run 1".into())
-    );
-    let again = request("POST", "/a/../pay", Some("inside"));
-    assert_eq!(send(&router, again).await, (StatusCode::CREATED, true, "run 1".into()));
+    let inside = || request("POST", "/a/../pay", Some("inside"));
+    expect_created(
+        &router,
+        [
+            ("a `..` that stays inside is served", inside(), false, "run 1"),
+            ("and replayed", inside(), true, "run 1"),
+        ],
+    )
+    .await;
 }

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use super::{Process, Role, START_TIMEOUT, log_tail, must, query, replication};
+use super::{Nodes, Process, Role, START_TIMEOUT, log_tail, must, query, replication, with_diskless_sync};
 use crate::cluster::{BUS_OFFSET, FORMATION, form, node_port, start_node};
 
 /// How many primaries, and replicas (one per primary).
@@ -48,27 +48,21 @@ impl NodeLine {
 /// when this is dropped.
 #[derive(Debug)]
 pub struct ReplicatedCluster {
-    nodes: Vec<Process>,
+    pub(super) nodes: Nodes,
     ids: Vec<String>,
     dir: tempfile::TempDir,
 }
 
 /// The options every node starts with (besides those of [`start_node`]), again on a restart.
 fn node_options(log: &Path) -> Vec<String> {
-    [
+    with_diskless_sync(&[
         "--cluster-node-timeout",
         "1000",
         "--cluster-allow-replica-migration",
         "no",
-        "--repl-diskless-sync",
-        "yes",
-        "--repl-diskless-sync-delay",
-        "0",
         "--logfile",
         &log.display().to_string(),
-    ]
-    .map(str::to_owned)
-    .to_vec()
+    ])
 }
 
 fn as_strs(args: &[String]) -> Vec<&str> {
@@ -107,11 +101,15 @@ impl ReplicatedCluster {
         })
         .await
         .expect("start the cluster");
-        let cluster = Self { nodes, ids, dir };
+        let cluster = Self {
+            nodes: Nodes { list: nodes },
+            ids,
+            dir,
+        };
         for replica in PRIMARIES..2 * PRIMARIES {
             super::wait_for_link(
-                cluster.nodes[replica].port,
-                cluster.nodes[replica - PRIMARIES].port,
+                cluster.nodes.list[replica].port,
+                cluster.nodes.list[replica - PRIMARIES].port,
                 FORMATION,
             )
             .await;
@@ -125,7 +123,7 @@ impl ReplicatedCluster {
     /// replica took travels by gossip.
     async fn wait_until_all_know_the_replicas(&self) {
         let deadline = Instant::now() + FORMATION;
-        for node in &self.nodes {
+        for node in &self.nodes.list {
             loop {
                 let nodes: redis::RedisResult<String> =
                     query(node.port, redis::cmd("CLUSTER").arg("NODES").clone()).await;
@@ -133,7 +131,7 @@ impl ReplicatedCluster {
                     let lines: Vec<NodeLine> = nodes.lines().filter_map(NodeLine::parse).collect();
                     (0..PRIMARIES).all(|i| {
                         lines.iter().any(|line| {
-                            line.port == self.nodes[PRIMARIES + i].port
+                            line.port == self.nodes.list[PRIMARIES + i].port
                                 && line.flagged("slave")
                                 && line.primary_id.as_deref() == Some(self.node_id(i))
                         })
@@ -156,20 +154,11 @@ impl ReplicatedCluster {
     pub fn url(&self) -> String {
         let hosts: Vec<String> = self
             .nodes
+            .list
             .iter()
             .map(|node| format!("127.0.0.1:{}", node.port))
             .collect();
         format!("redis+cluster://{}", hosts.join(","))
-    }
-
-    /// A node's URL, for a direct connection (no redirections followed).
-    pub fn node_url(&self, node: usize) -> String {
-        self.nodes[node].url()
-    }
-
-    /// Every node's URL, in node order.
-    pub fn node_urls(&self) -> Vec<String> {
-        self.nodes.iter().map(Process::url).collect()
     }
 
     /// A node's cluster id.
@@ -219,22 +208,6 @@ impl ReplicatedCluster {
         panic!("no node serves slot {slot}");
     }
 
-    /// Stops a node (`SIGSTOP`).
-    pub fn freeze(&mut self, node: usize) {
-        self.nodes[node].freeze();
-    }
-
-    /// Lets a frozen node go on (`SIGCONT`).
-    pub fn thaw(&mut self, node: usize) {
-        self.nodes[node].thaw();
-    }
-
-    /// Kills a node (`SIGKILL`) and waits until it is gone; it stays dead until
-    /// [`ReplicatedCluster::restart`].
-    pub fn kill(&mut self, node: usize) {
-        self.nodes[node].kill();
-    }
-
     /// Starts a killed node again, on its port, with its node file (`nodes-<port>.conf`: it keeps
     /// its id, and the slots and epochs it knew) and its options, and waits until it has rejoined
     /// the cluster. Without persistence it comes back empty. A primary whose slots a replica took
@@ -251,7 +224,7 @@ impl ReplicatedCluster {
     /// If the node is running, its port or bus port was taken while it was dead, it does not
     /// start, or it has not rejoined within 20 s.
     pub async fn restart(&mut self, node: usize) {
-        let process = &self.nodes[node];
+        let process = &self.nodes.list[node];
         assert!(
             !process.alive(),
             "node {node} (port {}) is running: only a killed node can be restarted",
@@ -267,8 +240,8 @@ impl ReplicatedCluster {
         let child = tokio::task::spawn_blocking(move || start_node(port, port, &dir, &as_strs(&node_options(&log))))
             .await
             .expect("restart redis-server");
-        self.nodes[node].child = Some(child);
-        self.nodes[node].frozen = false;
+        self.nodes.list[node].child = Some(child);
+        self.nodes.list[node].frozen = false;
 
         let deadline = Instant::now() + START_TIMEOUT;
         loop {
@@ -279,7 +252,7 @@ impl ReplicatedCluster {
             assert!(
                 Instant::now() < deadline,
                 "node {node} (port {port}) did not rejoin the cluster within {START_TIMEOUT:?}: {trouble}; its log:\n{}",
-                log_tail(&self.nodes[node].log)
+                log_tail(&self.nodes.list[node].log)
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -288,7 +261,7 @@ impl ReplicatedCluster {
     /// Whether a restarted node has rejoined (see [`ReplicatedCluster::restart`]), or what is
     /// still missing.
     async fn rejoined(&self, node: usize) -> Result<(), String> {
-        let port = self.nodes[node].port;
+        let port = self.nodes.list[node].port;
         let id = self.node_id(node);
         let state = replication(port)
             .await
@@ -309,7 +282,7 @@ impl ReplicatedCluster {
                     .clone()
                     .ok_or_else(|| format!("a replica without a primary in CLUSTER NODES: {myself:?}"))?;
                 let primary = self.ids.iter().position(|other| *other == primary_id);
-                let primary_port = primary.map(|primary| self.nodes[primary].port);
+                let primary_port = primary.map(|primary| self.nodes.list[primary].port);
                 if primary_port.is_none() || primary_port != state.primary_port {
                     return Err(format!(
                         "it follows port {:?} but CLUSTER NODES names primary {primary_id}",
@@ -360,12 +333,6 @@ impl ReplicatedCluster {
         Ok(nodes.lines().filter_map(NodeLine::parse).collect())
     }
 
-    /// Freezes a replica and closes its replication link on its primary, so that nothing written
-    /// on the primary from now on reaches it (see [`super::ReplicatedRedis::isolate`]).
-    pub async fn isolate(&mut self, replica: usize) {
-        super::isolate(&mut self.nodes[replica]).await;
-    }
-
     /// `CLUSTER FAILOVER TAKEOVER` on a replica: it takes its primary's slots without the
     /// primary's or the other primaries' agreement (the primary may be dead), with whatever data
     /// it has. Waits until it says it is a primary and serves slots.
@@ -373,7 +340,7 @@ impl ReplicatedCluster {
     /// # Panics
     /// If it has not within 10 s.
     pub async fn failover_takeover(&self, replica: usize) {
-        let port = self.nodes[replica].port;
+        let port = self.nodes.list[replica].port;
         must::<()>(port, redis::cmd("CLUSTER").arg("FAILOVER").arg("TAKEOVER").clone()).await;
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
@@ -443,14 +410,14 @@ impl ReplicatedCluster {
                 .arg(id)
                 .clone()
         };
-        must::<()>(self.nodes[to].port, setslot("IMPORTING", self.node_id(from))).await;
-        must::<()>(self.nodes[from].port, setslot("MIGRATING", self.node_id(to))).await;
+        must::<()>(self.nodes.list[to].port, setslot("IMPORTING", self.node_id(from))).await;
+        must::<()>(self.nodes.list[from].port, setslot("MIGRATING", self.node_id(to))).await;
     }
 
     /// Moves the keys of `slot` still on `from` to `to` (`CLUSTER GETKEYSINSLOT`, `MIGRATE`);
     /// returns how many it moved.
     pub async fn migrate_slot_keys(&self, slot: u16, from: usize, to: usize) -> usize {
-        let (from_port, to_port) = (self.nodes[from].port, self.nodes[to].port);
+        let (from_port, to_port) = (self.nodes.list[from].port, self.nodes.list[to].port);
         let mut moved = 0;
         loop {
             let keys: Vec<Vec<u8>> = must(
@@ -483,11 +450,11 @@ impl ReplicatedCluster {
             .arg("NODE")
             .arg(self.node_id(to))
             .clone();
-        must::<()>(self.nodes[to].port, setslot.clone()).await;
-        must::<()>(self.nodes[from].port, setslot.clone()).await;
+        must::<()>(self.nodes.list[to].port, setslot.clone()).await;
+        must::<()>(self.nodes.list[from].port, setslot.clone()).await;
         for primary in self.primaries().await {
             if primary != to && primary != from {
-                must::<()>(self.nodes[primary].port, setslot.clone()).await;
+                must::<()>(self.nodes.list[primary].port, setslot.clone()).await;
             }
         }
     }
@@ -499,36 +466,21 @@ impl ReplicatedCluster {
         self.finish_slot_migration(slot, from, to).await;
     }
 
-    /// A command on a node, directly (no redirection followed); panics with the command and node
-    /// if it fails.
-    pub async fn command<T: redis::FromRedisValue + Send + 'static>(&self, node: usize, cmd: &redis::Cmd) -> T {
-        must(self.nodes[node].port, cmd.clone()).await
-    }
-
-    /// A command on a node, directly, with its error (`MOVED`, `ASK`, or a timeout after 2 s).
-    pub async fn try_command<T: redis::FromRedisValue + Send + 'static>(
-        &self,
-        node: usize,
-        cmd: &redis::Cmd,
-    ) -> redis::RedisResult<T> {
-        query(self.nodes[node].port, cmd.clone()).await
-    }
-
     /// Waits until the replica of `primary` has applied everything `primary` had written when
     /// this was called.
     ///
     /// # Panics
     /// If it has not within `timeout`.
     pub async fn wait_until_replicated(&self, primary: usize, timeout: Duration) {
-        super::wait_until_replicated(self.nodes[primary].port, 1, timeout).await;
+        super::wait_until_replicated(self.nodes.list[primary].port, 1, timeout).await;
     }
 
     fn live(&self) -> impl Iterator<Item = &Process> {
-        self.nodes.iter().filter(|node| node.alive() && !node.frozen)
+        self.nodes.list.iter().filter(|node| node.alive() && !node.frozen)
     }
 
     fn node_of_port(&self, port: u16) -> Option<usize> {
-        self.nodes.iter().position(|node| node.port == port)
+        self.nodes.list.iter().position(|node| node.port == port)
     }
 
     /// The port of a node that answers (the first live one).

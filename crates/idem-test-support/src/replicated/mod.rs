@@ -5,14 +5,15 @@
 //! Nodes are numbered in the order they were started (`usize`). A test can freeze a node
 //! (`SIGSTOP`, as a long pause would), thaw it, kill it (`SIGKILL`, as a crash would), restart a
 //! killed cluster node ([`ReplicatedCluster::restart`]: it rejoins with its id), isolate a
-//! replica from its primary, promote a replica by hand, and read replication offsets. Every process
+//! replica from its primary, promote a replica by hand, and read replication offsets. What either
+//! does to one node or asks it directly is [`Nodes`]'s, which both dereference to. Every process
 //! is killed when its owner is dropped, frozen ones too. `redis-server` must be installed
 //! (`apt-get install redis-server`); Sentinels run as `redis-server <conf> --sentinel`.
 //!
 //! Freezing a replica does not by itself make it lose what the primary writes meanwhile: the
 //! primary's bytes wait in the frozen replica's socket buffer and are applied once it is thawed,
 //! even after the primary was killed. To reproduce the loss of acknowledged writes, isolate the
-//! replica ([`ReplicatedRedis::isolate`], [`ReplicatedCluster::isolate`]): it is frozen and its
+//! replica ([`Nodes::isolate`]): it is frozen and its
 //! replication link closed on the primary, so nothing written afterwards reaches it.
 //!
 //! Methods that talk to Redis or wait are `async` and never block the runtime (the relay of
@@ -128,6 +129,103 @@ impl Drop for Process {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// The `redis-server` processes of a [`ReplicatedRedis`] or a [`ReplicatedCluster`] (each
+/// dereferences to its own), by node number: what a test does to one node, or asks it directly
+/// (no redirection followed).
+#[derive(Debug)]
+pub struct Nodes {
+    list: Vec<Process>,
+}
+
+impl Nodes {
+    /// A node's URL (`redis://127.0.0.1:P`), for a direct connection.
+    pub fn node_url(&self, node: usize) -> String {
+        self.list[node].url()
+    }
+
+    /// Every node's URL, in node order.
+    pub fn node_urls(&self) -> Vec<String> {
+        self.list.iter().map(Process::url).collect()
+    }
+
+    /// Stops a node (`SIGSTOP`): it holds its connections but answers nothing, as a long pause.
+    ///
+    /// # Panics
+    /// If the node was killed.
+    pub fn freeze(&mut self, node: usize) {
+        self.list[node].freeze();
+    }
+
+    /// Lets a frozen node go on (`SIGCONT`).
+    pub fn thaw(&mut self, node: usize) {
+        self.list[node].thaw();
+    }
+
+    /// Kills a node (`SIGKILL`: a crash, nothing flushed) and waits until it is gone; it stays
+    /// dead until restarted ([`ReplicatedCluster::restart`],
+    /// [`ReplicatedRedis::restart_as_replica_of`]).
+    pub fn kill(&mut self, node: usize) {
+        self.list[node].kill();
+    }
+
+    /// Freezes a replica and closes its replication link on its primary: nothing written on the
+    /// primary from now on reaches it, as a replica partitioned away. [`Nodes::thaw`] lets it go
+    /// on; it reconnects if its primary is still up. (A replica that is only frozen still
+    /// receives the primary's bytes into its socket buffer and applies them once thawed.)
+    ///
+    /// # Panics
+    /// If the node is not a replica with a link to its primary.
+    pub async fn isolate(&mut self, replica: usize) {
+        isolate(&mut self.list[replica]).await;
+    }
+
+    /// A command on a node, directly; panics with the command and node if it fails.
+    pub async fn command<T: redis::FromRedisValue + Send + 'static>(&self, node: usize, cmd: &redis::Cmd) -> T {
+        must(self.list[node].port, cmd.clone()).await
+    }
+
+    /// A command on a node, directly, with its error (a cluster node's `MOVED` or `ASK`; a frozen
+    /// node's is a timeout after 2 s).
+    pub async fn try_command<T: redis::FromRedisValue + Send + 'static>(
+        &self,
+        node: usize,
+        cmd: &redis::Cmd,
+    ) -> redis::RedisResult<T> {
+        query(self.list[node].port, cmd.clone()).await
+    }
+}
+
+/// Makes each of these types, which keep their processes in a field `nodes`, dereference to them.
+macro_rules! deref_to_nodes {
+    ($($owner:ty),*) => {$(
+        impl std::ops::Deref for $owner {
+            type Target = Nodes;
+
+            fn deref(&self) -> &Nodes {
+                &self.nodes
+            }
+        }
+
+        impl std::ops::DerefMut for $owner {
+            fn deref_mut(&mut self) -> &mut Nodes {
+                &mut self.nodes
+            }
+        }
+    )*};
+}
+
+deref_to_nodes!(ReplicatedRedis, ReplicatedCluster);
+
+/// `options` after the ones every replicated node starts with: fast diskless full syncs (a
+/// primary streams its copy to a new replica at once, without writing it to disk first).
+fn with_diskless_sync(options: &[&str]) -> Vec<String> {
+    ["--repl-diskless-sync", "yes", "--repl-diskless-sync-delay", "0"]
+        .iter()
+        .chain(options)
+        .map(|option| (*option).to_owned())
+        .collect()
 }
 
 /// Starts `redis-server` on `port` with `args` and waits until it answers.

@@ -4,7 +4,9 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use super::{Process, Replication, Role, START_TIMEOUT, must, query, replicaof, replication, wait_for_link};
+use super::{
+    Nodes, Process, Replication, Role, START_TIMEOUT, query, replicaof, replication, wait_for_link, with_diskless_sync,
+};
 use crate::relay::Relay;
 use crate::servers::free_port;
 
@@ -17,7 +19,7 @@ pub const MASTER_NAME: &str = "idem";
 /// primary. Every process is killed when this is dropped.
 #[derive(Debug)]
 pub struct ReplicatedRedis {
-    nodes: Vec<Process>,
+    pub(super) nodes: Nodes,
     sentinels: Vec<Process>,
     primary: usize,
     relay: Relay,
@@ -27,22 +29,16 @@ pub struct ReplicatedRedis {
 /// The options every node starts with: no persistence, fast diskless full syncs, and a replica
 /// that notices a dead link (or a primary a frozen replica) within seconds.
 fn node_args(dir: &std::path::Path) -> Vec<String> {
-    [
+    with_diskless_sync(&[
         "--save",
         "",
         "--appendonly",
         "no",
-        "--repl-diskless-sync",
-        "yes",
-        "--repl-diskless-sync-delay",
-        "0",
         "--repl-timeout",
         "5",
         "--dir",
         &dir.display().to_string(),
-    ]
-    .map(str::to_owned)
-    .to_vec()
+    ])
 }
 
 impl ReplicatedRedis {
@@ -97,7 +93,7 @@ impl ReplicatedRedis {
         }
         let relay = Relay::start(SocketAddr::from(([127, 0, 0, 1], primary_port))).await;
         let this = Self {
-            nodes,
+            nodes: Nodes { list: nodes },
             sentinels: started,
             primary: 0,
             relay,
@@ -146,7 +142,9 @@ impl ReplicatedRedis {
 
     /// The other nodes (replicas, or nodes that were killed or lost their role).
     pub fn replicas(&self) -> Vec<usize> {
-        (0..self.nodes.len()).filter(|&node| node != self.primary).collect()
+        (0..self.nodes.list.len())
+            .filter(|&node| node != self.primary)
+            .collect()
     }
 
     /// The primary's URL (`redis://127.0.0.1:P`), reached directly.
@@ -154,19 +152,9 @@ impl ReplicatedRedis {
         self.node_url(self.primary)
     }
 
-    /// A node's URL, reached directly.
-    pub fn node_url(&self, node: usize) -> String {
-        self.nodes[node].url()
-    }
-
-    /// Every node's URL, in node order.
-    pub fn node_urls(&self) -> Vec<String> {
-        self.nodes.iter().map(Process::url).collect()
-    }
-
     /// A node's address.
     pub fn node_addr(&self, node: usize) -> SocketAddr {
-        SocketAddr::from(([127, 0, 0, 1], self.nodes[node].port))
+        SocketAddr::from(([127, 0, 0, 1], self.nodes.list[node].port))
     }
 
     /// The Sentinels' addresses (none unless started with Sentinels).
@@ -208,65 +196,36 @@ impl ReplicatedRedis {
         self.relay.reset_all();
     }
 
-    /// Stops a node (`SIGSTOP`): it holds its connections but answers nothing, as a long pause.
-    ///
-    /// # Panics
-    /// If the node was killed.
-    pub fn freeze(&mut self, node: usize) {
-        self.nodes[node].freeze();
-    }
-
-    /// Lets a frozen node go on (`SIGCONT`).
-    pub fn thaw(&mut self, node: usize) {
-        self.nodes[node].thaw();
-    }
-
-    /// Kills a node (`SIGKILL`: a crash, nothing flushed) and waits until it is gone.
-    pub fn kill(&mut self, node: usize) {
-        self.nodes[node].kill();
-    }
-
     /// Kills a Sentinel.
     pub fn kill_sentinel(&mut self, sentinel: usize) {
         self.sentinels[sentinel].kill();
     }
 
-    /// Freezes a replica and closes its replication link on its primary: nothing written on the
-    /// primary from now on reaches it, as a replica partitioned away. [`ReplicatedRedis::thaw`]
-    /// lets it go on; it reconnects if its primary is still up. (A replica that is only frozen
-    /// still receives the primary's bytes into its socket buffer and applies them once thawed.)
-    ///
-    /// # Panics
-    /// If the node is not a replica with a link to its primary.
-    pub async fn isolate(&mut self, replica: usize) {
-        super::isolate(&mut self.nodes[replica]).await;
-    }
-
     /// Starts a killed node again, empty, on its port, as a replica of `primary`, and waits until
     /// its link is up.
     pub async fn restart_as_replica_of(&mut self, node: usize, primary: usize) {
-        let primary_port = self.nodes[primary].port;
+        let primary_port = self.nodes.list[primary].port;
         let mut args = node_args(self.dir.path());
         args.extend([
             "--replicaof".to_owned(),
             "127.0.0.1".to_owned(),
             primary_port.to_string(),
         ]);
-        self.nodes[node].spawn(args).await;
-        wait_for_link(self.nodes[node].port, primary_port, START_TIMEOUT).await;
+        self.nodes.list[node].spawn(args).await;
+        wait_for_link(self.nodes.list[node].port, primary_port, START_TIMEOUT).await;
     }
 
     /// Promotes a node by hand (`REPLICAOF NO ONE`) and takes it for the primary from now on.
     pub async fn promote(&mut self, node: usize) {
-        replicaof(self.nodes[node].port, None).await;
+        replicaof(self.nodes.list[node].port, None).await;
         self.primary = node;
     }
 
     /// Makes `node` a replica of `primary` (`REPLICAOF`) and waits until its link is up.
     pub async fn follow(&self, node: usize, primary: usize) {
-        let primary_port = self.nodes[primary].port;
-        replicaof(self.nodes[node].port, Some(primary_port)).await;
-        wait_for_link(self.nodes[node].port, primary_port, START_TIMEOUT).await;
+        let primary_port = self.nodes.list[primary].port;
+        replicaof(self.nodes.list[node].port, Some(primary_port)).await;
+        wait_for_link(self.nodes.list[node].port, primary_port, START_TIMEOUT).await;
     }
 
     /// Waits until a Sentinel names a primary other than the one taken so far
@@ -280,7 +239,7 @@ impl ReplicatedRedis {
             !self.sentinels.is_empty(),
             "start with Sentinels to wait for their failover"
         );
-        let old = self.nodes[self.primary].port;
+        let old = self.nodes.list[self.primary].port;
         let deadline = Instant::now() + timeout;
         let mut named = Vec::new();
         loop {
@@ -300,7 +259,7 @@ impl ReplicatedRedis {
                 .iter()
                 .filter_map(|addr| addr.as_ref().ok().and_then(Option::as_ref).map(|(_, port)| *port))
                 .find(|&port| port != old)
-                .and_then(|port| self.nodes.iter().position(|node| node.port == port));
+                .and_then(|port| self.nodes.list.iter().position(|node| node.port == port));
             if let Some(new) = new
                 && self.role(new).await == Some(Role::Primary)
             {
@@ -336,7 +295,7 @@ impl ReplicatedRedis {
     /// does not list it.
     pub async fn acked_offset(&self, replica: usize) -> Option<u64> {
         let primary = self.state(self.primary).await?;
-        primary.acked.get(&self.nodes[replica].port).copied()
+        primary.acked.get(&self.nodes.list[replica].port).copied()
     }
 
     /// How many bytes of the primary's stream a replica has not acknowledged (the whole offset if
@@ -351,7 +310,7 @@ impl ReplicatedRedis {
             .expect("the primary answers INFO replication");
         primary
             .offset
-            .saturating_sub(primary.acked.get(&self.nodes[replica].port).copied().unwrap_or(0))
+            .saturating_sub(primary.acked.get(&self.nodes.list[replica].port).copied().unwrap_or(0))
     }
 
     /// Waits until `replicas` replicas have applied everything the primary had written when this
@@ -360,25 +319,11 @@ impl ReplicatedRedis {
     /// # Panics
     /// If they have not within `timeout`.
     pub async fn wait_until_replicated(&self, replicas: usize, timeout: Duration) {
-        super::wait_until_replicated(self.nodes[self.primary].port, replicas, timeout).await;
-    }
-
-    /// A command on a node, directly; panics with the command and node if it fails.
-    pub async fn command<T: redis::FromRedisValue + Send + 'static>(&self, node: usize, cmd: &redis::Cmd) -> T {
-        must(self.nodes[node].port, cmd.clone()).await
-    }
-
-    /// A command on a node, directly, with its error (a frozen node's is a timeout after 2 s).
-    pub async fn try_command<T: redis::FromRedisValue + Send + 'static>(
-        &self,
-        node: usize,
-        cmd: &redis::Cmd,
-    ) -> redis::RedisResult<T> {
-        query(self.nodes[node].port, cmd.clone()).await
+        super::wait_until_replicated(self.nodes.list[self.primary].port, replicas, timeout).await;
     }
 
     async fn state(&self, node: usize) -> Option<Replication> {
-        let process = &self.nodes[node];
+        let process = &self.nodes.list[node];
         if !process.alive() || process.frozen {
             return None;
         }
@@ -406,7 +351,7 @@ impl Drop for ReplicatedRedis {
         for sentinel in &mut self.sentinels {
             sentinel.kill();
         }
-        for node in &mut self.nodes {
+        for node in &mut self.nodes.list {
             node.kill();
         }
     }

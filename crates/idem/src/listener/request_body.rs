@@ -151,6 +151,17 @@ mod tests {
         Box::pin(futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx)))
     }
 
+    /// Asserts that a body failed because the client took too long.
+    fn assert_timed_out(err: &BoxError) {
+        assert!(
+            matches!(
+                err.downcast_ref::<ClientBodyFailed>(),
+                Some(ClientBodyFailed::TimedOut(_))
+            ),
+            "{err}"
+        );
+    }
+
     #[tokio::test]
     async fn a_body_that_comes_in_time_is_read_whole() {
         let body = ReadTimeout::new(dripping(5, Duration::from_millis(10)), Duration::from_secs(2));
@@ -163,13 +174,7 @@ mod tests {
         let started = Instant::now();
         let body = ReadTimeout::new(dripping(1, Duration::from_secs(60)), Duration::from_millis(200));
         let err = body.collect().await.expect_err("the client stalled");
-        assert!(
-            matches!(
-                err.downcast_ref::<ClientBodyFailed>(),
-                Some(ClientBodyFailed::TimedOut(_))
-            ),
-            "{err}"
-        );
+        assert_timed_out(&err);
         let waited = started.elapsed();
         assert!(
             waited >= Duration::from_millis(200) && waited < Duration::from_secs(5),
@@ -182,12 +187,6 @@ mod tests {
         // Each byte comes well within the timeout, but all of them together would not.
         let body = ReadTimeout::new(dripping(100, Duration::from_millis(50)), Duration::from_millis(300));
         let err = body.collect().await.expect_err("the client dripped");
-        assert!(
-            matches!(
-                err.downcast_ref::<ClientBodyFailed>(),
-                Some(ClientBodyFailed::TimedOut(_))
-            ),
-            "{err}"
-        );
+        assert_timed_out(&err);
     }
 }
