@@ -84,6 +84,9 @@ source_url=$(table_value "$repo/Cargo.toml" workspace.package repository)
 description=$(table_value "$repo/crates/idem/Cargo.toml" package description)
 [ -n "$version" ] && [ -n "$licenses" ] && [ -n "$source_url" ] && [ -n "$description" ] \
   || fail "cannot read version, license, repository and description from Cargo.toml"
+for tag in ${tags[@]+"${tags[@]}"}; do
+  [ -n "$tag" ] || fail "--tag needs a NAME, not an empty one"
+done
 [ ${#tags[@]} -gt 0 ] || tags=("localhost/idem:$version" "localhost/idem:latest")
 
 if git -C "$repo" rev-parse --git-dir >/dev/null 2>&1; then

@@ -275,8 +275,22 @@ fn check_for_gateway(policy: &Policy) -> Result<(), Misconfigured> {
 
 /// The gateway's own timeouts, bounded as the policy's are ([`Policy::MAX_TIMEOUT`]): each is a
 /// deadline added to the monotonic clock, and an upload, an upstream answer or a shutdown that
-/// takes longer than a day is a fault to end, not a wait to keep.
+/// takes longer than a day is a fault to end, not a wait to keep. The replay cache's `max-age` is
+/// the bound on how long a lost delete notification can leave an answer replayed from memory: a
+/// day at most, like them (`0s` turns the cache off).
 fn gateway_timeouts(settings: &Resolved) -> Result<(), Misconfigured> {
+    if settings.replay_cache_max_age > Policy::MAX_TIMEOUT {
+        return refuse(
+            "replay-cache-max-age",
+            "must be at most 1d (one day): it bounds how long an answer deleted elsewhere can still be replayed from this instance's memory when the delete's notification is lost",
+        );
+    }
+    if settings.upstream_timeout.is_zero() {
+        return refuse(
+            "upstream-timeout",
+            "must be longer than zero, or every request would end in 504 before the upstream could answer",
+        );
+    }
     Policy::within_max_timeout(&[
         ("upstream-timeout", settings.upstream_timeout),
         ("read-timeout", settings.read_timeout),
