@@ -1081,6 +1081,27 @@ pub(crate) fn count(counter: &AtomicUsize) -> usize {
     counter.load(Ordering::SeqCst)
 }
 
+/// `text` with every `%XX` decoded (bytes that do not make UTF-8 replaced).
+pub(crate) fn percent_decoded(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = bytes.get(i + 1..i + 3).and_then(|hex| std::str::from_utf8(hex).ok());
+        match (bytes[i], hex.and_then(|hex| u8::from_str_radix(hex, 16).ok())) {
+            (b'%', Some(byte)) => {
+                out.push(byte);
+                i += 3;
+            }
+            (byte, _) => {
+                out.push(byte);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 /// A top-level field of a JSON object text: a string's content, or any other value's JSON text
 /// (`7`, `true`, `null`); `None` if the text is not a JSON object or lacks the field.
 pub(crate) fn json_field(text: &str, field: &str) -> Option<String> {
