@@ -3,11 +3,19 @@
 
 mod common;
 
+use std::process::Output;
 use std::time::Duration;
 
 use common::{Gateway, count, describe, new_key, run_idem, send, store_url_in, wait_for_count};
 
 const COMMAND_LIMIT: Duration = Duration::from_secs(30);
+
+/// `idem ARGS`, which must succeed: its output.
+async fn idem_succeeds(args: &[&str]) -> Output {
+    let output = run_idem(args, COMMAND_LIMIT).await;
+    assert!(output.status.success(), "idem {args:?}:\n{}", describe(&output));
+    output
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_admin_listener_answers_health_and_readiness() {
@@ -70,8 +78,7 @@ async fn inspect_shows_a_record_and_its_replays() {
     }
     assert_eq!(count(&upstream.state.pay), 1);
 
-    let inspect = run_idem(&["inspect", "--store", &gw.store, &key], COMMAND_LIMIT).await;
-    assert!(inspect.status.success(), "{}", describe(&inspect));
+    let inspect = idem_succeeds(&["inspect", "--store", &gw.store, &key]).await;
     let text = String::from_utf8_lossy(&inspect.stdout).to_lowercase();
     assert!(text.contains("completed"), "{}", describe(&inspect));
     assert!(text.contains("/pay"), "{}", describe(&inspect));
@@ -147,12 +154,10 @@ async fn migrate_and_purge_succeed_on_a_fresh_store() {
     let dir = tempfile::tempdir().unwrap();
     let store = store_url_in(dir.path());
 
-    let migrate = run_idem(&["migrate", "--store", &store], COMMAND_LIMIT).await;
-    assert!(migrate.status.success(), "{}", describe(&migrate));
+    idem_succeeds(&["migrate", "--store", &store]).await;
     let again = run_idem(&["migrate", "--store", &store], COMMAND_LIMIT).await;
     assert!(again.status.success(), "migrate is idempotent:\n{}", describe(&again));
-    let purge = run_idem(&["purge", "--store", &store], COMMAND_LIMIT).await;
-    assert!(purge.status.success(), "{}", describe(&purge));
+    idem_succeeds(&["purge", "--store", &store]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -161,8 +166,7 @@ async fn purge_succeeds_on_a_store_in_use() {
     let reply = gw.post_json("/pay", Some(&key), r#"{"amount":1}"#).await;
     assert_eq!(reply.status, 201, "{reply}");
 
-    let purge = run_idem(&["purge", "--store", &gw.store], COMMAND_LIMIT).await;
-    assert!(purge.status.success(), "{}", describe(&purge));
+    idem_succeeds(&["purge", "--store", &gw.store]).await;
     // Nothing was due, so the record is still replayable.
     let again = gw.post_json("/pay", Some(&key), r#"{"amount":1}"#).await;
     assert!(again.replayed(), "{again}");
@@ -173,8 +177,7 @@ async fn purge_succeeds_on_a_store_in_use() {
 async fn inspect_of_an_unknown_key_fails() {
     let dir = tempfile::tempdir().unwrap();
     let store = store_url_in(dir.path());
-    let migrate = run_idem(&["migrate", "--store", &store], COMMAND_LIMIT).await;
-    assert!(migrate.status.success(), "{}", describe(&migrate));
+    idem_succeeds(&["migrate", "--store", &store]).await;
 
     let inspect = run_idem(&["inspect", "--store", &store, "no-such-key"], COMMAND_LIMIT).await;
     assert!(
@@ -231,15 +234,13 @@ async fn inspect_and_delete_find_a_credentials_record_by_its_authorization() {
         "Bearer alice",
         key.as_str(),
     ];
-    let inspect = run_idem(&[&["inspect", "--json"][..], &by_credential].concat(), COMMAND_LIMIT).await;
-    assert!(inspect.status.success(), "{}", describe(&inspect));
+    let inspect = idem_succeeds(&[&["inspect", "--json"][..], &by_credential].concat()).await;
     let json: serde_json::Value = serde_json::from_slice(&inspect.stdout).expect("JSON");
     let scope = json["scope"].as_str().expect("a scope");
     assert!(scope.starts_with("cred-mac:"), "a keyed credential scope: {json}");
     assert_eq!(json["state"], "completed", "{json}");
 
-    let delete = run_idem(&[&["delete"][..], &by_credential].concat(), COMMAND_LIMIT).await;
-    assert!(delete.status.success(), "{}", describe(&delete));
+    let delete = idem_succeeds(&[&["delete"][..], &by_credential].concat()).await;
     let text = String::from_utf8_lossy(&delete.stdout);
     assert!(text.contains(scope), "delete names the scope:\n{text}");
     let again = send(pay()).await;
@@ -392,8 +393,7 @@ async fn list_and_inspect_escape_terminal_controls_and_json_keeps_them_exact() {
             path,
         ),
     ] {
-        let output = run_idem(args, COMMAND_LIMIT).await;
-        assert!(output.status.success(), "{args:?}: {}", describe(&output));
+        let output = idem_succeeds(args).await;
         let text = String::from_utf8(output.stdout.clone()).expect("UTF-8 output");
         assert!(
             !text.contains(is_hostile),
@@ -403,8 +403,7 @@ async fn list_and_inspect_escape_terminal_controls_and_json_keeps_them_exact() {
             assert!(text.contains(shown), "{args:?} shows {shown}:\n{text}");
         }
 
-        let output = run_idem(json_args, COMMAND_LIMIT).await;
-        assert!(output.status.success(), "{json_args:?}: {}", describe(&output));
+        let output = idem_succeeds(json_args).await;
         let record: serde_json::Value =
             serde_json::from_slice(&output.stdout).unwrap_or_else(|err| panic!("{err}: {}", describe(&output)));
         assert_eq!(record["path"], exact_path, "{json_args:?}: the exact path: {record}");

@@ -94,15 +94,10 @@ async fn a_step_of_the_wall_clock_moves_nothing(store: &str) {
     assert_eq!(recovered, 0, "no run was a recovery either");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_step_of_the_wall_clock_moves_nothing_on_postgres() {
-    a_step_of_the_wall_clock_moves_nothing(&postgres_store::store_url()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_step_of_the_wall_clock_moves_nothing_on_redis() {
-    a_step_of_the_wall_clock_moves_nothing(&redis_store::store_url()).await;
-}
+common::store_tests!(a_step_of_the_wall_clock_moves_nothing {
+    a_step_of_the_wall_clock_moves_nothing_on_postgres: postgres_store::store_url(),
+    a_step_of_the_wall_clock_moves_nothing_on_redis: redis_store::store_url(),
+});
 
 /// A gateway whose wall clock is eight days ahead, started while its store is slow to tell the
 /// time (a reply held 1.5 s, over the precision wanted of later measurements), still judges on

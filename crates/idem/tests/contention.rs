@@ -45,6 +45,11 @@ static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(())
 /// Keys sent to each gateway before the baseline: connections opened, statements prepared.
 const WARM_UP: usize = 10;
 
+/// This storm's turn (the storms run one at a time), and the plan it runs.
+async fn turn() -> (tokio::sync::MutexGuard<'static, ()>, Plan) {
+    (ONE_AT_A_TIME.lock().await, Plan::from_env())
+}
+
 /// Where a run's store is, and what watches it.
 struct Store {
     /// `postgres` (in-transaction), `redis`, `sqlite`.
@@ -58,8 +63,7 @@ struct Store {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn contention_on_postgres_in_transaction() {
-    let _one = ONE_AT_A_TIME.lock().await;
-    let plan = Plan::from_env();
+    let (_turn, plan) = turn().await;
     let url = postgres_store::store_url();
     let (database, schema) = url.split_once("?schema=").expect("a schema option");
     let (database, schema) = (database.to_owned(), schema.to_owned());
@@ -81,8 +85,7 @@ async fn contention_on_postgres_in_transaction() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn contention_on_redis() {
-    let _one = ONE_AT_A_TIME.lock().await;
-    let plan = Plan::from_env();
+    let (_turn, plan) = turn().await;
     let url = redis_store::store_url();
     let (base, prefix) = url.split_once("/?prefix=").expect("a prefix option");
     let _keys = machine::Cleanup::redis_keys(base, prefix);
@@ -98,8 +101,7 @@ async fn contention_on_redis() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn contention_on_sqlite() {
-    let _one = ONE_AT_A_TIME.lock().await;
-    let plan = Plan::from_env();
+    let (_turn, plan) = turn().await;
     let dir = tempfile::tempdir().expect("a temp dir");
     let (ledger, _ledger_schema) = separate_ledger(&plan).await;
     let store = Store {

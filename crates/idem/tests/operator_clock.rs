@@ -41,19 +41,12 @@ async fn commands_on_a_clock_days_ahead_change_nothing(store: &str) {
         );
 
         let retry = gw.post_json("/pay", Some(&key), PAY_BODY).await;
-        assert_eq!(retry.status, 201, "the retry after purge {ahead}: {retry}");
-        assert!(retry.replayed(), "the retry after purge {ahead} is a replay: {retry}");
-        assert_eq!(retry.charge(), first.charge(), "{retry}");
+        retry.assert_replay_of(&first, &format!("the retry after purge {ahead}"));
     }
     assert_eq!(count(&upstream.state.pay), 1, "the upstream ran once");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_commands_on_a_clock_days_ahead_change_nothing() {
-    commands_on_a_clock_days_ahead_change_nothing(&postgres_store::store_url()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_commands_on_a_clock_days_ahead_change_nothing() {
-    commands_on_a_clock_days_ahead_change_nothing(&redis_store::store_url()).await;
-}
+common::store_tests!(commands_on_a_clock_days_ahead_change_nothing {
+    postgres_commands_on_a_clock_days_ahead_change_nothing: postgres_store::store_url(),
+    redis_commands_on_a_clock_days_ahead_change_nothing: redis_store::store_url(),
+});

@@ -505,29 +505,25 @@ async fn idem_complete_names_the_cause_of_a_refusal() {
         assert!(deleted.status.success(), "{}", describe(&deleted));
         cases.push((case, complete(&client, s, &k2, json).await, "IDEM1", cause.to_owned()));
     }
-    // k3 taken over by another run (its lease ran out): another token on the record.
-    roles
-        .admin_sql(&format!(
-            "UPDATE {s}.idem_records SET token = '\\x0102' WHERE key = 'k3'"
-        ))
-        .await;
-    cases.push((
-        "taken over",
-        complete(&client, s, &k3, json).await,
-        "IDEM1",
-        "another run took the key over (this run's lease ran out) and holds it now".to_owned(),
-    ));
-    roles
-        .admin_sql(&format!(
-            "UPDATE {s}.idem_records SET state = 'completed' WHERE key = 'k3'"
-        ))
-        .await;
-    cases.push((
-        "taken over and completed",
-        complete(&client, s, &k3, json).await,
-        "IDEM1",
-        "another run took the key over (this run's lease ran out) and completed it".to_owned(),
-    ));
+    // k3 taken over by another run (its lease ran out): another token on the record; then that
+    // run completed it.
+    for (case, change, cause) in [
+        (
+            "taken over",
+            "token = '\\x0102'",
+            "another run took the key over (this run's lease ran out) and holds it now",
+        ),
+        (
+            "taken over and completed",
+            "state = 'completed'",
+            "another run took the key over (this run's lease ran out) and completed it",
+        ),
+    ] {
+        roles
+            .admin_sql(&format!("UPDATE {s}.idem_records SET {change} WHERE key = 'k3'"))
+            .await;
+        cases.push((case, complete(&client, s, &k3, json).await, "IDEM1", cause.to_owned()));
+    }
     upstream.release.notify_waiters();
     for request in held {
         drop(request.await);

@@ -47,40 +47,38 @@ const SQLITE_STORM: Duration = Duration::from_secs(30);
 // The stores
 // ---------------------------------------------------------------------------------------------
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn storm_on_postgres() {
-    let base = servers::postgres_url();
-    let schema = servers::unique_name("idem_test");
-    let _cleanup = servers::Cleanup::postgres_schema(&base, &schema);
-    let relay = Relay::start(servers::socket_addr(&base)).await;
-    // Every `begin` reads first on the shared read connections, which the faults strike too; a
-    // new key then claims on the pool, so both paths are in the storm.
-    let store = servers::with_options(
-        &servers::with_addr(&base, relay.addr()),
-        &format!("schema={schema}&read_first=always"),
-    );
+/// The storm on the server at `base` behind one fault relay: the store is `base` through the relay,
+/// with `options`.
+async fn relayed_storm(name: &str, base: &str, options: &str) {
+    let relay = Relay::start(servers::socket_addr(base)).await;
+    let store = servers::with_options(&servers::with_addr(base, relay.addr()), options);
     // Borrowed by the storm: the relay outlives it (dropped, it would stop relaying).
     let relay = &relay;
-    scenario("postgres", &store, RELAY_STORM, MIN_FAULTS, |mut rng| async move {
+    scenario(name, &store, RELAY_STORM, MIN_FAULTS, |mut rng| async move {
         let faults = faults::run(&[relay], &mut rng, &StormPlan::over(RELAY_STORM)).await;
         (faults.total(), format!("{faults}, {} writes relayed", relay.chunks()))
     })
     .await;
 }
 
+/// PostgreSQL, then Redis, each behind a relay, under a schema or key prefix of the test's own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn storm_on_redis() {
-    let base = servers::redis_url();
-    let prefix = servers::unique_name("idem-storm");
-    let _cleanup = servers::Cleanup::redis_keys(&base, &prefix);
-    let relay = Relay::start(servers::socket_addr(&base)).await;
-    let store = servers::with_options(&servers::with_addr(&base, relay.addr()), &format!("prefix={prefix}"));
-    let relay = &relay;
-    scenario("redis", &store, RELAY_STORM, MIN_FAULTS, |mut rng| async move {
-        let faults = faults::run(&[relay], &mut rng, &StormPlan::over(RELAY_STORM)).await;
-        (faults.total(), format!("{faults}, {} writes relayed", relay.chunks()))
-    })
-    .await;
+async fn storms_on_postgres_and_redis() {
+    let (postgres, redis) = (servers::postgres_url(), servers::redis_url());
+    let (schema, prefix) = (servers::unique_name("idem_test"), servers::unique_name("idem-storm"));
+    let _cleanup = (
+        servers::Cleanup::postgres_schema(&postgres, &schema),
+        servers::Cleanup::redis_keys(&redis, &prefix),
+    );
+    let stores = [
+        // Every `begin` reads first on the shared read connections, which the faults strike too;
+        // a new key then claims on the pool, so both paths are in the storm.
+        ("postgres", &postgres, format!("schema={schema}&read_first=always")),
+        ("redis", &redis, format!("prefix={prefix}")),
+    ];
+    for (name, base, options) in stores {
+        relayed_storm(name, base, &options).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

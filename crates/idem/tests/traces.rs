@@ -40,7 +40,7 @@ impl Payments {
     fn start(receiver: &Receiver) -> (Arc<Self>, String, tokio::task::JoinHandle<()>) {
         let exporter = opentelemetry_otlp::SpanExporter::builder()
             .with_http()
-            .with_endpoint(format!("{}/v1/traces", receiver.endpoint()))
+            .with_endpoint(format!("{}/v1/traces", receiver.url()))
             .build()
             .expect("an OTLP exporter");
         let batches = BatchSpanProcessor::builder(exporter)
@@ -102,7 +102,7 @@ impl Extractor for Headers<'_> {
 /// The environment that turns a gateway's traces on, exported to `receiver` every 100 ms.
 fn traced(receiver: &Receiver, service: &'static str) -> Vec<(&'static str, String)> {
     vec![
-        ("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint()),
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.url()),
         ("OTEL_SERVICE_NAME", service.to_owned()),
         ("OTEL_BSP_SCHEDULE_DELAY", "100".to_owned()),
         ("IDEM_LOG_FORMAT", "json".to_owned()),

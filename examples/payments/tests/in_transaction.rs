@@ -9,16 +9,16 @@ mod provider;
 mod service;
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use idem_core::store::{RecordId, RecordState};
 use idem_core::{IdempotencyKey, Scope, Store};
 use idem_test_support::servers::{drop_postgres_schema, postgres_url, unique_name, with_options};
-use provider::First;
+use provider::{First, Provider, wait_for};
 use serde_json::Value;
 use sqlx::Connection;
 use tokio::process::Child;
+use tokio::task::JoinHandle;
 
 /// Longer than the lease: a claim whose holder died or froze can be taken over after it.
 const PAST_THE_LEASE: Duration = Duration::from_millis(1500);
@@ -167,9 +167,10 @@ impl Instance {
         Self { child, base }
     }
 
-    /// `kill -9`.
-    async fn kill(&mut self) {
+    /// `kill -9` while `pay`, its request, waits for its answer: the client hears nothing.
+    async fn kill_unheard(mut self, pay: JoinHandle<reqwest::Result<reqwest::Response>>) {
         self.child.kill().await.expect("kill -9 the payments process");
+        assert!(pay.await.expect("the client task").is_err(), "the client heard nothing");
     }
 
     /// `kill -STOP` or `kill -CONT`.
@@ -184,12 +185,7 @@ impl Instance {
 
     /// `POST /pay` with `key`.
     fn pay(&self, key: &str) -> impl Future<Output = reqwest::Result<reqwest::Response>> + Send + 'static {
-        client()
-            .post(format!("{}/pay", self.base))
-            .header("idempotency-key", format!("\"{key}\""))
-            .header("content-type", "application/json")
-            .body(r#"{"amount":1250,"currency":"EUR"}"#)
-            .send()
+        provider::pay(&client(), &self.base, key)
     }
 }
 
@@ -221,12 +217,30 @@ async fn answer(response: reqwest::Result<reqwest::Response>) -> Answer {
     Answer { status, replayed, body }
 }
 
-async fn wait_for(counter: &AtomicUsize, n: usize) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while counter.load(Ordering::SeqCst) < n {
-        assert!(tokio::time::Instant::now() < deadline, "waited 30 s for {n}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+/// A provider whose first charge and first receipt go as `charge` and `receipt` say (one of them
+/// hangs), and an instance on `db` with `key`'s payment to it, hanging in the provider when this
+/// returns: the provider, its URL, the instance and the payment's client task.
+async fn hanging_payment(
+    db: &Db,
+    key: &str,
+    charge: First,
+    receipt: First,
+) -> (
+    Provider,
+    String,
+    Instance,
+    JoinHandle<reqwest::Result<reqwest::Response>>,
+) {
+    let (provider, provider_url) = provider::start_with(charge, receipt).await;
+    let instance = Instance::start(db, &provider_url).await;
+    let pay = tokio::spawn(instance.pay(key));
+    let hangs = if charge == First::Hangs {
+        &provider.charge_calls
+    } else {
+        &provider.receipts
+    };
+    wait_for(hangs, 1).await;
+    (provider, provider_url, instance, pay)
 }
 
 /// The charge of a successful, unflagged run.
@@ -244,16 +258,9 @@ fn assert_paid_unflagged(answer: &Answer, charge: &str) {
 /// nothing of the run stands, and the retry on a restarted instance runs again, unflagged; the
 /// provider, asked again under the same key, gives the charge it made.
 async fn killed_before_the_commit_the_retry_runs_unflagged(db: Db) {
-    let (provider, provider_url) = provider::start_with(First::Hangs, First::Answers).await;
     let key = "pay-killed-before-commit";
-    let mut first = Instance::start(&db, &provider_url).await;
-    let lost = tokio::spawn(first.pay(key));
-    wait_for(&provider.charge_calls, 1).await;
-    first.kill().await;
-    assert!(
-        lost.await.expect("the client task").is_err(),
-        "the client heard nothing"
-    );
+    let (provider, provider_url, first, lost) = hanging_payment(&db, key, First::Hangs, First::Answers).await;
+    first.kill_unheard(lost).await;
     assert_eq!(
         db.ledger(key).await,
         Vec::<Option<String>>::new(),
@@ -283,21 +290,14 @@ async fn killed_before_the_commit_the_retry_runs_unflagged(db: Db) {
 /// Killed after its commit, before its answer went back (while the provider's first receipt
 /// hangs): the retry replays the committed answer, and the handler does not run again.
 async fn killed_after_the_commit_the_retry_replays(db: Db) {
-    let (provider, provider_url) = provider::start_with(First::Answers, First::Hangs).await;
     let key = "pay-killed-after-commit";
-    let mut first = Instance::start(&db, &provider_url).await;
-    let lost = tokio::spawn(first.pay(key));
-    wait_for(&provider.receipts, 1).await;
+    let (provider, provider_url, first, lost) = hanging_payment(&db, key, First::Answers, First::Hangs).await;
     assert_eq!(
         db.ledger(key).await,
         [Some("ch_1".to_owned())],
         "committed before the receipt"
     );
-    first.kill().await;
-    assert!(
-        lost.await.expect("the client task").is_err(),
-        "the client heard nothing"
-    );
+    first.kill_unheard(lost).await;
     assert!(
         matches!(db.record(key).await, Some(RecordState::Completed { .. })),
         "the answer was stored with the ledger row"
@@ -411,11 +411,8 @@ async fn two_instances_twenty_copies_one_payment(db: Db) {
 /// transaction is gone before the commit): the client gets an error, no ledger row stands, and
 /// the retry runs unflagged and is charged once.
 async fn the_database_lost_before_the_commit(db: Db) {
-    let (provider, provider_url) = provider::start_with(First::Hangs, First::Answers).await;
     let key = "pay-database-lost";
-    let instance = Instance::start(&db, &provider_url).await;
-    let first = tokio::spawn(instance.pay(key));
-    wait_for(&provider.charge_calls, 1).await;
+    let (provider, _, instance, first) = hanging_payment(&db, key, First::Hangs, First::Answers).await;
     assert!(
         db.terminate_instances().await > 0,
         "the instance's connections were found"
@@ -479,65 +476,34 @@ async fn only_pay_is_in_transaction(db: Db) {
     assert_eq!(replay.body, created.body);
 }
 
-mod postgres {
-    use super::*;
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn killed_before_the_commit_the_retry_runs_unflagged() {
-        super::killed_before_the_commit_the_retry_runs_unflagged(Db::postgres()).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn killed_after_the_commit_the_retry_replays() {
-        super::killed_after_the_commit_the_retry_replays(Db::postgres()).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn frozen_past_the_lease_the_first_is_fenced_and_its_row_never_commits() {
-        super::frozen_past_the_lease(Db::postgres()).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn two_instances_twenty_copies_one_payment() {
-        super::two_instances_twenty_copies_one_payment(Db::postgres()).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn only_pay_is_in_transaction() {
-        super::only_pay_is_in_transaction(Db::postgres()).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn the_database_lost_before_the_commit() {
-        super::the_database_lost_before_the_commit(Db::postgres()).await;
-    }
+/// A module `$module` of tests, each running a scenario above on the database `$db` makes.
+macro_rules! tests_on {
+    ($module:ident, $db:expr, { $($test:ident: $scenario:ident,)* }) => {
+        mod $module {
+            use super::*;
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    super::$scenario($db).await;
+                }
+            )*
+        }
+    };
 }
 
-mod sqlite {
-    use super::*;
+tests_on!(postgres, Db::postgres(), {
+    killed_before_the_commit_the_retry_runs_unflagged: killed_before_the_commit_the_retry_runs_unflagged,
+    killed_after_the_commit_the_retry_replays: killed_after_the_commit_the_retry_replays,
+    frozen_past_the_lease_the_first_is_fenced_and_its_row_never_commits: frozen_past_the_lease,
+    two_instances_twenty_copies_one_payment: two_instances_twenty_copies_one_payment,
+    only_pay_is_in_transaction: only_pay_is_in_transaction,
+    the_database_lost_before_the_commit: the_database_lost_before_the_commit,
+});
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn only_pay_is_in_transaction() {
-        super::only_pay_is_in_transaction(Db::sqlite()).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn killed_before_the_commit_the_retry_runs_unflagged() {
-        super::killed_before_the_commit_the_retry_runs_unflagged(Db::sqlite()).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn killed_after_the_commit_the_retry_replays() {
-        super::killed_after_the_commit_the_retry_replays(Db::sqlite()).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn frozen_past_the_lease_the_second_instance_cannot_run_it() {
-        super::frozen_past_the_lease(Db::sqlite()).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn two_instances_twenty_copies_one_payment() {
-        super::two_instances_twenty_copies_one_payment(Db::sqlite()).await;
-    }
-}
+tests_on!(sqlite, Db::sqlite(), {
+    only_pay_is_in_transaction: only_pay_is_in_transaction,
+    killed_before_the_commit_the_retry_runs_unflagged: killed_before_the_commit_the_retry_runs_unflagged,
+    killed_after_the_commit_the_retry_replays: killed_after_the_commit_the_retry_replays,
+    frozen_past_the_lease_the_second_instance_cannot_run_it: frozen_past_the_lease,
+    two_instances_twenty_copies_one_payment: two_instances_twenty_copies_one_payment,
+});

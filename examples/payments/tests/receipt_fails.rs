@@ -20,14 +20,7 @@ async fn a_payment_whose_receipt_fails_once_is_charged_once() {
     };
     let base = serve(idem_example_payments::app_with(store, config)).await;
     let client = reqwest::Client::builder().no_proxy().build().expect("a client");
-    let pay = || {
-        client
-            .post(format!("{base}/pay"))
-            .header("idempotency-key", "\"pay-receipt-fails-1\"")
-            .header("content-type", "application/json")
-            .body(r#"{"amount":1250,"currency":"EUR"}"#)
-            .send()
-    };
+    let pay = || provider::pay(&client, &base, "pay-receipt-fails-1");
 
     let first = pay().await.expect("an answer");
     assert_eq!(first.status(), 502, "the receipt failed, so the payment answered 502");

@@ -6,10 +6,9 @@
 mod provider;
 mod service;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use provider::{FirstReceipt, assert_charged_once};
+use provider::{FirstReceipt, assert_charged_once, wait_for};
 use tokio::process::Child;
 
 /// The payments binary on `store`, charging `provider`, with a one-second lease.
@@ -23,28 +22,13 @@ async fn start_payments(store: &std::path::Path, provider: &str) -> (Child, Stri
     .await
 }
 
-async fn wait_for(counter: &AtomicUsize, n: usize) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while counter.load(Ordering::SeqCst) < n {
-        assert!(tokio::time::Instant::now() < deadline, "waited 30 s for {n}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_payment_killed_between_its_steps_is_charged_once() {
     let dir = tempfile::tempdir().expect("a temp dir");
     let store = dir.path().join("idem.db");
     let (provider, provider_url) = provider::start(FirstReceipt::Hangs).await;
     let client = reqwest::Client::builder().no_proxy().build().expect("a client");
-    let pay = |base: &str| {
-        client
-            .post(format!("{base}/pay"))
-            .header("idempotency-key", "\"pay-killed-1\"")
-            .header("content-type", "application/json")
-            .body(r#"{"amount":1250,"currency":"EUR"}"#)
-            .send()
-    };
+    let pay = |base: &str| provider::pay(&client, base, "pay-killed-1");
 
     let (mut first, base) = start_payments(&store, &provider_url).await;
     let lost = tokio::spawn(pay(&base));

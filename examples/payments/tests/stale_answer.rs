@@ -7,6 +7,11 @@ use std::net::SocketAddr;
 use reqwest::StatusCode;
 use serde_json::Value;
 
+/// The order the walk-through creates.
+const ORDER: &str = r#"{"item":"book","quantity":1}"#;
+/// A payment.
+const PAYMENT: &str = r#"{"amount":1250,"currency":"EUR"}"#;
+
 struct Service {
     base: String,
     client: reqwest::Client,
@@ -58,32 +63,39 @@ impl Service {
         }
     }
 
-    fn post(&self, path: &str, key: &str, body: &str) -> reqwest::RequestBuilder {
-        self.client
+    /// `POST {path}` of the JSON `body` under `key`.
+    async fn post(&self, path: &str, key: &str, body: &str) -> Reply {
+        let request = self
+            .client
             .post(format!("{}{path}", self.base))
             .header("idempotency-key", format!("\"{key}\""))
             .header("content-type", "application/json")
-            .body(body.to_owned())
+            .body(body.to_owned());
+        self.send(request).await
+    }
+
+    /// `GET {path}`.
+    async fn get(&self, path: &str) -> Reply {
+        self.send(self.client.get(format!("{}{path}", self.base))).await
     }
 }
 
 #[tokio::test]
 async fn a_replayed_create_says_what_it_did_and_its_location_shows_the_order_now() {
     let service = start().await;
-    let create = || service.post("/orders", "order-1", r#"{"item":"book","quantity":1}"#);
 
-    let created = service.send(create()).await;
+    let created = service.post("/orders", "order-1", ORDER).await;
     assert_eq!(created.status, StatusCode::CREATED);
     assert_eq!(created.location.as_deref(), Some("/orders/1"));
     assert!(!created.replayed);
     assert_eq!(created.body["status"], "open");
 
-    let cancelled = service.send(service.post("/orders/1/cancel", "cancel-1", "")).await;
+    let cancelled = service.post("/orders/1/cancel", "cancel-1", "").await;
     assert_eq!(cancelled.status, StatusCode::OK);
     assert_eq!(cancelled.body["status"], "cancelled");
 
     // The client never heard the first answer and sends the create again, with the same key.
-    let replay = service.send(create()).await;
+    let replay = service.post("/orders", "order-1", ORDER).await;
     assert_eq!(replay.status, StatusCode::CREATED, "the replay is the create's answer");
     assert!(replay.replayed, "marked Idempotency-Replayed: true");
     assert_eq!(replay.location.as_deref(), Some("/orders/1"), "the same order");
@@ -93,37 +105,30 @@ async fn a_replayed_create_says_what_it_did_and_its_location_shows_the_order_now
     );
 
     let location = replay.location.expect("a Location");
-    let now = service
-        .send(service.client.get(format!("{}{location}", service.base)))
-        .await;
+    let now = service.get(&location).await;
     assert_eq!(now.status, StatusCode::OK);
     assert_eq!(now.body["status"], "cancelled", "Location leads to the current state");
 
-    let second = service
-        .send(service.client.get(format!("{}/orders/2", service.base)))
-        .await;
+    let second = service.get("/orders/2").await;
     assert_eq!(second.status, StatusCode::NOT_FOUND, "the replay created nothing");
 }
 
 #[tokio::test]
 async fn a_retried_payment_is_charged_once() {
     let service = start().await;
-    let pay = || service.post("/pay", "pay-1", r#"{"amount":1250,"currency":"EUR"}"#);
 
-    let first = service.send(pay()).await;
+    let first = service.post("/pay", "pay-1", PAYMENT).await;
     assert_eq!(first.status, StatusCode::OK);
     assert_eq!(first.body["charge"], "ch_1");
-    let retry = service.send(pay()).await;
+    let retry = service.post("/pay", "pay-1", PAYMENT).await;
     assert!(retry.replayed);
     assert_eq!(retry.body, first.body);
 
-    let other = service
-        .send(service.post("/pay", "pay-2", r#"{"amount":1250,"currency":"EUR"}"#))
-        .await;
+    let other = service.post("/pay", "pay-2", PAYMENT).await;
     assert_eq!(other.body["charge"], "ch_2", "a new key is a new payment");
 
     let changed = service
-        .send(service.post("/pay", "pay-1", r#"{"amount":9999,"currency":"EUR"}"#))
+        .post("/pay", "pay-1", r#"{"amount":9999,"currency":"EUR"}"#)
         .await;
     assert_eq!(
         changed.status,

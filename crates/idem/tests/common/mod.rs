@@ -81,17 +81,18 @@ pub(crate) struct UpstreamState {
 
 impl UpstreamState {
     fn record(&self, route: &'static str, headers: &HeaderMap) {
-        let text = |name: &str| {
-            headers
-                .get(name)
-                .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
-        };
         self.seen.lock().unwrap().push(Seen {
             route,
-            key: text("idempotency-key"),
-            recovered: text("idempotency-recovered"),
+            key: header_text(headers, "idempotency-key"),
+            recovered: header_text(headers, "idempotency-recovered"),
         });
         self.last_headers.lock().unwrap().insert(route, headers.clone());
+    }
+
+    /// Records a call on `route` with `headers` and counts it in `counter`: the call's number.
+    fn call(&self, route: &'static str, counter: &AtomicUsize, headers: &HeaderMap) -> usize {
+        self.record(route, headers);
+        counter.fetch_add(1, Ordering::SeqCst) + 1
     }
 
     /// The headers of the last request on `route`.
@@ -116,15 +117,37 @@ impl UpstreamState {
     }
 }
 
-/// An upstream service on `127.0.0.1`, in the test process. Stops when dropped.
+/// An app on `127.0.0.1`, in the test process, and the state its handlers share. Stops when
+/// dropped.
 #[derive(Debug)]
-pub(crate) struct Upstream {
-    /// Where it listens.
-    pub(crate) addr: SocketAddr,
-    /// Its counters.
-    pub(crate) state: Arc<UpstreamState>,
+pub(crate) struct Served<S> {
+    /// What the handlers share.
+    pub(crate) state: S,
+    addr: SocketAddr,
     _task: AbortOnDrop,
 }
+
+impl<S: Clone + Send + Sync + 'static> Served<S> {
+    /// Serves `routes` with `state` on `listener`.
+    pub(crate) fn on(listener: TcpListener, state: S, routes: Router<S>) -> Self {
+        let addr = listener.local_addr().expect("the listener's address");
+        let app = routes.with_state(state.clone());
+        Self {
+            state,
+            addr,
+            _task: AbortOnDrop::serve(listener, app),
+        }
+    }
+
+    /// `http://127.0.0.1:PORT`.
+    pub(crate) fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}
+
+/// An upstream service on `127.0.0.1`, in the test process; its state is its counters. Stops when
+/// dropped.
+pub(crate) type Upstream = Served<Arc<UpstreamState>>;
 
 impl Upstream {
     /// Starts on an ephemeral port.
@@ -142,26 +165,37 @@ impl Upstream {
     }
 
     fn serve(listener: TcpListener) -> Self {
-        let addr = listener.local_addr().unwrap();
-        let state = Arc::new(UpstreamState::default());
-        let app = Router::new()
+        let routes = Router::new()
             .route("/pay", post(pay).get(pay_get).patch(pay))
             .route("/flaky", post(flaky))
             .route("/status/{code}", post(status).get(status))
             .route("/big", post(big))
             .route("/break-once", post(break_once))
             .route("/chunked", post(chunked))
-            .route("/orders/{*rest}", post(order))
-            .with_state(state.clone());
-        let _task = AbortOnDrop::serve(listener, app);
-        Self { addr, state, _task }
-    }
-
-    /// `http://127.0.0.1:PORT`.
-    pub(crate) fn url(&self) -> String {
-        format!("http://{}", self.addr)
+            .route("/orders/{*rest}", post(order));
+        Self::on(listener, Arc::default(), routes)
     }
 }
+
+/// One test per row, each running `$scenario`, an async fn of a store URL, on the store its row
+/// names: `common::store_tests!(scenario { test_on_postgres: postgres_store::store_url(), … });`.
+#[allow(
+    unused_macros,
+    reason = "some test binaries have no scenario to run on several stores"
+)]
+macro_rules! store_tests {
+    ($scenario:ident { $($test:ident: $store:expr,)* }) => {$(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $test() {
+            $scenario(&$store).await;
+        }
+    )*};
+}
+#[allow(
+    unused_imports,
+    reason = "some test binaries have no scenario to run on several stores"
+)]
+pub(crate) use store_tests;
 
 /// An upstream, a gateway in front of it with `flags` (on a fresh SQLite store), and a fresh key:
 /// where most tests start.
@@ -177,6 +211,13 @@ pub(crate) fn reserve_port() -> SocketAddr {
 }
 
 type Shared = State<Arc<UpstreamState>>;
+
+/// The start of an answer with `status` and `Content-Type: application/json`.
+fn json_answer(status: StatusCode) -> axum::http::response::Builder {
+    Response::builder()
+        .status(status)
+        .header(header::CONTENT_TYPE, "application/json")
+}
 
 fn header_text(headers: &HeaderMap, name: &str) -> Option<String> {
     headers
@@ -199,9 +240,7 @@ async fn pay(
     }
     let n = state.charges.fetch_add(1, Ordering::SeqCst) + 1;
     let json = serde_json::json!({"charge": n, "received": String::from_utf8_lossy(&body)}).to_string();
-    let mut response = Response::builder()
-        .status(StatusCode::CREATED)
-        .header(header::CONTENT_TYPE, "application/json")
+    let mut response = json_answer(StatusCode::CREATED)
         .header(header::LOCATION, format!("/charges/{n}"))
         .header(header::SET_COOKIE, "session=secret");
     if let Some(key) = headers.get("idempotency-key") {
@@ -215,11 +254,8 @@ async fn pay(
 
 /// `GET /pay`: a read. 200 with the number of reads so far.
 async fn pay_get(State(state): Shared, headers: HeaderMap) -> Response {
-    state.record("pay_get", &headers);
-    let n = state.pay_get.fetch_add(1, Ordering::SeqCst) + 1;
-    let mut response = Response::builder()
-        .status(StatusCode::OK)
-        .header(header::CONTENT_TYPE, "application/json");
+    let n = state.call("pay_get", &state.pay_get, &headers);
+    let mut response = json_answer(StatusCode::OK);
     if let Some(key) = headers.get("idempotency-key") {
         response = response.header("x-seen-key", key);
     }
@@ -228,18 +264,13 @@ async fn pay_get(State(state): Shared, headers: HeaderMap) -> Response {
 
 /// `POST /flaky`: 500 the first time, 201 afterwards.
 async fn flaky(State(state): Shared, headers: HeaderMap) -> Response {
-    state.record("flaky", &headers);
-    let n = state.flaky.fetch_add(1, Ordering::SeqCst) + 1;
+    let n = state.call("flaky", &state.flaky, &headers);
     let (status, body) = if n == 1 {
         (StatusCode::INTERNAL_SERVER_ERROR, r#"{"error":"try again"}"#.to_owned())
     } else {
         (StatusCode::CREATED, format!(r#"{{"attempt":{n}}}"#))
     };
-    Response::builder()
-        .status(status)
-        .header(header::CONTENT_TYPE, "application/json")
-        .body(Body::from(body))
-        .unwrap()
+    json_answer(status).body(Body::from(body)).unwrap()
 }
 
 /// `POST|GET /status/{code}[?retry-after=S]`: answers with that status (and that `Retry-After`).
@@ -249,11 +280,8 @@ async fn status(
     Query(query): Query<HashMap<String, String>>,
     headers: HeaderMap,
 ) -> Response {
-    state.record("status", &headers);
-    let n = state.status.fetch_add(1, Ordering::SeqCst) + 1;
-    let mut response = Response::builder()
-        .status(StatusCode::from_u16(code).expect("a valid status"))
-        .header(header::CONTENT_TYPE, "application/json");
+    let n = state.call("status", &state.status, &headers);
+    let mut response = json_answer(StatusCode::from_u16(code).expect("a valid status"));
     if let Some(after) = query.get("retry-after") {
         response = response.header(header::RETRY_AFTER, after.as_str());
     }
@@ -264,8 +292,7 @@ async fn status(
 
 /// `POST /big?size=N`: 201 with an N-byte body and a `Location`.
 async fn big(State(state): Shared, Query(query): Query<HashMap<String, String>>, headers: HeaderMap) -> Response {
-    state.record("big", &headers);
-    let n = state.big.fetch_add(1, Ordering::SeqCst) + 1;
+    let n = state.call("big", &state.big, &headers);
     let size: usize = query.get("size").and_then(|s| s.parse().ok()).unwrap_or(100_000);
     let body: Vec<u8> = (0..size).map(|i| b'a' + (i % 26) as u8).collect();
     Response::builder()
@@ -299,9 +326,7 @@ async fn order(
     if then == Some("break") || (then == Some("break-once") && n == 1) {
         return broken_answer();
     }
-    Response::builder()
-        .status(StatusCode::CREATED)
-        .header(header::CONTENT_TYPE, "application/json")
+    json_answer(StatusCode::CREATED)
         .body(Body::from(serde_json::json!({"call": n}).to_string()))
         .unwrap()
 }
@@ -318,26 +343,18 @@ fn broken_answer() -> Response {
             _ => None,
         }
     });
-    Response::builder()
-        .status(StatusCode::OK)
-        .header(header::CONTENT_TYPE, "application/json")
-        .body(Body::from_stream(stream))
-        .unwrap()
+    json_answer(StatusCode::OK).body(Body::from_stream(stream)).unwrap()
 }
 
 /// `POST /break-once`: the first call sends a 200 head and part of a body, then breaks the
 /// connection; later calls answer 201 normally.
 async fn break_once(State(state): Shared, headers: HeaderMap) -> Response {
-    state.record("break_once", &headers);
-    let n = state.break_once.fetch_add(1, Ordering::SeqCst) + 1;
+    let n = state.call("break_once", &state.break_once, &headers);
     if n == 1 {
         return broken_answer();
     }
     let recovered = header_text(&headers, "idempotency-recovered");
-    let mut response = Response::builder()
-        .status(StatusCode::CREATED)
-        .header(header::CONTENT_TYPE, "application/json")
-        .header(header::LOCATION, format!("/break-once/{n}"));
+    let mut response = json_answer(StatusCode::CREATED).header(header::LOCATION, format!("/break-once/{n}"));
     if let Some(r) = &recovered {
         response = response.header("x-seen-recovered", r.as_str());
     }
@@ -351,15 +368,12 @@ async fn break_once(State(state): Shared, headers: HeaderMap) -> Response {
 /// `POST /chunked`: 201 with a small JSON body streamed in chunks, with no `Content-Length` (as
 /// many frameworks answer).
 async fn chunked(State(state): Shared, headers: HeaderMap) -> Response {
-    state.record("chunked", &headers);
-    let n = state.chunked.fetch_add(1, Ordering::SeqCst) + 1;
+    let n = state.call("chunked", &state.chunked, &headers);
     let parts = vec![
         Ok::<Bytes, std::io::Error>(Bytes::from(format!(r#"{{"order":{n},"#))),
         Ok(Bytes::from_static(br#""items":["a","b","c"]}"#)),
     ];
-    Response::builder()
-        .status(StatusCode::CREATED)
-        .header(header::CONTENT_TYPE, "application/json")
+    json_answer(StatusCode::CREATED)
         .header(header::LOCATION, format!("/orders/{n}"))
         .body(Body::from_stream(futures_util::stream::iter(parts)))
         .unwrap()
@@ -655,18 +669,14 @@ impl Gateway {
     /// The gateway's stderr once `done` holds for it (a line that a request just answered
     /// logged has been written); panics, showing it, if that takes more than 5 s.
     pub(crate) async fn stderr_once(&self, what: &str, done: impl Fn(&str) -> bool) -> String {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-        loop {
-            let stderr = self.stderr();
-            if done(&stderr) {
-                return stderr;
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "idem serve's stderr did not show {what} within 5 s:\n{stderr}"
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        read_until(
+            Duration::from_secs(5),
+            Duration::from_millis(10),
+            async || self.stderr(),
+            |stderr| done(stderr),
+            |stderr| format!("idem serve's stderr did not show {what} within 5 s:\n{stderr}"),
+        )
+        .await
     }
 
     fn dump_stderr(&self) {
@@ -760,6 +770,24 @@ pub(crate) async fn run_to_end(command: &mut Command, args: &[&str], limit: Dura
         Ok(output) => output.expect("wait for idem"),
         Err(_) => panic!("`idem {}` did not finish within {limit:?}", args.join(" ")),
     }
+}
+
+/// Runs `command` to its end with no input; it must succeed (`what` names it in a failure, shown
+/// with its status, stdout and stderr): its output.
+pub(crate) async fn succeeds(command: &mut Command, what: &str) -> Output {
+    let output = command
+        .stdin(Stdio::null())
+        .output()
+        .await
+        .unwrap_or_else(|err| panic!("run {what}: {err}"));
+    assert!(
+        output.status.success(),
+        "{what} failed ({}):\n{}{}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    output
 }
 
 /// `idem inspect --json` of `key` in `store` (found by the caller's `Bearer` token, if any, and
@@ -918,6 +946,15 @@ impl Reply {
         self.json("detail").unwrap_or_default()
     }
 
+    /// Asserts that this is a `201` replay of `first`, with its charge; `what` names this answer
+    /// in a failure.
+    #[track_caller]
+    pub(crate) fn assert_replay_of(&self, first: &Reply, what: &str) {
+        assert_eq!(self.status, 201, "{what}: {self}");
+        assert!(self.replayed(), "{what} is a replay: {self}");
+        assert_eq!(self.charge(), first.charge(), "{what} has the first's charge: {self}");
+    }
+
     /// Asserts that this is the problem `name` with `status`.
     #[track_caller]
     pub(crate) fn assert_problem(&self, status: u16, name: &str) {
@@ -1007,6 +1044,26 @@ pub(crate) fn now_millis() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as u64
 }
 
+/// Reads with `read`, every `every`, until `done` holds for the reading, and returns it; panics
+/// with `failure` of the last reading once `within` has passed.
+pub(crate) async fn read_until<T>(
+    within: Duration,
+    every: Duration,
+    mut read: impl AsyncFnMut() -> T,
+    done: impl Fn(&T) -> bool,
+    failure: impl Fn(&T) -> String,
+) -> T {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let reading = read().await;
+        if done(&reading) {
+            return reading;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{}", failure(&reading));
+        tokio::time::sleep(every).await;
+    }
+}
+
 /// Waits until `counter` reaches `n` (at most `limit`).
 pub(crate) async fn wait_for_count(counter: &AtomicUsize, n: usize, limit: Duration) {
     let deadline = tokio::time::Instant::now() + limit;
@@ -1022,6 +1079,27 @@ pub(crate) async fn wait_for_count(counter: &AtomicUsize, n: usize, limit: Durat
 /// The value of a counter.
 pub(crate) fn count(counter: &AtomicUsize) -> usize {
     counter.load(Ordering::SeqCst)
+}
+
+/// `text` with every `%XX` decoded (bytes that do not make UTF-8 replaced).
+pub(crate) fn percent_decoded(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = bytes.get(i + 1..i + 3).and_then(|hex| std::str::from_utf8(hex).ok());
+        match (bytes[i], hex.and_then(|hex| u8::from_str_radix(hex, 16).ok())) {
+            (b'%', Some(byte)) => {
+                out.push(byte);
+                i += 3;
+            }
+            (byte, _) => {
+                out.push(byte);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// A top-level field of a JSON object text: a string's content, or any other value's JSON text

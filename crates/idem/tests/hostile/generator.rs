@@ -4,7 +4,7 @@
 use crate::common::random_u64;
 use idem_test_support::wire::{Raw, escape};
 
-use super::cases::{Case, Expect, KeyClass, Sending, Spec, Then};
+use super::cases::{Case, Expect, KeyClass, Sending, Spec, Then, runs};
 use super::oracle::{http_value_ok, key_is_valid};
 
 /// Header lines given as (name, value).
@@ -76,6 +76,123 @@ pub(crate) fn small_body(id: u64) -> Vec<u8> {
     format!(r#"{{"case":{id},"amount":1000}}"#).into_bytes()
 }
 
+/// `shape` with every `T` replaced by `token`.
+pub(crate) fn with_token(shape: &[u8], token: &str) -> Vec<u8> {
+    let mut value = Vec::new();
+    for &b in shape {
+        if b == b'T' {
+            value.extend_from_slice(token.as_bytes());
+        } else {
+            value.push(b);
+        }
+    }
+    value
+}
+
+/// What a [`Keyed`] case sends after the first answer.
+enum After {
+    Then(Then),
+    /// A replay, some of the time (in percent).
+    MaybeReplay(u64),
+    /// The same head with this body: a mismatch.
+    Mismatch(Vec<u8>),
+}
+
+/// A hand-written case, a row of a table: a request to the case's path with a JSON content type,
+/// one key header (`T` in it stands for the case's token) and more header lines, sent as raw
+/// bytes. Unless the row says otherwise: a `POST` with a small body that must run, and nothing
+/// sent after.
+pub(crate) struct Keyed {
+    what: String,
+    /// `None`: a protected method picked at random.
+    method: Option<&'static str>,
+    /// After the case's path.
+    path: String,
+    /// Header fields taken out of [`Raw::new`]'s before the others go in.
+    without: Vec<&'static str>,
+    key: Vec<u8>,
+    headers: Vec<(Vec<u8>, Vec<u8>)>,
+    body: Option<Vec<u8>>,
+    spec: Spec,
+    after: After,
+}
+
+impl Keyed {
+    /// A `POST` with the key header `key` that must run.
+    pub(crate) fn new(what: impl Into<String>, key: impl AsRef<[u8]>) -> Self {
+        Self {
+            what: what.into(),
+            method: Some("POST"),
+            path: String::new(),
+            without: Vec::new(),
+            key: key.as_ref().to_vec(),
+            headers: Vec::new(),
+            body: None,
+            spec: runs(KeyClass::Valid),
+            after: After::Then(Then::Nothing),
+        }
+    }
+
+    /// With a protected method picked at random.
+    pub(crate) fn any_method(mut self) -> Self {
+        self.method = None;
+        self
+    }
+
+    /// With `suffix` after the case's path.
+    pub(crate) fn path(mut self, suffix: impl Into<String>) -> Self {
+        self.path = suffix.into();
+        self
+    }
+
+    /// Without the default header field `name` (`Host`, `Connection`).
+    pub(crate) fn without(mut self, name: &'static str) -> Self {
+        self.without.push(name);
+        self
+    }
+
+    /// With one more header line after the key.
+    pub(crate) fn h(mut self, name: impl AsRef<[u8]>, value: impl AsRef<[u8]>) -> Self {
+        self.headers.push((name.as_ref().to_vec(), value.as_ref().to_vec()));
+        self
+    }
+
+    /// With `X-Many-0: 1` to `X-Many-<count - 1>: 1`.
+    pub(crate) fn many(self, count: usize) -> Self {
+        (0..count).fold(self, |row, i| row.h(format!("X-Many-{i}"), "1"))
+    }
+
+    /// With `body` instead of the small one.
+    pub(crate) fn body(mut self, body: impl Into<Vec<u8>>) -> Self {
+        self.body = Some(body.into());
+        self
+    }
+
+    /// Judged by `spec`.
+    pub(crate) fn spec(mut self, spec: Spec) -> Self {
+        self.spec = spec;
+        self
+    }
+
+    /// With `then` after the first answer.
+    pub(crate) fn then(mut self, then: Then) -> Self {
+        self.after = After::Then(then);
+        self
+    }
+
+    /// A replay after the first answer, `percent` of the time.
+    pub(crate) fn maybe_replay(mut self, percent: u64) -> Self {
+        self.after = After::MaybeReplay(percent);
+        self
+    }
+
+    /// The same head with `body` after the first answer: `422`.
+    pub(crate) fn mismatch(mut self, body: impl Into<Vec<u8>>) -> Self {
+        self.after = After::Mismatch(body.into());
+        self
+    }
+}
+
 /// Collects the cases the generators write, numbering them.
 pub(crate) struct Gen {
     pub(crate) rng: Rng,
@@ -125,6 +242,27 @@ impl Gen {
         } else {
             Then::Nothing
         }
+    }
+
+    /// Adds `row` under the next case number.
+    pub(crate) fn keyed(&mut self, row: Keyed) {
+        let id = self.id();
+        let method = row.method.unwrap_or_else(|| self.method());
+        let mut raw = Raw::new(method, &format!("{}{}", target(id), row.path));
+        for name in row.without {
+            raw = raw.without(name);
+        }
+        raw = raw.json().h("Idempotency-Key", with_token(&row.key, &token(id)));
+        for (name, value) in row.headers {
+            raw = raw.h(name, value);
+        }
+        let then = match row.after {
+            After::Then(then) => then,
+            After::MaybeReplay(percent) => self.maybe_replay(percent),
+            After::Mismatch(body) => Then::Mismatch(raw.sized(&body)),
+        };
+        let body = row.body.unwrap_or_else(|| small_body(id));
+        self.raw(id, row.what, raw.sized(&body), row.spec, then);
     }
 
     /// A protected request with one key header holding `value`; its expectations follow from the

@@ -4,7 +4,7 @@
 use idem_test_support::wire::{Raw, escape};
 
 use super::cases::{Case, Expect, KeyClass, Reach, Sending, Spec, Then, dubious, either, refused, runs};
-use super::generator::{Gen, small_body, target, token};
+use super::generator::{Gen, Keyed, small_body, target, token};
 use super::upstream::BROKEN_CODINGS;
 use crate::common::{now_millis, uuid_v7_at};
 
@@ -35,52 +35,38 @@ pub(crate) fn accept_encodings(g: &mut Gen) {
         b"",
     ];
     for _ in 0..3 {
-        for value in junk {
-            let id = g.id();
-            let raw = Raw::new("POST", &format!("{}/gz", target(id)))
-                .json()
-                .h("Idempotency-Key", token(id))
-                .h("Accept-Encoding", value);
-            g.raw(
-                id,
-                format!("gzip answer, Accept-Encoding: {}", escape(value, 60)),
-                raw.sized(&small_body(id)),
-                runs(KeyClass::Valid),
-                Then::Replay,
-            );
-        }
+        let mut rows: Vec<Keyed> = junk
+            .iter()
+            .map(|value| {
+                Keyed::new(format!("gzip answer, Accept-Encoding: {}", escape(value, 60)), "T")
+                    .path("/gz")
+                    .h("Accept-Encoding", value)
+                    .then(Then::Replay)
+            })
+            .collect();
         // A hostile upstream: answers labelled with a coding they are not in, and a bomb; replayed
         // to clients that accept only identity (so the gateway has to decode) or anything.
         for name in BROKEN_CODINGS {
             for accept in [&b"identity"[..], b"gzip;q=0, br;q=0, zstd;q=0, deflate;q=0", b"*"] {
-                let id = g.id();
-                let raw = Raw::new("POST", &format!("{}/bad-{name}", target(id)))
-                    .json()
-                    .h("Idempotency-Key", token(id))
-                    .h("Accept-Encoding", accept);
                 let what = format!("upstream answer bad-{name}, Accept-Encoding: {}", escape(accept, 60));
-                g.raw(
-                    id,
-                    what,
-                    raw.sized(&small_body(id)),
-                    runs(KeyClass::Valid),
-                    Then::ReplayAsStored,
+                rows.push(
+                    Keyed::new(what, "T")
+                        .path(format!("/bad-{name}"))
+                        .h("Accept-Encoding", accept)
+                        .then(Then::ReplayAsStored),
                 );
             }
         }
-        let id = g.id();
         let long = ",".repeat(2000) + &"gzip;q=0.1,".repeat(500);
-        let raw = Raw::new("POST", &format!("{}/gz", target(id)))
-            .json()
-            .h("Idempotency-Key", token(id))
-            .h("Accept-Encoding", long);
-        g.raw(
-            id,
-            "gzip answer, 7 KB Accept-Encoding",
-            raw.sized(&small_body(id)),
-            runs(KeyClass::Valid),
-            Then::Replay,
+        rows.push(
+            Keyed::new("gzip answer, 7 KB Accept-Encoding", "T")
+                .path("/gz")
+                .h("Accept-Encoding", long)
+                .then(Then::Replay),
         );
+        for row in rows {
+            g.keyed(row);
+        }
     }
 }
 
@@ -108,71 +94,36 @@ pub(crate) fn odd_headers(g: &mut Gen) {
     ];
     for _ in 0..3 {
         for (what, name, value) in valid {
-            let id = g.id();
-            let raw = Raw::new(g.method(), &target(id))
-                .json()
-                .h("Idempotency-Key", token(id))
-                .h(name, value);
-            let then = g.maybe_replay(40);
-            g.raw(
-                id,
-                format!("valid key, {what}"),
-                raw.sized(&small_body(id)),
-                runs(KeyClass::Valid),
-                then,
+            g.keyed(
+                Keyed::new(format!("valid key, {what}"), "T")
+                    .any_method()
+                    .h(name, value)
+                    .maybe_replay(40),
             );
             // The same with an invalid key: refused before anything else.
-            let id = g.id();
-            let raw = Raw::new(g.method(), &target(id))
-                .json()
-                .h("Idempotency-Key", format!("{} x", token(id)))
-                .h(name, value);
-            g.raw(
-                id,
-                format!("invalid key, {what}"),
-                raw.sized(&small_body(id)),
-                refused(KeyClass::Invalid, 400),
-                Then::Nothing,
+            g.keyed(
+                Keyed::new(format!("invalid key, {what}"), "T x")
+                    .any_method()
+                    .h(name, value)
+                    .spec(refused(KeyClass::Invalid, 400)),
             );
         }
         // Heads without Host, or with two.
-        let id = g.id();
-        let raw = Raw::new("POST", &target(id))
-            .without("Host")
-            .json()
-            .h("Idempotency-Key", token(id));
-        g.raw(
-            id,
-            "valid key, no Host",
-            raw.sized(&small_body(id)),
-            either(KeyClass::Valid),
-            Then::Nothing,
-        );
-        let id = g.id();
-        let raw = Raw::new("POST", &target(id))
-            .h("Host", "evil.example")
-            .json()
-            .h("Idempotency-Key", token(id));
-        g.raw(
-            id,
-            "valid key, two Hosts",
-            raw.sized(&small_body(id)),
-            dubious(KeyClass::Valid),
-            Then::Nothing,
-        );
-        let id = g.id();
-        let raw = Raw::new("POST", &target(id))
-            .without("Host")
-            .h("Host", b"\xff\xfe")
-            .json()
-            .h("Idempotency-Key", token(id));
-        g.raw(
-            id,
-            "valid key, non-UTF-8 Host",
-            raw.sized(&small_body(id)),
-            dubious(KeyClass::Valid),
-            Then::Nothing,
-        );
+        let hosts = [
+            Keyed::new("valid key, no Host", "T")
+                .without("Host")
+                .spec(either(KeyClass::Valid)),
+            Keyed::new("valid key, two Hosts", "T")
+                .h("Host", "evil.example")
+                .spec(dubious(KeyClass::Valid)),
+            Keyed::new("valid key, non-UTF-8 Host", "T")
+                .without("Host")
+                .h("Host", b"\xff\xfe")
+                .spec(dubious(KeyClass::Valid)),
+        ];
+        for row in hosts {
+            g.keyed(row);
+        }
         // Broken header lines: hyper refuses the head.
         for (what, line) in [
             ("space before the colon", &b"Idempotency-Key : a b"[..]),
@@ -305,36 +256,35 @@ pub(crate) fn request_lines(g: &mut Gen) {
                 reach,
             });
         }
-        // An HTTP/2 preface, then junk; and an HTTP/2 preface then a keyed HTTP/1.1 request.
-        let id = g.id();
-        g.raw(
-            id,
-            "HTTP/2 preface then junk",
-            b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x04\xff\xff\xff\xff\xff\xff\xff\xff".to_vec(),
-            dubious(KeyClass::Absent),
-            Then::Nothing,
-        );
+        // Not HTTP/1.1 at all: an HTTP/2 preface then junk, binary junk, a TLS ClientHello.
+        let preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+        let junk: Vec<u8> = (0..512).map(|_| g.rng.next() as u8).collect();
+        for (what, bytes) in [
+            (
+                "HTTP/2 preface then junk",
+                [preface, b"\x00\x00\x04\xff\xff\xff\xff\xff\xff\xff\xff".as_slice()].concat(),
+            ),
+            ("binary junk", junk),
+            (
+                "TLS ClientHello",
+                b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03".to_vec(),
+            ),
+        ] {
+            let id = g.id();
+            g.raw(id, what, bytes, dubious(KeyClass::Absent), Then::Nothing);
+        }
+        // An HTTP/2 preface, then a keyed HTTP/1.1 request.
         let id = g.id();
         let http1 = Raw::new("POST", &target(id))
             .json()
             .h("Idempotency-Key", "a b")
             .sized(&small_body(id));
+        let bytes = [preface.as_slice(), &http1].concat();
         g.raw(
             id,
             "HTTP/2 preface then HTTP/1.1",
-            [b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".as_slice(), &http1].concat(),
+            bytes,
             dubious(KeyClass::Invalid),
-            Then::Nothing,
-        );
-        let id = g.id();
-        let junk: Vec<u8> = (0..512).map(|_| g.rng.next() as u8).collect();
-        g.raw(id, "binary junk", junk, dubious(KeyClass::Absent), Then::Nothing);
-        let id = g.id();
-        g.raw(
-            id,
-            "TLS ClientHello",
-            b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03".to_vec(),
-            dubious(KeyClass::Absent),
             Then::Nothing,
         );
     }

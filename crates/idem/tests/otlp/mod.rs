@@ -2,7 +2,6 @@
 //! definitions (`opentelemetry-proto`): it decodes every `POST /v1/traces` it is sent and keeps
 //! the spans, each with the `service.name` of the resource that sent it.
 
-use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -12,11 +11,12 @@ use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use idem_test_support::task::AbortOnDrop;
 use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse};
 use opentelemetry_proto::tonic::common::v1::{KeyValue, any_value};
 use opentelemetry_proto::tonic::trace::v1::Span;
 use prost::Message;
+
+use crate::common::{Served, read_until};
 
 /// A span as received, with the service that sent it.
 #[derive(Debug, Clone)]
@@ -70,52 +70,40 @@ pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// The receiver, on `127.0.0.1`. Stops when dropped.
-#[derive(Debug)]
-pub(crate) struct Receiver {
-    pub(crate) addr: SocketAddr,
-    spans: Arc<Mutex<Vec<Received>>>,
-    _task: AbortOnDrop,
-}
+/// The receiver, on `127.0.0.1`; its state is the spans it received. Its URL is what
+/// `OTEL_EXPORTER_OTLP_ENDPOINT` names. Stops when dropped.
+pub(crate) type Receiver = Served<Arc<Mutex<Vec<Received>>>>;
 
 impl Receiver {
     pub(crate) async fn start() -> Self {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind the receiver");
-        let addr = listener.local_addr().unwrap();
-        let spans = Arc::new(Mutex::new(Vec::new()));
-        let app = Router::new()
-            .route("/v1/traces", post(export))
-            .with_state(spans.clone());
-        let _task = AbortOnDrop::serve(listener, app);
-        Self { addr, spans, _task }
-    }
-
-    /// `http://127.0.0.1:PORT`: what `OTEL_EXPORTER_OTLP_ENDPOINT` names.
-    pub(crate) fn endpoint(&self) -> String {
-        format!("http://{}", self.addr)
+        Self::on(
+            listener,
+            Arc::default(),
+            Router::new().route("/v1/traces", post(export)),
+        )
     }
 
     /// Every span received so far.
     pub(crate) fn spans(&self) -> Vec<Received> {
-        self.spans.lock().unwrap().clone()
+        self.state.lock().unwrap().clone()
     }
 
     /// The spans received once `ready` holds of them, waiting up to `limit`.
     pub(crate) async fn wait_for(&self, limit: Duration, ready: impl Fn(&[Received]) -> bool) -> Vec<Received> {
-        let deadline = tokio::time::Instant::now() + limit;
-        loop {
-            let spans = self.spans();
-            if ready(&spans) {
-                return spans;
-            }
-            if tokio::time::Instant::now() >= deadline {
+        read_until(
+            limit,
+            Duration::from_millis(50),
+            async || self.spans(),
+            |spans| ready(spans),
+            |spans| {
                 let names: Vec<_> = spans.iter().map(|s| format!("{}:{}", s.service, s.name())).collect();
-                panic!("the receiver did not get the spans expected within {limit:?}; it has {names:?}");
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+                format!("the receiver did not get the spans expected within {limit:?}; it has {names:?}")
+            },
+        )
+        .await
     }
 }
 

@@ -65,6 +65,22 @@ pub(crate) enum Record {
     },
 }
 
+impl Record {
+    /// The unknown outcome of a run of `shape` under `protection` at `now` (`held`: its holder
+    /// may still hold a lease; `crashed`: its holder crashed).
+    fn unknown(shape: &Shape, protection: &Protection, now: Duration, held: bool, crashed: bool) -> Self {
+        let (ttl, tombstone_ttl) = protection.retention();
+        Self::Unknown {
+            shape: shape.clone(),
+            at: now,
+            ttl,
+            tombstone_ttl,
+            held,
+            crashed,
+        }
+    }
+}
+
 /// Which retention phases a record may be in at some moment (near a boundary, two).
 #[derive(Debug, Clone, Copy)]
 struct Phases {
@@ -201,14 +217,7 @@ impl Model {
                 tombstone_ttl,
             },
             Outcome::Released => Record::Fresh,
-            Outcome::Unknown => Record::Unknown {
-                shape: shape.clone(),
-                at: now,
-                ttl,
-                tombstone_ttl,
-                held: false,
-                crashed: false,
-            },
+            Outcome::Unknown => Record::unknown(shape, protection, now, false, false),
         };
         self.records.insert(id.clone(), record);
     }
@@ -241,17 +250,7 @@ impl Model {
     pub(crate) fn deleted(&mut self, id: &RecordId, in_flight: Option<(&Shape, &Protection)>, now: Duration) {
         let record = match in_flight {
             None => Record::Fresh,
-            Some((shape, protection)) => {
-                let (ttl, tombstone_ttl) = protection.retention();
-                Record::Unknown {
-                    shape: shape.clone(),
-                    at: now,
-                    ttl,
-                    tombstone_ttl,
-                    held: true,
-                    crashed: false,
-                }
-            }
+            Some((shape, protection)) => Record::unknown(shape, protection, now, true, false),
         };
         self.records.insert(id.clone(), record);
     }
@@ -264,18 +263,8 @@ impl Model {
     /// A gateway was killed while it ran `id`: the outcome is unknown, and the dead holder's lease
     /// holds until it runs out.
     pub(crate) fn holder_killed(&mut self, id: &RecordId, shape: &Shape, protection: &Protection, now: Duration) {
-        let (ttl, tombstone_ttl) = protection.retention();
-        self.records.insert(
-            id.clone(),
-            Record::Unknown {
-                shape: shape.clone(),
-                at: now,
-                ttl,
-                tombstone_ttl,
-                held: true,
-                crashed: true,
-            },
-        );
+        self.records
+            .insert(id.clone(), Record::unknown(shape, protection, now, true, true));
     }
 
     /// Judges the answer to a protected request of `id` that did not reach the upstream, against

@@ -4,6 +4,8 @@
 
 use std::time::Duration;
 
+use crate::common::percent_decoded;
+
 /// The config file every gateway of the rule test runs with.
 pub(crate) const CONFIG: &str = r#"
 ttl = "1h"
@@ -140,7 +142,7 @@ pub(crate) fn normalised(target: &str) -> String {
         return "*".to_owned();
     }
     let path = target.split('?').next().unwrap_or("");
-    let decoded = percent_decode(path);
+    let decoded = percent_decoded(path);
     let mut out: Vec<&str> = Vec::new();
     for segment in decoded.split('/') {
         match segment {
@@ -152,25 +154,6 @@ pub(crate) fn normalised(target: &str) -> String {
         }
     }
     format!("/{}", out.join("/"))
-}
-
-fn percent_decode(text: &str) -> String {
-    let bytes = text.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let hex = bytes.get(i + 1..i + 3).and_then(|h| std::str::from_utf8(h).ok());
-        if bytes[i] == b'%'
-            && let Some(byte) = hex.and_then(|h| u8::from_str_radix(h, 16).ok())
-        {
-            out.push(byte);
-            i += 3;
-            continue;
-        }
-        out.push(bytes[i]);
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// What the design asks of one request, from its method and target read both ways.

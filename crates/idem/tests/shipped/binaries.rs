@@ -23,7 +23,7 @@ use tokio::process::{Child, Command};
 
 use tokio::sync::OnceCell;
 
-use crate::common::{Gateway, Upstream, client, new_key, reserve_port, send, store_url_in};
+use crate::common::{Gateway, Upstream, client, new_key, reserve_port, send, store_url_in, succeeds};
 
 /// How long a started binary may take to say that it listens.
 const STARTUP: Duration = Duration::from_secs(30);
@@ -66,24 +66,15 @@ async fn build_shipped_binaries() -> BTreeMap<String, PathBuf> {
             command.env_remove(&*name);
         }
     }
-    let output = command
+    command
         .current_dir(&workspace)
         .args(["build", "--workspace", "--bins", "--locked", "--profile", profile])
         .arg("--config")
         .arg(format!("build.build-dir={:?}", build_dir.display().to_string()))
         .arg("--target-dir")
         .arg(build_dir.join("shipped-binaries"))
-        .arg("--message-format=json-render-diagnostics")
-        .stdin(Stdio::null())
-        .output()
-        .await
-        .expect("run cargo build");
-    assert!(
-        output.status.success(),
-        "cargo build --workspace --bins failed ({}):\n{}",
-        output.status,
-        String::from_utf8_lossy(&output.stderr)
-    );
+        .arg("--message-format=json-render-diagnostics");
+    let output = succeeds(&mut command, "cargo build --workspace --bins").await;
     let mut built = BTreeMap::new();
     for line in String::from_utf8_lossy(&output.stdout).lines() {
         let Ok(message) = serde_json::from_str::<serde_json::Value>(line) else {

@@ -17,7 +17,7 @@ use serde_json::Value;
 use tokio::process::Command;
 
 use super::binaries::shipped_binaries;
-use crate::common::{Gateway, Upstream, count, new_key, reserve_port};
+use crate::common::{Gateway, Upstream, count, new_key, reserve_port, succeeds};
 
 /// Where the image keeps the binary (its entrypoint).
 const ENTRYPOINT: &str = "/usr/local/bin/idem";
@@ -54,19 +54,7 @@ fn require(tool: &str, package: &str) {
 
 /// Runs `program args` to completion (it must succeed) and returns its stdout.
 async fn run(program: &str, args: &[&str]) -> String {
-    let output = Command::new(program)
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .await
-        .unwrap_or_else(|err| panic!("run {program}: {err}"));
-    assert!(
-        output.status.success(),
-        "{program} {args:?} failed ({}):\n{}{}",
-        output.status,
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
+    let output = succeeds(Command::new(program).args(args), &format!("{program} {args:?}")).await;
     String::from_utf8(output.stdout).expect("UTF-8 output")
 }
 
@@ -112,22 +100,14 @@ impl Drop for DeleteKeys {
 
 /// Builds the image of `idem` as `tag` by `deploy/image/build.sh`; returns the id it prints.
 async fn build(workspace: &Path, idem: &Path, tag: &str) -> String {
-    let built = Command::new("bash")
+    let mut command = Command::new("bash");
+    command
         .arg(workspace.join("deploy/image/build.sh"))
         .arg("--binary")
         .arg(idem)
         .args(["--tag", tag])
-        .env_remove("SOURCE_DATE_EPOCH")
-        .stdin(Stdio::null())
-        .output()
-        .await
-        .expect("run deploy/image/build.sh");
-    assert!(
-        built.status.success(),
-        "deploy/image/build.sh failed ({}):\n{}",
-        built.status,
-        String::from_utf8_lossy(&built.stderr)
-    );
+        .env_remove("SOURCE_DATE_EPOCH");
+    let built = succeeds(&mut command, "deploy/image/build.sh").await;
     String::from_utf8_lossy(&built.stdout).trim().to_owned()
 }
 
@@ -241,6 +221,13 @@ fn in_image(root: &Path, user: &str, env: &[(String, String)]) -> Command {
     command
 }
 
+/// The object `field` of an image's `config`.
+fn object<'a>(config: &'a Value, field: &str) -> &'a serde_json::Map<String, Value> {
+    config[field]
+        .as_object()
+        .unwrap_or_else(|| panic!("{field}: an object in the image's config"))
+}
+
 /// The image's configuration and labels, checked against the recipe and the workspace.
 fn check_config(image: &Value, serve_help: &str, revision: &str, created: &str) {
     let config = &image["Config"];
@@ -276,18 +263,11 @@ fn check_config(image: &Value, serve_help: &str, revision: &str, created: &str) 
             "{expected} in the image's environment {env:?}"
         );
     }
-    let exposed: BTreeSet<&str> = config["ExposedPorts"]
-        .as_object()
-        .expect("exposed ports")
-        .keys()
-        .map(String::as_str)
-        .collect();
+    let exposed: BTreeSet<&str> = object(config, "ExposedPorts").keys().map(String::as_str).collect();
     let expected: BTreeSet<String> = [format!("{listen}/tcp"), format!("{admin}/tcp")].into();
     assert_eq!(exposed, expected.iter().map(String::as_str).collect(), "exposed ports");
 
-    let labels: BTreeMap<&str, &str> = config["Labels"]
-        .as_object()
-        .expect("labels")
+    let labels: BTreeMap<&str, &str> = object(config, "Labels")
         .iter()
         .map(|(name, value)| (name.as_str(), value.as_str().expect("a text label")))
         .collect();

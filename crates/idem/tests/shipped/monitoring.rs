@@ -19,7 +19,7 @@ use promql_parser::parser::value::ValueType;
 use promql_parser::parser::{Expr, LabelModifier, VectorMatchCardinality, VectorSelector};
 use yaml_rust2::{Yaml, YamlLoader};
 
-use crate::common::{Gateway, Upstream, config_file, describe, new_key, run_idem, send, wait_for_count};
+use crate::common::{Gateway, Upstream, config_file, describe, new_key, read_until, run_idem, send, wait_for_count};
 
 /// Labels Prometheus gives every series of a target when it scrapes it.
 const TARGET_LABELS: [&str; 2] = ["job", "instance"];
@@ -203,18 +203,14 @@ async fn scrape(gateway: &Gateway) -> Vec<Sample> {
 
 /// Scrapes `gateway` until `done` holds for the scrape (at most [`SEEN_WITHIN`]).
 async fn scrape_until(gateway: &Gateway, what: &str, done: impl Fn(&[Sample]) -> bool) -> Vec<Sample> {
-    let deadline = tokio::time::Instant::now() + SEEN_WITHIN;
-    loop {
-        let scraped = scrape(gateway).await;
-        if done(&scraped) {
-            return scraped;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "/metrics did not show {what} within {SEEN_WITHIN:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    read_until(
+        SEEN_WITHIN,
+        Duration::from_millis(100),
+        async || scrape(gateway).await,
+        |scraped| done(scraped),
+        |_| format!("/metrics did not show {what} within {SEEN_WITHIN:?}"),
+    )
+    .await
 }
 
 /// The run timeout of `/orders/{id}` in the gateway's config.

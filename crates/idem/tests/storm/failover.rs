@@ -49,116 +49,202 @@ const COMMAND_LIMIT: Duration = Duration::from_secs(30);
 // Failovers under load
 // ---------------------------------------------------------------------------------------------
 
-/// [`CUT_OFF_AT`] into the load, cuts the replica off; [`CUT_OFF_FOR`] later kills the primary
-/// and lets the replica go on, lagging: the old primary, the replica, and when the primary died.
-async fn lag_then_kill_the_primary(redis: &mut ReplicatedRedis) -> (usize, usize, Instant) {
-    let (old, replica) = (redis.primary(), redis.replicas()[0]);
+/// A primary with one replica behind one address, and its store URL with `prefix`.
+async fn behind_one_address(prefix: &str) -> (ReplicatedRedis, String) {
+    let redis = ReplicatedRedis::start(1).await;
+    let store = format!("{}/?prefix={prefix}", redis.endpoint_url());
+    (redis, store)
+}
+
+/// A primary with one replica watched by three sentinels, and its store URL with `prefix`.
+async fn with_sentinels(prefix: &str) -> (ReplicatedRedis, String) {
+    let redis = ReplicatedRedis::start_with_sentinels(1, 3).await;
+    let store = format!("{}?prefix={prefix}", redis.sentinel_url());
+    (redis, store)
+}
+
+/// A cluster of three primaries with a replica each, and its store URL with `prefix`.
+async fn cluster_with_replicas(prefix: &str) -> (ReplicatedCluster, String) {
+    let cluster = ReplicatedCluster::start().await;
+    let store = format!("{}/?prefix={prefix}", cluster.url());
+    (cluster, store)
+}
+
+/// What the failovers do to the processes of a replicated store.
+trait Nodes {
+    /// Freezes `replica` and closes its replication link.
+    async fn isolate(&mut self, replica: usize);
+    /// `kill -9`.
+    fn kill(&mut self, node: usize);
+    /// Resumes a frozen node.
+    fn thaw(&mut self, node: usize);
+    /// Restarts `old`, a killed primary, as a replica of `primary`.
+    async fn rejoin(&mut self, old: usize, primary: usize);
+}
+
+/// The methods of [`Nodes`] that `$kind` has under the same names.
+macro_rules! same_names {
+    ($kind:ident) => {
+        async fn isolate(&mut self, replica: usize) {
+            $kind::isolate(self, replica).await;
+        }
+
+        fn kill(&mut self, node: usize) {
+            $kind::kill(self, node);
+        }
+
+        fn thaw(&mut self, node: usize) {
+            $kind::thaw(self, node);
+        }
+    };
+}
+
+impl Nodes for ReplicatedRedis {
+    same_names!(ReplicatedRedis);
+
+    async fn rejoin(&mut self, old: usize, primary: usize) {
+        self.restart_as_replica_of(old, primary).await;
+    }
+}
+
+impl Nodes for ReplicatedCluster {
+    same_names!(ReplicatedCluster);
+
+    /// Restarted, the old primary rejoins the cluster as a replica of the node that took its slots.
+    async fn rejoin(&mut self, old: usize, _primary: usize) {
+        self.restart(old).await;
+    }
+}
+
+/// The storm's load for [`PAYMENTS_OVER`] on a store, given as its processes and its URL, while
+/// `faults` acts on the processes.
+async fn under_load<N>(
+    name: &str,
+    (mut nodes, store): (N, String),
+    min_faults: usize,
+    faults: impl AsyncFnOnce(&mut N) -> (usize, String),
+) {
+    scenario(name, &store, PAYMENTS_OVER, min_faults, |_| faults(&mut nodes)).await;
+}
+
+/// One failover under the load: [`CUT_OFF_AT`] into it, `replica` is cut off; [`CUT_OFF_FOR`]
+/// later its primary `old` is killed and the replica goes on, lagging; `take_over` makes it the
+/// primary (and names the node it promoted), and the old primary comes back as its replica. The
+/// figures say `how` the replica took over.
+async fn failover<N: Nodes>(
+    nodes: &mut N,
+    old: usize,
+    replica: usize,
+    how: &str,
+    take_over: impl AsyncFnOnce(&mut N) -> usize,
+) -> (usize, String) {
     tokio::time::sleep(CUT_OFF_AT).await;
-    redis.isolate(replica).await;
+    nodes.isolate(replica).await;
     tokio::time::sleep(CUT_OFF_FOR).await;
-    redis.kill(old);
+    nodes.kill(old);
     let killed = Instant::now();
-    redis.thaw(replica);
-    (old, replica, killed)
+    nodes.thaw(replica);
+    let promoted = take_over(nodes).await;
+    let failed_over = killed.elapsed();
+    nodes.rejoin(old, promoted).await;
+    (
+        1,
+        format!(
+            "a replica cut off for {CUT_OFF_FOR:?}, its primary killed, {how} in {:.1} s, \
+             the old primary back as its replica {:.1} s after the kill",
+            failed_over.as_secs_f64(),
+            killed.elapsed().as_secs_f64()
+        ),
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failover_of_a_primary_behind_one_address() {
-    let mut redis = ReplicatedRedis::start(1).await;
-    let store = format!("{}/?prefix=idem-failover", redis.endpoint_url());
-    let redis = &mut redis;
-    scenario("redis-endpoint-failover", &store, PAYMENTS_OVER, 1, |_| async move {
-        let (old, replica, killed) = lag_then_kill_the_primary(redis).await;
-        redis.promote(replica).await;
-        redis.point_endpoint_at(replica);
-        redis.restart_as_replica_of(old, replica).await;
-        (
-            1,
-            format!(
-                "replica cut off for {CUT_OFF_FOR:?}, primary killed, the replica promoted and the endpoint moved to it, \
-                 the old primary back as its replica {:.1} s later",
-                killed.elapsed().as_secs_f64()
-            ),
-        )
-    })
+    under_load(
+        "redis-endpoint-failover",
+        behind_one_address("idem-failover").await,
+        1,
+        async |redis| {
+            let (old, replica) = (redis.primary(), redis.replicas()[0]);
+            let how = "the replica promoted and the endpoint moved to it";
+            failover(redis, old, replica, how, async |redis| {
+                redis.promote(replica).await;
+                redis.point_endpoint_at(replica);
+                replica
+            })
+            .await
+        },
+    )
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failover_through_sentinel() {
-    let mut redis = ReplicatedRedis::start_with_sentinels(1, 3).await;
-    let store = format!("{}?prefix=idem-failover", redis.sentinel_url());
-    let redis = &mut redis;
-    scenario("redis-sentinel-failover", &store, PAYMENTS_OVER, 1, |_| async move {
-        let (old, replica, killed) = lag_then_kill_the_primary(redis).await;
-        let promoted = redis.wait_for_failover(SENTINEL_FAILOVER).await;
-        assert_eq!(promoted, replica, "Sentinel promoted the only replica");
-        let failed_over = killed.elapsed();
-        redis.restart_as_replica_of(old, promoted).await;
-        (
-            1,
-            format!(
-                "replica cut off for {CUT_OFF_FOR:?}, primary killed, Sentinel promoted the replica in {:.1} s, \
-                 the old primary back as its replica {:.1} s after the kill",
-                failed_over.as_secs_f64(),
-                killed.elapsed().as_secs_f64()
-            ),
-        )
-    })
+    under_load(
+        "redis-sentinel-failover",
+        with_sentinels("idem-failover").await,
+        1,
+        async |redis| {
+            let (old, replica) = (redis.primary(), redis.replicas()[0]);
+            failover(redis, old, replica, "Sentinel promoted the replica", async |redis| {
+                let promoted = redis.wait_for_failover(SENTINEL_FAILOVER).await;
+                assert_eq!(promoted, replica, "Sentinel promoted the only replica");
+                promoted
+            })
+            .await
+        },
+    )
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failover_in_a_cluster_with_replicas() {
-    let mut cluster = ReplicatedCluster::start().await;
-    let store = format!("{}/?prefix=idem-failover", cluster.url());
-    let cluster = &mut cluster;
-    scenario("redis-cluster-failover", &store, PAYMENTS_OVER, 1, |_| async move {
-        let old = cluster.primaries().await[0];
-        let replica = cluster.replica_of(old).await.expect("every primary has a replica");
-        tokio::time::sleep(CUT_OFF_AT).await;
-        cluster.isolate(replica).await;
-        tokio::time::sleep(CUT_OFF_FOR).await;
-        cluster.kill(old);
-        let killed = Instant::now();
-        cluster.thaw(replica);
-        cluster.failover_takeover(replica).await;
-        let failed_over = killed.elapsed();
-        cluster.restart(old).await;
-        (
-            1,
-            format!(
-                "a replica cut off for {CUT_OFF_FOR:?}, its primary killed, the replica took its slots over in {:.1} s, \
-                 the old primary back as its replica {:.1} s after the kill",
-                failed_over.as_secs_f64(),
-                killed.elapsed().as_secs_f64()
-            ),
-        )
-    })
+    under_load(
+        "redis-cluster-failover",
+        cluster_with_replicas("idem-failover").await,
+        1,
+        async |cluster| {
+            let old = cluster.primaries().await[0];
+            let replica = cluster.replica_of(old).await.expect("every primary has a replica");
+            failover(
+                cluster,
+                old,
+                replica,
+                "the replica took its slots over",
+                async |cluster| {
+                    cluster.failover_takeover(replica).await;
+                    replica
+                },
+            )
+            .await
+        },
+    )
     .await;
 }
 
 /// A replica that flaps under load: cut off, then back (thawed and following again), every ~1 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flapping_replica_under_load() {
-    let mut redis = ReplicatedRedis::start(1).await;
-    let store = format!("{}/?prefix=idem-flap", redis.endpoint_url());
-    let redis = &mut redis;
-    scenario("redis-flapping-replica", &store, PAYMENTS_OVER, 1, |_| async move {
-        let (primary, replica) = (redis.primary(), redis.replicas()[0]);
-        tokio::time::sleep(Duration::from_secs(2)).await;
-        let mut flaps = 0;
-        let until = Instant::now() + Duration::from_secs(14);
-        while Instant::now() < until {
-            redis.isolate(replica).await;
-            tokio::time::sleep(Duration::from_millis(800)).await;
-            redis.thaw(replica);
-            redis.follow(replica, primary).await;
-            tokio::time::sleep(Duration::from_millis(600)).await;
-            flaps += 1;
-        }
-        (flaps, format!("the replica cut off and back {flaps} times"))
-    })
+    under_load(
+        "redis-flapping-replica",
+        behind_one_address("idem-flap").await,
+        1,
+        async |redis| {
+            let (primary, replica) = (redis.primary(), redis.replicas()[0]);
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            let mut flaps = 0;
+            let until = Instant::now() + Duration::from_secs(14);
+            while Instant::now() < until {
+                redis.isolate(replica).await;
+                tokio::time::sleep(Duration::from_millis(800)).await;
+                redis.thaw(replica);
+                redis.follow(replica, primary).await;
+                tokio::time::sleep(Duration::from_millis(600)).await;
+                flaps += 1;
+            }
+            (flaps, format!("the replica cut off and back {flaps} times"))
+        },
+    )
     .await;
 }
 
@@ -166,27 +252,29 @@ async fn a_flapping_replica_under_load() {
 /// the old primary back as its replica; then the new primary killed, and Sentinel promotes again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_sentinel_failovers_in_a_row_under_load() {
-    let mut redis = ReplicatedRedis::start_with_sentinels(1, 3).await;
-    let store = format!("{}?prefix=idem-twice", redis.sentinel_url());
-    let redis = &mut redis;
-    scenario("redis-two-failovers", &store, PAYMENTS_OVER, 2, |_| async move {
-        let mut text = Vec::new();
-        tokio::time::sleep(Duration::from_secs(3)).await;
-        for round in 0..2 {
-            let (old, replica) = (redis.primary(), redis.replicas()[0]);
-            redis.isolate(replica).await;
-            tokio::time::sleep(Duration::from_millis(1500)).await;
-            redis.kill(old);
-            let killed = Instant::now();
-            redis.thaw(replica);
-            let promoted = redis.wait_for_failover(SENTINEL_FAILOVER).await;
-            assert_eq!(promoted, replica, "round {round}");
-            redis.restart_as_replica_of(old, promoted).await;
-            text.push(format!("failover {round} in {:.1} s", killed.elapsed().as_secs_f64()));
-            tokio::time::sleep(Duration::from_secs(1)).await;
-        }
-        (2, text.join(", "))
-    })
+    under_load(
+        "redis-two-failovers",
+        with_sentinels("idem-twice").await,
+        2,
+        async |redis| {
+            let mut text = Vec::new();
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            for round in 0..2 {
+                let (old, replica) = (redis.primary(), redis.replicas()[0]);
+                redis.isolate(replica).await;
+                tokio::time::sleep(Duration::from_millis(1500)).await;
+                redis.kill(old);
+                let killed = Instant::now();
+                redis.thaw(replica);
+                let promoted = redis.wait_for_failover(SENTINEL_FAILOVER).await;
+                assert_eq!(promoted, replica, "round {round}");
+                redis.restart_as_replica_of(old, promoted).await;
+                text.push(format!("failover {round} in {:.1} s", killed.elapsed().as_secs_f64()));
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            (2, text.join(", "))
+        },
+    )
     .await;
 }
 
@@ -194,57 +282,59 @@ async fn two_sentinel_failovers_in_a_row_under_load() {
 /// slot handed over) while two gateways take payments whose records live in it and around it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slot_migrations_under_load() {
-    let mut cluster = ReplicatedCluster::start().await;
-    let store = format!("{}/?prefix=idem-migrate", cluster.url());
-    let cluster = &mut cluster;
-    scenario("redis-cluster-migration", &store, PAYMENTS_OVER, 1, |_| async move {
-        tokio::time::sleep(Duration::from_secs(2)).await;
-        let mut moved = 0;
-        let mut slots = 0;
-        let until = Instant::now() + Duration::from_secs(15);
-        while Instant::now() < until {
-            // A slot that holds records now: move it to another primary, key by key.
-            let primaries = cluster.primaries().await;
-            let mut found = None;
-            for &from in &primaries {
-                let port = port_of(&cluster.node_url(from));
-                let keys = redis_cli(port, &["--scan", "--pattern", "idem-migrate:{*}:rec"]);
-                if let Some(key) = keys.lines().next() {
-                    found = Some((from, cluster.slot_of(key).await));
-                    break;
+    under_load(
+        "redis-cluster-migration",
+        cluster_with_replicas("idem-migrate").await,
+        1,
+        async |cluster| {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            let mut moved = 0;
+            let mut slots = 0;
+            let until = Instant::now() + Duration::from_secs(15);
+            while Instant::now() < until {
+                // A slot that holds records now: move it to another primary, key by key.
+                let primaries = cluster.primaries().await;
+                let mut found = None;
+                for &from in &primaries {
+                    let port = port_of(&cluster.node_url(from));
+                    let keys = redis_cli(port, &["--scan", "--pattern", "idem-migrate:{*}:rec"]);
+                    if let Some(key) = keys.lines().next() {
+                        found = Some((from, cluster.slot_of(key).await));
+                        break;
+                    }
                 }
-            }
-            let Some((from, slot)) = found else {
-                tokio::time::sleep(Duration::from_millis(200)).await;
-                continue;
-            };
-            let to = *primaries.iter().find(|&&p| p != from).expect("three primaries");
-            let (from_port, to_port) = (port_of(&cluster.node_url(from)), port_of(&cluster.node_url(to)));
-            cluster.begin_slot_migration(slot, from, to).await;
-            loop {
-                let keys = redis_cli(from_port, &["CLUSTER", "GETKEYSINSLOT", &slot.to_string(), "1"]);
-                let Some(key) = keys.lines().next().map(str::to_owned) else {
-                    break;
+                let Some((from, slot)) = found else {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    continue;
                 };
-                if key.is_empty() {
-                    break;
+                let to = *primaries.iter().find(|&&p| p != from).expect("three primaries");
+                let (from_port, to_port) = (port_of(&cluster.node_url(from)), port_of(&cluster.node_url(to)));
+                cluster.begin_slot_migration(slot, from, to).await;
+                loop {
+                    let keys = redis_cli(from_port, &["CLUSTER", "GETKEYSINSLOT", &slot.to_string(), "1"]);
+                    let Some(key) = keys.lines().next().map(str::to_owned) else {
+                        break;
+                    };
+                    if key.is_empty() {
+                        break;
+                    }
+                    redis_cli(
+                        from_port,
+                        &["MIGRATE", "127.0.0.1", &to_port.to_string(), &key, "0", "5000"],
+                    );
+                    moved += 1;
+                    tokio::time::sleep(Duration::from_millis(150)).await;
                 }
-                redis_cli(
-                    from_port,
-                    &["MIGRATE", "127.0.0.1", &to_port.to_string(), &key, "0", "5000"],
-                );
-                moved += 1;
-                tokio::time::sleep(Duration::from_millis(150)).await;
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                cluster.finish_slot_migration(slot, from, to).await;
+                slots += 1;
             }
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            cluster.finish_slot_migration(slot, from, to).await;
-            slots += 1;
-        }
-        (
-            slots.min(1),
-            format!("{slots} slots migrated key by key ({moved} keys moved)"),
-        )
-    })
+            (
+                slots.min(1),
+                format!("{slots} slots migrated key by key ({moved} keys moved)"),
+            )
+        },
+    )
     .await;
 }
 
@@ -277,8 +367,7 @@ fn port_of(url: &str) -> u16 {
 /// comes back as its replica. The client's retry of the same key runs once (or replays).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_restarted_while_its_replica_is_cut_off_acts_on_no_claim_a_failover_could_lose() {
-    let mut redis = ReplicatedRedis::start(1).await;
-    let store = format!("{}/?prefix=idem-restart", redis.endpoint_url());
+    let (mut redis, store) = behind_one_address("idem-restart").await;
     let upstream = Upstream::start().await;
     let args = ["--lease", "5s", "--wait", "2s"];
     let mut gateway = Gateway::start_on_store(&upstream.url(), &store, &args).await;
@@ -327,8 +416,7 @@ async fn a_gateway_restarted_while_its_replica_is_cut_off_acts_on_no_claim_a_fai
 /// back after the failover.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_delete_while_the_replica_is_cut_off_fails_rather_than_be_undone_by_the_failover() {
-    let mut redis = ReplicatedRedis::start_with_sentinels(1, 3).await;
-    let store = format!("{}?prefix=idem-delete", redis.sentinel_url());
+    let (mut redis, store) = with_sentinels("idem-delete").await;
     let upstream = Upstream::start().await;
     let gateway = Gateway::start_on_store(&upstream.url(), &store, &["--lease", "5s"]).await;
     let key = new_key();
@@ -370,8 +458,7 @@ async fn a_delete_while_the_replica_is_cut_off_fails_rather_than_be_undone_by_th
 /// restarted: its claim is taken over only after the lease, flagged recovered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_killed_mid_failover_has_its_claim_taken_over_after_the_lease() {
-    let mut redis = ReplicatedRedis::start_with_sentinels(1, 3).await;
-    let store = format!("{}?prefix=idem-kill9", redis.sentinel_url());
+    let (mut redis, store) = with_sentinels("idem-kill9").await;
     let upstream = Upstream::start().await;
     let args = ["--lease", "6s", "--wait", "1s"];
     let mut a = Gateway::start_on_store(&upstream.url(), &store, &args).await;

@@ -11,6 +11,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use axum::Json;
 use axum::extract::State;
@@ -126,6 +127,29 @@ async fn receipt(State(provider): State<Provider>) -> (StatusCode, &'static str)
         }
     }
     (StatusCode::OK, "sent")
+}
+
+/// `POST {base}/pay` of 12.50 EUR under `key`, sent by `client`.
+pub(crate) fn pay(
+    client: &reqwest::Client,
+    base: &str,
+    key: &str,
+) -> impl Future<Output = reqwest::Result<reqwest::Response>> + Send + 'static + use<> {
+    client
+        .post(format!("{base}/pay"))
+        .header("idempotency-key", format!("\"{key}\""))
+        .header("content-type", "application/json")
+        .body(r#"{"amount":1250,"currency":"EUR"}"#)
+        .send()
+}
+
+/// Waits until `counter` (one of the provider's) reaches `n`, for 30 s at most.
+pub(crate) async fn wait_for(counter: &AtomicUsize, n: usize) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while counter.load(Ordering::SeqCst) < n {
+        assert!(tokio::time::Instant::now() < deadline, "waited 30 s for {n}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// Serves `app` on an ephemeral port of 127.0.0.1; returns its base URL.

@@ -6,6 +6,7 @@ use std::path::{Component, Path, PathBuf};
 
 use super::inline::{shown_text, without_code_spans};
 use super::markdown::{Block, Doc};
+use crate::common::percent_decoded;
 
 /// Checks one link's target from `page`: a file or directory of the repository, and a heading
 /// (or an explicit `<a id>`/`<a name>`) of a markdown file for its `#anchor`. Links with a scheme
@@ -71,26 +72,6 @@ fn is_line_anchor(anchor: &str) -> bool {
         Some((from, to)) => line(from) && line(to),
         None => line(anchor),
     }
-}
-
-fn percent_decoded(text: &str) -> String {
-    let bytes = text.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let hex = bytes.get(i + 1..i + 3).and_then(|hex| std::str::from_utf8(hex).ok());
-        match (bytes[i], hex.and_then(|hex| u8::from_str_radix(hex, 16).ok())) {
-            (b'%', Some(byte)) => {
-                out.push(byte);
-                i += 3;
-            }
-            (byte, _) => {
-                out.push(byte);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// `path` with `.` and `..` resolved; `None` if it climbs above the root.
