@@ -1,7 +1,8 @@
 //! Durations within what every store accepts, through the real `idem serve`: a ttl or tombstone
-//! past ten years, a lease, wait or timeout past a day, as a flag or in a `[[route]]` table, stops
-//! the start with exit 2 naming the setting and its bound (before, `--ttl 584000000000y` started
-//! and made Redis refuse its expiries); values at the bounds start and serve, on SQLite and Redis.
+//! past ten years, a lease, wait, timeout or replay-cache age past a day, as a flag or in a
+//! `[[route]]` table, stops the start with exit 2 naming the setting and its bound (before,
+//! `--ttl 584000000000y` started and made Redis refuse its expiries); values at the bounds start
+//! and serve, on SQLite and Redis.
 
 mod common;
 
@@ -23,6 +24,7 @@ async fn a_duration_past_its_bound_stops_the_start_naming_flag_and_bound() {
         ("--upstream-timeout", "2d", TIMEOUT),
         ("--read-timeout", "2d", TIMEOUT),
         ("--shutdown-grace", "2d", TIMEOUT),
+        ("--replay-cache-max-age", "1d 1s", TIMEOUT),
     ];
     for (flag, value, bound) in cases {
         let args = ["--upstream", "http://127.0.0.1:9", flag, value];
@@ -73,6 +75,8 @@ async fn durations_at_their_bounds_serve(store: &str) {
         "--read-timeout",
         "1d",
         "--shutdown-grace",
+        "1d",
+        "--replay-cache-max-age",
         "1d",
     ];
     let gw = Gateway::start_on_store(&upstream.url(), store, &at_bounds).await;

@@ -277,6 +277,7 @@ async fn zero_limits_are_refused_at_start_naming_the_flag() {
         ("--read-timeout", "0s"),
         ("--max-connections", "0"),
         ("--shutdown-grace", "0s"),
+        ("--upstream-timeout", "0s"),
     ] {
         common::assert_serve_refuses(&[flag, zero], &format!("{flag}: ")).await;
     }
