@@ -27,9 +27,10 @@
 //!   delete a failover could undo.
 //! * A gateway killed mid-failover, whose claim is taken over only after its lease.
 
+use std::ops::DerefMut;
 use std::time::Duration;
 
-use idem_test_support::replicated::{ReplicatedCluster, ReplicatedRedis};
+use idem_test_support::replicated::{Nodes, ReplicatedCluster, ReplicatedRedis};
 use tokio::time::Instant;
 
 use super::scenario::scenario;
@@ -70,46 +71,20 @@ async fn cluster_with_replicas(prefix: &str) -> (ReplicatedCluster, String) {
     (cluster, store)
 }
 
-/// What the failovers do to the processes of a replicated store.
-trait Nodes {
-    /// Freezes `replica` and closes its replication link.
-    async fn isolate(&mut self, replica: usize);
-    /// `kill -9`.
-    fn kill(&mut self, node: usize);
-    /// Resumes a frozen node.
-    fn thaw(&mut self, node: usize);
+/// How a killed primary comes back, the one step the replicated stores' failovers take
+/// differently; freezing, isolating and killing nodes are the nodes' own ([`Nodes`]).
+trait Rejoin: DerefMut<Target = Nodes> {
     /// Restarts `old`, a killed primary, as a replica of `primary`.
     async fn rejoin(&mut self, old: usize, primary: usize);
 }
 
-/// The methods of [`Nodes`] that `$kind` has under the same names.
-macro_rules! same_names {
-    ($kind:ident) => {
-        async fn isolate(&mut self, replica: usize) {
-            $kind::isolate(self, replica).await;
-        }
-
-        fn kill(&mut self, node: usize) {
-            $kind::kill(self, node);
-        }
-
-        fn thaw(&mut self, node: usize) {
-            $kind::thaw(self, node);
-        }
-    };
-}
-
-impl Nodes for ReplicatedRedis {
-    same_names!(ReplicatedRedis);
-
+impl Rejoin for ReplicatedRedis {
     async fn rejoin(&mut self, old: usize, primary: usize) {
         self.restart_as_replica_of(old, primary).await;
     }
 }
 
-impl Nodes for ReplicatedCluster {
-    same_names!(ReplicatedCluster);
-
+impl Rejoin for ReplicatedCluster {
     /// Restarted, the old primary rejoins the cluster as a replica of the node that took its slots.
     async fn rejoin(&mut self, old: usize, _primary: usize) {
         self.restart(old).await;
@@ -131,7 +106,7 @@ async fn under_load<N>(
 /// later its primary `old` is killed and the replica goes on, lagging; `take_over` makes it the
 /// primary (and names the node it promoted), and the old primary comes back as its replica. The
 /// figures say `how` the replica took over.
-async fn failover<N: Nodes>(
+async fn failover<N: Rejoin>(
     nodes: &mut N,
     old: usize,
     replica: usize,
