@@ -261,6 +261,13 @@ impl Commands {
         self.replace(generation, "the Redis connection was out of step; replaced it");
     }
 
+    /// Reports that connection `generation` did not answer a ping: it is replaced, in the
+    /// background, by a new one (one replacement at a time; while the server is down, each
+    /// attempt fails and the next report tries again).
+    pub(crate) fn unanswered(self: &Arc<Self>, generation: u64) {
+        self.replace(generation, "the Redis connection did not answer a ping; replaced it");
+    }
+
     /// Where the connection goes, when the server was found through Sentinel.
     pub(crate) fn primary_address(&self) -> Option<(String, u16)> {
         let current = self.current.read().unwrap_or_else(PoisonError::into_inner);

@@ -800,11 +800,16 @@ impl Store for RedisStore {
     async fn ping(&self) -> Result<(), StoreError> {
         let call = Call::new("ping", "the server");
         let (mut conn, generation) = self.inner.commands.get();
-        let reply: Value = redis::cmd("PING")
-            .arg(&call.nonce)
-            .query_async(&mut conn)
-            .await
-            .map_err(StoreError::unavailable)?;
+        let reply: Value = match redis::cmd("PING").arg(&call.nonce).query_async(&mut conn).await {
+            Ok(reply) => reply,
+            Err(err) => {
+                // A connection that cannot answer a ping is not trusted to heal itself (a
+                // cluster connection whose nodes went away under it may not find them again):
+                // a new one is made beside it, and the next ping (readiness is polled) tells.
+                self.inner.commands.unanswered(generation);
+                return Err(StoreError::unavailable(err));
+            }
+        };
         match reply {
             Value::BulkString(echo) if echo == call.nonce.as_bytes() => Ok(()),
             other => {
